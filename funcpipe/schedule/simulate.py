@@ -1,0 +1,265 @@
+"""The simulator: predict a program's timeline, makespan, bubble and peak activations.
+
+Every rank runs its instructions in order. An instruction starts when its rank is free and its
+inputs exist (see :mod:`funcpipe.schedule.check`); it lasts its cost. SENDs are asynchronous and
+cost nothing; a RECV finishes ``comm`` after its SEND was issued; in a compute-only program data
+crossing ranks arrives ``comm`` after it was produced. The same run proves there is no deadlock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from funcpipe.errors import InvalidArgument, ScheduleError
+from funcpipe.schedule.check import Analysis, analyse, fail
+from funcpipe.schedule.ir import COMPUTE_OPS, Instr, Op, Program
+
+__all__ = ["Costs", "Event", "Timeline", "peak_activations", "simulate"]
+
+CostValue = float | Sequence[float]
+
+
+def _check_cost(name: str, value: object) -> None:
+    values = list(value) if isinstance(value, Sequence) else [value]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            raise InvalidArgument(f"Costs({name}={value!r}): costs are finite numbers >= 0")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-stage costs: ``f`` forward, ``b`` input-gradient backward, ``w`` weight-gradient
+    backward (a full B costs ``b + w``), ``comm`` the latency of one message, ``reduce`` the time of
+    one REDUCE. ``f``, ``b`` and ``w`` may be one number or one per stage."""
+
+    f: CostValue = 1.0
+    b: CostValue = 1.0
+    w: CostValue = 1.0
+    comm: float = 0.0
+    reduce: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w", "comm", "reduce"):
+            value = getattr(self, name)
+            if name in ("comm", "reduce") and isinstance(value, Sequence):
+                raise InvalidArgument(f"Costs({name}={value!r}): {name} is one number")
+            _check_cost(name, value)
+            if isinstance(value, Sequence):
+                object.__setattr__(self, name, tuple(float(v) for v in value))
+
+    @classmethod
+    def parse(cls, text: str) -> Costs:
+        """``"F,B,W[,COMM]"`` as the CLI takes it, e.g. ``"1,1,1"`` or ``"1,2,1,0.1"``."""
+        parts = [p.strip() for p in text.split(",")]
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            values = []
+        if len(values) not in (3, 4):
+            raise InvalidArgument(
+                f"costs={text!r}: write F,B,W or F,B,W,COMM as numbers, e.g. '1,1,1' or '1,2,1,0.1'"
+            )
+        return cls(*values)
+
+    def per_stage(self, name: str, program: Program) -> tuple[float, ...]:
+        value = getattr(self, name)
+        n = program.n_stages
+        if not isinstance(value, Sequence):
+            return (float(value),) * n
+        owners = program.replica_of or tuple(range(n))
+        if len(value) == n:
+            return tuple(value)
+        if set(owners) == set(range(len(value))):
+            return tuple(value[o] for o in owners)
+        raise InvalidArgument(
+            f"Costs({name}=...) has {len(value)} values but the program has {n} stages; "
+            "give one value per stage (or one number for all)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One executed (or simulated) instruction: its rank, step and time span."""
+
+    rank: int
+    step: int
+    instr: Instr
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The predicted (or measured) run of a program."""
+
+    program: Program
+    events: tuple[tuple[Event, ...], ...]
+    costs: Costs = field(default_factory=Costs)
+
+    @property
+    def makespan(self) -> float:
+        return max((e.end for r in self.events for e in r), default=0.0)
+
+    @property
+    def busy(self) -> tuple[float, ...]:
+        """Compute time (F, B, I, W, R) per rank."""
+        return tuple(
+            sum(e.end - e.start for e in r if e.instr.op in COMPUTE_OPS) for r in self.events
+        )
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the ranks' time: ``1 - sum(busy) / (ranks * makespan)``."""
+        span = self.makespan
+        if span <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy) / (len(self.events) * span)
+
+    @property
+    def peak_activations(self) -> tuple[int, ...]:
+        return peak_activations(self.program)
+
+    def stats(self) -> dict[str, object]:
+        """The JSON-ready summary the CLI prints."""
+        p = self.program
+        return {
+            "name": p.name,
+            "ranks": p.n_ranks,
+            "stages": p.n_stages,
+            "microbatches": p.microbatches,
+            "training": p.training,
+            "makespan": self.makespan,
+            "bubble_fraction": self.bubble_fraction,
+            "busy": list(self.busy),
+            "peak_activations": list(self.peak_activations),
+        }
+
+
+def peak_activations(program: Program) -> tuple[int, ...]:
+    """Per rank, the most (stage, microbatch) activations alive at once.
+
+    An activation is alive from its F until its last backward (B, or W when the backward is split).
+    A stage recomputed with R keeps only its input after F, so it counts from R instead. In an eval
+    program an activation dies as soon as every consumer on the same rank ran (it is sent or used).
+    """
+    recomputed = {(i.stage, i.microbatch) for r in program.ranks for i in r if i.op is Op.R}
+    peaks = []
+    for instrs in program.ranks:
+        live = peak = 0
+        for i in instrs:
+            key = (i.stage, i.microbatch)
+            if (i.op is Op.F and key not in recomputed) or i.op is Op.R:
+                live += 1
+            elif i.op is Op.B or i.op is Op.W:
+                live -= 1
+            peak = max(peak, live)
+            if not program.training and i.op is Op.F:
+                live -= 1  # forward-only: nothing is kept for a backward
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def _cost(
+    i: Instr, f: Sequence[float], b: Sequence[float], w: Sequence[float], costs: Costs
+) -> float:
+    op = i.op
+    if op is Op.F or op is Op.R:
+        return f[i.stage]
+    if op is Op.B:
+        return b[i.stage] + w[i.stage]
+    if op is Op.I:
+        return b[i.stage]
+    if op is Op.W:
+        return w[i.stage]
+    if op is Op.REDUCE:
+        return costs.reduce
+    return 0.0
+
+
+def _deadlock(
+    analysis: Analysis, pc: list[int], finish: dict[tuple[int, int], float]
+) -> ScheduleError:
+    program = analysis.program
+    blocked = [r for r in range(program.n_ranks) if pc[r] < len(program.ranks[r])]
+    lines = []
+    for r in blocked:
+        t = pc[r]
+        waits = [d for d in analysis.deps.get((r, t), ()) if (d.rank, d.step) not in finish]
+        if waits:
+            d = waits[0]
+            what = f"waits for rank {d.rank}, step {d.step} ({program.ranks[d.rank][d.step]})"
+        else:
+            members = analysis.meetings.get((r, t), ())
+            others = [f"rank {mr} step {mt}" for mr, mt in members if (mr, mt) != (r, t)]
+            what = "waits for the other members of its REDUCE group: " + ", ".join(others)
+        lines.append(f"  rank {r}, step {t} ({program.ranks[r][t]}) {what}")
+    r0 = blocked[0]
+    return fail(
+        program,
+        r0,
+        pc[r0],
+        "no deadlock: every rank can always make progress",
+        "deadlock; every unfinished rank is blocked:\n" + "\n".join(lines),
+    )
+
+
+def simulate(program: Program, costs: Costs | None = None) -> Timeline:
+    """Run ``program`` on the cost model and return its :class:`Timeline`.
+
+    Raises :class:`~funcpipe.errors.ScheduleError` if the program is unsound (including deadlock).
+    """
+    costs = Costs() if costs is None else costs
+    if not isinstance(costs, Costs):
+        raise InvalidArgument(f"costs={costs!r}: pass a funcpipe.schedule.Costs")
+    analysis = analyse(program)
+    f, b, w = (costs.per_stage(n, program) for n in ("f", "b", "w"))
+    n = program.n_ranks
+    pc = [0] * n
+    clock = [0.0] * n
+    finish: dict[tuple[int, int], float] = {}
+    events: list[list[Event]] = [[] for _ in range(n)]
+    arrived: dict[tuple[int, int], float] = {}
+    remaining = sum(len(r) for r in program.ranks)
+    while remaining:
+        progressed = False
+        for r in range(n):
+            instrs = program.ranks[r]
+            while pc[r] < len(instrs):
+                t = pc[r]
+                ready = clock[r]
+                deps = analysis.deps.get((r, t), ())
+                if any((d.rank, d.step) not in finish for d in deps):
+                    break
+                for d in deps:
+                    ready = max(
+                        ready, finish[(d.rank, d.step)] + (costs.comm if d.message else 0.0)
+                    )
+                members = analysis.meetings.get((r, t))
+                if members:
+                    arrived[(r, t)] = ready
+                    if any(m not in arrived for m in members):
+                        break
+                    start = max(arrived[m] for m in members)
+                    for mr, mt in members:
+                        i = program.ranks[mr][mt]
+                        end = start + _cost(i, f, b, w, costs)
+                        finish[(mr, mt)] = clock[mr] = end
+                        events[mr].append(Event(mr, mt, i, start, end))
+                        pc[mr] += 1
+                        remaining -= 1
+                    progressed = True
+                    continue
+                i = instrs[t]
+                end = ready + _cost(i, f, b, w, costs)
+                # a RECV spans the wait: from when the rank reached it to when the data arrived
+                start = clock[r] if i.op is Op.RECV else ready
+                finish[(r, t)] = clock[r] = end
+                events[r].append(Event(r, t, i, start, end))
+                pc[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise _deadlock(analysis, pc, finish)
+    return Timeline(program=program, events=tuple(tuple(e) for e in events), costs=costs)

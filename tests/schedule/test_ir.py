@@ -1,0 +1,172 @@
+"""The IR: instruction text, program text, tables, validation of program facts."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from funcpipe.errors import ScheduleError
+from funcpipe.schedule.ir import (
+    Instr,
+    Op,
+    Program,
+    backward,
+    backward_input,
+    backward_weight,
+    forward,
+    parse_instr,
+    parse_program,
+    recompute,
+    recv,
+    reduce,
+    send,
+)
+
+small = st.integers(0, 40)
+
+
+@st.composite
+def instrs(draw: st.DrawFn) -> Instr:
+    kind = draw(st.sampled_from(["compute", "comm", "reduce"]))
+    if kind == "compute":
+        make = draw(
+            st.sampled_from([forward, backward, backward_input, backward_weight, recompute])
+        )
+        return make(draw(small), draw(small))
+    if kind == "comm":
+        a = draw(small)
+        b = draw(st.integers(a + 1, 60))
+        make = draw(st.sampled_from([send, recv]))
+        return make(draw(st.sampled_from(["act", "grad"])), (a, b), draw(small), draw(small))
+    group = draw(st.from_regex(r"[A-Za-z_][\w:.\-]{0,8}", fullmatch=True))
+    return reduce(draw(small), group)
+
+
+@given(instrs())
+def test_instruction_text_round_trips(i: Instr) -> None:
+    assert parse_instr(str(i)) == i
+    assert hash(parse_instr(str(i))) == hash(i)
+
+
+def test_instruction_forms() -> None:
+    assert str(forward(2, 0)) == "F s2 m0"
+    assert str(backward_input(1, 3)) == "I s1 m3"
+    s = send("act", (0, 1), 3, 1)
+    assert str(s) == "SEND act s0>s1 m3 to r1" and s.stage == 0 and s.other == 1
+    g = send("grad", (0, 1), 3, 0)
+    assert str(g) == "SEND grad s0>s1 m3 to r0" and g.stage == 1 and g.edge == (0, 1)
+    r = recv("grad", (0, 1), 3, 1)
+    assert r.stage == 0 and r.key == g.key
+    assert str(reduce(0, "tie:wte")) == "REDUCE s0 tie:wte"
+    assert parse_instr("  F   s1   m2 ") == forward(1, 2)
+    assert Op("I") is Op.I
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "F s1",
+        "X s0 m0",
+        "SEND act s0>s1 m0 from r1",
+        "RECV act s0>s1 m0 to r1",
+        "F s-1 m0",
+        "",
+        "REDUCE s0",
+    ],
+)
+def test_bad_instruction_text_is_a_schedule_error(text: str) -> None:
+    with pytest.raises(ScheduleError, match="cannot parse"):
+        parse_instr(text)
+
+
+def _two_rank_program() -> Program:
+    return Program(
+        ranks=[
+            [forward(0, 0), send("act", (0, 1), 0, 1), recv("grad", (0, 1), 0, 1), backward(0, 0)],
+            [recv("act", (0, 1), 0, 0), forward(1, 0), backward(1, 0), send("grad", (0, 1), 0, 0)],
+        ],
+        placement=[0, 1],
+        microbatches=1,
+        name="tiny",
+    )
+
+
+def test_program_text_round_trips_and_is_readable() -> None:
+    p = _two_rank_program()
+    text = p.to_text()
+    assert "placement 0 1" in text and "rank 1" in text and "  RECV act s0>s1 m0 from r0" in text
+    assert parse_program(text) == p
+    table = str(p)
+    assert table.splitlines()[0].split() == ["step", "rank", "0", "rank", "1"]
+    assert "F s0 m0" in table.splitlines()[1]
+    marked = p.table(mark=(1, 2))
+    assert ">> B s1 m0" in marked
+
+
+def test_program_text_accepts_semicolons_comments_and_graph_headers() -> None:
+    text = """
+    # a skip connection over three stages on two ranks
+    placement 0 1 0
+    microbatches 1
+    edges 0>1 1>2 0>2
+    mode eval
+    rank 0: F s0 m0 ; F s2 m0   # two on one line
+    rank 1
+      F s1 m0
+    """
+    p = parse_program(text)
+    assert p.edges == ((0, 1), (0, 2), (1, 2))
+    assert p.producers(2) == (0, 1) and p.consumers(0) == (1, 2)
+    assert not p.training
+    assert p.ranks[0] == (forward(0, 0), forward(2, 0))
+    assert parse_program(p.to_text()) == p
+
+
+def test_chimera_style_entries_and_replicas() -> None:
+    p = Program(
+        ranks=[[forward(0, 0), forward(3, 1)], [forward(1, 0), forward(2, 1)]],
+        placement=[0, 1, 1, 0],
+        microbatches=2,
+        edges=[(0, 1), (2, 3)],
+        entries=[0, 2],
+        replica_of=[0, 1, 0, 1],
+        training=False,
+    )
+    assert p.visits(0) == {0, 1} and p.visits(1) == {2, 3}
+    assert parse_program(p.to_text()) == p
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("microbatches 1\nrank 0\nF s0 m0", "no 'placement'"),
+        ("placement 0\nrank 0\nF s0 m0", "no 'microbatches'"),
+        ("placement 0\nmicrobatches x", "whole numbers"),
+        ("placement 0\nmicrobatches 1\nbogus 3", "unknown header"),
+        ("placement 0\nmicrobatches 1\nrank 0\nF s0 m0\nrank 0", "appears twice"),
+        ("placement 0\nmicrobatches 1\nmode fast", "mode"),
+        ("placement 0 1\nstages 3\nmicrobatches 1", "placement lists 2"),
+        ("placement 0 3\nranks 2\nmicrobatches 1", "rank 3 is used"),
+        ("placement 0 1\nmicrobatches 1\nedges 1>0", "earlier stage"),
+        ("placement 0 1\nmicrobatches 1\nedges 0-1", "write edges"),
+        ("placement 0\nmicrobatches 1\nrank 0\nF s0 m0 x", "line 4"),
+        ("placement 0 1\nmicrobatches 2\nentries 0 1", "entries\\[1\\]=1"),
+        ("placement 0\nmicrobatches 0", "microbatches=0"),
+    ],
+)
+def test_malformed_program_text_is_a_schedule_error(text: str, match: str) -> None:
+    with pytest.raises(ScheduleError, match=match):
+        parse_program(text)
+
+
+def test_parse_program_rejects_non_text() -> None:
+    with pytest.raises(ScheduleError, match="str"):
+        parse_program(b"placement 0")  # type: ignore[arg-type]
+
+
+def test_program_is_a_hashable_value() -> None:
+    a, b = _two_rank_program(), _two_rank_program()
+    assert a == b and hash(a) == hash(b)
+    assert a.replace(name="other") != a
+    assert a.replace(edges=[]).producers(1) == ()
