@@ -1,0 +1,34 @@
+# Two commands: `make demo` and `make test`. Everything else is set-up.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Extra pip arguments for the torch install (an index of CPU wheels, say).
+TORCH_PIP_ARGS ?=
+
+export HYPOTHESIS_PROFILE ?= ci
+
+.PHONY: demo test lint setup
+
+setup: $(STAMP)
+
+# Re-runs only when pyproject.toml changes. torch is installed first (and only if missing) so
+# that `pip install -e .` finds it satisfied and never pulls another build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || \
+		$(BIN)/pip install $(TORCH_PIP_ARGS) torch==2.13.0
+	$(BIN)/pip install -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/funcpipe demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+	$(MAKE) lint
+
+lint: $(STAMP)
+	$(BIN)/ruff check funcpipe tests
+	$(BIN)/ruff format --check funcpipe tests examples
+	$(BIN)/mypy funcpipe

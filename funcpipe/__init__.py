@@ -1,0 +1,42 @@
+"""funcpipe: pure-functional pipeline-parallel training for PyTorch.
+
+Stages are pure functions ``stage(params, *inputs) -> outputs`` over explicit params pytrees;
+parameters, gradients and optimizer state are values that go in and come out.
+"""
+
+from funcpipe.errors import (
+    FuncpipeError,
+    InvalidArgument,
+    ScheduleError,
+    ShapeInferenceError,
+    ShapeInferenceWarning,
+)
+from funcpipe.microbatch import merge, microbatch_sizes, split
+from funcpipe.partition import Partition, partition
+from funcpipe.reference import reference_step
+from funcpipe.shapes import StageSpec, TensorSpec, infer_specs
+from funcpipe.stage import Stage, as_inputs, compose, from_module
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FuncpipeError",
+    "InvalidArgument",
+    "Partition",
+    "ScheduleError",
+    "ShapeInferenceError",
+    "ShapeInferenceWarning",
+    "Stage",
+    "StageSpec",
+    "TensorSpec",
+    "__version__",
+    "as_inputs",
+    "compose",
+    "from_module",
+    "infer_specs",
+    "merge",
+    "microbatch_sizes",
+    "partition",
+    "reference_step",
+    "split",
+]

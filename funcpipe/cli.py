@@ -1,0 +1,66 @@
+"""The ``funcpipe`` command.
+
+Each subcommand lives in one ``_add_<name>(subparsers)`` function that registers its parser and
+sets ``handler`` to a ``_run_<name>(args) -> int`` function; add new ones to ``_SUBCOMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from funcpipe.errors import FuncpipeError
+
+__all__ = ["main"]
+
+Subparsers = Any  # argparse's _SubParsersAction is private
+
+
+def _add_demo(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="partition an MLP, infer its shapes, check the reference step and train it",
+        description="Partition a float64 MLP into stages by parameter count, infer every "
+        "stage's shapes on the meta device, compare reference_step with plain autograd on "
+        "the whole module, then train with pure SGD updates.",
+    )
+    parser.add_argument("--microbatches", type=int, default=4, metavar="M", help="default: 4")
+    parser.add_argument("--stages", type=int, default=2, metavar="N", help="default: 2")
+    parser.add_argument("--steps", type=int, default=20, help="SGD steps (default: 20)")
+    parser.set_defaults(handler=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from funcpipe.demo import run_demo
+
+    run_demo(microbatches=args.microbatches, stages=args.stages, steps=args.steps)
+    return 0
+
+
+_SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (_add_demo,)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="funcpipe", description="Pure-functional pipeline-parallel training for PyTorch."
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in _SUBCOMMANDS:
+        add(subparsers)
+    from funcpipe.cli_schedule import register as add_schedule_commands  # schedule, check
+
+    add_schedule_commands(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``funcpipe`` command; returns the exit status."""
+    args = _build_parser().parse_args(argv)
+    try:
+        status: int = args.handler(args)
+    except FuncpipeError as e:
+        print(f"funcpipe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return status

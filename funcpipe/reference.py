@@ -1,0 +1,160 @@
+"""The single-device reference: what every pipeline schedule must reproduce.
+
+:func:`reference_step` runs the stages one after the other on each microbatch, on one device,
+and returns the loss and the gradients of every stage's params. Pipeline schedules are tested
+against it (loss, outputs and every gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from funcpipe.errors import InvalidArgument
+from funcpipe.microbatch import _batch_size, _split_named, merge
+from funcpipe.stage import Stage, as_inputs
+from funcpipe.tree import check_tensor_tree, leaf_paths, tree_flatten, tree_unflatten
+
+__all__ = ["reference_step"]
+
+
+def _check_params(stages: Sequence[Any], params: Sequence[Any]) -> None:
+    if not stages:
+        raise InvalidArgument("stages is empty; reference_step needs at least one stage.")
+    if len(stages) != len(params):
+        raise InvalidArgument(
+            f"stages and params must have one entry per stage; got {len(stages)} stages and "
+            f"{len(params)} params."
+        )
+    for i, (stage, p) in enumerate(zip(stages, params, strict=True)):
+        if not isinstance(stage, Stage):
+            raise InvalidArgument(f"stages[{i}] must be a Stage; got {stage!r}.")
+        check_tensor_tree(p, name=f"params[{i}]")
+        leaves, _ = tree_flatten(p)
+        for path, t in zip(leaf_paths(p, name=f"params[{i}]"), leaves, strict=True):
+            if not (t.is_floating_point() or t.is_complex()):
+                raise InvalidArgument(
+                    f"params of stage {i} ({stage.name!r}) must be floating point to be "
+                    f"differentiated; got {path} with dtype {t.dtype}. Keep integer tensors out "
+                    "of params (capture them in the stage function, or pass them as inputs)."
+                )
+
+
+def reference_step(
+    stages: Sequence[Stage],
+    params: Sequence[Any],
+    batch: Any,
+    loss_fn: Callable[..., torch.Tensor],
+    *,
+    targets: Any = None,
+    microbatches: int = 1,
+    dim: Any = 0,
+    targets_dim: Any = None,
+    outputs_dim: Any = None,
+    return_outputs: bool = False,
+) -> tuple[Any, ...]:
+    """One training step on one device: the loss and the gradients of every stage's params.
+
+    The batch is split into microbatches as a pytree (:func:`funcpipe.split`); each microbatch
+    then goes through the chaining convention, so a tuple ``batch=(x, mask)`` gives the first
+    stage two positional inputs ``(x_mb, mask_mb)`` and anything else is one input.
+
+    For each microbatch j (of m): ``outputs_j = stages[-1](...stages[0](params[0], *inputs_j))``
+    and ``loss_j = loss_fn(outputs_j, targets_j)`` (``loss_fn(outputs_j)`` without targets),
+    which must be a scalar tensor. The step's loss is ``mean_j loss_j``: the mean over
+    microbatches of the per-microbatch loss. With uneven microbatches and a ``loss_fn`` that
+    averages over samples, this is a mean of means, not the mean over all samples.
+    Gradients are those of that loss, accumulated as ``sum_j grad(loss_j / m)``.
+
+    Args:
+        stages, params: the stages and one params pytree per stage. Params are never
+            modified: gradients are taken with ``torch.autograd.grad`` on detached aliases.
+        batch: the first stage's inputs for the whole batch (a pytree of tensors).
+        loss_fn: ``loss_fn(outputs, targets) -> scalar`` (or ``loss_fn(outputs)``).
+        targets: optional pytree of tensors split like the batch.
+        microbatches: m, the number of microbatches (uneven sizes allowed).
+        dim: batch dim of the batch's leaves (int or pytree of ints, see :func:`funcpipe.split`).
+        targets_dim, outputs_dim: batch dims of targets and of the merged outputs; they default
+            to ``dim`` when it is an int, else to 0.
+        return_outputs: also return the last stage's outputs, merged over microbatches.
+
+    Returns:
+        ``(loss, grads)``, or ``(loss, grads, outputs)`` with ``return_outputs=True``. ``loss``
+        is a detached scalar; ``grads`` is a tuple with one pytree per stage, of the same
+        structure as ``params`` (params that the loss does not use get zero gradients).
+    """
+    stages, params = list(stages), list(params)
+    _check_params(stages, params)
+    if not callable(loss_fn):
+        raise InvalidArgument(
+            f"loss_fn must be callable as loss_fn(outputs, targets) or loss_fn(outputs); got "
+            f"loss_fn={loss_fn!r}."
+        )
+    default_dim = dim if isinstance(dim, int) and not isinstance(dim, bool) else 0
+    targets_dim = default_dim if targets_dim is None else targets_dim
+    outputs_dim = default_dim if outputs_dim is None else outputs_dim
+
+    batches = _split_named(batch, microbatches, dim=dim, name="batch")
+    target_mbs: list[Any] = [None] * len(batches)
+    if targets is not None:
+        n_batch = _batch_size(batch, dim=dim, name="batch")
+        n_targets = _batch_size(targets, dim=targets_dim, name="targets")
+        if n_batch != n_targets:
+            raise InvalidArgument(
+                f"batch and targets must have the same number of samples; batch has {n_batch} "
+                f"and targets has {n_targets} (targets_dim={targets_dim!r})."
+            )
+        target_mbs = _split_named(targets, microbatches, dim=targets_dim, name="targets")
+
+    flat = [tree_flatten(p) for p in params]
+    leaves = [[t.detach().requires_grad_(True) for t in ls] for ls, _ in flat]
+    stage_params = [tree_unflatten(spec, ls) for ls, (_, spec) in zip(leaves, flat, strict=True)]
+    all_leaves = [t for ls in leaves for t in ls]
+    grads: list[torch.Tensor] = [torch.zeros_like(t) for t in all_leaves]
+
+    m = len(batches)
+    losses: list[torch.Tensor] = []
+    outputs_mbs: list[Any] = []
+    for j, (mb, target_mb) in enumerate(zip(batches, target_mbs, strict=True)):
+        inputs = as_inputs(mb)
+        outputs: Any = None
+        with torch.enable_grad():
+            for i, stage in enumerate(stages):
+                outputs = stage(stage_params[i], *inputs)
+                inputs = as_inputs(outputs)
+            loss = loss_fn(outputs) if targets is None else loss_fn(outputs, target_mb)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            got = (
+                f"a tensor of shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else repr(loss)
+            )
+            raise InvalidArgument(
+                f"loss_fn must return a scalar tensor; for microbatch {j} it returned {got}. "
+                "Reduce it, e.g. with .mean() or .sum()."
+            )
+        if all_leaves and loss.requires_grad:
+            with torch.enable_grad():
+                scaled = loss / m
+            step = torch.autograd.grad(scaled, all_leaves, allow_unused=True)
+            grads = [g if s is None else g + s for g, s in zip(grads, step, strict=True)]
+        losses.append(loss.detach())
+        if return_outputs:
+            outputs_mbs.append(_detach(outputs))
+
+    loss_mean = torch.stack(losses).mean()
+    out_grads, start = [], 0
+    for ls, (_, spec) in zip(leaves, flat, strict=True):
+        out_grads.append(tree_unflatten(spec, grads[start : start + len(ls)]))
+        start += len(ls)
+    if return_outputs:
+        check_tensor_tree(outputs_mbs[0], name="outputs")
+        return loss_mean, tuple(out_grads), merge(outputs_mbs, dim=outputs_dim)
+    return loss_mean, tuple(out_grads)
+
+
+def _detach(tree: Any) -> Any:
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten(spec, [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves])

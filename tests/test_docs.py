@@ -1,0 +1,28 @@
+"""The python code blocks of the docs run, in order, as one script per document."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ["docs/concepts.md", "README.md"]
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_doc_code_blocks_run(doc: str) -> None:
+    blocks = _python_blocks((ROOT / doc).read_text())
+    if doc == "docs/concepts.md":
+        assert len(blocks) >= 5
+    namespace: dict[str, object] = {"__name__": "__doc_test__"}
+    for i, block in enumerate(blocks):
+        try:
+            exec(compile(block, f"{doc}[block {i}]", "exec"), namespace)
+        except Exception as e:  # pragma: no cover - the message is the point
+            raise AssertionError(f"{doc}, python block {i} failed: {e!r}\n{block}") from e
