@@ -50,8 +50,13 @@ def fail(program: Program, rank: int, step: int, rule: str, detail: str) -> Sche
     return ScheduleError(message, rank=rank, step=step, instruction=instr, rule=rule)
 
 
-def _backward_last(op: Op) -> bool:
-    return op in (Op.B, Op.W)
+IN_PROGRAM_PREFIXES = ("tie:", "replica:")
+
+
+def in_program(group: str) -> bool:
+    """Whether REDUCE ``group`` meets ranks of this program (ties, replicas) rather than the
+    same rank of the program's data-parallel copies (``data``, or any other name)."""
+    return group.startswith(IN_PROGRAM_PREFIXES)
 
 
 class _Analyser:
@@ -385,8 +390,8 @@ class _Analyser:
                 if i.op is Op.REDUCE:
                     calls[i.group][r].append(t)
         for group, by_rank in calls.items():
-            if len(by_rank) < 2:
-                continue  # a group used on one rank only meets outside this program (data parallel)
+            if not in_program(group) or len(by_rank) < 2:
+                continue  # data parallel: it meets the same REDUCE of the program's replicas
             counts = {r: len(ts) for r, ts in by_rank.items()}
             if len(set(counts.values())) > 1:
                 r = min(counts, key=lambda x: counts[x])

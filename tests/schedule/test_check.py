@@ -226,8 +226,8 @@ def test_in_program_collective_meets_and_can_deadlock() -> None:
     check(parse_program(ok))
     crossed = (
         "placement 0 1\nmicrobatches 1\n"
-        "rank 0: F s0 m0; B s0 m0; REDUCE s0 a; REDUCE s0 b\n"
-        "rank 1: F s1 m0; B s1 m0; REDUCE s1 b; REDUCE s1 a\n"
+        "rank 0: F s0 m0; B s0 m0; REDUCE s0 tie:a; REDUCE s0 tie:b\n"
+        "rank 1: F s1 m0; B s1 m0; REDUCE s1 tie:b; REDUCE s1 tie:a\n"
     )
     with pytest.raises(ScheduleError, match="REDUCE group"):
         check(parse_program(crossed))

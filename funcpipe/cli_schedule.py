@@ -1,0 +1,209 @@
+"""The ``funcpipe schedule`` and ``funcpipe check`` subcommands.
+
+``register(subparsers)`` adds both to the ``funcpipe`` parser (see :mod:`funcpipe.cli`). Neither
+imports torch: they generate, read, lower, check, simulate and draw programs only.
+
+Exit status: 0 sound, 1 the program is unsound (the :class:`ScheduleError` message, which names
+the rank, the step and the rule, goes to stderr), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from funcpipe.errors import InvalidArgument, ScheduleError
+
+__all__ = ["register"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def _costs(text: str) -> Any:
+    from funcpipe.schedule.simulate import Costs
+
+    try:
+        return Costs.parse(text)
+    except InvalidArgument as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _generator_names() -> str:
+    try:
+        from funcpipe.schedule.generators import GENERATORS
+    except ImportError:  # pragma: no cover - the generators ship with funcpipe
+        return "e.g. 1f1b"
+    return ", ".join(GENERATORS)
+
+
+_COSTS_HELP = "costs per stage as F,B,W or F,B,W,COMM (default 1,1,1: a full B costs B+W)"
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``schedule`` and ``check`` subcommands to ``subparsers``."""
+    sched = subparsers.add_parser(
+        "schedule",
+        help="generate a built-in schedule, check it, simulate it and print or draw it",
+        description="Generate a built-in schedule (funcpipe.schedule.generators), check it, "
+        "simulate it with the given costs and print its rank x step table and statistics "
+        "(makespan, bubble fraction, peak activations per rank).",
+    )
+    sched.add_argument("name", metavar="NAME", help=f"generator name: {_generator_names()}")
+    sched.add_argument("--ranks", "-p", type=_positive_int, required=True, metavar="P")
+    sched.add_argument("--microbatches", "-m", type=_positive_int, required=True, metavar="M")
+    sched.add_argument(
+        "--chunks", "-v", type=_positive_int, default=None, metavar="V", help="stages per rank"
+    )
+    sched.add_argument(
+        "--costs", type=_costs, default=None, metavar="F,B,W[,COMM]", help=_COSTS_HELP
+    )
+    sched.add_argument(
+        "--lower", action="store_true", help="add SEND/RECV (funcpipe.schedule.passes.lower)"
+    )
+    sched.add_argument(
+        "--json", action="store_true", help="print one JSON object (statistics and program text)"
+    )
+    sched.add_argument("--png", type=Path, metavar="FILE", help="draw the timeline (.png/.svg)")
+    sched.add_argument("--trace", type=Path, metavar="FILE", help="write a Chrome/Perfetto trace")
+    sched.add_argument("--text", type=Path, metavar="FILE", help="write the program text form")
+    sched.set_defaults(handler=_run_schedule)
+
+    chk = subparsers.add_parser(
+        "check",
+        help="check a hand-written program (text form, or torch CSV if FILE ends in .csv)",
+        description="Read a program (funcpipe text form, or the torch.distributed.pipelining "
+        "CSV format when FILE ends in .csv), add SEND/RECV if it is compute-only, and prove it "
+        "sound. Exit 0 and print its statistics, or exit 1 and print the error (which names the "
+        "rank, the step and the rule) to stderr.",
+    )
+    chk.add_argument("file", type=Path, metavar="FILE")
+    chk.add_argument("--costs", type=_costs, default=None, metavar="F,B,W[,COMM]", help=_COSTS_HELP)
+    chk.add_argument("--json", action="store_true", help="print one JSON object")
+    chk.set_defaults(handler=_run_check)
+
+
+# ----------------------------------------------------------------------------- shared output
+def _summary(timeline: Any) -> str:
+    stats = timeline.stats()
+    lines = [
+        f"makespan          {stats['makespan']:g}",
+        f"bubble            {100 * stats['bubble_fraction']:.1f}%",
+        "peak activations  " + " ".join(str(a) for a in stats["peak_activations"]) + "  (per rank)",
+        "busy              " + " ".join(f"{b:g}" for b in stats["busy"]) + "  (per rank)",
+    ]
+    return "\n".join(lines)
+
+
+def _report(program: Any, timeline: Any, *, as_json: bool, extra: dict[str, Any]) -> None:
+    from funcpipe.schedule.ir import format_program
+    from funcpipe.schedule.render import ascii_timeline
+
+    if as_json:
+        payload = {**timeline.stats(), **extra, "program": format_program(program)}
+        print(json.dumps(payload))
+        return
+    title = program.name or "program"
+    print(
+        f"{title}: {program.n_ranks} ranks, {program.n_stages} stages, "
+        f"{program.microbatches} microbatches" + ("" if program.training else " (eval)")
+    )
+    print(program.table())
+    print()
+    print(ascii_timeline(timeline, width=None if timeline.makespan <= 120 else 120))
+    print()
+    print(_summary(timeline))
+
+
+def _fail(command: str, error: ScheduleError) -> int:
+    print(f"funcpipe {command}: {error}", file=sys.stderr)
+    return 1
+
+
+# ----------------------------------------------------------------------------- schedule
+def _run_schedule(args: argparse.Namespace) -> int:
+    from funcpipe.schedule.check import check
+    from funcpipe.schedule.passes import lower
+    from funcpipe.schedule.render import draw_timeline, write_chrome_trace
+    from funcpipe.schedule.simulate import simulate
+
+    try:
+        from funcpipe.schedule.generators import generate
+    except ImportError:
+        raise InvalidArgument("funcpipe.schedule.generators is not available yet") from None
+    options: dict[str, Any] = {"ranks": args.ranks, "microbatches": args.microbatches}
+    if args.chunks is not None:
+        options["chunks"] = args.chunks
+    program = generate(args.name, **options)
+    try:
+        check(program)
+        if args.lower:
+            program = lower(program)
+            check(program)
+        timeline = simulate(program, args.costs)
+    except ScheduleError as e:
+        return _fail("schedule", e)
+    written: dict[str, str] = {}
+    if args.text is not None:
+        args.text.parent.mkdir(parents=True, exist_ok=True)
+        args.text.write_text(program.to_text())
+        written["text"] = str(args.text)
+    if args.png is not None:
+        written["png"] = str(draw_timeline(timeline, args.png))
+    if args.trace is not None:
+        written["trace"] = str(write_chrome_trace(timeline, args.trace))
+    _report(
+        program, timeline, as_json=args.json, extra={"lowered": program.lowered, "files": written}
+    )
+    if not args.json:
+        for kind, path in written.items():
+            print(f"wrote {kind}: {path}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- check
+def _read(path: Path) -> Any:
+    from funcpipe.schedule.interop import read_csv
+    from funcpipe.schedule.ir import parse_program
+
+    if not path.is_file():
+        raise InvalidArgument(f"FILE={str(path)!r} does not exist or is not a file")
+    if path.suffix.lower() == ".csv":
+        return read_csv(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgument(f"cannot read FILE={str(path)!r}: {e}") from None
+    program = parse_program(text)
+    return program if program.name else program.replace(name=path.stem)
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    from funcpipe.schedule.check import check
+    from funcpipe.schedule.passes import add_communication
+    from funcpipe.schedule.simulate import simulate
+
+    try:
+        program = _read(args.file)
+        check(program)
+        was_lowered = program.lowered
+        if not was_lowered:
+            program = add_communication(program)
+        timeline = simulate(program, args.costs)
+    except ScheduleError as e:
+        return _fail("check", e)
+    if not args.json:
+        note = "" if was_lowered else " (compute-only: lowered with add_communication)"
+        print(f"{args.file}: sound{note}")
+    _report(program, timeline, as_json=args.json, extra={"lowered_by_check": not was_lowered})
+    return 0

@@ -1,0 +1,514 @@
+"""Lowering passes: pure ``Program -> Program`` functions with keyword-only options.
+
+A generator produces a *compute-only* program (F/B/I/W/R). The passes here rewrite it, one
+concern at a time, into what the interpreter runs::
+
+    lower(p, split=True, recompute=[0], reduce="data")
+      == add_communication(add_reduce(add_recompute(split_backward(p), stages=[0]), group="data"))
+
+- :func:`split_backward` / :func:`merge_backward`: B <-> I + W.
+- :func:`add_recompute`: R before the backward of chosen stages.
+- :func:`add_reduce`: REDUCE after a stage's last gradient contribution (and Chimera replica sums).
+- :func:`add_communication`: SEND/RECV for every cross-rank edge (always the last pass).
+- :func:`strip_communication`: remove SEND/RECV/REDUCE again.
+
+Every pass places what it inserts so that the passes commute with :func:`add_communication`
+(``add_communication(split_backward(p)) == split_backward(add_communication(p))``, likewise for
+recompute and reduce), which the tests check.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict, deque
+from collections.abc import Iterable
+
+from funcpipe.errors import InvalidArgument, ScheduleError
+from funcpipe.schedule.ir import (
+    ACT,
+    BACKWARD_OPS,
+    COMM_OPS,
+    GRAD,
+    Instr,
+    Op,
+    Program,
+    backward,
+    backward_input,
+    backward_weight,
+    recompute,
+    recv,
+    reduce,
+    send,
+)
+
+__all__ = [
+    "add_communication",
+    "add_recompute",
+    "add_reduce",
+    "lower",
+    "merge_backward",
+    "messages",
+    "split_backward",
+    "strip_communication",
+]
+
+# (kind, (producer, consumer), microbatch): what one message carries
+MessageKey = tuple[str, tuple[int, int], int]
+# (op, stage, microbatch) -> (rank, step) of a compute instruction
+Where = dict[tuple[Op, int, int], tuple[int, int]]
+
+_GROUP_RE = re.compile(r"[A-Za-z_][\w:.\-]*")
+
+
+# --------------------------------------------------------------------------------- helpers
+def _program(program: object, fn: str) -> Program:
+    if not isinstance(program, Program):
+        raise InvalidArgument(
+            f"{fn} takes a funcpipe.schedule.ir.Program, got {type(program).__name__}; "
+            "build one with the ir constructors or parse_program(text)"
+        )
+    return program
+
+
+def _stage_set(program: Program, stages: Iterable[int] | None, fn: str) -> frozenset[int]:
+    """``stages`` checked against the program (``None``: every stage)."""
+    if stages is None:
+        return frozenset(range(program.n_stages))
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Iterable):
+        raise InvalidArgument(
+            f"{fn}: stages={stages!r} must be an iterable of stage indices (or None for all)"
+        )
+    out = set()
+    for s in stages:
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < program.n_stages:
+            raise InvalidArgument(
+                f"{fn}: stages={stages!r} holds {s!r}; stage indices are ints in "
+                f"0..{program.n_stages - 1}"
+            )
+        out.add(s)
+    return frozenset(out)
+
+
+def _need_training(program: Program, fn: str) -> None:
+    if not program.training:
+        raise InvalidArgument(
+            f"{fn}: program {program.name or '(unnamed)'} is an eval (forward-only) program and "
+            "has no backward; use it only on training programs (mode train)"
+        )
+
+
+def _locate(program: Program) -> Where:
+    """(op, stage, microbatch) -> (rank, step) of every compute instruction."""
+    where: Where = {}
+    for r, instrs in enumerate(program.ranks):
+        for t, i in enumerate(instrs):
+            if i.op not in COMM_OPS and i.op is not Op.REDUCE:
+                where.setdefault((i.op, i.stage, i.microbatch), (r, t))
+    return where
+
+
+def messages(program: Program) -> tuple[tuple[MessageKey, int, int], ...]:
+    """Every message a lowered ``program`` needs: ``((kind, edge, microbatch), src, dst)``.
+
+    One activation per cross-rank edge (producer, consumer) and microbatch that visits the
+    producer, from the producer's rank to the consumer's; in training also its gradient, back.
+    Same-rank edges need no message. Sorted by microbatch, then edge, then kind.
+    """
+    program = _program(program, "messages")
+    out = []
+    kinds = (ACT, GRAD) if program.training else (ACT,)
+    for m in range(program.microbatches):
+        visits = program.visits(m)
+        for a, b in program.edges or ():
+            ra, rb = program.placement[a], program.placement[b]
+            if a not in visits or ra == rb:
+                continue
+            for kind in kinds:
+                src, dst = (ra, rb) if kind == ACT else (rb, ra)
+                out.append(((kind, (a, b), m), src, dst))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------------- communication
+def _producer(program: Program, key: MessageKey, where: Where) -> tuple[int, int]:
+    """(rank, step) of the instruction that produces a message's data."""
+    kind, (a, b), m = key
+    if kind == ACT:
+        candidates, stage, what = [(Op.F, a, m)], a, f"F s{a} m{m}"
+    else:
+        candidates, stage, what = [(Op.B, b, m), (Op.I, b, m)], b, f"B or I s{b} m{m}"
+    return _find(program, candidates, stage, what, f"it produces {kind} s{a}>s{b} m{m}", where)
+
+
+def _consumer(program: Program, key: MessageKey, where: Where) -> tuple[int, int]:
+    """(rank, step) of the instruction that consumes a message's data."""
+    kind, (a, b), m = key
+    if kind == ACT:
+        candidates, stage, what = [(Op.F, b, m)], b, f"F s{b} m{m}"
+    else:
+        candidates, stage, what = [(Op.B, a, m), (Op.I, a, m)], a, f"B or I s{a} m{m}"
+    return _find(program, candidates, stage, what, f"it consumes {kind} s{a}>s{b} m{m}", where)
+
+
+def _find(
+    program: Program,
+    candidates: list[tuple[Op, int, int]],
+    stage: int,
+    what: str,
+    why: str,
+    where: Where,
+) -> tuple[int, int]:
+    rank = program.placement[stage]
+    for key in candidates:
+        loc = where.get(key)
+        if loc is not None and loc[0] == rank:
+            return loc
+    raise ScheduleError(
+        f"add_communication: {what} is not on rank {rank} (the rank holding stage {stage}) but "
+        f"{why}; complete the compute-only program first (funcpipe.schedule.check.check(program) "
+        "names the first problem)",
+        rank=rank,
+        instruction=what,
+        rule="every (stage, microbatch) a microbatch visits has its F (and, in training, its backward)",
+    )
+
+
+def _comm_instrs(program: Program) -> list[list[Instr]]:
+    return [[i for i in instrs if i.op in COMM_OPS] for instrs in program.ranks]
+
+
+def _already_lowered(program: Program) -> Program:
+    """Return a fully lowered program unchanged; reject a partially lowered one."""
+    want: list[list[Instr]] = [[] for _ in program.ranks]
+    for key, src, dst in messages(program):
+        want[src].append(send(key[0], key[1], key[2], dst))
+        want[dst].append(recv(key[0], key[1], key[2], src))
+    have = _comm_instrs(program)
+    for r in range(program.n_ranks):
+        missing = set(want[r]) - set(have[r])
+        extra = set(have[r]) - set(want[r])
+        if missing or extra:
+            detail = (
+                f"'{min(missing, key=str)}' is missing"
+                if missing
+                else f"'{min(extra, key=str)}' is not needed"
+            )
+            raise InvalidArgument(
+                f"add_communication: program {program.name or '(unnamed)'} is partially lowered: on "
+                f"rank {r}, {detail}; lower a compute-only program: "
+                "add_communication(strip_communication(program))"
+            )
+    return program
+
+
+def add_communication(program: Program) -> Program:
+    """Insert the SEND/RECV of every cross-rank edge, for every microbatch that uses it.
+
+    Placement (deadlock-free with asynchronous SENDs and blocking RECVs, FIFO per rank pair):
+
+    - each SEND goes right after the instruction producing its data (F for an activation, B or I
+      of the consumer stage for a gradient); several SENDs after one instruction are ordered by
+      (kind, edge);
+    - each RECV goes as late as possible: right before the first instruction on the receiving rank
+      that needs the data (F of the consumer, B or I of the producer). Because messages between two
+      ranks match in the order they were sent (NCCL has no tags), any message the same sender sent
+      earlier and that is not received yet is received there too, first, in sending order. Those
+      extra RECVs never wait longer than the needed one (their SENDs come earlier on the sender),
+      so the lowered program deadlocks exactly when the compute-only one does.
+
+    Same-rank edges stay local. A program that is already fully lowered (it holds exactly the
+    SEND/RECV set this pass would insert, wherever they are) is returned unchanged; a partially
+    lowered one raises :class:`InvalidArgument`. REDUCE instructions are kept where they are.
+    Raises :class:`ScheduleError` when an instruction producing or consuming a message is missing.
+    """
+    program = _program(program, "add_communication")
+    if program.lowered:
+        return _already_lowered(program)
+    msgs = messages(program)
+    if not msgs:
+        return program
+    where = _locate(program)
+    # SENDs: instruction index -> sends after it, per rank
+    after: dict[tuple[int, int], list[tuple[MessageKey, int]]] = defaultdict(list)
+    needs: dict[tuple[int, int], list[tuple[MessageKey, int]]] = defaultdict(list)
+    for key, src, dst in msgs:
+        after[_producer(program, key, where)].append((key, dst))
+        needs[_consumer(program, key, where)].append((key, src))
+    with_sends: list[list[Instr]] = []
+    sent: dict[tuple[int, int], deque[MessageKey]] = defaultdict(deque)  # (src, dst) -> FIFO
+    for r, instrs in enumerate(program.ranks):
+        out: list[Instr] = []
+        for t, i in enumerate(instrs):
+            out.append(i)
+            for key, dst in sorted(after.get((r, t), ())):
+                out.append(send(key[0], key[1], key[2], dst))
+                sent[(r, dst)].append(key)
+        with_sends.append(out)
+    ranks: list[list[Instr]] = []
+    for r in range(program.n_ranks):
+        received: set[MessageKey] = set()
+        out = []
+        t = 0
+        for i in with_sends[r]:
+            if i.op is Op.SEND:
+                out.append(i)
+                continue
+            for key, src in sorted(needs.get((r, t), ())):
+                queue = sent[(src, r)]
+                while key not in received:
+                    got = queue.popleft()  # present: every needed message has its SEND
+                    received.add(got)
+                    out.append(recv(got[0], got[1], got[2], src))
+            out.append(i)
+            t += 1
+        ranks.append(out)
+    return program.replace(ranks=tuple(tuple(r) for r in ranks))
+
+
+def strip_communication(program: Program) -> Program:
+    """Remove every SEND, RECV and REDUCE: the compute-only program lowering started from."""
+    program = _program(program, "strip_communication")
+    drop = COMM_OPS | {Op.REDUCE}
+    return program.replace(
+        ranks=tuple(tuple(i for i in instrs if i.op not in drop) for instrs in program.ranks)
+    )
+
+
+# --------------------------------------------------------------------------------- backward split
+def _sends_of(instrs: tuple[Instr, ...], t: int, stage: int, microbatch: int) -> int:
+    """Index just past the gradient SENDs right after step ``t`` that carry (stage, microbatch)."""
+    u = t + 1
+    while u < len(instrs):
+        i = instrs[u]
+        if not (
+            i.op is Op.SEND and i.kind == GRAD and i.stage == stage and i.microbatch == microbatch
+        ):
+            break
+        u += 1
+    return u
+
+
+def split_backward(program: Program, *, stages: Iterable[int] | None = None) -> Program:
+    """Replace each B(s, m) of ``stages`` (default: all) by I(s, m) followed by W(s, m).
+
+    The W goes right after the I; in a lowered program, after the gradient SENDs that follow the I
+    too, so the gradient leaves before the weight work starts. The timeline is unchanged (I costs
+    b, W costs w, B costs b + w); moving Ws later is a generator's job (zero-bubble schedules).
+    """
+    program = _program(program, "split_backward")
+    _need_training(program, "split_backward")
+    chosen = _stage_set(program, stages, "split_backward")
+    ranks = []
+    for instrs in program.ranks:
+        out: list[Instr] = []
+        t = 0
+        while t < len(instrs):
+            i = instrs[t]
+            if i.op is Op.B and i.stage in chosen:
+                u = _sends_of(instrs, t, i.stage, i.microbatch)
+                out.append(backward_input(i.stage, i.microbatch))
+                out.extend(instrs[t + 1 : u])
+                out.append(backward_weight(i.stage, i.microbatch))
+                t = u
+            else:
+                out.append(i)
+                t += 1
+        ranks.append(tuple(out))
+    return program.replace(ranks=tuple(ranks))
+
+
+def merge_backward(program: Program, *, stages: Iterable[int] | None = None) -> Program:
+    """Replace each I(s, m) ... W(s, m) pair of ``stages`` (default: all) by one B at the I.
+
+    The I becomes a B and the W is dropped; nothing else moves. That is always sound: B needs
+    exactly what I needs, and only REDUCEs (which come after the W) wait for the weight gradient.
+    ``merge_backward(split_backward(p)) == p``. Raises :class:`ScheduleError` for an I without its
+    W on the same rank (or a W before its I).
+    """
+    program = _program(program, "merge_backward")
+    _need_training(program, "merge_backward")
+    chosen = _stage_set(program, stages, "merge_backward")
+    ranks = []
+    for r, instrs in enumerate(program.ranks):
+        opened: dict[tuple[int, int], int] = {}
+        out: list[Instr] = []
+        for t, i in enumerate(instrs):
+            if i.stage not in chosen or i.op not in (Op.I, Op.W):
+                out.append(i)
+            elif i.op is Op.I:
+                opened[(i.stage, i.microbatch)] = t
+                out.append(backward(i.stage, i.microbatch))
+            elif opened.pop((i.stage, i.microbatch), None) is None:
+                raise ScheduleError(
+                    f"merge_backward: rank {r}, step {t} ({i}) has no I s{i.stage} m{i.microbatch} "
+                    "before it on this rank; put the I first, or leave this stage out (stages=...)",
+                    rank=r,
+                    step=t,
+                    instruction=i,
+                    rule="W comes after the I of the same stage and microbatch",
+                )
+        if opened:
+            (s, m), t = min(opened.items(), key=lambda kv: kv[1])
+            raise ScheduleError(
+                f"merge_backward: rank {r}, step {t} (I s{s} m{m}) has no W s{s} m{m} after it on "
+                "this rank; add the W, or leave this stage out (stages=...)",
+                rank=r,
+                step=t,
+                instruction=instrs[t],
+                rule="in training every (stage, microbatch) has one backward: a B, or an I then a W",
+            )
+        ranks.append(tuple(out))
+    return program.replace(ranks=tuple(ranks))
+
+
+# --------------------------------------------------------------------------------- recompute
+def add_recompute(program: Program, *, stages: Iterable[int]) -> Program:
+    """Insert R(s, m) right before each B(s, m) or I(s, m) of ``stages`` (activation recompute).
+
+    The forward of those stages then keeps only its input; R runs it again just before the
+    backward. In a lowered program R goes before the RECVs that immediately precede the backward,
+    so the recompute overlaps the wait for the gradient (and the pass commutes with
+    :func:`add_communication`). A stage-microbatch pair that already has its R is left alone.
+    """
+    program = _program(program, "add_recompute")
+    _need_training(program, "add_recompute")
+    chosen = _stage_set(program, stages, "add_recompute")
+    have = {(i.stage, i.microbatch) for instrs in program.ranks for i in instrs if i.op is Op.R}
+    ranks = []
+    for instrs in program.ranks:
+        out: list[Instr] = []
+        for i in instrs:
+            if i.op in BACKWARD_OPS and i.stage in chosen and (i.stage, i.microbatch) not in have:
+                at = len(out)
+                while at > 0 and out[at - 1].op is Op.RECV:
+                    at -= 1
+                out.insert(at, recompute(i.stage, i.microbatch))
+            out.append(i)
+        ranks.append(tuple(out))
+    return program.replace(ranks=tuple(ranks))
+
+
+# --------------------------------------------------------------------------------- reduce
+def _owner(program: Program, stage: int) -> int:
+    """Follow ``replica_of`` to the stage that owns the parameters."""
+    seen = [stage]
+    s = stage
+    replica_of = program.replica_of or ()
+    while replica_of[s] != s:
+        s = replica_of[s]
+        if s in seen:
+            raise ScheduleError(
+                f"replica_of has a cycle {' -> '.join(map(str, [*seen, s]))}; every chain of "
+                "replicas must end at a stage that is its own owner",
+                rule="replica_of names the params-owner stage",
+            )
+        seen.append(s)
+    return s
+
+
+def add_reduce(
+    program: Program, *, group: str = "data", stages: Iterable[int] | None = None
+) -> Program:
+    """Insert ``REDUCE s group`` right after stage s's last gradient contribution (B or W).
+
+    ``stages`` (default: all) chooses the stages; in a lowered program the REDUCE also follows the
+    gradient SENDs right after that B. A stage that already has ``REDUCE s group`` is left alone.
+
+    Replicas (``replica_of``, Chimera): stages sharing a params owner ``o`` must sum their
+    gradients. Every rank holding replicas of ``o`` gets one ``REDUCE s replica:o``, naming the
+    lowest replica ``s`` it holds: the group ``replica:o`` is an in-program collective that sums
+    the gradients of all replicas of ``o`` (those on the same rank first) and leaves the sum in
+    each of them. These go at the very end of each rank, ordered by owner, so every rank meets
+    its replica groups in the same order (no collective deadlock); they come after the ``group``
+    REDUCEs, which is fine because both are sums. Choosing one replica in ``stages`` chooses its
+    whole replica set. A stage no microbatch visits has no gradient and gets no REDUCE.
+    """
+    program = _program(program, "add_reduce")
+    _need_training(program, "add_reduce")
+    if not isinstance(group, str) or not _GROUP_RE.fullmatch(group):
+        raise InvalidArgument(
+            f"add_reduce: group={group!r} must be a name of letters, digits, '_', ':', '.' or '-' "
+            "starting with a letter or '_' (e.g. 'data', 'tie:wte')"
+        )
+    chosen = _stage_set(program, stages, "add_reduce")
+    classes: dict[int, list[int]] = defaultdict(list)
+    for s in range(program.n_stages):
+        classes[_owner(program, s)].append(s)
+    chosen = frozenset(s for members in classes.values() if chosen & set(members) for s in members)
+    present = {(i.stage, i.group) for instrs in program.ranks for i in instrs if i.op is Op.REDUCE}
+    inserts: dict[tuple[int, int], list[Instr]] = defaultdict(list)  # (rank, index) -> REDUCEs
+    visited = frozenset().union(*(program.visits(m) for m in range(program.microbatches)))
+    for s in sorted(chosen):
+        if (s, group) in present or s not in visited:
+            continue
+        r = program.placement[s]
+        instrs = program.ranks[r]
+        last = max(
+            (t for t, i in enumerate(instrs) if i.stage == s and i.op in (Op.B, Op.W)), default=None
+        )
+        if last is None:
+            raise ScheduleError(
+                f"add_reduce: stage {s} has no B or W on rank {r}, so there is nothing to reduce; "
+                "add its backward first, or leave it out (stages=...)",
+                rank=r,
+                rule="REDUCE comes after every gradient contribution (B or W) of its stage",
+            )
+        i = instrs[last]
+        inserts[(r, _sends_of(instrs, last, s, i.microbatch))].append(reduce(s, group))
+    tails: dict[int, list[Instr]] = defaultdict(list)
+    for owner, members in sorted(classes.items()):
+        members = [s for s in members if s in visited]
+        if len(members) < 2 or not chosen & set(members):
+            continue
+        name = f"replica:{owner}"
+        held: dict[int, int] = {}  # rank -> the lowest replica it holds
+        for s in members:
+            held.setdefault(program.placement[s], s)
+        for r, s in sorted(held.items()):
+            if not any((t, name) in present for t in members if program.placement[t] == r):
+                tails[r].append(reduce(s, name))
+    ranks = []
+    for r, instrs in enumerate(program.ranks):
+        out: list[Instr] = []
+        for t, i in enumerate(instrs):
+            out.extend(inserts.get((r, t), ()))
+            out.append(i)
+        out.extend(inserts.get((r, len(instrs)), ()))
+        out.extend(tails.get(r, ()))
+        ranks.append(tuple(out))
+    return program.replace(ranks=tuple(ranks))
+
+
+# --------------------------------------------------------------------------------- composition
+def lower(
+    program: Program,
+    *,
+    split: bool | Iterable[int] | None = None,
+    recompute: Iterable[int] | None = None,
+    reduce: bool | str | None = None,
+) -> Program:
+    """The usual pipeline of passes, communication last.
+
+    - ``split``: ``True`` splits every B into I + W; a list of stages splits those; ``None`` /
+      ``False`` keeps B.
+    - ``recompute``: stages whose forward is recomputed before the backward (:func:`add_recompute`).
+    - ``reduce``: a group name (``"data"``) or ``True`` for ``"data"`` adds :func:`add_reduce`.
+
+    Then :func:`add_communication`. Eval programs accept only the defaults.
+    """
+    program = _program(program, "lower")
+    if split is True:
+        program = split_backward(program)
+    elif split is not None and split is not False:
+        program = split_backward(program, stages=split)
+    if recompute is not None:
+        program = add_recompute(program, stages=recompute)
+    if reduce is True:
+        program = add_reduce(program)
+    elif isinstance(reduce, str):
+        program = add_reduce(program, group=reduce)
+    elif reduce is not None and reduce is not False:
+        raise InvalidArgument(
+            f"lower: reduce={reduce!r} must be a group name (e.g. 'data'), True for 'data', or None"
+        )
+    return add_communication(program)

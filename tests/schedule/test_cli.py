@@ -1,0 +1,137 @@
+"""``funcpipe schedule`` and ``funcpipe check``, called through ``funcpipe.cli.main``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from funcpipe.cli import main
+from funcpipe.schedule.ir import parse_program
+
+GOOD = """\
+# 1F1B on two ranks, compute-only: check lowers it
+placement 0 1
+microbatches 2
+rank 0: F s0 m0; F s0 m1; B s0 m0; B s0 m1
+rank 1: F s1 m0; B s1 m0; F s1 m1; B s1 m1
+"""
+
+# both ranks wait for the other's message first
+DEADLOCK = """\
+placement 0 1
+microbatches 1
+rank 0: RECV grad s0>s1 m0 from r1; F s0 m0; SEND act s0>s1 m0 to r1; B s0 m0
+rank 1: RECV act s0>s1 m0 from r0; F s1 m0; B s1 m0; SEND grad s0>s1 m0 to r0
+"""
+
+
+def _generators_ready() -> None:
+    generators = pytest.importorskip("funcpipe.schedule.generators")
+    if not hasattr(generators, "generate"):
+        pytest.skip("funcpipe.schedule.generators.generate is not written yet")
+
+
+def test_check_valid_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "good.txt"
+    path.write_text(GOOD)
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "sound" in out and "bubble" in out and "SEND act s0>s1 m0 to r1" in out
+    assert main(["check", str(path), "--json", "--costs", "1,2,1,0.5"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["makespan"] == 13.0  # worked out by hand
+    assert stats["lowered_by_check"] is True
+    assert parse_program(stats["program"]).lowered
+
+
+def test_check_deadlock_exits_1_naming_the_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "dead.txt"
+    path.write_text(DEADLOCK)
+    assert main(["check", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "rank 0, step 0" in captured.err and "deadlock" in captured.err
+    assert "rank 1, step 0" in captured.err
+
+
+def test_check_unparsable_and_unsound_files_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.txt"
+    bad.write_text("placement 0\nmicrobatches 1\nrank 0: F s0 m0; X s0 m0\n")
+    assert main(["check", str(bad)]) == 1
+    assert "line 3: cannot parse instruction ' X s0 m0'" in capsys.readouterr().err
+    missing = tmp_path / "missing_b.txt"
+    missing.write_text("placement 0 1\nmicrobatches 1\nrank 0: F s0 m0; B s0 m0\nrank 1: F s1 m0\n")
+    assert main(["check", str(missing)]) == 1
+    assert "rank 1" in capsys.readouterr().err
+
+
+def test_check_reads_torch_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "sched.csv"
+    path.write_text("0F0,0F1,,0B0,,0B1\n,1F0,1B0,1F1,1B1\n")
+    assert main(["check", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_activations"] == [2, 1]
+    path.write_text("0F0,0Q1\n")
+    assert main(["check", str(path)]) == 1
+    assert "row 0 (rank 0), column 1" in capsys.readouterr().err
+
+
+def test_bad_arguments_exit_2_without_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["check", str(tmp_path / "nope.txt")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    good = tmp_path / "good.txt"
+    good.write_text(GOOD)
+    for argv in (
+        ["check", str(good), "--costs", "1,x,1"],
+        ["schedule", "1f1b", "--ranks", "0", "--microbatches", "4"],
+        ["schedule", "1f1b", "--microbatches", "4"],
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "error:" in err and "Traceback" not in err
+
+
+def test_schedule_json(capsys: pytest.CaptureFixture[str]) -> None:
+    _generators_ready()
+    assert main(["schedule", "1f1b", "--ranks", "4", "--microbatches", "8", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)  # stdout holds the one JSON object only
+    assert stats["makespan"] == 33
+    assert stats["bubble_fraction"] == pytest.approx(3 / 11)
+    assert stats["peak_activations"] == [4, 3, 2, 1]
+    program = parse_program(stats["program"])
+    assert program.n_ranks == 4 and not program.lowered
+    assert (
+        main(
+            ["schedule", "1f1b", "-p", "2", "-m", "2", "--json", "--lower", "--costs", "1,1,1,0.5"]
+        )
+        == 0
+    )
+    lowered = json.loads(capsys.readouterr().out)
+    assert parse_program(lowered["program"]).lowered and lowered["lowered"] is True
+
+
+def test_schedule_text_output_and_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _generators_ready()
+    png, trace, text = tmp_path / "s.png", tmp_path / "s.json", tmp_path / "s.txt"
+    argv = ["schedule", "gpipe", "--ranks", "2", "--microbatches", "3"]
+    assert main([*argv, "--png", str(png), "--trace", str(trace), "--text", str(text)]) == 0
+    out = capsys.readouterr().out
+    assert "bubble" in out and "rank 1" in out and "peak activations" in out
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 1000
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert parse_program(text.read_text()).microbatches == 3
+
+
+def test_schedule_unknown_name_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    _generators_ready()
+    assert main(["schedule", "no-such-schedule", "--ranks", "2", "--microbatches", "2"]) == 2
+    assert "no-such-schedule" in capsys.readouterr().err

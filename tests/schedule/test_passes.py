@@ -1,0 +1,587 @@
+"""The lowering passes: each on its own, their compositions, and random programs (hypothesis)."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from funcpipe.errors import InvalidArgument, ScheduleError
+from funcpipe.schedule.check import check
+from funcpipe.schedule.ir import (
+    ACT,
+    COMM_OPS,
+    GRAD,
+    Instr,
+    Op,
+    Program,
+    backward,
+    backward_input,
+    backward_weight,
+    forward,
+    parse_program,
+    recompute,
+    recv,
+    reduce,
+    send,
+)
+from funcpipe.schedule.passes import (
+    add_communication,
+    add_recompute,
+    add_reduce,
+    lower,
+    merge_backward,
+    messages,
+    split_backward,
+    strip_communication,
+)
+from funcpipe.schedule.simulate import Costs, simulate
+
+
+# ------------------------------------------------------------------ hand-built programs
+def gpipe(p: int, m: int) -> Program:
+    ranks = [
+        [forward(r, k) for k in range(m)] + [backward(r, k) for k in range(m)] for r in range(p)
+    ]
+    return Program(ranks=ranks, placement=range(p), microbatches=m, name="gpipe")
+
+
+def one_f_one_b(p: int, m: int) -> Program:
+    ranks = []
+    for r in range(p):
+        warm = min(p - 1 - r, m)
+        instrs = [forward(r, k) for k in range(warm)]
+        for k in range(m - warm):
+            instrs += [forward(r, warm + k), backward(r, k)]
+        instrs += [backward(r, k) for k in range(m - warm, m)]
+        ranks.append(instrs)
+    return Program(ranks=ranks, placement=range(p), microbatches=m, name="1f1b")
+
+
+def projected(
+    *,
+    placement: tuple[int, ...],
+    microbatches: int,
+    edges: tuple[tuple[int, int], ...] | None = None,
+    entries: tuple[int, ...] | None = None,
+    replica_of: tuple[int, ...] | None = None,
+    training: bool = True,
+    split: frozenset[int] = frozenset(),
+    rng: random.Random | None = None,
+) -> Program:
+    """A sound compute-only program: one global order of all work, projected onto the ranks.
+
+    ``rng=None`` takes the first ready instruction each time (GPipe-like); else a random one.
+    """
+    shape = Program(
+        ranks=[()] * (max(placement) + 1),
+        placement=placement,
+        microbatches=microbatches,
+        edges=edges,
+        entries=entries,
+        replica_of=replica_of,
+        training=training,
+    )
+    deps: dict[Instr, list[Instr]] = {}
+    for m in range(microbatches):
+        for s in sorted(shape.visits(m)):
+            deps[forward(s, m)] = [forward(a, m) for a in shape.producers(s)]
+            if not training:
+                continue
+            grads = [
+                backward_input(c, m) if c in split else backward(c, m) for c in shape.consumers(s)
+            ]
+            if s in split:
+                deps[backward_input(s, m)] = [forward(s, m), *grads]
+                deps[backward_weight(s, m)] = [backward_input(s, m)]
+            else:
+                deps[backward(s, m)] = [forward(s, m), *grads]
+    done: set[Instr] = set()
+    ranks: list[list[Instr]] = [[] for _ in shape.ranks]
+    todo = list(deps)
+    while todo:
+        ready = [i for i in todo if all(d in done for d in deps[i])]
+        pick = ready[0] if rng is None else rng.choice(ready)
+        todo.remove(pick)
+        done.add(pick)
+        ranks[placement[pick.stage]].append(pick)
+    return shape.replace(ranks=tuple(tuple(r) for r in ranks))
+
+
+SKIP = {"placement": (0, 1, 2), "edges": ((0, 1), (1, 2), (0, 2))}
+# Chimera-like: pipeline down s0 (r0) > s1 (r1); pipeline up s2 (r1) > s3 (r0), replicas of s0, s1
+CHIMERA = {
+    "placement": (0, 1, 1, 0),
+    "edges": ((0, 1), (2, 3)),
+    "entries": (0, 2, 0, 2),
+    "replica_of": (0, 1, 0, 1),
+}
+
+
+def builtin_programs() -> list[Program]:
+    out = [gpipe(1, 1), gpipe(3, 4), one_f_one_b(4, 8), one_f_one_b(2, 1)]
+    out.append(projected(microbatches=2, **SKIP))  # type: ignore[arg-type]
+    out.append(projected(microbatches=4, **CHIMERA))  # type: ignore[arg-type]
+    # V placement, 2 ranks, 4 stages: rank 0 holds the first and the last stage
+    out.append(projected(placement=(0, 1, 1, 0), microbatches=3, rng=random.Random(1)))
+    out.append(projected(placement=(0, 1, 0, 1), microbatches=3, training=False))
+    try:
+        from funcpipe.schedule.generators import GENERATORS, generate
+    except ImportError:  # the generators are written in parallel: the hand-built ones still run
+        return out
+    for name in GENERATORS:
+        for ranks, microbatches in [(2, 3), (4, 8)]:
+            out.append(generate(name, ranks=ranks, microbatches=microbatches))
+    return out
+
+
+PROGRAMS = builtin_programs()
+
+
+def _ids(p: Program) -> str:
+    return f"{p.name or 'program'}-p{p.n_ranks}-m{p.microbatches}"
+
+
+# ------------------------------------------------------------------ invariants
+def fifo_pairs(program: Program) -> dict[tuple[int, int], tuple[list, list]]:  # type: ignore[type-arg]
+    pairs: dict[tuple[int, int], tuple[list, list]] = defaultdict(lambda: ([], []))  # type: ignore[type-arg]
+    for r, instrs in enumerate(program.ranks):
+        for i in instrs:
+            if i.op is Op.SEND:
+                pairs[(r, i.peer)][0].append(i.key)
+            elif i.op is Op.RECV:
+                pairs[(i.peer, r)][1].append(i.key)
+    return pairs
+
+
+def assert_lowered_well(compute: Program, lowered: Program) -> None:
+    check(lowered)
+    assert strip_communication(lowered) == compute
+    for (src, dst), (sent, got) in fifo_pairs(lowered).items():
+        assert sent == got, f"FIFO broken between rank {src} and rank {dst}"
+    assert {(k, s, d) for k, s, d in messages(compute)} == {
+        (i.key, r, i.peer)
+        for r, instrs in enumerate(lowered.ranks)
+        for i in instrs
+        if i.op is Op.SEND
+    }
+    for instrs in lowered.ranks:
+        for t, i in enumerate(instrs):
+            if i.op is Op.SEND:  # right after its producer (or after the SENDs following it)
+                u = t - 1
+                while instrs[u].op is Op.SEND:
+                    u -= 1
+                a, b = i.edge
+                made = (Op.F, a) if i.kind == ACT else (instrs[u].op, b)
+                assert (instrs[u].op, instrs[u].stage) == made and instrs[u].op is not Op.W
+                assert instrs[u].microbatch == i.microbatch
+            if i.op is Op.RECV and instrs[t + 1].op is not Op.RECV:
+                # as late as possible: the last RECV from each sender in a run feeds the next instr
+                u = t
+                while u >= 0 and instrs[u].op is Op.RECV:
+                    u -= 1
+                run = instrs[u + 1 : t + 1]
+                user = instrs[t + 1]
+                last = {j.peer: j for j in run}
+                for j in last.values():
+                    a, b = j.edge
+                    if j.kind == ACT:
+                        assert (user.op, user.stage) == (Op.F, b)
+                    else:
+                        assert user.op in (Op.B, Op.I) and user.stage == a
+                    assert user.microbatch == j.microbatch
+
+
+# ------------------------------------------------------------------ add_communication
+@pytest.mark.parametrize("program", PROGRAMS, ids=_ids)
+def test_lowering_builtin_programs(program: Program) -> None:
+    lowered = add_communication(program)
+    assert_lowered_well(program, lowered)
+    assert add_communication(lowered) is lowered  # idempotent on a fully lowered program
+
+
+def test_two_stage_1f1b_exactly() -> None:
+    got = add_communication(one_f_one_b(2, 2))
+    want = parse_program(
+        """
+        placement 0 1
+        microbatches 2
+        rank 0
+          F s0 m0; SEND act s0>s1 m0 to r1
+          F s0 m1; SEND act s0>s1 m1 to r1
+          RECV grad s0>s1 m0 from r1; B s0 m0
+          RECV grad s0>s1 m1 from r1; B s0 m1
+        rank 1
+          RECV act s0>s1 m0 from r0; F s1 m0; B s1 m0; SEND grad s0>s1 m0 to r0
+          RECV act s0>s1 m1 from r0; F s1 m1; B s1 m1; SEND grad s0>s1 m1 to r0
+        """
+    )
+    assert got == want.replace(name="1f1b")
+
+
+def test_skip_edges_get_their_own_messages() -> None:
+    p = projected(microbatches=1, **SKIP)  # type: ignore[arg-type]
+    got = add_communication(p)
+    assert [str(i) for i in got.ranks[0]] == [
+        "F s0 m0",
+        "SEND act s0>s1 m0 to r1",
+        "SEND act s0>s2 m0 to r2",
+        "RECV grad s0>s1 m0 from r1",
+        "RECV grad s0>s2 m0 from r2",
+        "B s0 m0",
+    ]
+    assert [str(i) for i in got.ranks[1]] == [
+        "RECV act s0>s1 m0 from r0",
+        "F s1 m0",
+        "SEND act s1>s2 m0 to r2",
+        "RECV grad s1>s2 m0 from r2",
+        "B s1 m0",
+        "SEND grad s0>s1 m0 to r0",
+    ]
+    assert [str(i) for i in got.ranks[2]] == [
+        "RECV act s0>s2 m0 from r0",
+        "RECV act s1>s2 m0 from r1",
+        "F s2 m0",
+        "B s2 m0",
+        "SEND grad s0>s2 m0 to r0",
+        "SEND grad s1>s2 m0 to r1",
+    ]
+    check(got)
+
+
+def test_same_rank_edges_stay_local() -> None:
+    p = projected(placement=(0, 0, 1), microbatches=2)
+    got = add_communication(p)
+    edges = {i.edge for r in got.ranks for i in r if i.op in COMM_OPS}
+    assert edges == {(1, 2)}
+    check(got)
+
+
+def test_chimera_entries_route_each_microbatch_through_its_pipeline() -> None:
+    p = projected(microbatches=4, **CHIMERA)  # type: ignore[arg-type]
+    got = add_communication(p)
+    check(got)
+    sent = {(str(i), r) for r, instrs in enumerate(got.ranks) for i in instrs if i.op is Op.SEND}
+    assert ("SEND act s0>s1 m0 to r1", 0) in sent
+    assert ("SEND act s2>s3 m1 to r0", 1) in sent
+    assert ("SEND grad s2>s3 m1 to r1", 0) in sent
+    assert not any("s0>s1 m1" in s or "s2>s3 m0" in s for s, _ in sent)
+    assert len(sent) == 4 * 2  # one edge per microbatch, act + grad
+
+
+def test_fifo_pulls_earlier_messages_forward() -> None:
+    # rank 1 runs microbatch 1 before microbatch 0, but rank 0 sent m0 first: both RECVs go
+    # before F s1 m1, in sending order
+    p = parse_program(
+        "placement 0 1\nmicrobatches 2\nmode eval\nrank 0: F s0 m0; F s0 m1\nrank 1: F s1 m1; F s1 m0"
+    )
+    got = add_communication(p)
+    assert [str(i) for i in got.ranks[1]] == [
+        "RECV act s0>s1 m0 from r0",
+        "RECV act s0>s1 m1 from r0",
+        "F s1 m1",
+        "F s1 m0",
+    ]
+    check(got)
+
+
+def test_partially_lowered_program_is_rejected() -> None:
+    lowered = add_communication(gpipe(2, 2))
+    ranks = list(lowered.ranks)
+    ranks[1] = tuple(i for i in ranks[1] if i.op is not Op.SEND)
+    with pytest.raises(InvalidArgument, match="partially lowered.*rank 1.*SEND grad"):
+        add_communication(lowered.replace(ranks=tuple(ranks)))
+
+
+def test_missing_work_is_a_schedule_error() -> None:
+    p = parse_program("placement 0 1\nmicrobatches 1\nmode eval\nrank 0: F s0 m0\nrank 1:")
+    with pytest.raises(ScheduleError, match="F s1 m0 is not on rank 1") as e:
+        add_communication(p)
+    assert e.value.rank == 1
+
+
+def test_passes_reject_non_programs() -> None:
+    with pytest.raises(InvalidArgument, match="takes a funcpipe.schedule.ir.Program"):
+        add_communication("F s0 m0")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ split / merge
+@pytest.mark.parametrize("program", PROGRAMS, ids=_ids)
+def test_split_and_merge_are_inverse(program: Program) -> None:
+    if not program.training:
+        with pytest.raises(InvalidArgument, match="eval"):
+            split_backward(program)
+        return
+    merged = merge_backward(program)
+    assert merge_backward(split_backward(merged)) == merged
+    lowered = add_communication(merged)
+    assert merge_backward(split_backward(lowered)) == lowered
+    assert split_backward(lowered) == add_communication(split_backward(merged))
+    check(split_backward(lowered))
+
+
+def test_split_places_w_after_the_gradient_sends() -> None:
+    lowered = add_communication(gpipe(2, 1))
+    got = split_backward(lowered, stages=[1])
+    assert [str(i) for i in got.ranks[1]] == [
+        "RECV act s0>s1 m0 from r0",
+        "F s1 m0",
+        "I s1 m0",
+        "SEND grad s0>s1 m0 to r0",
+        "W s1 m0",
+    ]
+    assert got.ranks[0] == lowered.ranks[0]  # stage 0 not chosen
+    assert split_backward(gpipe(1, 1)).ranks == (
+        (forward(0, 0), backward_input(0, 0), backward_weight(0, 0)),
+    )
+
+
+def test_merge_keeps_everything_else_in_place() -> None:
+    p = parse_program(
+        "placement 0\nmicrobatches 2\nrank 0: F s0 m0; F s0 m1; I s0 m0; I s0 m1; W s0 m0; W s0 m1"
+    )
+    got = merge_backward(p)
+    assert [str(i) for i in got.ranks[0]] == ["F s0 m0", "F s0 m1", "B s0 m0", "B s0 m1"]
+    check(got)
+
+
+def test_merge_rejects_unpaired_halves() -> None:
+    p = parse_program("placement 0\nmicrobatches 1\nrank 0: F s0 m0; W s0 m0; I s0 m0")
+    with pytest.raises(ScheduleError, match="step 1.*no I s0 m0 before it") as e:
+        merge_backward(p)
+    assert (e.value.rank, e.value.step) == (0, 1)
+    p = parse_program("placement 0\nmicrobatches 1\nrank 0: F s0 m0; I s0 m0")
+    with pytest.raises(ScheduleError, match="no W s0 m0 after it"):
+        merge_backward(p)
+    assert merge_backward(p, stages=[]) == p
+
+
+def test_stage_options_are_validated() -> None:
+    for bad in (["0"], [5], 3, "01", [True]):
+        with pytest.raises(InvalidArgument, match="stages="):
+            split_backward(gpipe(2, 1), stages=bad)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ recompute
+def test_recompute_goes_right_before_the_backward() -> None:
+    p = split_backward(one_f_one_b(2, 2), stages=[0])
+    got = add_recompute(p, stages=[0])
+    assert [str(i) for i in got.ranks[0]] == [
+        "F s0 m0", "F s0 m1", "R s0 m0", "I s0 m0", "W s0 m0", "R s0 m1", "I s0 m1", "W s0 m1",
+    ]  # fmt: skip
+    assert got.ranks[1] == p.ranks[1]
+    check(got)
+    assert add_recompute(got, stages=[0]) == got  # already recomputed: left alone
+    # commutes with lowering (in a lowered program R goes before the RECVs feeding the backward)
+    assert add_recompute(add_communication(p), stages=[0]) == add_communication(got)
+    with pytest.raises(InvalidArgument, match="eval"):
+        add_recompute(projected(placement=(0,), microbatches=1, training=False), stages=[0])
+
+
+def test_recompute_lowers_peak_activations() -> None:
+    p = one_f_one_b(4, 8)
+    assert (
+        simulate(add_recompute(p, stages=[0])).peak_activations[0] < simulate(p).peak_activations[0]
+    )
+
+
+# ------------------------------------------------------------------ reduce
+def test_reduce_follows_the_last_gradient_contribution() -> None:
+    p = split_backward(one_f_one_b(2, 2), stages=[1])
+    got = add_reduce(p)
+    assert got.ranks[0][-1] == reduce(0, "data")
+    assert [str(i) for i in got.ranks[1]][-2:] == ["W s1 m1", "REDUCE s1 data"]
+    assert add_reduce(got) == got
+    assert strip_communication(got) == p
+    # commutes with lowering: after the gradient SENDs that follow the last B
+    assert add_reduce(add_communication(p)) == add_communication(got)
+    lowered = add_communication(got)
+    assert [str(i) for i in lowered.ranks[1]][-3:] == [
+        "SEND grad s0>s1 m1 to r0",
+        "W s1 m1",
+        "REDUCE s1 data",
+    ]
+    only = add_reduce(p, group="tie:wte", stages=[0])
+    assert [i for r in only.ranks for i in r if i.op is Op.REDUCE] == [reduce(0, "tie:wte")]
+
+
+@pytest.mark.parametrize("program", PROGRAMS, ids=_ids)
+def test_lower_with_reduce_builtin_programs(program: Program) -> None:
+    if not program.training:
+        return
+    full = lower(program, reduce=True)
+    check(full)
+    visited = set().union(*(program.visits(m) for m in range(program.microbatches)))
+    reduced = {i.stage for r in full.ranks for i in r if i.op is Op.REDUCE and i.group == "data"}
+    assert reduced == visited
+    assert strip_communication(full) == program
+
+
+def test_reduce_after_last_b_not_at_the_end() -> None:
+    # GPipe order F F B1 B0 on a single rank with an extra stage: reduce right after its last B
+    p = parse_program("placement 0 0\nmicrobatches 1\nrank 0: F s0 m0; F s1 m0; B s1 m0; B s0 m0")
+    got = add_reduce(p)
+    assert [str(i) for i in got.ranks[0]] == [
+        "F s0 m0", "F s1 m0", "B s1 m0", "REDUCE s1 data", "B s0 m0", "REDUCE s0 data",
+    ]  # fmt: skip
+
+
+def test_reduce_sums_chimera_replicas() -> None:
+    p = projected(microbatches=4, **CHIMERA)  # type: ignore[arg-type]
+    got = add_reduce(p)
+    # every stage: its own reduce; then one replica reduce per stage at the end, ordered by owner
+    assert [str(i) for i in got.ranks[0]][-2:] == ["REDUCE s0 replica:0", "REDUCE s3 replica:1"]
+    assert [str(i) for i in got.ranks[1]][-2:] == ["REDUCE s2 replica:0", "REDUCE s1 replica:1"]
+    assert sum(i.op is Op.REDUCE for r in got.ranks for i in r) == 8
+    lowered = add_communication(got)
+    check(lowered)
+    # choosing one replica chooses its replica set
+    one = add_reduce(p, stages=[2])
+    assert {str(i) for r in one.ranks for i in r if i.op is Op.REDUCE} == {
+        "REDUCE s0 data", "REDUCE s2 data", "REDUCE s0 replica:0", "REDUCE s2 replica:0",
+    }  # fmt: skip
+
+
+def test_reduce_errors() -> None:
+    with pytest.raises(InvalidArgument, match="group='no spaces'"):
+        add_reduce(gpipe(1, 1), group="no spaces")
+    with pytest.raises(InvalidArgument, match="eval"):
+        add_reduce(projected(placement=(0,), microbatches=1, training=False))
+    same_rank = Program(
+        ranks=[
+            [forward(0, 0), forward(1, 1), backward(1, 1), backward(0, 0)],
+            [forward(2, 2), backward(2, 2)],
+        ],
+        placement=(0, 0, 1),
+        microbatches=3,
+        edges=(),
+        entries=(0, 1, 2),
+        replica_of=(0, 0, 0),
+    )
+    # one replica REDUCE per rank, naming the lowest replica it holds (same-rank ones sum first)
+    got = add_reduce(same_rank)
+    assert [str(i) for i in got.ranks[0]][-1:] == ["REDUCE s0 replica:0"]
+    assert [str(i) for i in got.ranks[1]][-1:] == ["REDUCE s2 replica:0"]
+    assert sum(str(i) == "REDUCE s1 replica:0" for r in got.ranks for i in r) == 0
+    assert add_reduce(got) == got
+    missing = parse_program("placement 0\nmicrobatches 1\nrank 0: F s0 m0")
+    with pytest.raises(ScheduleError, match="stage 0 has no B or W on rank 0"):
+        add_reduce(missing)
+
+
+# ------------------------------------------------------------------ strip / lower
+def test_strip_removes_all_communication() -> None:
+    p = gpipe(3, 2)
+    lowered = lower(p, split=True, reduce=True, recompute=[1])
+    assert not strip_communication(lowered).lowered
+    assert strip_communication(lowered) == add_recompute(split_backward(p), stages=[1])
+    assert strip_communication(p) == p
+
+
+def test_lower_composes_in_order() -> None:
+    p = one_f_one_b(4, 8)
+    assert lower(p) == add_communication(p)
+    got = lower(p, split=[3], recompute=[0], reduce="data")
+    want = add_communication(add_reduce(add_recompute(split_backward(p, stages=[3]), stages=[0])))
+    assert got == want
+    check(got)
+    assert lower(p, split=False, reduce=False) == add_communication(p)
+    with pytest.raises(InvalidArgument, match="reduce=3"):
+        lower(p, reduce=3)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ random programs (hypothesis)
+@st.composite
+def random_programs(draw: st.DrawFn) -> Program:
+    """Sound compute-only programs over random stage graphs, placements and entries.
+
+    One or two components (two: a Chimera-like second pipeline with its own entry). Each component
+    is a DAG with one source in which every other stage has a producer, so a microbatch visits the
+    whole component.
+    """
+    sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=2))
+    edges: list[tuple[int, int]] = []
+    sources = []
+    base = 0
+    for size in sizes:
+        sources.append(base)
+        for s in range(base + 1, base + size):
+            producers = draw(st.sets(st.integers(base, s - 1), min_size=1, max_size=2))
+            edges += [(a, s) for a in producers]
+        base += size
+    n = base
+    n_ranks = draw(st.integers(1, min(n, 4)))
+    placement = tuple(draw(st.lists(st.integers(0, n_ranks - 1), min_size=n, max_size=n)))
+    placement = tuple(r % (max(placement) + 1) for r in placement)
+    microbatches = draw(st.integers(1, 4))
+    entries = tuple(draw(st.sampled_from(sources)) for _ in range(microbatches))
+    training = draw(st.booleans())
+    split = frozenset(draw(st.sets(st.integers(0, n - 1)))) if training else frozenset()
+    return projected(
+        placement=placement,
+        microbatches=microbatches,
+        edges=tuple(edges),
+        entries=entries,
+        training=training,
+        split=split,
+        rng=random.Random(draw(st.integers(0, 2**16))),
+    )
+
+
+@given(random_programs(), st.sampled_from([0.0, 0.5, 3.0]))
+def test_lowering_random_programs(program: Program, comm: float) -> None:
+    lowered = add_communication(program)
+    assert_lowered_well(program, lowered)
+    assert add_communication(lowered) is lowered
+    # RECVs as late as possible cost nothing: every compute instruction runs at the same time
+    costs = Costs(f=1.0, b=2.0, w=1.0, comm=comm)
+    before, after = simulate(program, costs), simulate(lowered, costs)
+    assert before.makespan == after.makespan
+
+    def spans(tl):  # type: ignore[no-untyped-def]
+        return {
+            e.instr: (e.start, e.end) for r in tl.events for e in r if e.instr.op not in COMM_OPS
+        }
+
+    assert spans(before) == spans(after)
+
+
+@given(random_programs(), st.data())
+def test_passes_commute_with_lowering_on_random_programs(
+    program: Program, data: st.DataObject
+) -> None:
+    if not program.training:
+        return
+    stages = data.draw(st.sets(st.integers(0, program.n_stages - 1)))
+    lowered = add_communication(program)
+    assert merge_backward(split_backward(program)) == merge_backward(program)
+    assert split_backward(lowered, stages=stages) == add_communication(
+        split_backward(program, stages=stages)
+    )
+    assert add_recompute(lowered, stages=stages) == add_communication(
+        add_recompute(program, stages=stages)
+    )
+    assert add_reduce(lowered, stages=stages) == add_communication(
+        add_reduce(program, stages=stages)
+    )
+    full = lower(program, split=stages, recompute=stages)
+    check(full)
+    assert full == add_communication(
+        add_recompute(split_backward(program, stages=stages), stages=stages)
+    )
+    reduced = lower(program, split=stages, recompute=stages, reduce="data")
+    assert strip_communication(reduced) == strip_communication(full)
+
+
+def test_messages_lists_each_cross_rank_edge_once_per_visit() -> None:
+    p = projected(microbatches=2, **SKIP)  # type: ignore[arg-type]
+    got = messages(p)
+    assert len(got) == 3 * 2 * 2
+    assert ((ACT, (0, 2), 1), 0, 2) in got
+    assert ((GRAD, (0, 2), 1), 2, 0) in got
+    assert send(ACT, (0, 2), 1, 2) in add_communication(p).ranks[0]
+    assert recv(GRAD, (0, 2), 1, 2) in add_communication(p).ranks[0]
+    assert recompute(0, 0).op is Op.R
