@@ -4,15 +4,20 @@ Stages are pure functions ``stage(params, *inputs) -> outputs`` over explicit pa
 parameters, gradients and optimizer state are values that go in and come out.
 """
 
+from funcpipe import schedule
 from funcpipe.errors import (
+    CommunicationError,
     FuncpipeError,
     InvalidArgument,
+    RankFailed,
     ScheduleError,
     ShapeInferenceError,
     ShapeInferenceWarning,
 )
+from funcpipe.launch import Pool, launch
 from funcpipe.microbatch import merge, microbatch_sizes, split
 from funcpipe.partition import Partition, partition
+from funcpipe.pipeline import Pipeline, StepResult
 from funcpipe.reference import reference_step
 from funcpipe.shapes import StageSpec, TensorSpec, infer_specs
 from funcpipe.stage import Stage, as_inputs, compose, from_module
@@ -20,23 +25,30 @@ from funcpipe.stage import Stage, as_inputs, compose, from_module
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommunicationError",
     "FuncpipeError",
     "InvalidArgument",
     "Partition",
+    "Pipeline",
+    "Pool",
+    "RankFailed",
     "ScheduleError",
     "ShapeInferenceError",
     "ShapeInferenceWarning",
     "Stage",
     "StageSpec",
+    "StepResult",
     "TensorSpec",
     "__version__",
     "as_inputs",
     "compose",
     "from_module",
     "infer_specs",
+    "launch",
     "merge",
     "microbatch_sizes",
     "partition",
     "reference_step",
+    "schedule",
     "split",
 ]

@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "CommunicationError",
     "FuncpipeError",
     "InvalidArgument",
+    "RankFailed",
     "ScheduleError",
     "ShapeInferenceError",
     "ShapeInferenceWarning",
@@ -58,3 +60,19 @@ class ShapeInferenceError(FuncpipeError):
 
 class ShapeInferenceWarning(UserWarning):
     """Shape inference had to leave the meta device (it ran a stage on real tensors)."""
+
+
+class CommunicationError(FuncpipeError):
+    """A message or collective between ranks failed (a peer died, or shapes disagreed)."""
+
+
+class RankFailed(FuncpipeError):
+    """Another rank failed; ``rank`` names it and ``cause`` is its error, as text.
+
+    Raised on the ranks that were waiting for the failed one, and by the launcher.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.cause = cause

@@ -70,8 +70,10 @@ class Stage:
         if not isinstance(self.name, str):
             raise InvalidArgument(f"Stage name must be a str; got name={self.name!r}.")
 
-    def __call__(self, params: Any, *inputs: Any) -> Any:
-        return self.fn(params, *inputs)
+    def __call__(self, params: Any, *inputs: Any, **side: Any) -> Any:
+        """``fn(params, *inputs, **side)``; ``side`` holds the batch fields the stage declared
+        as side inputs (see :class:`funcpipe.Pipeline`)."""
+        return self.fn(params, *inputs, **side)
 
     def map_consts(self, f: ConstFn) -> Stage:
         """A stage whose captured constant tensors (e.g. module buffers) are mapped by ``f``.
@@ -100,7 +102,7 @@ class _ModuleFn:
         self.buffers = dict(buffers)
         self.param_names = frozenset(name for name, _ in module.named_parameters())
 
-    def __call__(self, params: Any, *inputs: Any) -> Any:
+    def __call__(self, params: Any, *inputs: Any, **side: Any) -> Any:
         if not isinstance(params, Mapping):
             raise InvalidArgument(
                 f"a module stage takes params as a dict of parameter name -> tensor; got "
@@ -115,7 +117,7 @@ class _ModuleFn:
                 f"{type(self.module).__name__}; missing={missing!r}, unexpected={unexpected!r}. "
                 "Use the params dict returned with this stage (from_module / partition)."
             )
-        return torch.func.functional_call(self.module, (dict(params), self.buffers), inputs)
+        return torch.func.functional_call(self.module, (dict(params), self.buffers), inputs, side)
 
     def map_consts(self, f: ConstFn) -> _ModuleFn:
         return _ModuleFn(self.module, {name: f(b) for name, b in self.buffers.items()})
@@ -141,7 +143,7 @@ class _Composed:
         self.layers = tuple(layers)
         self.keys = frozenset(key for _, key in self.layers)
 
-    def __call__(self, params: Any, *inputs: Any) -> Any:
+    def __call__(self, params: Any, *inputs: Any, **side: Any) -> Any:
         if not isinstance(params, Mapping) or set(params) != self.keys:
             got = sorted(params) if isinstance(params, Mapping) else type(params).__name__
             raise InvalidArgument(
@@ -150,7 +152,7 @@ class _Composed:
             )
         outputs: Any = None
         for i, (layer, key) in enumerate(self.layers):
-            outputs = layer(params[key], *inputs)
+            outputs = layer(params[key], *inputs, **side)  # side inputs reach every layer
             if i + 1 < len(self.layers):
                 inputs = as_inputs(outputs)
         return outputs

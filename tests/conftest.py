@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -27,3 +29,32 @@ torch.set_num_threads(1)
 def _seed() -> Iterator[None]:
     torch.manual_seed(0)
     yield
+
+
+# ------------------------------------------------------------------------------ process pools
+# Starting gloo processes costs seconds on two cores, so each pool size is started once per test
+# session and reused. Jobs are module-level functions in tests/jobs_*.py (importable in the
+# workers because the repository root is put on their path). A job that fails stops its pool;
+# the next request for that size starts a fresh one.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+_POOLS: dict[int, Any] = {}
+
+
+def get_pool(size: int) -> Any:
+    from funcpipe.launch import Pool
+
+    pool = _POOLS.get(size)
+    if pool is None or pool.closed:
+        pool = _POOLS[size] = Pool(size, timeout=120, paths=[ROOT])
+    return pool
+
+
+@pytest.fixture(scope="session")
+def pool() -> Iterator[Callable[[int], Any]]:
+    """``pool(n)``: a started group of ``n`` gloo processes (``.run(fn, *args)``)."""
+    yield get_pool
+    for p in _POOLS.values():
+        p.close()

@@ -1,0 +1,102 @@
+"""Schedules as data: instructions, programs, generators, passes, checker, simulator, pictures.
+
+Nothing here touches ``torch.distributed``: a schedule can be generated, checked, simulated and
+drawn without a process group.
+"""
+
+from funcpipe.schedule.check import check
+from funcpipe.schedule.generators import (
+    CONSTRAINTS,
+    GENERATORS,
+    chimera,
+    dualpipe_v,
+    forward_only,
+    generate,
+    gpipe,
+    interleaved_1f1b,
+    looped_bfs,
+    one_f_one_b,
+    placement_loop,
+    placement_v,
+    to_eval,
+    zb_h1,
+    zb_h2,
+    zbv,
+)
+from funcpipe.schedule.interop import read_csv, write_csv
+from funcpipe.schedule.ir import (
+    Instr,
+    Op,
+    Program,
+    backward,
+    backward_input,
+    backward_weight,
+    forward,
+    parse_instr,
+    parse_program,
+    recompute,
+    recv,
+    reduce,
+    send,
+)
+from funcpipe.schedule.passes import (
+    add_communication,
+    add_recompute,
+    add_reduce,
+    lower,
+    merge_backward,
+    split_backward,
+    strip_communication,
+)
+from funcpipe.schedule.render import ascii_timeline, chrome_trace, draw_timeline, write_chrome_trace
+from funcpipe.schedule.simulate import Costs, Event, Timeline, simulate
+
+__all__ = [
+    "CONSTRAINTS",
+    "GENERATORS",
+    "Costs",
+    "Event",
+    "Instr",
+    "Op",
+    "Program",
+    "Timeline",
+    "add_communication",
+    "add_recompute",
+    "add_reduce",
+    "ascii_timeline",
+    "backward",
+    "backward_input",
+    "backward_weight",
+    "check",
+    "chimera",
+    "chrome_trace",
+    "draw_timeline",
+    "dualpipe_v",
+    "forward",
+    "forward_only",
+    "generate",
+    "gpipe",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "lower",
+    "merge_backward",
+    "one_f_one_b",
+    "parse_instr",
+    "parse_program",
+    "placement_loop",
+    "placement_v",
+    "read_csv",
+    "recompute",
+    "recv",
+    "reduce",
+    "send",
+    "simulate",
+    "split_backward",
+    "strip_communication",
+    "to_eval",
+    "write_chrome_trace",
+    "write_csv",
+    "zb_h1",
+    "zb_h2",
+    "zbv",
+]

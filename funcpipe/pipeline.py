@@ -1,0 +1,615 @@
+"""The user-facing step: stages + schedule + loss -> (loss, grads).
+
+:class:`Pipeline` lowers and checks the program once, infers the shapes crossing stages for each
+new microbatch shape, and runs the interpreter on every rank: all in this process
+(``transport="local"``, the default without a process group) or one rank per process over
+``torch.distributed`` (``transport="dist"``). ``step`` is pure: params and batch in, loss and a
+fresh gradient pytree out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from funcpipe.errors import CommunicationError, InvalidArgument
+from funcpipe.microbatch import split
+from funcpipe.runtime.interpreter import RankInputs, RankResult, run_rank
+from funcpipe.runtime.plan import Layout, infer_layout, signature
+from funcpipe.runtime.transport import DistTransport, Handle, LocalWorld, Transport
+from funcpipe.schedule.check import check, in_program
+from funcpipe.schedule.ir import Op, Program, reduce
+from funcpipe.schedule.passes import add_communication, add_recompute, add_reduce
+from funcpipe.stage import Stage, as_inputs
+from funcpipe.tree import check_tensor_tree, tree_flatten, tree_unflatten
+
+__all__ = ["Pipeline", "StepResult"]
+
+Tensor = torch.Tensor
+TiePath = tuple[int, Any]  # (stage, key or dotted path or tuple of keys)
+
+
+class StepResult(tuple[Any, Any]):
+    """``(loss, grads)``, with ``.metric`` and ``.outputs`` when they were asked for."""
+
+    loss: Tensor | None
+    grads: tuple[Any, ...]
+    metric: Tensor | None
+    outputs: Any
+
+    def __new__(
+        cls,
+        loss: Tensor | None,
+        grads: tuple[Any, ...],
+        metric: Tensor | None = None,
+        outputs: Any = None,
+    ) -> StepResult:
+        self = super().__new__(cls, (loss, grads))
+        self.loss, self.grads, self.metric, self.outputs = loss, grads, metric, outputs
+        return self
+
+    def __repr__(self) -> str:
+        return f"StepResult(loss={self.loss!r}, metric={self.metric!r}, grads=<{len(self.grads)} stages>)"
+
+
+def _diff(t: Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _drive_local(gens: Mapping[int, Generator[Handle, None, RankResult]]) -> dict[int, RankResult]:
+    """Run every rank's generator in this thread, switching ranks whenever one has to wait."""
+    waiting: dict[int, Handle | None] = dict.fromkeys(gens)
+    results: dict[int, RankResult] = {}
+    while len(results) < len(gens):
+        progressed = False
+        for r, gen in gens.items():
+            if r in results:
+                continue
+            h = waiting[r]
+            if h is not None and not h.ready():
+                continue
+            progressed = True
+            try:
+                waiting[r] = next(gen)
+            except StopIteration as stop:
+                results[r] = stop.value
+        if not progressed:
+            blocked = sorted(r for r in gens if r not in results)
+            raise CommunicationError(
+                f"ranks {blocked} all wait for data that no rank will send (a deadlock the "
+                "checker did not see; please report this with the program)"
+            )
+    return results
+
+
+def _drive(gen: Generator[Handle, None, RankResult]) -> RankResult:
+    try:
+        h = next(gen)
+        while True:
+            h.wait()
+            h = gen.send(None)
+    except StopIteration as stop:
+        return stop.value
+
+
+def _resolve(params: Any, path: Any, where: str) -> int:
+    """Index among the flattened leaves of ``params`` of the leaf at ``path``."""
+    node = params
+    keys: Sequence[Any]
+    if isinstance(path, tuple):
+        keys = path
+    elif isinstance(params, Mapping) and path in params:
+        keys = (path,)
+    elif isinstance(path, str):
+        keys = path.split(".")
+    else:
+        keys = (path,)
+    try:
+        for k in keys:
+            node = node[k] if not isinstance(node, (list, tuple)) else node[int(k)]
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise InvalidArgument(
+            f"{where}: path {path!r} does not name a leaf of that stage's params"
+        ) from None
+    leaves, _ = tree_flatten(params)
+    for i, leaf in enumerate(leaves):
+        if leaf is node:
+            return i
+    raise InvalidArgument(f"{where}: path {path!r} names a subtree, not one tensor")
+
+
+class Pipeline:
+    """Run a schedule over stages: ``step(params, batch, targets) -> (loss, grads)``.
+
+    Args:
+        stages: one :class:`~funcpipe.Stage` per model stage (for Chimera, per logical stage).
+        schedule: a :class:`~funcpipe.schedule.Program`, compute-only or lowered.
+        loss_fn: ``loss_fn(outputs, targets) -> scalar`` (or ``loss_fn(outputs)`` when no targets
+            are passed), run where the last stage runs. The step's loss is the mean over
+            microbatches of this value.
+        metric_fn: like ``loss_fn``, not differentiated; its mean over microbatches is returned
+            as ``result.metric``.
+        ties: ``{"name": [(stage, path), (stage, path), ...]}``: parameters that are one and the
+            same. The first listed value is used for all of them and their gradients are summed.
+        side_inputs: ``{stage: ["mask", ...]}``: fields of the batch (then a dict) passed to that
+            stage as keyword arguments, split into microbatches like the batch.
+        inputs: with ``side_inputs``, the batch key fed to the first stage (default ``"inputs"``).
+        recompute: ``True`` or a list of stages whose activations are recomputed before backward.
+        data: in-process data parallelism: the number of pipeline replicas (``transport="local"``).
+        dim: the batch dimension (int, or a pytree of ints matching the batch).
+        transport: ``"local"`` (every rank in this process) or ``"dist"`` (this process is one
+            rank; ``torch.distributed`` must be initialised). Default: ``"dist"`` when a process
+            group exists and has as many ranks as the program, else ``"local"``.
+            With ``"dist"`` the world holds ``k`` copies of the program (data parallelism):
+            world rank ``g`` runs program rank ``g % ranks`` of copy ``g // ranks``.
+        device: where received tensors are placed (default: where the params are).
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        schedule: Program,
+        *,
+        loss_fn: Callable[..., Tensor] | None = None,
+        metric_fn: Callable[..., Tensor] | None = None,
+        ties: Mapping[str, Sequence[TiePath]] | None = None,
+        side_inputs: Mapping[int, Sequence[str]] | None = None,
+        inputs: str = "inputs",
+        recompute: bool | Sequence[int] = False,
+        data: int = 1,
+        dim: Any = 0,
+        transport: str | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.stages = tuple(stages)
+        for k, s in enumerate(self.stages):
+            if not isinstance(s, Stage):
+                raise InvalidArgument(
+                    f"stages[{k}]={s!r}: pass funcpipe.Stage objects (see from_module)"
+                )
+        if not isinstance(schedule, Program):
+            raise InvalidArgument(
+                f"schedule={schedule!r}: pass a funcpipe.schedule.Program, e.g. "
+                "generate('1f1b', ranks=2, microbatches=4)"
+            )
+        owners = schedule.replica_of or tuple(range(schedule.n_stages))
+        if sorted(set(owners)) != list(range(len(self.stages))):
+            raise InvalidArgument(
+                f"the schedule has {len(set(owners))} model stage(s) but {len(self.stages)} stage(s) "
+                "were given; partition the model into as many stages as the schedule places"
+            )
+        for name, fn in (("loss_fn", loss_fn), ("metric_fn", metric_fn)):
+            if fn is not None and not callable(fn):
+                raise InvalidArgument(f"{name}={fn!r} must be callable")
+        if schedule.training and loss_fn is None:
+            raise InvalidArgument(
+                "a training schedule needs loss_fn (the backward starts at the loss); pass "
+                "loss_fn=..., or use an eval schedule (to_eval(program)) for forward only"
+            )
+        if not isinstance(data, int) or data < 1:
+            raise InvalidArgument(
+                f"data={data!r}: the number of data-parallel replicas, an int >= 1"
+            )
+        self.loss_fn, self.metric_fn, self.dim, self.inputs = loss_fn, metric_fn, dim, inputs
+        self.side_inputs = {int(s): tuple(v) for s, v in (side_inputs or {}).items()}
+        for k in self.side_inputs:
+            if not 0 <= k < schedule.n_stages:
+                raise InvalidArgument(
+                    f"side_inputs names stage {k}; the program has stages 0..{schedule.n_stages - 1}"
+                )
+        self.ties = {str(k): list(v) for k, v in (ties or {}).items()}
+        for name, members in self.ties.items():
+            if len(members) < 2 or any(not (isinstance(m, tuple) and len(m) == 2) for m in members):
+                raise InvalidArgument(
+                    f"ties[{name!r}]={members!r}: list at least two (stage, path) pairs"
+                )
+            for st, _ in members:
+                if not (isinstance(st, int) and 0 <= st < len(self.stages)):
+                    raise InvalidArgument(
+                        f"ties[{name!r}] names stage {st!r}; stages are 0..{len(self.stages) - 1}"
+                    )
+        self.data = data
+        self.device = torch.device(device) if device is not None else None
+        if transport is None:
+            import torch.distributed as dist
+
+            on = dist.is_available() and dist.is_initialized()
+            transport = "dist" if on else "local"
+        if transport not in ("local", "dist"):
+            raise InvalidArgument(f"transport={transport!r}: use 'local' or 'dist'")
+        self.transport = transport
+        self._n_ranks = schedule.n_ranks
+        if transport == "dist" and data != 1:
+            raise InvalidArgument(
+                "data= is for transport='local'; with 'dist' the data-parallel size is the world "
+                "size divided by the program's ranks"
+            )
+        self.program = self._lower(
+            schedule, recompute, data_parallel=data > 1 or self._dist_copies() > 1
+        )
+        self.recompute = frozenset(i.stage for r in self.program.ranks for i in r if i.op is Op.R)
+        self._layouts: dict[Any, Layout] = {}
+        if transport == "dist":
+            self._setup_dist()
+
+    # ------------------------------------------------------------------ program
+    def _lower(
+        self, schedule: Program, recompute: bool | Sequence[int], *, data_parallel: bool
+    ) -> Program:
+        p = schedule
+        if p.lowered:
+            check(p)
+            return p
+        if recompute and p.training:
+            stages = range(p.n_stages) if recompute is True else recompute
+            p = add_recompute(p, stages=stages)
+        # ties first: their sums complete the tied leaves, which the replica sums then skip
+        if p.training and self.ties:
+            p = _add_tie_reduce(p, self.ties)
+        if p.training and (data_parallel or len(set(p.replica_of or ())) < p.n_stages):
+            p = add_reduce(p, group="data")  # also adds the replica sums (Chimera)
+        p = add_communication(p)
+        check(p)
+        return p
+
+    def _dist_copies(self) -> int:
+        if self.transport != "dist":
+            return 1
+        import torch.distributed as dist
+
+        return max(1, dist.get_world_size() // self._n_ranks)
+
+    def _setup_dist(self) -> None:
+        """Process groups for this program on a world of ``data x ranks`` processes.
+
+        World rank ``g`` runs program rank ``g % ranks`` of pipeline copy ``g // ranks``; the
+        copies are the data-parallel replicas. Every process creates every group (torch requires
+        it), so all of them must build the same Pipeline.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise InvalidArgument(
+                "transport='dist' needs torch.distributed initialised (use funcpipe.launch, "
+                "or torchrun and dist.init_process_group)"
+            )
+        world, me = dist.get_world_size(), dist.get_rank()
+        n = self.program.n_ranks
+        if world % n:
+            raise InvalidArgument(
+                f"the world has {world} processes but the program has {n} ranks; the world size "
+                f"must be a multiple of {n} (data-parallel copies x {n})"
+            )
+        copies = world // n
+        copy, self.rank = divmod(me, n)
+        self.pipe_ranks = [copy * n + r for r in range(n)]
+
+        def subgroups(lists: list[list[int]]) -> Any:
+            mine, _ = dist.new_subgroups_by_enumeration(lists)
+            return mine
+
+        groups: dict[str, Any] = {}
+        names = sorted({i.group for r in self.program.ranks for i in r if i.op is Op.REDUCE})
+        for name in names:
+            if not in_program(name):  # over the data-parallel copies of this rank
+                groups[name] = subgroups([[d * n + r for d in range(copies)] for r in range(n)])
+                continue
+            members = sorted(
+                {
+                    r
+                    for r, instrs in enumerate(self.program.ranks)
+                    for i in instrs
+                    if i.group == name
+                }
+            )
+            pg = subgroups([[d * n + r for r in members] for d in range(copies)])
+            if self.rank in members and len(members) > 1:
+                groups[name] = pg
+        self.pipe_group = subgroups([[d * n + r for r in range(n)] for d in range(copies)])
+        self.data_size = copies
+        from funcpipe.launch import failure_handler
+
+        self._transport: Transport = DistTransport(
+            self.rank, self.pipe_ranks, groups=groups, on_error=failure_handler()
+        )
+
+    # ------------------------------------------------------------------ step
+    def step(
+        self,
+        params: Sequence[Any],
+        batch: Any,
+        targets: Any = None,
+        *,
+        return_outputs: bool = False,
+    ) -> StepResult:
+        """One training step (or one evaluation, for an eval program): ``(loss, grads)``.
+
+        ``params[k]`` is stage k's params pytree; with ``transport="dist"`` the stages this rank
+        does not hold may be meta tensors (only their shapes are read). ``grads`` has the same
+        structure, with ``None`` for stages this rank does not hold. ``loss`` (and ``metric``) is
+        the mean over microbatches, on every rank.
+        """
+        params = self._check_params(params)
+        program = self.program
+        m = program.microbatches
+        if self.transport == "local":
+            shards = split(batch, self.data, dim=self.dim) if self.data > 1 else [batch]
+            tshards = (
+                split(targets, self.data, dim=0)
+                if (targets is not None and self.data > 1)
+                else [targets] * self.data
+            )
+            world = LocalWorld(program.n_ranks * self.data, groups=self._local_groups())
+            gens = {}
+            for d in range(self.data):
+                entry, side, tgt, layouts = self._microbatches(params, shards[d], tshards[d])
+                for r in range(program.n_ranks):
+                    x = self._rank_inputs(r, params, entry, side, tgt, layouts, return_outputs)
+                    ranks = [d * program.n_ranks + k for k in range(program.n_ranks)]
+                    gens[ranks[r]] = run_rank(x, world.transport(r, ranks))
+            results = _drive_local(gens)
+            per_rank = [results[r] for r in range(program.n_ranks)]  # replica 0 answers
+            loss = self._sum(
+                [
+                    r.loss_sum
+                    for d in range(self.data)
+                    for r in [results[d * program.n_ranks + k] for k in range(program.n_ranks)]
+                ]
+            )
+            metric = self._sum([r.metric_sum for r in results.values()])
+            scale = 1.0 / (m * self.data)
+            grads = self._grads(params, per_rank)
+            outputs = self._outputs(per_rank) if return_outputs else None
+            return StepResult(
+                None if loss is None else loss * scale,
+                grads,
+                None if metric is None else metric * scale,
+                outputs,
+            )
+        entry, side, tgt, layouts = self._microbatches(params, batch, targets)
+        x = self._rank_inputs(self.rank, params, entry, side, tgt, layouts, return_outputs)
+        x.data_size = self.data_size
+        result = _drive(run_rank(x, self._transport))
+        loss, metric = self._dist_scalars(result)
+        grads = self._grads(params, [result])
+        outputs = self._outputs([result]) if return_outputs else None
+        return StepResult(loss, grads, metric, outputs)
+
+    def __call__(
+        self, params: Sequence[Any], batch: Any, targets: Any = None, **kw: Any
+    ) -> StepResult:
+        return self.step(params, batch, targets, **kw)
+
+    # ------------------------------------------------------------------ pieces
+    def _check_params(self, params: Sequence[Any]) -> tuple[Any, ...]:
+        if not isinstance(params, (tuple, list)) or len(params) != len(self.stages):
+            raise InvalidArgument(
+                f"params must be a tuple with one pytree per stage ({len(self.stages)}); got "
+                f"{type(params).__name__}"
+                + (f" of length {len(params)}" if isinstance(params, (tuple, list)) else "")
+            )
+        for k, p in enumerate(params):
+            check_tensor_tree(p, name=f"params[{k}]")
+        params = tuple(params)
+        if self.ties and self.transport == "local":
+            params = self._tie_values(params)
+        return params
+
+    def _tie_values(self, params: tuple[Any, ...]) -> tuple[Any, ...]:
+        out = list(params)
+        for name, members in self.ties.items():
+            (s0, path0), rest = members[0], members[1:]
+            leaves0, _ = tree_flatten(out[s0])
+            value = leaves0[_resolve(out[s0], path0, f"ties[{name!r}]")]
+            for s, path in rest:
+                leaves, tree = tree_flatten(out[s])
+                k = _resolve(out[s], path, f"ties[{name!r}]")
+                if leaves[k].shape != value.shape or leaves[k].dtype != value.dtype:
+                    raise InvalidArgument(
+                        f"ties[{name!r}]: stage {s} {path!r} is {leaves[k].dtype}{list(leaves[k].shape)} "
+                        f"but stage {s0} {path0!r} is {value.dtype}{list(value.shape)}; tied "
+                        "parameters must have one shape and dtype"
+                    )
+                leaves[k] = value
+                out[s] = tree_unflatten(tree, leaves)
+        return tuple(out)
+
+    def _local_groups(self) -> dict[str, list[list[int]]]:
+        p, n = self.program, self.program.n_ranks
+        groups: dict[str, list[list[int]]] = {}
+        names = {i.group for r in p.ranks for i in r if i.op is Op.REDUCE}
+        for name in names:
+            if name == "data":
+                groups[name] = [[d * n + r for d in range(self.data)] for r in range(n)]
+            else:
+                members = sorted(
+                    {r for r, instrs in enumerate(p.ranks) for i in instrs if i.group == name}
+                )
+                groups[name] = [[d * n + r for r in members] for d in range(self.data)]
+        return groups
+
+    def _microbatches(
+        self, params: tuple[Any, ...], batch: Any, targets: Any
+    ) -> tuple[
+        list[tuple[Any, ...]], list[dict[int, dict[str, Any]]], list[Any] | None, list[Layout]
+    ]:
+        m = self.program.microbatches
+        if self.side_inputs:
+            if not isinstance(batch, Mapping) or self.inputs not in batch:
+                raise InvalidArgument(
+                    f"with side_inputs the batch must be a dict holding the first stage's input "
+                    f"under {self.inputs!r}; got {type(batch).__name__}"
+                    + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else "")
+                )
+            needed = {k for names in self.side_inputs.values() for k in names}
+            missing = sorted(needed - set(batch))
+            if missing:
+                raise InvalidArgument(
+                    f"side_inputs need batch keys {missing} that the batch lacks (it has {sorted(batch)})"
+                )
+            pieces = split({k: batch[k] for k in (needed | {self.inputs})}, m, dim=self.dim)
+            entry = [as_inputs(pc[self.inputs]) for pc in pieces]
+            side = [
+                {s: {k: pc[k] for k in names} for s, names in self.side_inputs.items()}
+                for pc in pieces
+            ]
+        else:
+            entry = [as_inputs(pc) for pc in split(batch, m, dim=self.dim)]
+            side = [{} for _ in range(m)]
+        tgt = split(targets, m, dim=0) if targets is not None else None
+        layouts = []
+        full = self._full_stages()
+        fparams = [params[o] for o in (self.program.replica_of or range(self.program.n_stages))]
+        for k in range(m):
+            key = (signature(entry[k]), signature(side[k]))
+            if key not in self._layouts:
+                self._layouts[key] = infer_layout(self.program, full, fparams, entry[k], side[k])
+            layouts.append(self._layouts[key])
+        return entry, side, tgt, layouts
+
+    def _full_stages(self) -> list[Stage]:
+        return [self.stages[o] for o in (self.program.replica_of or range(self.program.n_stages))]
+
+    def _rank_inputs(
+        self,
+        rank: int,
+        params: tuple[Any, ...],
+        entry: list[tuple[Any, ...]],
+        side: list[dict[int, dict[str, Any]]],
+        tgt: list[Any] | None,
+        layouts: list[Layout],
+        keep: bool,
+    ) -> RankInputs:
+        p = self.program
+        owners = p.replica_of or tuple(range(p.n_stages))
+        local = p.stages_on(rank)
+        prm: dict[int, tuple[list[Tensor], Any]] = {}
+        for s in local:
+            o = owners[s]
+            if o not in prm:
+                leaves, tree = tree_flatten(params[o])
+                if any(t.is_meta for t in leaves):
+                    raise InvalidArgument(
+                        f"params[{o}] is on the meta device but rank {rank} runs stage {s}"
+                    )
+                prm[o] = (
+                    [t.detach().requires_grad_(_diff(t) and p.training) for t in leaves],
+                    tree,
+                )
+        device = self.device
+        if device is None:
+            first = next((ls[0] for ls, _ in prm.values() if ls), None)
+            device = first.device if first is not None else torch.device("cpu")
+        ties: dict[str, list[tuple[int, int]]] = {}
+        for name, members in self.ties.items():
+            ties[name] = [(s, _resolve(params[s], path, f"ties[{name!r}]")) for s, path in members]
+        return RankInputs(
+            program=p,
+            rank=rank,
+            stages={s: self.stages[owners[s]] for s in local},
+            params=prm,
+            entry=entry,
+            side=side,
+            targets=tgt,
+            layouts=layouts,
+            loss_fn=self.loss_fn,
+            metric_fn=self.metric_fn,
+            recompute=self.recompute,
+            keep_outputs=keep,
+            device=device,
+            ties=ties,
+            data_size=self.data,
+        )
+
+    @staticmethod
+    def _sum(values: Sequence[Tensor | None]) -> Tensor | None:
+        got = [v for v in values if v is not None]
+        if not got:
+            return None
+        total = got[0]
+        for v in got[1:]:
+            total = total + v
+        return total
+
+    def _grads(self, params: tuple[Any, ...], results: Sequence[RankResult]) -> tuple[Any, ...]:
+        if not self.program.training:
+            return tuple(None for _ in params)
+        found: dict[int, list[Tensor]] = {}
+        for res in results:
+            for o, g in res.grads.items():
+                found.setdefault(o, g)
+        out = []
+        for o, prm in enumerate(params):
+            if o in found:
+                _, tree = tree_flatten(prm)
+                out.append(tree_unflatten(tree, found[o]))
+            else:
+                out.append(None)
+        return tuple(out)
+
+    def _outputs(self, results: Sequence[RankResult]) -> Any:
+        from funcpipe.microbatch import merge
+
+        by_mb: dict[int, Any] = {}
+        for res in results:
+            by_mb.update(res.outputs)
+        if len(by_mb) < self.program.microbatches:
+            return None
+        return merge([by_mb[k] for k in range(self.program.microbatches)], dim=0)
+
+    def _dist_scalars(self, result: RankResult) -> tuple[Tensor | None, Tensor | None]:
+        import torch.distributed as dist
+
+        has_loss = self.loss_fn is not None
+        has_metric = self.metric_fn is not None
+        if not (has_loss or has_metric):
+            return None, None
+        dev = self._transport_device()
+        buf = torch.zeros(3, dtype=torch.float64, device=dev)
+        if result.loss_sum is not None:
+            buf[0] = result.loss_sum.detach().to(torch.float64)
+            buf[2] = 1
+        if result.metric_sum is not None:
+            buf[1] = result.metric_sum.detach().to(torch.float64)
+        try:
+            dist.all_reduce(buf)  # over every rank of every copy: the loss of the whole batch
+        except RuntimeError as e:
+            from funcpipe.launch import failure_handler
+
+            raise failure_handler()(e, f"rank {self.rank}: loss all-reduce") from e
+        m = self.program.microbatches * self.data_size
+        loss = buf[0] / m if (has_loss and buf[2] > 0) else None
+        metric = buf[1] / m if (has_metric and buf[2] > 0) else None
+        return loss, metric
+
+    def _transport_device(self) -> torch.device:
+        import torch.distributed as dist
+
+        if self.device is not None:
+            return self.device
+        backend = dist.get_backend(self.pipe_group)
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
+
+
+def _add_tie_reduce(program: Program, ties: Mapping[str, Sequence[TiePath]]) -> Program:
+    """One ``REDUCE s tie:name`` per rank holding a tied stage, at the end of that rank, in name
+    order (every rank meets its tie groups in the same order). The interpreter sums the tied
+    gradients of all the rank's stages in the tie before the collective."""
+    owners = program.replica_of or tuple(range(program.n_stages))
+    ranks = [list(r) for r in program.ranks]
+    for name in sorted(ties):
+        stages = {s for s, _ in ties[name]}
+        held: dict[int, int] = {}
+        for slot, o in enumerate(owners):
+            if o in stages:
+                r = program.placement[slot]
+                held[r] = max(held.get(r, slot), slot)
+        for r, slot in sorted(held.items()):
+            ranks[r].append(reduce(slot, f"tie:{name}"))
+    return program.replace(ranks=tuple(tuple(r) for r in ranks))

@@ -1,0 +1,302 @@
+"""Forward that keeps what backward needs; backward whole (B) or split into input (I) and weight (W).
+
+A stage call is differentiated on torch's autograd graph, but gradients are returned as values
+(``torch.autograd.grad``), never accumulated into ``.grad``.
+
+The split works without doing the backward twice. ``I`` runs the backward to the stage inputs only;
+on the way it records, at every graph node where a parameter-only branch joins the path to the
+inputs, the gradient arriving at that node. ``W`` then starts from exactly those nodes with those
+gradients and runs only the parameter branches. Outputs that depend on parameters alone (no path
+to an input) are kept for ``W`` too. ``B`` is one backward to inputs and parameters at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["Saved", "backward", "backward_input", "backward_weight", "forward", "recompute"]
+
+Tensor = torch.Tensor
+FlatFn = Callable[[Sequence[Tensor], Sequence[Tensor]], Sequence[Tensor]]
+
+
+def _differentiable(t: Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+@dataclass
+class Saved:
+    """What F keeps for one (stage, microbatch) until its backward is done."""
+
+    inputs: list[Tensor]  # flat stage inputs (differentiable ones are leaves requiring grad)
+    outputs: list[Tensor] | None  # flat outputs still attached to the graph (None: recompute)
+    rng: tuple[Tensor, ...] | None = None  # RNG state at F, replayed by recompute
+    # filled by backward_input for backward_weight: groups of roots, one backward call each
+    roots: list[list[_Root]] = field(default_factory=list)
+    direct: list[tuple[int, Tensor]] = field(default_factory=list)  # outputs that are params
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, ...]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return tuple(states)
+
+
+def _set_rng_state(states: tuple[Tensor, ...], device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda" and len(states) > 1:
+        torch.cuda.set_rng_state(states[1], device)
+
+
+def forward(
+    fn: FlatFn,
+    params: Sequence[Tensor],
+    inputs: Sequence[Tensor],
+    *,
+    keep: bool = True,
+) -> tuple[list[Tensor], Saved]:
+    """Run ``fn(params, inputs) -> outputs`` (flat tensor lists).
+
+    ``params`` must be leaves that require grad (created once per step). ``inputs`` are detached
+    here and the floating ones made leaves requiring grad, so a stage's backward stops at its own
+    inputs. With ``keep=False`` (recomputation) the forward runs without a graph and only the
+    inputs and the RNG state are kept; :func:`recompute` rebuilds the graph before the backward.
+    Returns the outputs detached from the graph and the saved state.
+    """
+    leaves = [t.detach().requires_grad_(_differentiable(t)) for t in inputs]
+    if keep:
+        outputs = list(fn(params, leaves))
+        return [o.detach() for o in outputs], Saved(leaves, outputs)
+    device = leaves[0].device if leaves else torch.device("cpu")
+    rng = _rng_state(device)
+    with torch.no_grad():
+        outputs = list(fn(params, leaves))
+    return outputs, Saved(leaves, None, rng=rng)
+
+
+def recompute(fn: FlatFn, params: Sequence[Tensor], saved: Saved) -> None:
+    """Rebuild the graph of a forward run with ``keep=False`` (same RNG stream as the first run)."""
+    if saved.outputs is not None:
+        return
+    device = saved.inputs[0].device if saved.inputs else torch.device("cpu")
+    current = _rng_state(device)
+    if saved.rng is not None:
+        _set_rng_state(saved.rng, device)
+    try:
+        saved.outputs = list(fn(params, saved.inputs))
+    finally:
+        _set_rng_state(current, device)
+
+
+def _pairs(
+    outputs: Sequence[Tensor], grads: Sequence[Tensor | None]
+) -> tuple[list[Tensor], list[Tensor]]:
+    outs, gs = [], []
+    for o, g in zip(outputs, grads, strict=True):
+        if g is not None and o.requires_grad:
+            outs.append(o)
+            gs.append(g)
+    return outs, gs
+
+
+def _grad(
+    outputs: Sequence[Tensor],
+    wrt: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    *,
+    retain: bool,
+) -> list[Tensor]:
+    """Gradients of ``outputs`` w.r.t. ``wrt`` (zeros where unused); empty work returns zeros."""
+    need = [i for i, t in enumerate(wrt) if t.requires_grad]
+    result = [torch.zeros_like(t) for t in wrt]
+    if not outputs or not need:
+        return result
+    got = torch.autograd.grad(
+        list(outputs), [wrt[i] for i in need], list(grads), retain_graph=retain, allow_unused=True
+    )
+    for i, g in zip(need, got, strict=True):
+        if g is not None:
+            result[i] = g
+    return result
+
+
+def backward(
+    saved: Saved, params: Sequence[Tensor], grad_outputs: Sequence[Tensor | None]
+) -> tuple[list[Tensor], list[Tensor]]:
+    """B: input and parameter gradients in one backward. Frees the graph."""
+    if saved.outputs is None:
+        raise RuntimeError("backward before recompute: the forward kept no graph")
+    outs, gs = _pairs(saved.outputs, grad_outputs)
+    wrt = [*saved.inputs, *params]
+    got = _grad(outs, wrt, gs, retain=False)
+    saved.outputs = None
+    return got[: len(saved.inputs)], got[len(saved.inputs) :]
+
+
+def _input_closure(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> set[Node]:
+    """The graph nodes from which some stage input is reachable (the path of I)."""
+    targets = {get_gradient_edge(t).node for t in inputs if t.requires_grad}
+    reaches: dict[Node, bool] = {}
+    stack: list[tuple[Node, bool]] = [(o.grad_fn, False) for o in outputs if o.grad_fn is not None]
+    while stack:
+        node, expanded = stack.pop()
+        if node in reaches and not expanded:
+            continue
+        if not expanded:
+            if node in targets:
+                reaches[node] = True
+                continue
+            reaches[node] = False  # provisional: marks "in progress" (the graph is acyclic)
+            stack.append((node, True))
+            stack.extend(
+                (n, False) for n, _ in node.next_functions if n is not None and n not in reaches
+            )
+        else:
+            reaches[node] = any(
+                reaches.get(n, False) for n, _ in node.next_functions if n is not None
+            )
+    return {n for n, r in reaches.items() if r}
+
+
+def _param_reach(node: Node, closure: set[Node], params: dict[Node, int]) -> set[int]:
+    """Indices of the parameters reachable from ``node`` without re-entering the input path."""
+    found: set[int] = set()
+    seen: set[Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in params:
+            found.add(params[n])
+            continue
+        for m, _ in n.next_functions:
+            if m is not None and m not in closure and m not in seen:
+                seen.add(m)
+                stack.append(m)
+    return found
+
+
+def backward_input(
+    saved: Saved, params: Sequence[Tensor], grad_outputs: Sequence[Tensor | None]
+) -> list[Tensor]:
+    """I: input gradients only; records what :func:`backward_weight` starts from."""
+    if saved.outputs is None:
+        raise RuntimeError("backward_input before recompute: the forward kept no graph")
+    outs, gs = _pairs(saved.outputs, grad_outputs)
+    closure = _input_closure(outs, saved.inputs)
+    param_nodes = {get_gradient_edge(p).node: i for i, p in enumerate(params) if p.requires_grad}
+    # join nodes: on the input path, with a branch leaving it towards parameters
+    joins: dict[Node, set[int]] = {}
+    for n in closure:
+        reach: set[int] = set()
+        for m, _ in n.next_functions:
+            if m is not None and m not in closure:
+                reach |= _param_reach(m, closure, param_nodes)
+        if reach:
+            joins[n] = reach
+    captured: dict[Node, tuple[Tensor | None, ...]] = {}
+    handles = [n.register_prehook(_capture(captured, n)) for n in joins]
+    try:
+        grads_in = _grad(outs, saved.inputs, gs, retain=True)
+    finally:
+        for h in handles:
+            h.remove()
+    roots: list[_Root] = []
+    for node, node_grads in captured.items():
+        edges = [(GradientEdge(node, k), g) for k, g in enumerate(node_grads) if g is not None]
+        if edges:
+            roots.append(_Root(node, edges, joins[node]))
+    for o, g in zip(outs, gs, strict=True):  # outputs that depend on parameters only
+        if o.grad_fn is not None and o.grad_fn not in closure:
+            reach = _param_reach(o.grad_fn, closure, param_nodes)
+            if reach:
+                roots.append(_Root(None, [(get_gradient_edge(o), g)], reach))
+        elif o.grad_fn is None:
+            for k, prm in enumerate(params):
+                if prm is o:  # the stage returns a parameter itself: its gradient is g
+                    saved.direct.append((k, g))
+    saved.roots = _group(roots)
+    saved.outputs = None  # W needs only the recorded roots (they keep their branches alive)
+    return grads_in
+
+
+@dataclass
+class _Root:
+    """Where W starts: a join node (or a parameter-only output) with the gradient I saw there."""
+
+    node: Node | None
+    edges: list[tuple[GradientEdge, Tensor]]
+    params: set[int]
+
+
+def _group(roots: list[_Root]) -> list[list[_Root]]:
+    """Roots whose parameter sets overlap run in one backward call (tied uses within a stage)."""
+    groups: list[tuple[set[int], list[_Root]]] = []
+    for root in roots:
+        merged = [g for g in groups if g[0] & root.params]
+        params, members = set(root.params), [root]
+        for g in merged:
+            params |= g[0]
+            members += g[1]
+            groups.remove(g)
+        groups.append((params, members))
+    return [members for _, members in groups]
+
+
+def _capture(store: dict[Node, tuple[Tensor | None, ...]], node: Node) -> Callable[..., None]:
+    def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+        store[node] = tuple(grad_outputs)
+
+    return hook
+
+
+def _clamp(grads: tuple[Tensor | None, ...]) -> Callable[..., tuple[Tensor | None, ...]]:
+    def hook(grad_outputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+        return grads
+
+    return hook
+
+
+def backward_weight(saved: Saved, params: Sequence[Tensor]) -> list[Tensor]:
+    """W: parameter gradients from what :func:`backward_input` recorded. Frees the graph.
+
+    One backward call per group of join nodes sharing parameters; each call asks only for its
+    group's parameters, so the engine runs just their branches. Within a group (a parameter used
+    at several places of the stage) the engine may pass through one join on the way from another:
+    a pre-hook pins each join's incoming gradient to what I recorded, so nothing counts twice.
+    """
+    result: list[Tensor | None] = [None] * len(params)
+    for group in saved.roots:
+        idx = sorted(set().union(*(r.params for r in group)))
+        outs = [e for r in group for e, _ in r.edges]
+        gs = [g for r in group for _, g in r.edges]
+        handles = []
+        if len(group) > 1:
+            for r in group:
+                if r.node is not None:
+                    pinned: list[Tensor | None] = [None] * (
+                        max(e.output_nr for e, _ in r.edges) + 1
+                    )
+                    for e, g in r.edges:
+                        pinned[e.output_nr] = g
+                    handles.append(r.node.register_prehook(_clamp(tuple(pinned))))
+        try:
+            got = torch.autograd.grad(
+                outs, [params[i] for i in idx], gs, retain_graph=True, allow_unused=True
+            )
+        finally:
+            for h in handles:
+                h.remove()
+        for i, g in zip(idx, got, strict=True):
+            if g is not None:
+                prev = result[i]
+                result[i] = g if prev is None else prev + g
+    for k, g in saved.direct:
+        prev = result[k]
+        result[k] = g if prev is None else prev + g
+    saved.roots, saved.direct = [], []
+    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, result, strict=True)]

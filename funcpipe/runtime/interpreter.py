@@ -1,0 +1,420 @@
+"""The interpreter: one rank runs its instructions of a lowered program.
+
+One loop serves every schedule. The rank's work is a generator: it yields a :class:`Handle`
+whenever it has to wait (a receive, a collective); the driver decides how to wait. Over
+``torch.distributed`` the driver blocks on the handle; in one process the driver switches to
+another rank, so all ranks of a program run deterministically in one thread.
+
+State lives only for one step: activations are freed as soon as their last backward use is done,
+weight gradients are returned as a fresh pytree, nothing is accumulated across steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from funcpipe.errors import InvalidArgument
+from funcpipe.runtime import autodiff
+from funcpipe.runtime.plan import Layout, OutputSpec, rebuild
+from funcpipe.runtime.transport import Handle, Transport
+from funcpipe.schedule.check import in_program
+from funcpipe.schedule.ir import ACT, Instr, Op, Program
+from funcpipe.stage import Stage, as_inputs
+from funcpipe.tree import PyTreeSpec, tree_flatten, tree_unflatten
+
+__all__ = ["RankInputs", "RankResult", "run_rank"]
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class RankInputs:
+    """Everything one rank needs for one step (built by :class:`funcpipe.Pipeline`)."""
+
+    program: Program
+    rank: int
+    stages: Mapping[int, Stage]  # program stage -> function (replicas resolved)
+    params: Mapping[int, tuple[list[Tensor], PyTreeSpec]]  # owner stage -> (leaves, tree)
+    entry: Sequence[tuple[Any, ...]]  # per microbatch: entry stage positional inputs
+    side: Sequence[Mapping[int, Mapping[str, Any]]]  # per microbatch: stage -> keyword inputs
+    targets: Sequence[Any] | None  # per microbatch, or None
+    layouts: Sequence[Layout]  # per microbatch: stage -> output specs
+    loss_fn: Callable[..., Tensor] | None
+    metric_fn: Callable[..., Tensor] | None = None
+    recompute: frozenset[int] = frozenset()
+    keep_outputs: bool = False
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    ties: Mapping[str, Sequence[tuple[int, int]]] = field(
+        default_factory=dict
+    )  # name -> (owner, leaf)
+    data_size: int = 1
+
+
+@dataclass
+class RankResult:
+    loss_sum: Tensor | None = None  # sum over this rank's sink microbatches of the loss
+    metric_sum: Tensor | None = None
+    grads: dict[int, list[Tensor]] = field(default_factory=dict)  # owner stage -> flat grads
+    outputs: dict[int, Any] = field(default_factory=dict)  # microbatch -> sink outputs
+
+
+def _wait(handle: Handle) -> Generator[Handle, None, None]:
+    if not handle.ready():
+        yield handle
+        handle.wait()
+
+
+class _Pending:
+    """A reduction in flight and what to do once it is complete (exactly once)."""
+
+    def __init__(self, handle: Handle, done: Callable[[], None]) -> None:
+        self.handle, self.done, self.finished = handle, done, False
+
+    def finish(self) -> Generator[Handle, None, None]:
+        if not self.finished:
+            yield from _wait(self.handle)
+            self.done()
+            self.finished = True
+
+
+class _Rank:
+    def __init__(self, x: RankInputs, transport: Transport) -> None:
+        self.x = x
+        self.t = transport
+        p = x.program
+        self.p = p
+        self.owner = p.replica_of or tuple(range(p.n_stages))
+        self.m = p.microbatches
+        self.scale = 1.0 / self.m
+        self.acts: dict[tuple[int, int, int], list[Tensor]] = {}  # (producer, consumer, mb)
+        self.to_send: dict[tuple[str, int, int, int], list[Tensor]] = {}  # (kind, p, c, mb)
+        self.out_grads: dict[tuple[int, int], list[Tensor | None]] = {}  # (stage, mb)
+        self.saved: dict[tuple[int, int], tuple[autodiff.Saved, Callable[..., Any]]] = {}
+        self.result = RankResult()
+        self.reductions: list[_Pending] = []
+        self.inflight: dict[int, list[_Pending]] = {}
+        self.tied = {key for keys in x.ties.values() for key in keys}
+        self.grads: dict[int, list[Tensor | None]] = {}
+        for s in p.stages_on(x.rank):
+            o = self.owner[s]
+            self.grads.setdefault(o, [None] * len(x.params[o][0]))
+
+    # ------------------------------------------------------------------ helpers
+    def spec(self, s: int, m: int) -> OutputSpec:
+        return self.x.layouts[m][s]
+
+    def _flat_fn(
+        self, s: int, m: int
+    ) -> Callable[[Sequence[Tensor], Sequence[Tensor]], list[Tensor]]:
+        x, p = self.x, self.p
+        stage = x.stages[s]
+        _, ptree = x.params[self.owner[s]]
+        producers = p.producers(s)
+        kwargs = x.side[m].get(s, {})
+        sink = not p.consumers(s)
+        want = self.spec(s, m)
+        target = x.targets[m] if (sink and x.targets is not None) else None
+        entry_tree = tree_flatten(x.entry[m])[1] if not producers else None
+
+        def fn(params: Sequence[Tensor], leaves: Sequence[Tensor]) -> list[Tensor]:
+            ptree_value = tree_unflatten(ptree, list(params))
+            if entry_tree is not None:
+                args = tree_unflatten(entry_tree, list(leaves))
+            else:
+                args, k = [], 0
+                for q in producers:
+                    n = len(self.spec(q, m).leaves)
+                    args.extend(as_inputs(rebuild(self.spec(q, m), leaves[k : k + n])))
+                    k += n
+                args = tuple(args)
+            out = stage(ptree_value, *args, **kwargs)
+            flat, tree = tree_flatten(out)
+            if tree != want.tree or len(flat) != len(want.leaves):
+                raise InvalidArgument(
+                    f"stage {s} ({stage.name!r}) returned outputs of structure {tree} for "
+                    f"microbatch {m}, but shape inference saw {want.tree}; a stage must return "
+                    "the same structure for inputs of the same shapes"
+                )
+            if sink and x.loss_fn is not None and (target is not None or p.training):
+                loss = x.loss_fn(out, target) if target is not None else x.loss_fn(out)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise InvalidArgument(
+                        f"loss_fn must return a scalar tensor; got {type(loss).__name__}"
+                        + (
+                            f" of shape {tuple(loss.shape)}"
+                            if isinstance(loss, torch.Tensor)
+                            else ""
+                        )
+                    )
+                extra = []
+                if x.metric_fn is not None:
+                    with torch.no_grad():
+                        mv = x.metric_fn(out, target) if target is not None else x.metric_fn(out)
+                    extra = [torch.as_tensor(mv, dtype=torch.float64).detach().reshape(())]
+                return [loss.reshape(()), *extra, *flat]
+            return list(flat)
+
+        return fn
+
+    def _inputs(self, s: int, m: int) -> list[Tensor]:
+        producers = self.p.producers(s)
+        if not producers:
+            return tree_flatten(self.x.entry[m])[0]
+        leaves: list[Tensor] = []
+        for q in producers:
+            leaves.extend(self.acts.pop((q, s, m)))
+        return leaves
+
+    def _params(self, s: int) -> list[Tensor]:
+        return self.x.params[self.owner[s]][0]
+
+    def _sink_extras(self) -> int:
+        return 1 + (1 if self.x.metric_fn is not None else 0)
+
+    def _route_outputs(self, s: int, m: int, flat: list[Tensor]) -> None:
+        x, p = self.x, self.p
+        if not p.consumers(s):
+            if x.loss_fn is not None and len(flat) > len(self.spec(s, m).leaves):
+                loss = flat[0].detach()
+                self.result.loss_sum = (
+                    loss if self.result.loss_sum is None else self.result.loss_sum + loss
+                )
+                if x.metric_fn is not None:
+                    mv = flat[1]
+                    self.result.metric_sum = (
+                        mv if self.result.metric_sum is None else self.result.metric_sum + mv
+                    )
+                flat = flat[self._sink_extras() :]
+            if x.keep_outputs:
+                self.result.outputs[m] = rebuild(self.spec(s, m), [t.detach() for t in flat])
+            return
+        for c in p.consumers(s):
+            if p.placement[c] == x.rank:
+                self.acts[(s, c, m)] = flat
+            else:
+                self.to_send[(ACT, s, c, m)] = flat
+
+    def _route_input_grads(self, s: int, m: int, grads: list[Tensor]) -> None:
+        p = self.p
+        k = 0
+        for q in p.producers(s):
+            spec = self.spec(q, m)
+            part = grads[k : k + len(spec.leaves)]
+            k += len(spec.leaves)
+            if p.placement[q] == self.x.rank:
+                self._add_out_grads(q, m, part)
+            else:
+                self.to_send[("grad", q, s, m)] = [part[i] for i in spec.differentiable]
+
+    def _add_out_grads(self, s: int, m: int, grads: Sequence[Tensor | None]) -> None:
+        have = self.out_grads.get((s, m))
+        if have is None:
+            self.out_grads[(s, m)] = list(grads)
+            return
+        for i, g in enumerate(grads):
+            if g is not None:
+                prev = have[i]
+                have[i] = g if prev is None else prev + g
+
+    def _grad_outputs(self, s: int, m: int) -> list[Tensor | None]:
+        if not self.p.consumers(s):
+            n_out = len(self.spec(s, m).leaves)
+            if self.x.loss_fn is None:
+                raise InvalidArgument(
+                    "training needs a loss_fn: the last stage's backward starts at the loss"
+                )
+            loss = self.saved[(s, m)][0].outputs
+            if not loss:
+                raise RuntimeError(f"backward of stage {s} microbatch {m} has no graph")
+            seed = torch.full_like(loss[0], self.scale)
+            extras: list[Tensor | None] = [None] * (self._sink_extras() - 1)
+            return [seed, *extras, *([None] * n_out)]
+        return self.out_grads.pop((s, m), [None] * len(self.spec(s, m).leaves))
+
+    def _accumulate(self, s: int, grads: list[Tensor]) -> None:
+        acc = self.grads[self.owner[s]]
+        for i, g in enumerate(grads):
+            prev = acc[i]
+            acc[i] = g if prev is None else prev + g
+
+    # ------------------------------------------------------------------ instructions
+    def forward(self, i: Instr) -> None:
+        s, m = i.stage, i.microbatch
+        fn = self._flat_fn(s, m)
+        leaves = self._inputs(s, m)
+        if self.p.training:
+            needs = bool(self.p.producers(s))
+            if not needs:
+                leaves = [t.detach() for t in leaves]  # the batch needs no gradient
+            out, saved = autodiff.forward(
+                fn, self._params(s), leaves, keep=s not in self.x.recompute
+            )
+            if not needs:
+                for t in saved.inputs:
+                    t.requires_grad_(False)
+            self.saved[(s, m)] = (saved, fn)
+        else:
+            with torch.no_grad():
+                out = fn(self._params(s), leaves)
+        self._route_outputs(s, m, out)
+
+    def recompute(self, i: Instr) -> None:
+        saved, fn = self.saved[(i.stage, i.microbatch)]
+        autodiff.recompute(fn, self._params(i.stage), saved)
+
+    def backward(self, i: Instr) -> None:
+        s, m = i.stage, i.microbatch
+        grad_outputs = self._grad_outputs(s, m)
+        saved, _ = self.saved.pop((s, m))
+        gin, gp = autodiff.backward(saved, self._params(s), grad_outputs)
+        self._accumulate(s, gp)
+        self._route_input_grads(s, m, gin)
+
+    def backward_input(self, i: Instr) -> None:
+        s, m = i.stage, i.microbatch
+        saved, _ = self.saved[(s, m)]
+        gin = autodiff.backward_input(saved, self._params(s), self._grad_outputs(s, m))
+        self._route_input_grads(s, m, gin)
+
+    def backward_weight(self, i: Instr) -> None:
+        s, m = i.stage, i.microbatch
+        saved, _ = self.saved.pop((s, m))
+        self._accumulate(s, autodiff.backward_weight(saved, self._params(s)))
+
+    def send(self, i: Instr) -> None:
+        a, b = i.edge
+        self.t.send(self.to_send.pop((i.kind, a, b, i.microbatch)), i.peer)
+
+    def recv(self, i: Instr) -> tuple[Handle, Callable[[], None] | None]:
+        """Post the receive; the callback (for gradients) runs once the data is in."""
+        a, b = i.edge
+        m = i.microbatch
+        spec = self.spec(a, m)
+        dev = self.x.device
+        if i.kind == ACT:
+            bufs = [torch.empty(t.shape, dtype=t.dtype, device=dev) for t in spec.leaves]
+            self.acts[(a, b, m)] = bufs
+            return self.t.recv(bufs, i.peer), None
+        leaves = spec.leaves
+        bufs = [
+            torch.empty(leaves[k].shape, dtype=leaves[k].dtype, device=dev)
+            for k in spec.differentiable
+        ]
+        full: list[Tensor | None] = [None] * len(leaves)
+        for k, buf in zip(spec.differentiable, bufs, strict=True):
+            full[k] = buf
+        return self.t.recv(bufs, i.peer), lambda: self._add_out_grads(a, m, full)
+
+    def reduce(self, i: Instr) -> None:
+        """Start REDUCE ``i.group`` over this rank's gradients of ``i.stage`` (asynchronously).
+
+        ``tie:NAME`` sums the tied parameters' gradients of all this rank's stages first, then
+        over the tie's ranks, and hands the total to every tied leaf. ``replica:O`` sums the
+        replicas of stage O (already summed on this rank, they share one accumulator), minus the
+        tied leaves, which their tie reduction completes. Any other group averages over the
+        data-parallel copies of the program.
+        """
+        x = self.x
+        group = i.group
+        if group.startswith("tie:"):
+            local = [(o, k) for o, k in x.ties.get(group[4:], ()) if o in self.grads]
+            total = self._grad_leaf(local[0])
+            for key in local[1:]:
+                total = total + self._grad_leaf(key)
+
+            def assign(local: list[tuple[int, int]] = local, total: Tensor = total) -> None:
+                for o, k in local:
+                    self.grads[o][k] = total
+
+            self._reduce([total], group, assign, {o for o, _ in local})
+            return
+        owner = self.owner[i.stage]
+        keys = [
+            k
+            for k in range(len(self.grads[owner]))
+            if not (group.startswith("replica:") and (owner, k) in self.tied)
+        ]
+        leaves = [self._grad_leaf((owner, k)) for k in keys]
+        diff = [t for t in leaves if t.is_floating_point() or t.is_complex()]
+        if in_program(group) or x.data_size == 1:
+            self._reduce(diff, group, lambda: None, {owner})
+            return
+        scale = 1.0 / x.data_size
+
+        def average(diff: list[Tensor] = diff) -> None:
+            for t in diff:
+                t.mul_(scale)
+
+        self._reduce(diff, group, average, {owner})
+
+    def _grad_leaf(self, key: tuple[int, int]) -> Tensor:
+        o, k = key
+        g = self.grads[o][k]
+        if g is None:
+            g = self.grads[o][k] = torch.zeros_like(self.x.params[o][0][k])
+        elif g._base is not None or not g.is_contiguous():
+            g = self.grads[o][k] = g.contiguous().clone()
+        return g
+
+    def _reduce(
+        self, tensors: list[Tensor], group: str, done: Callable[[], None], owners: set[int]
+    ) -> None:
+        pending = _Pending(self.t.all_reduce(tensors, group), done)
+        self.reductions.append(pending)
+        for o in owners:
+            self.inflight.setdefault(o, []).append(pending)
+
+    def _settle(self, owners: Sequence[int]) -> Generator[Handle, None, None]:
+        """Finish the reductions in flight over these owners' gradients before they change."""
+        for o in owners:
+            for pending in self.inflight.pop(o, ()):
+                yield from pending.finish()
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> Generator[Handle, None, RankResult]:
+        x = self.x
+        for i in self.p.ranks[x.rank]:
+            op = i.op
+            if op is Op.F:
+                self.forward(i)
+            elif op is Op.B:
+                if self.inflight:
+                    yield from self._settle([self.owner[i.stage]])
+                self.backward(i)
+            elif op is Op.I:
+                self.backward_input(i)
+            elif op is Op.W:
+                if self.inflight:
+                    yield from self._settle([self.owner[i.stage]])
+                self.backward_weight(i)
+            elif op is Op.SEND:
+                self.send(i)
+            elif op is Op.RECV:
+                h, then = self.recv(i)
+                yield from _wait(h)
+                if then is not None:
+                    then()
+            elif op is Op.R:
+                self.recompute(i)
+            elif op is Op.REDUCE:
+                if self.inflight:  # a tie or replica sum reads what earlier reductions wrote
+                    yield from self._settle(list(self.inflight))
+                self.reduce(i)
+        for pending in self.reductions:
+            yield from pending.finish()
+        self.t.finish()
+        for o, acc in self.grads.items():
+            params = x.params[o][0]
+            self.result.grads[o] = [
+                torch.zeros_like(p) if g is None else g for p, g in zip(params, acc, strict=True)
+            ]
+        return self.result
+
+
+def run_rank(x: RankInputs, transport: Transport) -> Generator[Handle, None, RankResult]:
+    """The rank's work as a generator of waits; its return value is the :class:`RankResult`."""
+    return _Rank(x, transport).run()

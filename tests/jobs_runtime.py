@@ -1,0 +1,218 @@
+"""Models, references and pool jobs shared by the runtime tests (importable by pool workers)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import funcpipe as fp
+from funcpipe.microbatch import split
+from funcpipe.pipeline import Pipeline
+from funcpipe.schedule.generators import generate
+from funcpipe.schedule.ir import Program
+from funcpipe.stage import Stage, as_inputs
+from funcpipe.testing import assert_trees_close
+
+D = 6  # width of the toy models
+F64 = torch.float64
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def accuracy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out.argmax(-1) == y.argmax(-1)).double().mean()
+
+
+def _first(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ params["E"] + params["b"])
+
+
+def _middle(params: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(h @ params["W"] + params["b"])
+
+
+def _last(params: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    return h @ params["E"].T  # tied with the first stage's E when ties are declared
+
+
+def toy(
+    n: int, *, seed: int = 0, tied: bool = False
+) -> tuple[list[Stage], list[dict[str, torch.Tensor]]]:
+    """``n`` function stages over width D; with ``tied`` the first and last use an ``E`` each."""
+    g = torch.Generator().manual_seed(seed)
+
+    def t(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, dtype=F64) / shape[0] ** 0.5).requires_grad_(False)
+
+    stages: list[Stage] = []
+    params: list[dict[str, torch.Tensor]] = []
+    for k in range(n):
+        if tied and n > 1 and k == 0:
+            stages.append(Stage(_first, name="first"))
+            params.append({"E": t(D, D), "b": t(D)})
+        elif tied and n > 1 and k == n - 1:
+            stages.append(Stage(_last, name="last"))
+            params.append({"E": params[0]["E"].clone()})
+        else:
+            stages.append(Stage(_middle, name=f"mid{k}"))
+            params.append({"W": t(D, D), "b": t(D)})
+    return stages, params
+
+
+def data(batch: int, *, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, D, generator=g, dtype=F64), torch.randn(
+        batch, D, generator=g, dtype=F64
+    )
+
+
+def tied_reference(
+    stages: Sequence[Stage],
+    params: Sequence[Any],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    m: int,
+    ties: dict[str, list[tuple[int, str]]] | None,
+) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """reference_step, with the gradients of tied parameters summed (one parameter used twice)."""
+    loss, grads = fp.reference_step(stages, params, x, mse, targets=y, microbatches=m)
+    grads = [dict(g) for g in grads]
+    for members in (ties or {}).values():
+        total = sum(grads[s][k] for s, k in members)
+        for s, k in members:
+            grads[s][k] = total
+    return loss, tuple(grads)
+
+
+def graph_reference(
+    program: Program,
+    stages: Sequence[Stage],
+    params: Sequence[Any],
+    batch: dict[str, torch.Tensor],
+    y: torch.Tensor,
+    side_inputs: dict[int, list[str]],
+    loss_fn: Callable[..., torch.Tensor] = mse,
+) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """Plain autograd over a stage graph with side inputs, microbatch by microbatch."""
+    m = program.microbatches
+    leaves = [fp.tree.tree_map(lambda t: t.detach().requires_grad_(), p) for p in params]
+    flat = [t for p in leaves for t in fp.tree.tree_leaves(p)]
+    grads = [torch.zeros_like(t) for t in flat]
+    total = torch.zeros((), dtype=F64)
+    mbs, ys = split(batch, m), split(y, m)
+    for mb, ym in zip(mbs, ys, strict=True):
+        outs: dict[int, Any] = {}
+        for s in range(program.n_stages):
+            prods = program.producers(s)
+            args = (
+                as_inputs(mb["inputs"])
+                if not prods
+                else tuple(a for p in prods for a in as_inputs(outs[p]))
+            )
+            kw = {k: mb[k] for k in side_inputs.get(s, [])}
+            outs[s] = stages[s](leaves[s], *args, **kw)
+        loss = loss_fn(outs[program.n_stages - 1], ym)
+        total = total + loss.detach()
+        for k, g in enumerate(torch.autograd.grad(loss / m, flat, allow_unused=True)):
+            if g is not None:
+                grads[k] = grads[k] + g
+    out, k = [], 0
+    for p in params:
+        ls, tree = fp.tree.tree_flatten(p)
+        out.append(fp.tree.tree_unflatten(tree, grads[k : k + len(ls)]))
+        k += len(ls)
+    return total / m, tuple(out)
+
+
+def run_pipeline_vs_reference(
+    rank: int,
+    name: str,
+    ranks: int,
+    microbatches: int,
+    batches: Sequence[int],
+    *,
+    recompute: bool = False,
+    tied: bool = False,
+    chunks: int | None = None,
+    split_all: bool = False,
+) -> float:
+    """Train-step ``batches`` (sizes) through ``name`` and compare with the reference; returns
+    the largest difference seen (the caller asserts). Runs on 'dist' inside a pool, else 'local'."""
+    program = generate(name, ranks=ranks, microbatches=microbatches, chunks=chunks)
+    if split_all:
+        from funcpipe.schedule.passes import split_backward
+
+        program = split_backward(program)
+    n = len(set(program.replica_of or ()))
+    stages, params = toy(n, tied=tied)
+    ties = {"E": [(0, "E"), (n - 1, "E")]} if tied and n > 1 else None
+    pipe = Pipeline(stages, program, loss_fn=mse, ties=ties, recompute=recompute)
+    worst = 0.0
+    for b, size in enumerate(batches):
+        x, y = data(size, seed=b + 1)
+        loss, grads = pipe.step(params, x, y)
+        ref_loss, ref_grads = tied_reference(stages, params, x, y, microbatches, ties)
+        assert_trees_close(loss, ref_loss)
+        local = tuple(g if g is not None else r for g, r in zip(grads, ref_grads, strict=True))
+        assert_trees_close(local, ref_grads)
+        worst = max(worst, float((loss - ref_loss).abs()))
+    return worst
+
+
+def raise_in_step(rank: int, bad_rank: int, where: str) -> str:
+    """A 2-rank 1F1B step where ``bad_rank`` raises in its forward or backward (a stage fn that
+    raises at the right moment)."""
+    program = generate("1f1b", ranks=2, microbatches=4)
+    stages, params = toy(2)
+    calls = {"n": 0}
+
+    def bad(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if where == "forward" and calls["n"] == 3:
+            raise ValueError(f"injected failure in the forward of rank {rank}")
+        out = _middle(p, h)
+        if where == "backward" and out.requires_grad:
+
+            def hook(g: torch.Tensor) -> torch.Tensor:
+                raise ValueError(f"injected failure in the backward of rank {rank}")
+
+            out.register_hook(hook)
+        return out
+
+    if rank == bad_rank:
+        stages[rank] = Stage(bad, name="bad")
+    pipe = Pipeline(stages, program, loss_fn=mse)
+    x, y = data(8)
+    pipe.step(params, x, y)
+    return "finished"
+
+
+def data_parallel_vs_reference(rank: int, name: str, ranks: int, microbatches: int) -> float:
+    """World = copies x ranks; each copy trains on its contiguous share of the batch."""
+    import torch.distributed as dist
+
+    program = generate(name, ranks=ranks, microbatches=microbatches)
+    stages, params = toy(ranks)
+    copies = dist.get_world_size() // ranks
+    pipe = Pipeline(stages, program, loss_fn=mse)
+    x, y = data(4 * copies)
+    copy = rank // ranks
+    shard = slice(copy * 4, (copy + 1) * 4)
+    loss, grads = pipe.step(params, x[shard], y[shard])
+    ref_loss, ref_grads = fp.reference_step(
+        stages, params, x, mse, targets=y, microbatches=microbatches * copies
+    )
+    local = tuple(g if g is not None else r for g, r in zip(grads, ref_grads, strict=True))
+    assert_trees_close(local, ref_grads)
+    assert_trees_close(loss, ref_loss)  # the loss of the whole batch, on every rank
+    return float(
+        max(
+            (a - b).abs().max()
+            for g, r in zip(local, ref_grads, strict=True)
+            for a, b in zip(g.values(), r.values(), strict=True)
+        )
+    )

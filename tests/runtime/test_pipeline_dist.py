@@ -1,0 +1,62 @@
+"""The same programs over real gloo processes (a pool started once per session)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from funcpipe.errors import RankFailed
+from tests import jobs_runtime
+
+NAMES = [
+    "gpipe",
+    "1f1b",
+    "interleaved",
+    "looped-bfs",
+    "zb-h1",
+    "zb-h2",
+    "zbv",
+    "dualpipev",
+    "chimera",
+]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", NAMES)
+def test_every_schedule_on_two_gloo_ranks(pool, name: str) -> None:
+    worst = pool(2).run(
+        jobs_runtime.run_pipeline_vs_reference,
+        name,
+        2,
+        5,
+        [11, 6],
+        tied=True,
+        recompute=name == "1f1b",
+    )
+    assert max(worst) < 1e-10
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "zb-h1", "zbv", "dualpipev", "chimera"])
+def test_main_schedules_on_four_gloo_ranks(pool, name: str) -> None:
+    worst = pool(4).run(jobs_runtime.run_pipeline_vs_reference, name, 4, 8, [16, 9], tied=True)
+    assert max(worst) < 1e-10
+
+
+@pytest.mark.timeout(180)
+def test_data_parallel_over_gloo(pool) -> None:
+    """Four processes, a 2-rank program: two data-parallel copies averaging their gradients."""
+    worst = pool(4).run(jobs_runtime.data_parallel_vs_reference, "1f1b", 2, 2)
+    assert max(worst) < 1e-10
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_rank_that_raises_is_named_by_everyone(pool, where: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 1") as info:
+        pool(2).run(jobs_runtime.raise_in_step, 1, where)
+    assert info.value.rank == 1
+    assert "injected failure" in str(info.value)
+    assert time.monotonic() - start < 30

@@ -1,0 +1,215 @@
+"""Every schedule, run with all ranks in this process, against the single-device reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import funcpipe as fp
+from funcpipe.errors import InvalidArgument
+from funcpipe.pipeline import Pipeline
+from funcpipe.schedule.generators import forward_only, generate, to_eval
+from funcpipe.schedule.ir import chain
+from funcpipe.stage import Stage
+from funcpipe.testing import assert_trees_close
+from tests.jobs_runtime import (
+    F64,
+    D,
+    accuracy,
+    data,
+    graph_reference,
+    mse,
+    run_pipeline_vs_reference,
+    toy,
+)
+
+NAMES = [
+    "gpipe",
+    "1f1b",
+    "interleaved",
+    "looped-bfs",
+    "zb-h1",
+    "zb-h2",
+    "zbv",
+    "dualpipev",
+    "chimera",
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_every_schedule_matches_the_reference(
+    name: str, ranks: int, recompute: bool, tied: bool
+) -> None:
+    # microbatches: equal to ranks, and more than ranks with uneven microbatches (batch 13);
+    # the second step changes the batch size
+    for m in sorted({ranks, 2 * ranks + 1}):
+        run_pipeline_vs_reference(
+            0, name, ranks, m, [13, 7 if m <= 7 else 9], recompute=recompute, tied=tied
+        )
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "chimera"])
+def test_split_backward_everywhere_matches(name: str) -> None:
+    run_pipeline_vs_reference(0, name, 2, 4, [8], split_all=True, tied=True)
+
+
+def test_two_steps_are_independent() -> None:
+    stages, params = toy(2)
+    pipe = Pipeline(stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=mse)
+    x, y = data(4)
+    first = pipe.step(params, x, y)
+    second = pipe.step(params, x, y)
+    assert_trees_close(second.grads, first.grads, rtol=0, atol=0)
+    assert torch.equal(first.loss, second.loss)
+
+
+def test_handwritten_program_runs() -> None:
+    text = """
+    # a hand-written GPipe for two ranks and two microbatches, compute only
+    placement 0 1
+    microbatches 2
+    rank 0: F s0 m0; F s0 m1; B s0 m0; B s0 m1
+    rank 1: F s1 m0; F s1 m1; B s1 m1; B s1 m0
+    """
+    program = fp.schedule.parse_program(text)
+    stages, params = toy(2)
+    x, y = data(6)
+    loss, grads = Pipeline(stages, program, loss_fn=mse).step(params, x, y)
+    ref_loss, ref_grads = fp.reference_step(stages, params, x, mse, targets=y, microbatches=2)
+    assert_trees_close((loss, grads), (ref_loss, ref_grads))
+
+
+def test_program_from_torch_csv_runs() -> None:
+    csv = "0F0,0F1,2F0,2F1,2B0,2B1,0B0,0B1\n1F0,1F1,3F0,3F1,3B0,3B1,1B0,1B1\n"
+    program = fp.schedule.read_csv(csv)
+    assert program.n_stages == 4 and program.placement == (0, 1, 0, 1)
+    stages, params = toy(4)
+    x, y = data(6)
+    loss, grads = Pipeline(stages, program, loss_fn=mse).step(params, x, y)
+    ref_loss, ref_grads = fp.reference_step(stages, params, x, mse, targets=y, microbatches=2)
+    assert_trees_close((loss, grads), (ref_loss, ref_grads))
+
+
+def _masked(p: dict[str, torch.Tensor], *hs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    h = sum(hs[1:], hs[0])
+    return torch.tanh(h @ p["W"] + p["b"]) * mask.unsqueeze(-1)
+
+
+@pytest.mark.parametrize(("name", "ranks"), [("1f1b", 3), ("zbv", 2)])
+def test_skip_connection_and_mask_from_the_batch(name: str, ranks: int) -> None:
+    program = generate(name, ranks=ranks, microbatches=4)
+    n = program.n_stages
+    program = program.replace(edges=(*chain(n), (0, 2)))  # stage 0's output also feeds stage 2
+    _, params = toy(n)
+    stages = [Stage(_masked, name=f"s{k}") for k in range(n)]
+    x, y = data(8)
+    mask = (torch.arange(8) % 3 != 0).to(F64).unsqueeze(-1).expand(8, 1).reshape(8)
+    batch = {"inputs": x, "mask": mask}
+    side = {k: ["mask"] for k in range(n)}
+    pipe = Pipeline(stages, program, loss_fn=mse, side_inputs=side)
+    loss, grads = pipe.step(params, batch, y)
+    ref_loss, ref_grads = graph_reference(program, stages, params, batch, y, side)
+    assert_trees_close((loss, grads), (ref_loss, ref_grads))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("targets", [True, False], ids=["targets", "no-targets"])
+def test_evaluation_of_every_schedule(name: str, targets: bool) -> None:
+    program = to_eval(generate(name, ranks=2, microbatches=4))
+    n = len(set(program.replica_of or ()))
+    stages, params = toy(n)
+    x, y = data(10)
+    pipe = Pipeline(stages, program, loss_fn=mse, metric_fn=accuracy)
+    res = pipe.step(params, x, y if targets else None, return_outputs=True)
+    with torch.no_grad():
+        h = x
+        for s, p in zip(stages, params, strict=True):
+            h = s(p, h)
+    assert_trees_close(res.outputs, h)
+    assert all(g is None for g in res.grads)
+    if targets:
+        ref_loss, _ = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
+        assert_trees_close(res.loss, ref_loss)
+        assert res.metric is not None
+    else:
+        assert res.loss is None and res.metric is None
+
+
+def test_forward_only_v_placement() -> None:
+    program = forward_only(ranks=2, microbatches=3, placement="v")
+    stages, params = toy(4)
+    x, _ = data(5)
+    out = Pipeline(stages, program).step(params, x, return_outputs=True).outputs
+    with torch.no_grad():
+        h = x
+        for s, p in zip(stages, params, strict=True):
+            h = s(p, h)
+    assert_trees_close(out, h)
+
+
+def test_metric_and_outputs_in_training() -> None:
+    stages, params = toy(2)
+    x, y = data(6)
+    res = Pipeline(
+        stages, generate("zbv", ranks=1, microbatches=3), loss_fn=mse, metric_fn=accuracy
+    ).step(params, x, y, return_outputs=True)
+    with torch.no_grad():
+        out = stages[1](params[1], stages[0](params[0], x))
+    assert_trees_close(res.outputs, out)
+    expected = (
+        sum(accuracy(o, t) for o, t in zip(out.tensor_split(3), y.tensor_split(3), strict=True)) / 3
+    )
+    assert_trees_close(res.metric, expected)
+
+
+def test_data_parallel_in_process() -> None:
+    stages, params = toy(2)
+    x, y = data(8)
+    pipe = Pipeline(stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=mse, data=2)
+    loss, grads = pipe.step(params, x, y)
+    ref_loss, ref_grads = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
+    assert_trees_close((loss, grads), (ref_loss, ref_grads))
+
+
+def test_integer_tensors_and_tuples_cross_stages() -> None:
+    def first(p: dict[str, torch.Tensor], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return p["emb"][ids], (ids % 2 == 0)
+
+    def second(p: dict[str, torch.Tensor], h: torch.Tensor, even: torch.Tensor) -> torch.Tensor:
+        return (h @ p["W"]) * even.unsqueeze(-1)
+
+    g = torch.Generator().manual_seed(0)
+    params = [
+        {"emb": torch.randn(10, D, generator=g, dtype=F64)},
+        {"W": torch.randn(D, D, generator=g, dtype=F64)},
+    ]
+    stages = [Stage(first), Stage(second)]
+    ids = torch.randint(0, 10, (6, 3), generator=g)
+    y = torch.randn(6, 3, D, generator=g, dtype=F64)
+    loss, grads = Pipeline(stages, generate("1f1b", ranks=2, microbatches=3), loss_fn=mse).step(
+        params, ids, y
+    )
+    ref_loss, ref_grads = fp.reference_step(stages, params, ids, mse, targets=y, microbatches=3)
+    assert_trees_close((loss, grads), (ref_loss, ref_grads))
+
+
+def test_bad_arguments_are_named() -> None:
+    stages, params = toy(2)
+    program = generate("1f1b", ranks=2, microbatches=2)
+    with pytest.raises(InvalidArgument, match="loss_fn"):
+        Pipeline(stages, program)
+    with pytest.raises(InvalidArgument, match="2 model stage"):
+        Pipeline(stages[:1], program, loss_fn=mse)
+    with pytest.raises(InvalidArgument, match="schedule="):
+        Pipeline(stages, "1f1b", loss_fn=mse)  # type: ignore[arg-type]
+    pipe = Pipeline(stages, program, loss_fn=mse)
+    x, y = data(4)
+    with pytest.raises(InvalidArgument, match="one pytree per stage"):
+        pipe.step(params[:1], x, y)
+    with pytest.raises(InvalidArgument, match="microbatches=2"):
+        pipe.step(params, x[:1], y[:1])
+    with pytest.raises(InvalidArgument, match="ties"):
+        Pipeline(stages, program, loss_fn=mse, ties={"E": [(0, "b")]})
