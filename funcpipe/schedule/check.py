@@ -115,6 +115,13 @@ class _Analyser:
                 f"{i.op.value} in an eval program; drop it or set 'mode train'",
             )
         if i.op in COMM_OPS:
+            if i.kind not in (ACT, GRAD):
+                raise self.fail(
+                    r,
+                    t,
+                    "a message carries an activation ('act') or a gradient ('grad')",
+                    f"kind={i.kind!r}",
+                )
             rule = "a SEND/RECV moves data along an edge of the stage graph to the rank holding the far stage"
             if not 0 <= i.other < p.n_stages or i.edge not in set(p.edges or ()):
                 a, b = i.edge

@@ -123,7 +123,10 @@ def read_csv(
             f"read_csv: microbatches={microbatches!r} must be an int >= 1 or None"
         )
     text, name = _source(text_or_path)
-    rows = list(csv.reader(io.StringIO(text)))
+    try:
+        rows = list(csv.reader(io.StringIO(text, newline="")))
+    except csv.Error as e:
+        raise ScheduleError(f"read_csv: the text is not CSV ({e})", rule="CSV syntax") from None
     while rows and not any(c.strip() for c in rows[-1]):
         rows.pop()
     if not rows:

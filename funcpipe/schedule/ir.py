@@ -86,6 +86,21 @@ class Instr:
     peer: int = -1
     group: str = ""
 
+    def __post_init__(self) -> None:
+        # canonical form: fields an op does not use are blank, so equal text means equal value
+        fix = object.__setattr__
+        if self.op in COMM_OPS:
+            if self.group:
+                fix(self, "group", "")
+            return
+        if self.op is Op.REDUCE:
+            blank = {"microbatch": -1, "kind": "", "other": -1, "peer": -1}
+        else:
+            blank = {"kind": "", "other": -1, "peer": -1, "group": ""}
+        for name, value in blank.items():
+            if getattr(self, name) != value:
+                fix(self, name, value)
+
     @property
     def edge(self) -> tuple[int, int]:
         """(producer stage, consumer stage) of the data a SEND/RECV moves."""
