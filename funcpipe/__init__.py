@@ -4,7 +4,7 @@ Stages are pure functions ``stage(params, *inputs) -> outputs`` over explicit pa
 parameters, gradients and optimizer state are values that go in and come out.
 """
 
-from funcpipe import schedule
+from funcpipe import schedule, testing
 from funcpipe.errors import (
     CommunicationError,
     FuncpipeError,
@@ -51,4 +51,5 @@ __all__ = [
     "reference_step",
     "schedule",
     "split",
+    "testing",
 ]

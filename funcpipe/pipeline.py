@@ -38,6 +38,7 @@ class StepResult(tuple[Any, Any]):
     grads: tuple[Any, ...]
     metric: Tensor | None
     outputs: Any
+    peak_activations: dict[int, int]  # program rank -> most activations it kept at once
 
     def __new__(
         cls,
@@ -48,6 +49,7 @@ class StepResult(tuple[Any, Any]):
     ) -> StepResult:
         self = super().__new__(cls, (loss, grads))
         self.loss, self.grads, self.metric, self.outputs = loss, grads, metric, outputs
+        self.peak_activations = {}
         return self
 
     def __repr__(self) -> str:
@@ -362,12 +364,14 @@ class Pipeline:
             scale = 1.0 / (m * self.data)
             grads = self._grads(params, per_rank)
             outputs = self._outputs(per_rank) if return_outputs else None
-            return StepResult(
+            local = StepResult(
                 None if loss is None else loss * scale,
                 grads,
                 None if metric is None else metric * scale,
                 outputs,
             )
+            local.peak_activations = {r: res.peak_activations for r, res in enumerate(per_rank)}
+            return local
         entry, side, tgt, layouts = self._microbatches(params, batch, targets)
         x = self._rank_inputs(self.rank, params, entry, side, tgt, layouts, return_outputs)
         x.data_size = self.data_size
@@ -375,7 +379,9 @@ class Pipeline:
         loss, metric = self._dist_scalars(result)
         grads = self._grads(params, [result])
         outputs = self._outputs([result]) if return_outputs else None
-        return StepResult(loss, grads, metric, outputs)
+        step = StepResult(loss, grads, metric, outputs)
+        step.peak_activations = {self.rank: result.peak_activations}
+        return step
 
     def __call__(
         self, params: Sequence[Any], batch: Any, targets: Any = None, **kw: Any

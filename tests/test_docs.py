@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["docs/concepts.md", "README.md"]
+DOCS = ["docs/concepts.md", "README.md", "docs/pipeline.md"]
 
 
 def _python_blocks(text: str) -> list[str]:

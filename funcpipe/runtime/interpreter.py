@@ -60,6 +60,7 @@ class RankResult:
     metric_sum: Tensor | None = None
     grads: dict[int, list[Tensor]] = field(default_factory=dict)  # owner stage -> flat grads
     outputs: dict[int, Any] = field(default_factory=dict)  # microbatch -> sink outputs
+    peak_activations: int = 0  # most (stage, microbatch) activations alive at once
 
 
 def _wait(handle: Handle) -> Generator[Handle, None, None]:
@@ -98,6 +99,7 @@ class _Rank:
         self.reductions: list[_Pending] = []
         self.inflight: dict[int, list[_Pending]] = {}
         self.tied = {key for keys in x.ties.values() for key in keys}
+        self.live = 0  # activations kept for a backward (as the simulator counts them)
         self.grads: dict[int, list[Tensor | None]] = {}
         for s in p.stages_on(x.rank):
             o = self.owner[s]
@@ -241,6 +243,10 @@ class _Rank:
             prev = acc[i]
             acc[i] = g if prev is None else prev + g
 
+    def _alive(self, delta: int) -> None:
+        self.live += delta
+        self.result.peak_activations = max(self.result.peak_activations, self.live)
+
     # ------------------------------------------------------------------ instructions
     def forward(self, i: Instr) -> None:
         s, m = i.stage, i.microbatch
@@ -250,9 +256,10 @@ class _Rank:
             needs = bool(self.p.producers(s))
             if not needs:
                 leaves = [t.detach() for t in leaves]  # the batch needs no gradient
-            out, saved = autodiff.forward(
-                fn, self._params(s), leaves, keep=s not in self.x.recompute
-            )
+            keep = s not in self.x.recompute
+            out, saved = autodiff.forward(fn, self._params(s), leaves, keep=keep)
+            if keep:
+                self._alive(+1)
             if not needs:
                 for t in saved.inputs:
                     t.requires_grad_(False)
@@ -265,12 +272,14 @@ class _Rank:
     def recompute(self, i: Instr) -> None:
         saved, fn = self.saved[(i.stage, i.microbatch)]
         autodiff.recompute(fn, self._params(i.stage), saved)
+        self._alive(+1)
 
     def backward(self, i: Instr) -> None:
         s, m = i.stage, i.microbatch
         grad_outputs = self._grad_outputs(s, m)
         saved, _ = self.saved.pop((s, m))
         gin, gp = autodiff.backward(saved, self._params(s), grad_outputs)
+        self._alive(-1)
         self._accumulate(s, gp)
         self._route_input_grads(s, m, gin)
 
@@ -284,6 +293,7 @@ class _Rank:
         s, m = i.stage, i.microbatch
         saved, _ = self.saved.pop((s, m))
         self._accumulate(s, autodiff.backward_weight(saved, self._params(s)))
+        self._alive(-1)
 
     def send(self, i: Instr) -> None:
         a, b = i.edge

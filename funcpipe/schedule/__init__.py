@@ -49,7 +49,7 @@ from funcpipe.schedule.passes import (
     strip_communication,
 )
 from funcpipe.schedule.render import ascii_timeline, chrome_trace, draw_timeline, write_chrome_trace
-from funcpipe.schedule.simulate import Costs, Event, Timeline, simulate
+from funcpipe.schedule.simulate import Costs, Event, Timeline, peak_activations, simulate
 
 __all__ = [
     "CONSTRAINTS",
@@ -83,6 +83,7 @@ __all__ = [
     "one_f_one_b",
     "parse_instr",
     "parse_program",
+    "peak_activations",
     "placement_loop",
     "placement_v",
     "read_csv",

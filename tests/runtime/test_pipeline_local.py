@@ -213,3 +213,28 @@ def test_bad_arguments_are_named() -> None:
         pipe.step(params, x[:1], y[:1])
     with pytest.raises(InvalidArgument, match="ties"):
         Pipeline(stages, program, loss_fn=mse, ties={"E": [(0, "b")]})
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_activations_are_freed_as_the_schedule_says(name: str, ranks: int) -> None:
+    from funcpipe.schedule.simulate import peak_activations
+
+    program = generate(name, ranks=ranks, microbatches=2 * ranks + 1)
+    n = len(set(program.replica_of or ()))
+    stages, params = toy(n)
+    x, y = data(4 * ranks + 2)
+    pipe = Pipeline(stages, program, loss_fn=mse)
+    res = pipe.step(params, x, y)
+    expected = peak_activations(pipe.program)
+    assert tuple(res.peak_activations[r] for r in range(ranks)) == expected
+
+
+def test_recomputed_stages_keep_only_their_inputs() -> None:
+    from funcpipe.schedule.simulate import peak_activations
+
+    stages, params = toy(2)
+    x, y = data(8)
+    pipe = Pipeline(stages, generate("gpipe", ranks=2, microbatches=4), loss_fn=mse, recompute=True)
+    res = pipe.step(params, x, y)
+    assert tuple(res.peak_activations.values()) == peak_activations(pipe.program) == (1, 1)

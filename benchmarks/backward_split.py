@@ -1,0 +1,92 @@
+"""Time of I + W against one full B for the same stage (funcpipe's backward split).
+
+    python benchmarks/backward_split.py [--width 512] [--batch 64] [--layers 4] [--reps 30]
+
+Prints a table and writes JSON (``--json FILE``). One thread, float32, CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from funcpipe.runtime import autodiff
+
+
+def measure(width: int, batch: int, layers: int, reps: int, *, seed: int = 0) -> dict[str, float]:
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(width, width, generator=g) / width**0.5 for _ in range(layers)]
+    params += [torch.zeros(width) for _ in range(layers)]
+    params = [p.requires_grad_() for p in params]
+
+    def stage(ps, inputs):  # type: ignore[no-untyped-def]
+        (h,) = inputs
+        for k in range(layers):
+            h = torch.nn.functional.gelu(torch.nn.functional.linear(h, ps[k], ps[layers + k]))
+        return [h]
+
+    x = torch.randn(batch, width, generator=g)
+    gy = [torch.randn(batch, width, generator=g)]
+    full, split_i, split_w = [], [], []
+    for _ in range(reps):
+        _, saved = autodiff.forward(stage, params, [x])
+        t0 = time.perf_counter()
+        b_in, b_w = autodiff.backward(saved, params, gy)
+        full.append(time.perf_counter() - t0)
+        _, saved = autodiff.forward(stage, params, [x])
+        t0 = time.perf_counter()
+        i_in = autodiff.backward_input(saved, params, gy)
+        t1 = time.perf_counter()
+        w_w = autodiff.backward_weight(saved, params)
+        t2 = time.perf_counter()
+        split_i.append(t1 - t0)
+        split_w.append(t2 - t1)
+    same = all(
+        torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip([*b_in, *b_w], [*i_in, *w_w], strict=True)
+    )
+    b, i, w = (statistics.median(v) * 1e3 for v in (full, split_i, split_w))
+    return {
+        "width": width,
+        "batch": batch,
+        "layers": layers,
+        "B_ms": b,
+        "I_ms": i,
+        "W_ms": w,
+        "ratio": (i + w) / b,
+        "grads_equal": same,
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, float]]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, nargs="*", default=[512, 1024])
+    ap.add_argument("--batch", type=int, nargs="*", default=[64, 256])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = [
+        measure(wd, bt, args.layers, args.reps)
+        for wd, bt in zip(args.width, args.batch, strict=False)
+    ]
+    print(
+        f"{'width':>6} {'batch':>6} {'B ms':>8} {'I ms':>8} {'W ms':>8} {'(I+W)/B':>8}  grads equal"
+    )
+    for r in rows:
+        print(
+            f"{r['width']:>6} {r['batch']:>6} {r['B_ms']:>8.2f} {r['I_ms']:>8.2f} {r['W_ms']:>8.2f} {r['ratio']:>8.3f}  {r['grads_equal']}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
