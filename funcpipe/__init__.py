@@ -14,7 +14,7 @@ from funcpipe.errors import (
     ShapeInferenceError,
     ShapeInferenceWarning,
 )
-from funcpipe.launch import Pool, launch
+from funcpipe.launcher import Pool, launch
 from funcpipe.microbatch import merge, microbatch_sizes, split
 from funcpipe.partition import Partition, partition
 from funcpipe.pipeline import Pipeline, StepResult

@@ -311,7 +311,7 @@ class Pipeline:
                 groups[name] = pg
         self.pipe_group = subgroups([[d * n + r for r in range(n)] for d in range(copies)])
         self.data_size = copies
-        from funcpipe.launch import failure_handler
+        from funcpipe.launcher import failure_handler
 
         self._transport: Transport = DistTransport(
             self.rank, self.pipe_ranks, groups=groups, on_error=failure_handler()
@@ -582,7 +582,7 @@ class Pipeline:
         try:
             dist.all_reduce(buf)  # over every rank of every copy: the loss of the whole batch
         except RuntimeError as e:
-            from funcpipe.launch import failure_handler
+            from funcpipe.launcher import failure_handler
 
             raise failure_handler()(e, f"rank {self.rank}: loss all-reduce") from e
         m = self.program.microbatches * self.data_size

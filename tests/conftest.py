@@ -44,7 +44,7 @@ _POOLS: dict[int, Any] = {}
 
 
 def get_pool(size: int) -> Any:
-    from funcpipe.launch import Pool
+    from funcpipe.launcher import Pool
 
     pool = _POOLS.get(size)
     if pool is None or pool.closed:
