@@ -4,7 +4,7 @@ Stages are pure functions ``stage(params, *inputs) -> outputs`` over explicit pa
 parameters, gradients and optimizer state are values that go in and come out.
 """
 
-from funcpipe import schedule, testing
+from funcpipe import data, optim, schedule, testing
 from funcpipe.errors import (
     CommunicationError,
     FuncpipeError,
@@ -42,11 +42,13 @@ __all__ = [
     "__version__",
     "as_inputs",
     "compose",
+    "data",
     "from_module",
     "infer_specs",
     "launch",
     "merge",
     "microbatch_sizes",
+    "optim",
     "partition",
     "reference_step",
     "schedule",
