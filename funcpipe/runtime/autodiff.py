@@ -1,5 +1,7 @@
 """Forward that keeps what backward needs; backward whole (B) or split into input (I) and weight (W).
 
+Gradients come back as lists aligned with the inputs / parameters, ``None`` meaning zero.
+
 A stage call is differentiated on torch's autograd graph, but gradients are returned as values
 (``torch.autograd.grad``), never accumulated into ``.grad``.
 
@@ -110,24 +112,24 @@ def _grad(
     grads: Sequence[Tensor],
     *,
     retain: bool,
-) -> list[Tensor]:
-    """Gradients of ``outputs`` w.r.t. ``wrt`` (zeros where unused); empty work returns zeros."""
+) -> list[Tensor | None]:
+    """Gradients of ``outputs`` w.r.t. ``wrt``; ``None`` where a gradient is zero (unused, or
+    nothing requires grad), so no zeros are allocated for them."""
     need = [i for i, t in enumerate(wrt) if t.requires_grad]
-    result = [torch.zeros_like(t) for t in wrt]
+    result: list[Tensor | None] = [None] * len(wrt)
     if not outputs or not need:
         return result
     got = torch.autograd.grad(
         list(outputs), [wrt[i] for i in need], list(grads), retain_graph=retain, allow_unused=True
     )
     for i, g in zip(need, got, strict=True):
-        if g is not None:
-            result[i] = g
+        result[i] = g
     return result
 
 
 def backward(
     saved: Saved, params: Sequence[Tensor], grad_outputs: Sequence[Tensor | None]
-) -> tuple[list[Tensor], list[Tensor]]:
+) -> tuple[list[Tensor | None], list[Tensor | None]]:
     """B: input and parameter gradients in one backward. Frees the graph."""
     if saved.outputs is None:
         raise RuntimeError("backward before recompute: the forward kept no graph")
@@ -182,7 +184,7 @@ def _param_reach(node: Node, closure: set[Node], params: dict[Node, int]) -> set
 
 def backward_input(
     saved: Saved, params: Sequence[Tensor], grad_outputs: Sequence[Tensor | None]
-) -> list[Tensor]:
+) -> list[Tensor | None]:
     """I: input gradients only; records what :func:`backward_weight` starts from."""
     if saved.outputs is None:
         raise RuntimeError("backward_input before recompute: the forward kept no graph")
@@ -261,7 +263,7 @@ def _clamp(grads: tuple[Tensor | None, ...]) -> Callable[..., tuple[Tensor | Non
     return hook
 
 
-def backward_weight(saved: Saved, params: Sequence[Tensor]) -> list[Tensor]:
+def backward_weight(saved: Saved, params: Sequence[Tensor]) -> list[Tensor | None]:
     """W: parameter gradients from what :func:`backward_input` recorded. Frees the graph.
 
     One backward call per group of join nodes sharing parameters; each call asks only for its
@@ -299,4 +301,4 @@ def backward_weight(saved: Saved, params: Sequence[Tensor]) -> list[Tensor]:
         prev = result[k]
         result[k] = g if prev is None else prev + g
     saved.roots, saved.direct = [], []
-    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, result, strict=True)]
+    return result

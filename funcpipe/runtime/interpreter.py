@@ -101,9 +101,11 @@ class _Rank:
         self.tied = {key for keys in x.ties.values() for key in keys}
         self.live = 0  # activations kept for a backward (as the simulator counts them)
         self.grads: dict[int, list[Tensor | None]] = {}
+        self.owned: dict[int, list[bool]] = {}  # accumulators this rank allocated (add in place)
         for s in p.stages_on(x.rank):
             o = self.owner[s]
             self.grads.setdefault(o, [None] * len(x.params[o][0]))
+            self.owned.setdefault(o, [False] * len(x.params[o][0]))
 
     # ------------------------------------------------------------------ helpers
     def spec(self, s: int, m: int) -> OutputSpec:
@@ -200,7 +202,7 @@ class _Rank:
             else:
                 self.to_send[(ACT, s, c, m)] = flat
 
-    def _route_input_grads(self, s: int, m: int, grads: list[Tensor]) -> None:
+    def _route_input_grads(self, s: int, m: int, grads: list[Tensor | None]) -> None:
         p = self.p
         k = 0
         for q in p.producers(s):
@@ -210,7 +212,11 @@ class _Rank:
             if p.placement[q] == self.x.rank:
                 self._add_out_grads(q, m, part)
             else:
-                self.to_send[("grad", q, s, m)] = [part[i] for i in spec.differentiable]
+                dev = self.x.device
+                self.to_send[("grad", q, s, m)] = [
+                    g if (g := part[i]) is not None else spec.leaves[i].zeros(dev)
+                    for i in spec.differentiable
+                ]
 
     def _add_out_grads(self, s: int, m: int, grads: Sequence[Tensor | None]) -> None:
         have = self.out_grads.get((s, m))
@@ -237,11 +243,20 @@ class _Rank:
             return [seed, *extras, *([None] * n_out)]
         return self.out_grads.pop((s, m), [None] * len(self.spec(s, m).leaves))
 
-    def _accumulate(self, s: int, grads: list[Tensor]) -> None:
-        acc = self.grads[self.owner[s]]
+    def _accumulate(self, s: int, grads: list[Tensor | None]) -> None:
+        o = self.owner[s]
+        acc, owned = self.grads[o], self.owned[o]
         for i, g in enumerate(grads):
+            if g is None:
+                continue
             prev = acc[i]
-            acc[i] = g if prev is None else prev + g
+            if prev is None:
+                acc[i] = g  # autograd's tensor: not ours to add into
+            elif owned[i]:
+                prev.add_(g)
+            else:
+                acc[i] = prev + g
+                owned[i] = True
 
     def _alive(self, delta: int) -> None:
         self.live += delta
@@ -339,6 +354,7 @@ class _Rank:
             def assign(local: list[tuple[int, int]] = local, total: Tensor = total) -> None:
                 for o, k in local:
                     self.grads[o][k] = total
+                    self.owned[o][k] = False  # shared by the tied leaves now
 
             self._reduce([total], group, assign, {o for o, _ in local})
             return
@@ -362,12 +378,14 @@ class _Rank:
         self._reduce(diff, group, average, {owner})
 
     def _grad_leaf(self, key: tuple[int, int]) -> Tensor:
+        """The accumulator of leaf ``k`` of ``o``, made ours (reductions write into it)."""
         o, k = key
         g = self.grads[o][k]
         if g is None:
             g = self.grads[o][k] = torch.zeros_like(self.x.params[o][0][k])
-        elif g._base is not None or not g.is_contiguous():
+        elif not self.owned[o][k] or not g.is_contiguous():
             g = self.grads[o][k] = g.contiguous().clone()
+        self.owned[o][k] = True
         return g
 
     def _reduce(
