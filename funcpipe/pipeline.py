@@ -145,7 +145,11 @@ class Pipeline:
             rank; ``torch.distributed`` must be initialised). Default: ``"dist"`` when a process
             group exists and has as many ranks as the program, else ``"local"``.
             With ``"dist"`` the world holds ``k`` copies of the program (data parallelism):
-            world rank ``g`` runs program rank ``g % ranks`` of copy ``g // ranks``.
+            world rank ``g`` runs program rank ``g // k`` of copy ``g % k``.
+        mesh: a :class:`funcpipe.parallel.Mesh` (``"dist"`` only) whose ``pipe`` size equals the
+            program's ranks: then each program rank is a tensor-parallel group of processes,
+            world rank ``(rank * data + copy) * tensor + coord``; stage functions use the mesh's
+            tensor axes for their collectives.
         device: where received tensors are placed (default: where the params are).
     """
 
@@ -163,6 +167,7 @@ class Pipeline:
         data: int = 1,
         dim: Any = 0,
         transport: str | None = None,
+        mesh: Any = None,
         device: torch.device | str | None = None,
     ) -> None:
         self.stages = tuple(stages)
@@ -223,13 +228,16 @@ class Pipeline:
             raise InvalidArgument(f"transport={transport!r}: use 'local' or 'dist'")
         self.transport = transport
         self._n_ranks = schedule.n_ranks
+        self.mesh = mesh
+        if mesh is not None and transport != "dist":
+            raise InvalidArgument("mesh= describes processes: it needs transport='dist'")
         if transport == "dist" and data != 1:
             raise InvalidArgument(
                 "data= is for transport='local'; with 'dist' the data-parallel size is the world "
                 "size divided by the program's ranks"
             )
         self.program = self._lower(
-            schedule, recompute, data_parallel=data > 1 or self._dist_copies() > 1
+            schedule, recompute, data_parallel=data > 1 or self._dist_sizes()[0] > 1
         )
         self.recompute = frozenset(i.stage for r in self.program.ranks for i in r if i.op is Op.R)
         self._layouts: dict[Any, Layout] = {}
@@ -256,19 +264,25 @@ class Pipeline:
         check(p)
         return p
 
-    def _dist_copies(self) -> int:
+    def _dist_sizes(self) -> tuple[int, int]:
+        """(data-parallel copies, tensor-parallel size) of the world this pipeline runs in."""
         if self.transport != "dist":
-            return 1
+            return 1, 1
+        if self.mesh is not None:
+            config = self.mesh.config
+            return config.data, config.tensor
         import torch.distributed as dist
 
-        return max(1, dist.get_world_size() // self._n_ranks)
+        return max(1, dist.get_world_size() // self._n_ranks), 1
 
     def _setup_dist(self) -> None:
-        """Process groups for this program on a world of ``data x ranks`` processes.
+        """Process groups for this program on a world of ``ranks x data x tensor`` processes.
 
-        World rank ``g`` runs program rank ``g % ranks`` of pipeline copy ``g // ranks``; the
-        copies are the data-parallel replicas. Every process creates every group (torch requires
-        it), so all of them must build the same Pipeline.
+        World rank ``g = (r * data + d) * tensor + c`` runs program rank ``r`` in data-parallel
+        copy ``d`` with tensor-parallel coordinate ``c`` (the layout of
+        :class:`funcpipe.parallel.ParallelConfig`: pipe outermost, tensor innermost). Messages go
+        between equal ``(d, c)``; ``data`` reductions between equal ``(r, c)``. Every process
+        creates every group (torch requires it), so all of them must build the same Pipeline.
         """
         import torch.distributed as dist
 
@@ -279,14 +293,29 @@ class Pipeline:
             )
         world, me = dist.get_world_size(), dist.get_rank()
         n = self.program.n_ranks
+        if self.mesh is not None and self.mesh.config.pipeline != n:
+            raise InvalidArgument(
+                f"mesh has pipeline={self.mesh.config.pipeline} but the program has {n} ranks; "
+                "generate the schedule with ranks equal to the mesh's pipeline size"
+            )
         if world % n:
             raise InvalidArgument(
                 f"the world has {world} processes but the program has {n} ranks; the world size "
-                f"must be a multiple of {n} (data-parallel copies x {n})"
+                f"must be a multiple of {n} (ranks x data x tensor)"
             )
-        copies = world // n
-        copy, self.rank = divmod(me, n)
-        self.pipe_ranks = [copy * n + r for r in range(n)]
+        copies, tp = self._dist_sizes()
+        if n * copies * tp != world:
+            raise InvalidArgument(
+                f"ranks ({n}) x data ({copies}) x tensor ({tp}) != world size {world}"
+            )
+
+        def g(r: int, d: int, c: int) -> int:
+            return (r * copies + d) * tp + c
+
+        self.rank, rest = divmod(me, copies * tp)
+        copy, coord = divmod(rest, tp)
+        self.pipe_ranks = [g(r, copy, coord) for r in range(n)]
+        everywhere = [(d, c) for d in range(copies) for c in range(tp)]
 
         def subgroups(lists: list[list[int]]) -> Any:
             mine, _ = dist.new_subgroups_by_enumeration(lists)
@@ -295,8 +324,9 @@ class Pipeline:
         groups: dict[str, Any] = {}
         names = sorted({i.group for r in self.program.ranks for i in r if i.op is Op.REDUCE})
         for name in names:
-            if not in_program(name):  # over the data-parallel copies of this rank
-                groups[name] = subgroups([[d * n + r for d in range(copies)] for r in range(n)])
+            if not in_program(name):  # over the data-parallel copies of this rank and coord
+                lists = [[g(r, d, c) for d in range(copies)] for r in range(n) for c in range(tp)]
+                groups[name] = subgroups(lists)
                 continue
             members = sorted(
                 {
@@ -306,11 +336,10 @@ class Pipeline:
                     if i.group == name
                 }
             )
-            pg = subgroups([[d * n + r for r in members] for d in range(copies)])
+            pg = subgroups([[g(r, d, c) for r in members] for d, c in everywhere])
             if self.rank in members and len(members) > 1:
                 groups[name] = pg
-        self.pipe_group = subgroups([[d * n + r for r in range(n)] for d in range(copies)])
-        self.data_size = copies
+        self.data_size, self.tensor_size = copies, tp
         from funcpipe.launcher import failure_handler
 
         self._transport: Transport = DistTransport(
@@ -585,7 +614,8 @@ class Pipeline:
             from funcpipe.launcher import failure_handler
 
             raise failure_handler()(e, f"rank {self.rank}: loss all-reduce") from e
-        m = self.program.microbatches * self.data_size
+        # every data copy adds its loss; every tensor coordinate holds the same loss
+        m = self.program.microbatches * self.data_size * self.tensor_size
         loss = buf[0] / m if (has_loss and buf[2] > 0) else None
         metric = buf[1] / m if (has_metric and buf[2] > 0) else None
         return loss, metric
@@ -595,7 +625,7 @@ class Pipeline:
 
         if self.device is not None:
             return self.device
-        backend = dist.get_backend(self.pipe_group)
+        backend = dist.get_backend()
         return (
             torch.device("cuda", torch.cuda.current_device())
             if backend == "nccl"

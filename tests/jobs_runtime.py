@@ -200,7 +200,7 @@ def data_parallel_vs_reference(rank: int, name: str, ranks: int, microbatches: i
     copies = dist.get_world_size() // ranks
     pipe = Pipeline(stages, program, loss_fn=mse)
     x, y = data(4 * copies)
-    copy = rank // ranks
+    copy = rank % copies  # world rank = program rank * copies + copy
     shard = slice(copy * 4, (copy + 1) * 4)
     loss, grads = pipe.step(params, x[shard], y[shard])
     ref_loss, ref_grads = fp.reference_step(
