@@ -39,6 +39,7 @@ class StepResult(tuple[Any, Any]):
     metric: Tensor | None
     outputs: Any
     peak_activations: dict[int, int]  # program rank -> most activations it kept at once
+    timeline: Any  # with trace=True: the executed funcpipe.schedule.Timeline
 
     def __new__(
         cls,
@@ -50,6 +51,7 @@ class StepResult(tuple[Any, Any]):
         self = super().__new__(cls, (loss, grads))
         self.loss, self.grads, self.metric, self.outputs = loss, grads, metric, outputs
         self.peak_activations = {}
+        self.timeline = None
         return self
 
     def __repr__(self) -> str:
@@ -354,8 +356,14 @@ class Pipeline:
         targets: Any = None,
         *,
         return_outputs: bool = False,
+        trace: bool = False,
     ) -> StepResult:
         """One training step (or one evaluation, for an eval program): ``(loss, grads)``.
+
+        With ``trace=True`` every rank records when each instruction starts and ends and
+        ``result.timeline`` is the executed :class:`funcpipe.schedule.Timeline` (over processes
+        it is gathered to every rank; all ranks must pass the same ``trace``). In one process the
+        ranks run one after the other, so its timeline shows the interleaving, not parallelism.
 
         ``params[k]`` is stage k's params pytree; with ``transport="dist"`` the stages this rank
         does not hold may be meta tensors (only their shapes are read). ``grads`` has the same
@@ -378,6 +386,7 @@ class Pipeline:
                 entry, side, tgt, layouts = self._microbatches(params, shards[d], tshards[d])
                 for r in range(program.n_ranks):
                     x = self._rank_inputs(r, params, entry, side, tgt, layouts, return_outputs)
+                    x.trace = trace
                     ranks = [d * program.n_ranks + k for k in range(program.n_ranks)]
                     gens[ranks[r]] = run_rank(x, world.transport(r, ranks))
             results = _drive_local(gens)
@@ -400,17 +409,37 @@ class Pipeline:
                 outputs,
             )
             local.peak_activations = {r: res.peak_activations for r, res in enumerate(per_rank)}
+            if trace:
+                local.timeline = _timeline(program, [res.times for res in per_rank])
             return local
         entry, side, tgt, layouts = self._microbatches(params, batch, targets)
         x = self._rank_inputs(self.rank, params, entry, side, tgt, layouts, return_outputs)
         x.data_size = self.data_size
+        x.trace = trace
         result = _drive(run_rank(x, self._transport))
         loss, metric = self._dist_scalars(result)
         grads = self._grads(params, [result])
         outputs = self._outputs([result]) if return_outputs else None
         step = StepResult(loss, grads, metric, outputs)
         step.peak_activations = {self.rank: result.peak_activations}
+        if trace:
+            step.timeline = _timeline(self.program, self._gather_times(result.times))
         return step
+
+    def _gather_times(self, times: list[float]) -> list[list[float]]:
+        """Every program rank's instruction times (of this rank's copy and coordinate)."""
+        import torch.distributed as dist
+
+        longest = 2 * max(len(r) for r in self.program.ranks)
+        mine = torch.full((longest,), float("nan"), dtype=torch.float64)
+        mine[: len(times)] = torch.tensor(times, dtype=torch.float64)
+        dev = self._transport_device()
+        everyone = [torch.empty_like(mine, device=dev) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine.to(dev))
+        return [
+            everyone[g].cpu()[: 2 * len(self.program.ranks[r])].tolist()
+            for r, g in enumerate(self.pipe_ranks)
+        ]
 
     def __call__(
         self, params: Sequence[Any], batch: Any, targets: Any = None, **kw: Any
@@ -631,6 +660,22 @@ class Pipeline:
             if backend == "nccl"
             else torch.device("cpu")
         )
+
+
+def _timeline(program: Program, times: Sequence[Sequence[float]]) -> Any:
+    """A :class:`Timeline` from each rank's flat (start, end, start, end, ...) times, in
+    seconds from the earliest start."""
+    from funcpipe.schedule.simulate import Event, Timeline
+
+    t0 = min((t[0] for t in times if t), default=0.0)
+    events = tuple(
+        tuple(
+            Event(r, k, instr, ts[2 * k] - t0, ts[2 * k + 1] - t0)
+            for k, instr in enumerate(program.ranks[r])
+        )
+        for r, ts in enumerate(times)
+    )
+    return Timeline(program=program, events=events)
 
 
 def _add_tie_reduce(program: Program, ties: Mapping[str, Sequence[TiePath]]) -> Program:

@@ -216,3 +216,13 @@ def data_parallel_vs_reference(rank: int, name: str, ranks: int, microbatches: i
             for a, b in zip(g.values(), r.values(), strict=True)
         )
     )
+
+
+def traced_step(rank: int) -> list[float]:
+    program = generate("1f1b", ranks=2, microbatches=4)
+    stages, params = toy(2)
+    x, y = data(8)
+    res = Pipeline(stages, program, loss_fn=mse).step(params, x, y, trace=True)
+    tl = res.timeline
+    assert [len(r) for r in tl.events] == [len(r) for r in tl.program.ranks]
+    return [tl.makespan, tl.bubble_fraction]

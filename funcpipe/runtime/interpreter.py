@@ -11,6 +11,7 @@ weight gradients are returned as a fresh pytree, nothing is accumulated across s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,7 @@ class RankInputs:
         default_factory=dict
     )  # name -> (owner, leaf)
     data_size: int = 1
+    trace: bool = False  # record when each instruction starts and ends (time.perf_counter)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class RankResult:
     grads: dict[int, list[Tensor]] = field(default_factory=dict)  # owner stage -> flat grads
     outputs: dict[int, Any] = field(default_factory=dict)  # microbatch -> sink outputs
     peak_activations: int = 0  # most (stage, microbatch) activations alive at once
+    times: list[float] = field(default_factory=list)  # with trace: start, end of each instruction
 
 
 def _wait(handle: Handle) -> Generator[Handle, None, None]:
@@ -405,7 +408,11 @@ class _Rank:
     # ------------------------------------------------------------------ the loop
     def run(self) -> Generator[Handle, None, RankResult]:
         x = self.x
+        trace = self.result.times if x.trace else None
+        clock = time.perf_counter
         for i in self.p.ranks[x.rank]:
+            if trace is not None:
+                trace.append(clock())
             op = i.op
             if op is Op.F:
                 self.forward(i)
@@ -432,6 +439,8 @@ class _Rank:
                 if self.inflight:  # a tie or replica sum reads what earlier reductions wrote
                     yield from self._settle(list(self.inflight))
                 self.reduce(i)
+            if trace is not None:
+                trace.append(clock())
         for pending in self.reductions:
             yield from pending.finish()
         self.t.finish()

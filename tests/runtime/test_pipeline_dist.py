@@ -60,3 +60,9 @@ def test_a_rank_that_raises_is_named_by_everyone(pool, where: str) -> None:
     assert info.value.rank == 1
     assert "injected failure" in str(info.value)
     assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(120)
+def test_trace_over_gloo_is_the_same_on_every_rank(pool) -> None:
+    (a, b) = pool(2).run(jobs_runtime.traced_step)
+    assert a == b and a[0] > 0 and 0 <= a[1] < 1

@@ -238,3 +238,16 @@ def test_recomputed_stages_keep_only_their_inputs() -> None:
     pipe = Pipeline(stages, generate("gpipe", ranks=2, microbatches=4), loss_fn=mse, recompute=True)
     res = pipe.step(params, x, y)
     assert tuple(res.peak_activations.values()) == peak_activations(pipe.program) == (1, 1)
+
+
+def test_trace_gives_the_executed_timeline() -> None:
+    stages, params = toy(2)
+    x, y = data(8)
+    program = generate("1f1b", ranks=2, microbatches=4)
+    res = Pipeline(stages, program, loss_fn=mse).step(params, x, y, trace=True)
+    tl = res.timeline
+    assert [len(r) for r in tl.events] == [len(r) for r in res.timeline.program.ranks]
+    for rank in tl.events:
+        assert all(e.end >= e.start >= 0 for e in rank)
+        assert all(a.end <= b.start + 1e-9 for a, b in zip(rank, rank[1:], strict=False))
+    assert 0 <= tl.bubble_fraction < 1 and tl.makespan > 0
