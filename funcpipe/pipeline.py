@@ -583,6 +583,8 @@ class Pipeline:
             recompute=self.recompute,
             keep_outputs=keep,
             device=device,
+            prefetch=device.type
+            == "cpu",  # NCCL streams: receives stay where the program puts them
             ties=ties,
             data_size=self.data,
         )
