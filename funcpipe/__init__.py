@@ -55,3 +55,9 @@ __all__ = [
     "split",
     "testing",
 ]
+
+# tensor parallelism (mesh, autograd-correct collectives, sharding specs, ops): funcpipe.parallel
+from funcpipe import parallel
+from funcpipe.parallel import ParallelConfig, build_mesh, shard_spec
+
+__all__ += ["ParallelConfig", "build_mesh", "parallel", "shard_spec"]

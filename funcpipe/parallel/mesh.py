@@ -1,0 +1,372 @@
+"""Parallel configuration (pure) and the device mesh built from it.
+
+A config in the spirit of ``dict(pipeline=2, tensor=dict(size=4, mode="2d"))`` is validated by
+:meth:`ParallelConfig.from_dict` without any process group: every impossible config raises
+:class:`~funcpipe.errors.InvalidArgument` saying what was given and what would work. The
+data-parallel size is what is left of the world size.
+
+Mesh axes, outermost first (tensor axes innermost, so one tensor group is a block of adjacent
+ranks)::
+
+    pipe, data, <tensor axes of the mode>
+
+=========== ============================================ =========================
+mode        tensor axes (sizes)                          rule on ``size``
+=========== ============================================ =========================
+``1d``      ``tensor`` (t)                               any t >= 1
+``sequence``  ``sequence`` (t), also named ``tensor``    any t >= 1
+``2d``      ``tensor_row`` (q), ``tensor_col`` (q)       t = q*q
+``2.5d``    ``tensor_dep`` (d), ``tensor_row``, ``tensor_col`` (q)   t = d*q*q, d = ``depth``
+``3d``      ``tensor_in``, ``tensor_wt``, ``tensor_out`` (c)          t = c*c*c
+=========== ============================================ =========================
+
+For several tensor axes, ``tensor`` also names their flattened group (all t ranks, coordinate
+in row-major order). An axis named by a coordinate indexes that coordinate: the process group of
+``tensor_row`` holds the q ranks of one grid *column* (they differ only in their row).
+
+:class:`Mesh` (built with :func:`build_mesh`, inside a process group) exposes each named axis as
+an :class:`Axis`: its process group, this rank's coordinate and its size. :class:`Place` is the
+same geometry as plain numbers (coordinates and sizes of one rank), available without processes
+from :meth:`ParallelConfig.place`; the sharding helpers take a ``Place``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from funcpipe.errors import InvalidArgument
+
+__all__ = ["MODES", "Axis", "Mesh", "ParallelConfig", "Place", "build_mesh"]
+
+MODES = ("1d", "2d", "2.5d", "3d", "sequence")
+_TOP_KEYS = ("pipeline", "tensor", "data")
+_TENSOR_KEYS = ("size", "mode", "depth")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive(name: str, value: object) -> int:
+    if not _is_int(value) or value < 1:  # type: ignore[operator]
+        raise InvalidArgument(
+            f"{name}={value!r}: must be a positive int (1 means 'no parallelism on this axis')."
+        )
+    return int(value)  # type: ignore[call-overload]
+
+
+def _iroot(n: int, k: int) -> int | None:
+    """The integer r with r**k == n, or None."""
+    r = round(n ** (1.0 / k))
+    for c in (r - 1, r, r + 1):
+        if c >= 1 and c**k == n:
+            return c
+    return None
+
+
+def _near_powers(n: int, k: int) -> list[int]:
+    """The perfect k-th powers just below and just above n (for suggestions)."""
+    r = 1
+    while (r + 1) ** k <= n:
+        r += 1
+    below = [r**k] if r**k < n else ([(r - 1) ** k] if r > 1 else [])
+    return [*below, (r + 1) ** k]
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one rank sits in the mesh: ``coords[axis]`` in ``range(sizes[axis])``, by axis name.
+
+    Pure data (no process group); the sharding helpers (:mod:`funcpipe.parallel.layout`) use it.
+    ``derived`` maps an axis that merely renames or flattens mesh dims (``tensor`` in the 2D,
+    2.5D, 3D and sequence modes) to those dims.
+    """
+
+    rank: int
+    coords: Mapping[str, int]
+    sizes: Mapping[str, int]
+    derived: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{a}={self.coords[a]}/{self.sizes[a]}" for a in self.coords)
+        return f"Place(rank={self.rank}, {inner})"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """A validated parallel layout: ``world_size = pipeline * data * tensor``.
+
+    Build it with :meth:`from_dict`; ``depth`` is the 2.5D depth (1 for every other mode).
+    """
+
+    world_size: int
+    pipeline: int
+    data: int
+    tensor: int
+    mode: str
+    depth: int = 1
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any], *, world_size: int) -> ParallelConfig:
+        """Validate ``config`` (keys ``pipeline``, ``tensor``, optional ``data``) for ``world_size``.
+
+        ``tensor`` is an int (1D) or a dict with ``size``, ``mode`` (default ``'1d'``) and, for
+        ``mode='2.5d'``, ``depth``. ``data`` defaults to ``world_size // (pipeline * tensor)``.
+        """
+        world = _positive("world_size", world_size)
+        if not isinstance(config, Mapping):
+            raise InvalidArgument(
+                f"config={config!r}: must be a dict such as "
+                "dict(pipeline=2, tensor=dict(size=4, mode='2d'))."
+            )
+        unknown = sorted(set(config) - set(_TOP_KEYS), key=str)
+        if unknown:
+            raise InvalidArgument(
+                f"config has unknown key(s) {unknown}; the keys are {list(_TOP_KEYS)} "
+                "(data-parallel size is inferred when 'data' is left out)."
+            )
+        pipeline = _positive("pipeline", config.get("pipeline", 1))
+        size, mode, depth = _tensor_part(config.get("tensor", 1))
+        if world % (pipeline * size):
+            raise InvalidArgument(
+                f"world_size={world} is not divisible by pipeline ({pipeline}) x tensor "
+                f"({size}) = {pipeline * size}; use a world size that is a multiple of "
+                f"{pipeline * size}, or sizes whose product divides {world}."
+            )
+        inferred = world // (pipeline * size)
+        data = _positive("data", config.get("data", inferred))
+        if data != inferred:
+            raise InvalidArgument(
+                f"data={data} does not fit: pipeline ({pipeline}) x tensor ({size}) x data "
+                f"({data}) = {pipeline * size * data} != world_size={world}; leave 'data' out "
+                f"to infer it ({inferred})."
+            )
+        return cls(world, pipeline, data, size, mode, depth)
+
+    # --------------------------------------------------------------------------- geometry
+    @property
+    def tensor_axes(self) -> tuple[tuple[str, int], ...]:
+        """The mode's tensor axes as ``(name, size)``, outermost first."""
+        t, m = self.tensor, self.mode
+        if m == "1d":
+            return (("tensor", t),)
+        if m == "sequence":
+            return (("sequence", t),)
+        if m == "2d":
+            q = _iroot(t, 2) or 1
+            return (("tensor_row", q), ("tensor_col", q))
+        if m == "2.5d":
+            q = _iroot(t // self.depth, 2) or 1
+            return (("tensor_dep", self.depth), ("tensor_row", q), ("tensor_col", q))
+        c = _iroot(t, 3) or 1
+        return (("tensor_in", c), ("tensor_wt", c), ("tensor_out", c))
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return (self.pipeline, self.data, *(s for _, s in self.tensor_axes))
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return ("pipe", "data", *(n for n, _ in self.tensor_axes))
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        """Every axis name (mesh dims plus the ``tensor`` alias or flattening) -> size."""
+        sizes = dict(zip(self.mesh_dim_names, self.mesh_shape, strict=True))
+        sizes["tensor"] = self.tensor
+        return sizes
+
+    def place(self, rank: int) -> Place:
+        """The coordinates of ``rank`` on every axis (row-major over :attr:`mesh_shape`)."""
+        if not _is_int(rank) or not 0 <= rank < self.world_size:
+            raise InvalidArgument(f"rank={rank!r}: must be an int in range({self.world_size}).")
+        coords: dict[str, int] = {}
+        rest = rank
+        for name, size in reversed(list(zip(self.mesh_dim_names, self.mesh_shape, strict=True))):
+            coords[name] = rest % size
+            rest //= size
+        coords = {n: coords[n] for n in self.mesh_dim_names}
+        coords["tensor"] = rank % self.tensor  # tensor axes are innermost and contiguous
+        names = tuple(n for n, _ in self.tensor_axes)
+        derived = {} if names == ("tensor",) else {"tensor": names}
+        return Place(rank, coords, self.axis_sizes, derived)
+
+    def places(self) -> list[Place]:
+        """:meth:`place` of every rank, in rank order."""
+        return [self.place(r) for r in range(self.world_size)]
+
+
+def _tensor_part(tensor: object) -> tuple[int, str, int]:
+    if _is_int(tensor):
+        return _positive("tensor", tensor), "1d", 1
+    if not isinstance(tensor, Mapping):
+        raise InvalidArgument(
+            f"tensor={tensor!r}: must be an int (1D) or a dict such as dict(size=4, mode='2d')."
+        )
+    unknown = sorted(set(tensor) - set(_TENSOR_KEYS), key=str)
+    if unknown:
+        raise InvalidArgument(
+            f"tensor has unknown key(s) {unknown}; the keys are {list(_TENSOR_KEYS)}."
+        )
+    if "size" not in tensor:
+        raise InvalidArgument(f"tensor={dict(tensor)!r} has no 'size'; add e.g. size=4.")
+    size = _positive("tensor size", tensor["size"])
+    mode = tensor.get("mode", "1d")
+    if mode not in MODES:
+        raise InvalidArgument(f"tensor mode={mode!r} is unknown; use one of {list(MODES)}.")
+    if mode != "2.5d":
+        if "depth" in tensor:
+            raise InvalidArgument(
+                f"tensor depth={tensor['depth']!r} is only meaningful with mode='2.5d' "
+                f"(got mode={mode!r}); drop 'depth' or use mode='2.5d'."
+            )
+        depth = 1
+    else:
+        if "depth" not in tensor:
+            raise InvalidArgument(
+                f"tensor mode='2.5d' needs a depth d with size = d*q*q; got size={size} and no "
+                f"depth; e.g. {_depths_hint(size)}."
+            )
+        depth = _positive("tensor depth", tensor["depth"])
+    if mode == "2d" and _iroot(size, 2) is None:
+        squares = _near_powers(size, 2)
+        raise InvalidArgument(
+            f"tensor size {size} with mode '2d' must be a square q*q (1, 4, 9, 16...); use "
+            f"size={' or size='.join(str(s) for s in squares if s != size)} or mode='1d'."
+        )
+    if mode == "3d" and _iroot(size, 3) is None:
+        cubes = _near_powers(size, 3)
+        raise InvalidArgument(
+            f"tensor size {size} with mode '3d' must be a cube c*c*c (1, 8, 27, 64...); use "
+            f"size={' or size='.join(str(s) for s in cubes if s != size)} or mode='1d'."
+        )
+    if mode == "2.5d" and (size % depth or _iroot(size // depth, 2) is None):
+        valid = [depth * s for s in _near_powers(max(1, size // depth), 2) if depth * s != size]
+        raise InvalidArgument(
+            f"tensor size {size} with mode '2.5d' and depth {depth} must be depth*q*q "
+            f"({depth}, {4 * depth}, {9 * depth}...); with depth={depth} use size="
+            f"{' or size='.join(str(v) for v in valid if v != size)}; {_depths_hint(size)}."
+        )
+    return size, mode, depth
+
+
+def _depths_hint(size: int) -> str:
+    depths = [d for d in range(1, size + 1) if size % d == 0 and _iroot(size // d, 2)]
+    return f"for size={size} the depths that work are {depths}"
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One named mesh axis as seen from this rank: ``group`` (a process group), ``size``, ``coord``.
+
+    ``coord`` is this rank's index in ``group`` (``0 <= coord < size``). A size-1 axis moves no
+    data: every collective over it is the identity.
+    """
+
+    name: str
+    size: int
+    coord: int
+    group: Any = field(repr=False, compare=False)
+
+    @classmethod
+    def from_group(cls, name: str, group: Any) -> Axis:
+        """An axis over an existing process group (``None``: the default group)."""
+        import torch.distributed as dist
+
+        return cls(name, dist.get_world_size(group), dist.get_rank(group), group)
+
+    def global_rank(self, coord: int) -> int:
+        """The global rank of the member at ``coord`` of this axis's group."""
+        import torch.distributed as dist
+
+        return int(dist.get_global_rank(self.group, coord)) if self.group is not None else coord
+
+
+class Mesh(Mapping[str, Axis]):
+    """The device mesh of a :class:`ParallelConfig`, with every axis by name: ``mesh['tensor']``.
+
+    ``device_mesh`` is the underlying ``torch.distributed.device_mesh.DeviceMesh``; ``place`` is
+    this rank's :class:`Place`.
+    """
+
+    def __init__(
+        self, config: ParallelConfig, device_mesh: Any, axes: Mapping[str, Axis], rank: int
+    ) -> None:
+        self.config = config
+        self.device_mesh = device_mesh
+        self._axes = dict(axes)
+        self.place = config.place(rank)
+
+    def __getitem__(self, name: str) -> Axis:
+        try:
+            return self._axes[name]
+        except KeyError:
+            raise InvalidArgument(
+                f"mesh has no axis {name!r}; its axes are {list(self._axes)} "
+                f"(mode {self.config.mode!r})."
+            ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._axes)
+
+    def __len__(self) -> int:
+        return len(self._axes)
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{a.name}={a.coord}/{a.size}" for a in self._axes.values())
+        return f"Mesh(rank={self.place.rank}, {axes})"
+
+
+def build_mesh(
+    config: ParallelConfig | Mapping[str, Any], *, device_type: str | None = None
+) -> Mesh:
+    """Build the process groups of ``config`` with ``init_device_mesh`` (call on every rank).
+
+    Needs an initialised default process group. ``device_type`` defaults to ``'cuda'`` under
+    NCCL and ``'cpu'`` otherwise.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise InvalidArgument(
+            "build_mesh needs torch.distributed to be initialised; call it inside "
+            "funcpipe.launch.launch(fn, nprocs) or under torchrun."
+        )
+    world = dist.get_world_size()
+    if not isinstance(config, ParallelConfig):
+        config = ParallelConfig.from_dict(config, world_size=world)
+    elif config.world_size != world:
+        raise InvalidArgument(
+            f"config.world_size={config.world_size} but the process group has {world} ranks; "
+            f"rebuild it with ParallelConfig.from_dict(..., world_size={world})."
+        )
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    names = config.mesh_dim_names
+    dm = init_device_mesh(device_type, config.mesh_shape, mesh_dim_names=names)
+    axes = {
+        n: Axis(n, dm.size(i), dm.get_local_rank(n), dm.get_group(n)) for i, n in enumerate(names)
+    }
+    tensor_names = [n for n, _ in config.tensor_axes]
+    if len(tensor_names) == 1:
+        only = axes[tensor_names[0]]
+        axes["tensor"] = Axis("tensor", only.size, only.coord, only.group)
+    else:
+        sub = dm[tuple(tensor_names)]
+        if hasattr(sub, "_flatten"):
+            flat = sub._flatten("tensor")
+        else:  # a torch without DeviceMesh._flatten: a second mesh with the tensor axes merged
+            shape = (config.pipeline, config.data, config.tensor)
+            flat = init_device_mesh(device_type, shape, mesh_dim_names=("pipe", "data", "tensor"))
+            flat = flat["tensor"]
+        axes["tensor"] = Axis("tensor", flat.size(), flat.get_local_rank(), flat.get_group())
+    mesh = Mesh(config, dm, axes, dist.get_rank())
+    for name, axis in axes.items():
+        if axis.coord != mesh.place.coords[name]:
+            raise RuntimeError(  # the mesh and ParallelConfig.place must agree; a bug otherwise
+                f"internal: axis {name!r} coordinate {axis.coord} != {mesh.place.coords[name]}"
+            )
+    return mesh

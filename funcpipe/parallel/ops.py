@@ -1,0 +1,527 @@
+"""1D (Megatron) tensor-parallel ops, vocab-parallel ops, sequence parallelism, ring attention.
+
+Every op is a pure function ``op(inputs..., params, *, axis, ...)`` over this rank's shards;
+``axis`` is the :class:`~funcpipe.parallel.Axis` the op splits over (``mesh['tensor']``, or
+``mesh['sequence']`` for ring attention). Each op has a ``*_layout(...)`` function returning an
+:class:`~funcpipe.parallel.layout.OpLayout` whose ``shard_params`` cuts full weights into one
+rank's params and whose ``gather_params`` puts per-rank params (or their gradients) back
+together. Activations are ``[b, s, d]``; weights follow ``torch.nn.Linear`` (``weight[out, in]``,
+``bias[out]``), so a module's state dict shards directly.
+
+Layouts (t = axis size; "rep" = replicated):
+
+============================  =====================  ==============================  ==============
+op                            input                  weights                         output
+============================  =====================  ==============================  ==============
+column_parallel_linear        x[b, s, in] rep        W[out/t, in], b[out/t]          y[b, s, out/t]
+row_parallel_linear           x[b, s, in/t]          W[out, in/t], b[out] rep        y[b, s, out] rep
+vocab_parallel_embedding      ids[b, s] rep          W[V/t, d]                       y[b, s, d] rep
+vocab_parallel_cross_entropy  logits[b, s, V/t]      -                               loss[b, s] rep
+parallel_attention, _mlp      x[b, s, d] rep         heads / hidden split            y[b, s, d] rep
+sp_column_parallel_linear     x[b, s/t, in]          W[out/t, in], b[out/t]          y[b, s, out/t]
+sp_row_parallel_linear        x[b, s, in/t]          W[out, in/t], b[out] rep        y[b, s/t, out]
+sp_layer_norm, sp_*_block     x[b, s/t, d]           as 1D                           y[b, s/t, d]
+ring_attention                q, k, v[b, h, s/t, e]  -                               o[b, h, s/t, e]
+============================  =====================  ==============================  ==============
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from funcpipe.errors import InvalidArgument
+from funcpipe.parallel import collectives as C
+from funcpipe.parallel.layout import Layout, OpLayout
+from funcpipe.parallel.mesh import Axis
+from funcpipe.parallel.spec import shard_spec
+
+__all__ = [
+    "attention",
+    "attention_block",
+    "attention_block_layout",
+    "column_parallel_layout",
+    "column_parallel_linear",
+    "mlp_block",
+    "mlp_block_layout",
+    "parallel_attention",
+    "parallel_attention_layout",
+    "parallel_mlp",
+    "parallel_mlp_layout",
+    "ring_attention",
+    "ring_attention_layout",
+    "ring_self_attention",
+    "ring_self_attention_layout",
+    "row_parallel_layout",
+    "row_parallel_linear",
+    "sp_attention_block",
+    "sp_attention_block_layout",
+    "sp_column_parallel_layout",
+    "sp_column_parallel_linear",
+    "sp_layer_norm",
+    "sp_layer_norm_layout",
+    "sp_mlp_block",
+    "sp_mlp_block_layout",
+    "sp_row_parallel_layout",
+    "sp_row_parallel_linear",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_cross_entropy_layout",
+    "vocab_parallel_embedding",
+    "vocab_parallel_embedding_layout",
+]
+
+LN_EPS = 1e-5
+_REP3 = Layout.of(None, None, None)
+
+
+def _linear_layouts(kind: str, axis: str, bias: bool) -> dict[str, Layout]:
+    if kind == "column":
+        out = {"weight": Layout.of(axis, None), "bias": Layout.of(axis)}
+    else:
+        out = {"weight": Layout.of(None, axis), "bias": Layout.of(None)}
+    if not bias:
+        del out["bias"]
+    return out
+
+
+def _norm_layout() -> dict[str, Layout]:
+    """A replicated layer norm's params."""
+    return {"weight": Layout.of(None), "bias": Layout.of(None)}
+
+
+def _heads(d: int, num_heads: int, t: int, what: str) -> int:
+    if not isinstance(num_heads, int) or num_heads < 1 or d % num_heads:
+        raise InvalidArgument(
+            f"{what}: num_heads={num_heads!r} must be a positive int dividing the model width "
+            f"d={d}."
+        )
+    if num_heads % t:
+        raise InvalidArgument(
+            f"{what}: num_heads={num_heads} is not divisible by the tensor axis size {t}; "
+            f"heads are split over ranks, so use a multiple of {t} heads."
+        )
+    return num_heads // t
+
+
+# ------------------------------------------------------------------------------ 1D linear
+def column_parallel_linear(
+    x: Tensor, params: dict[str, Tensor], *, axis: Axis, gather_output: bool = False
+) -> Tensor:
+    """``x[..., in]`` (replicated) times ``weight[out/t, in]`` (+ ``bias[out/t]``) ->
+    ``y[..., out/t]``, or ``y[..., out]`` replicated with ``gather_output=True``.
+
+    Forward: no communication (all-gather of ``y`` when gathering). Backward: all-reduce of the
+    gradient of ``x``.
+    """
+    y = shard_spec("... i, o i -> ... o", {"o": axis.name})(
+        x, params["weight"], mesh={axis.name: axis}
+    )
+    if params.get("bias") is not None:
+        y = y + params["bias"]
+    return C.gather_from_group(y, axis, dim=-1) if gather_output else y
+
+
+def column_parallel_layout(
+    *, axis: str = "tensor", gather_output: bool = False, bias: bool = True
+) -> OpLayout:
+    """Layouts of :func:`column_parallel_linear` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpLayout(
+        (_REP3,),
+        _linear_layouts("column", axis, bias),
+        Layout.of(None, None, None if gather_output else axis),
+    )
+
+
+def row_parallel_linear(x: Tensor, params: dict[str, Tensor], *, axis: Axis) -> Tensor:
+    """``x[..., in/t]`` times ``weight[out, in/t]`` -> all-reduce -> ``+ bias[out]`` (added once,
+    after the sum) -> ``y[..., out]`` replicated. Forward: one all-reduce of ``y``; backward:
+    nothing."""
+    spec = shard_spec("... i, o i -> ... o", {"i": axis.name}, reduce="all_reduce")
+    y = spec(x, params["weight"], mesh={axis.name: axis})
+    if params.get("bias") is not None:
+        y = y + params["bias"]
+    return y
+
+
+def row_parallel_layout(*, axis: str = "tensor", bias: bool = True) -> OpLayout:
+    """Layouts of :func:`row_parallel_linear` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpLayout((Layout.of(None, None, axis),), _linear_layouts("row", axis, bias), _REP3)
+
+
+# ------------------------------------------------------------------------------ vocab parallel
+def vocab_parallel_embedding(ids: Tensor, params: dict[str, Tensor], *, axis: Axis) -> Tensor:
+    """``ids[b, s]`` (replicated) looked up in ``weight[V/t, d]`` -> ``y[b, s, d]`` replicated.
+
+    Each rank looks up the ids in its vocabulary block and zeros the others; one all-reduce
+    (identity backward) sums the blocks.
+    """
+    w = params["weight"]
+    n = w.shape[0]
+    local = ids - axis.coord * n
+    outside = (local < 0) | (local >= n)
+    y = F.embedding(local.masked_fill(outside, 0), w).masked_fill(outside.unsqueeze(-1), 0.0)
+    return C.reduce_from_group(y, axis)
+
+
+def vocab_parallel_embedding_layout(*, axis: str = "tensor") -> OpLayout:
+    """Layouts of :func:`vocab_parallel_embedding` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpLayout((Layout.of(None, None),), {"weight": Layout.of(axis, None)}, _REP3)
+
+
+class _VocabCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, target: Tensor, axis: Axis) -> Tensor:
+        n = logits.shape[-1]
+        start = axis.coord * n
+        gmax = C.all_reduce_max(logits.detach().amax(-1), axis)
+        shifted = logits - gmax.unsqueeze(-1)
+        exp = shifted.exp()
+        local = target - start
+        outside = (local < 0) | (local >= n)
+        idx = local.masked_fill(outside, 0).unsqueeze(-1)
+        tgt = shifted.gather(-1, idx).squeeze(-1).masked_fill(outside, 0.0)
+        sums = C._raw_all_reduce(torch.stack([exp.sum(-1), tgt]), axis, "forward")
+        ctx.save_for_backward(exp / sums[0].unsqueeze(-1), idx, outside)
+        return sums[0].log() - sums[1]
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        softmax, idx, outside = ctx.saved_tensors
+        onehot = torch.zeros_like(softmax).scatter(
+            -1, idx, (~outside).unsqueeze(-1).to(softmax.dtype)
+        )
+        return (softmax - onehot) * g.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, *, axis: Axis) -> Tensor:
+    """Per-token loss ``-log softmax(logits)[target]`` from ``logits[..., V/t]`` split over the
+    vocabulary, without materialising the full logits: all-reduce MAX of the row max, one
+    all-reduce SUM of (exp-sum, target logit); local backward. ``target[...]`` holds global ids in
+    ``[0, V)``; the loss ``[...]`` is replicated."""
+    if target.shape != logits.shape[:-1]:
+        raise InvalidArgument(
+            f"vocab_parallel_cross_entropy: target shape {tuple(target.shape)} must be the "
+            f"logits shape without its last dim, {tuple(logits.shape[:-1])}."
+        )
+    if target.is_floating_point():
+        raise InvalidArgument(
+            f"vocab_parallel_cross_entropy: target must hold integer ids; got {target.dtype}."
+        )
+    return _VocabCrossEntropy.apply(logits, target, axis)
+
+
+def vocab_parallel_cross_entropy_layout(*, axis: str = "tensor") -> OpLayout:
+    """Layouts of :func:`vocab_parallel_cross_entropy` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpLayout((Layout.of(None, None, axis), Layout.of(None, None)), {}, Layout.of(None, None))
+
+
+# ------------------------------------------------------------------------------ attention, MLP
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False) -> Tensor:
+    """Single-device softmax attention over ``[..., s, e]`` (the local core of the parallel ops)."""
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        s_q, s_k = scores.shape[-2:]
+        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1 + s_k - s_q)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def _split_heads(y: Tensor, heads: int) -> Tensor:
+    b, s, w = y.shape
+    return y.reshape(b, s, heads, w // heads).transpose(1, 2)
+
+
+def _merge_heads(y: Tensor) -> Tensor:
+    b, h, s, e = y.shape
+    return y.transpose(1, 2).reshape(b, s, h * e)
+
+
+def _local_linear(x: Tensor, p: dict[str, Tensor]) -> Tensor:
+    return F.linear(x, p["weight"], p.get("bias"))
+
+
+def _local_attention(h: Tensor, params: dict[str, Any], heads: int, causal: bool) -> Tensor:
+    q, k, v = (_split_heads(_local_linear(h, params[n]), heads) for n in ("q", "k", "v"))
+    return _merge_heads(attention(q, k, v, causal=causal))
+
+
+def parallel_attention(
+    x: Tensor, params: dict[str, Any], *, axis: Axis, num_heads: int, causal: bool = False
+) -> Tensor:
+    """Multi-head attention with the heads split over ``axis``: ``x[b, s, d]`` replicated ->
+    ``y[b, s, d]`` replicated. ``q``, ``k``, ``v`` are column-parallel (one shared identity /
+    all-reduce on ``x``), ``o`` is row-parallel. Forward: one all-reduce; backward: one."""
+    heads = _heads(x.shape[-1], num_heads, axis.size, "parallel_attention")
+    h = C.copy_to_group(x, axis)
+    return row_parallel_linear(_local_attention(h, params, heads, causal), params["o"], axis=axis)
+
+
+def parallel_attention_layout(*, axis: str = "tensor", bias: bool = True) -> OpLayout:
+    """Layouts of :func:`parallel_attention` (``shard_params`` / ``gather_params`` of full weights)."""
+    col = _linear_layouts("column", axis, bias)
+    return OpLayout(
+        (_REP3,),
+        {"q": col, "k": col, "v": col, "o": _linear_layouts("row", axis, bias)},
+        _REP3,
+    )
+
+
+def parallel_mlp(x: Tensor, params: dict[str, Any], *, axis: Axis) -> Tensor:
+    """``fc2(gelu(fc1(x)))`` with ``fc1`` column- and ``fc2`` row-parallel: ``x[b, s, d]``
+    replicated -> ``y[b, s, d]`` replicated; one all-reduce each way."""
+    h = F.gelu(column_parallel_linear(x, params["fc1"], axis=axis))
+    return row_parallel_linear(h, params["fc2"], axis=axis)
+
+
+def parallel_mlp_layout(*, axis: str = "tensor", bias: bool = True) -> OpLayout:
+    """Layouts of :func:`parallel_mlp` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpLayout(
+        (_REP3,),
+        {"fc1": _linear_layouts("column", axis, bias), "fc2": _linear_layouts("row", axis, bias)},
+        _REP3,
+    )
+
+
+def _layer_norm(x: Tensor, p: dict[str, Tensor]) -> Tensor:
+    return F.layer_norm(x, x.shape[-1:], p["weight"], p["bias"], LN_EPS)
+
+
+def mlp_block(x: Tensor, params: dict[str, Any], *, axis: Axis) -> Tensor:
+    """Pre-norm residual MLP: ``x + parallel_mlp(layer_norm(x))``; norm params replicated."""
+    return x + parallel_mlp(_layer_norm(x, params["norm"]), params, axis=axis)
+
+
+def mlp_block_layout(*, axis: str = "tensor") -> OpLayout:
+    """Layouts of :func:`mlp_block` (``shard_params`` / ``gather_params`` of full weights)."""
+    inner = parallel_mlp_layout(axis=axis)
+    return OpLayout((_REP3,), {**inner.params, "norm": _norm_layout()}, _REP3)
+
+
+def attention_block(
+    x: Tensor, params: dict[str, Any], *, axis: Axis, num_heads: int, causal: bool = False
+) -> Tensor:
+    """Pre-norm residual attention: ``x + parallel_attention(layer_norm(x))``."""
+    h = _layer_norm(x, params["norm"])
+    return x + parallel_attention(h, params, axis=axis, num_heads=num_heads, causal=causal)
+
+
+def attention_block_layout(*, axis: str = "tensor") -> OpLayout:
+    """Layouts of :func:`attention_block` (``shard_params`` / ``gather_params`` of full weights)."""
+    inner = parallel_attention_layout(axis=axis)
+    return OpLayout((_REP3,), {**inner.params, "norm": _norm_layout()}, _REP3)
+
+
+# ------------------------------------------------------------------------------ sequence parallel
+def sp_layer_norm(x: Tensor, params: dict[str, Tensor], *, axis: Axis) -> Tensor:
+    """Layer norm of ``x[b, s/t, d]`` (split on the sequence); the replicated params see only
+    this rank's tokens, so their gradients are all-reduced (identity / all-reduce pair)."""
+    w = C.copy_to_group(params["weight"], axis)
+    b = C.copy_to_group(params["bias"], axis)
+    return F.layer_norm(x, x.shape[-1:], w, b, LN_EPS)
+
+
+def sp_layer_norm_layout(*, axis: str = "tensor") -> OpLayout:
+    """Layouts of :func:`sp_layer_norm` (``shard_params`` / ``gather_params`` of full weights)."""
+    seq = Layout.of(None, axis, None)
+    return OpLayout((seq,), _norm_layout(), seq)
+
+
+def sp_column_parallel_linear(x: Tensor, params: dict[str, Tensor], *, axis: Axis) -> Tensor:
+    """``x[b, s/t, in]`` -> all-gather of the sequence -> column-parallel -> ``y[b, s, out/t]``.
+    Backward: reduce-scatter of the gradient of ``x`` along the sequence."""
+    spec = shard_spec("b s i, o i -> b s o", {"o": axis.name}, in_shards={0: {"s": axis.name}})
+    y = spec(x, params["weight"], mesh={axis.name: axis})
+    return y + params["bias"] if params.get("bias") is not None else y
+
+
+def sp_column_parallel_layout(*, axis: str = "tensor", bias: bool = True) -> OpLayout:
+    """Layouts of :func:`sp_column_parallel_linear` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpLayout(
+        (Layout.of(None, axis, None),),
+        _linear_layouts("column", axis, bias),
+        Layout.of(None, None, axis),
+    )
+
+
+def sp_row_parallel_linear(x: Tensor, params: dict[str, Tensor], *, axis: Axis) -> Tensor:
+    """``x[b, s, in/t]`` -> row-parallel -> reduce-scatter along the sequence -> ``+ bias`` ->
+    ``y[b, s/t, out]``. Backward: all-gather of the gradient of ``y``; the bias, replicated but
+    applied to this rank's tokens only, gets its gradient all-reduced."""
+    spec = shard_spec("b s i, o i -> b s o", {"i": axis.name}, reduce="reduce_scatter", scatter="s")
+    y = spec(x, params["weight"], mesh={axis.name: axis})
+    if params.get("bias") is not None:
+        y = y + C.copy_to_group(params["bias"], axis)
+    return y
+
+
+def sp_row_parallel_layout(*, axis: str = "tensor", bias: bool = True) -> OpLayout:
+    """Layouts of :func:`sp_row_parallel_linear` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpLayout(
+        (Layout.of(None, None, axis),),
+        _linear_layouts("row", axis, bias),
+        Layout.of(None, axis, None),
+    )
+
+
+def sp_mlp_block(x: Tensor, params: dict[str, Any], *, axis: Axis) -> Tensor:
+    """Sequence-parallel pre-norm MLP on ``x[b, s/t, d]``: one all-gather and one reduce-scatter
+    forward, the mirror pair backward (plus the all-reduces of the replicated params' grads)."""
+    h = sp_layer_norm(x, params["norm"], axis=axis)
+    h = F.gelu(sp_column_parallel_linear(h, params["fc1"], axis=axis))
+    return x + sp_row_parallel_linear(h, params["fc2"], axis=axis)
+
+
+def sp_mlp_block_layout(*, axis: str = "tensor") -> OpLayout:
+    """Layouts of :func:`sp_mlp_block` (``shard_params`` / ``gather_params`` of full weights)."""
+    seq = Layout.of(None, axis, None)
+    params = {
+        "norm": _norm_layout(),
+        "fc1": _linear_layouts("column", axis, True),
+        "fc2": _linear_layouts("row", axis, True),
+    }
+    return OpLayout((seq,), params, seq)
+
+
+def sp_attention_block(
+    x: Tensor, params: dict[str, Any], *, axis: Axis, num_heads: int, causal: bool = False
+) -> Tensor:
+    """Sequence-parallel pre-norm attention on ``x[b, s/t, d]``: the normed tokens are
+    all-gathered once (reduce-scatter backward), heads are split as in 1D, and the output
+    projection reduce-scatters back to the sequence split."""
+    heads = _heads(x.shape[-1], num_heads, axis.size, "sp_attention_block")
+    h = C.all_gather(sp_layer_norm(x, params["norm"], axis=axis), axis, dim=1)
+    y = _local_attention(h, params, heads, causal)
+    return x + sp_row_parallel_linear(y, params["o"], axis=axis)
+
+
+def sp_attention_block_layout(*, axis: str = "tensor") -> OpLayout:
+    """Layouts of :func:`sp_attention_block` (``shard_params`` / ``gather_params`` of full weights)."""
+    seq = Layout.of(None, axis, None)
+    col = _linear_layouts("column", axis, True)
+    params = {"norm": _norm_layout(), "q": col, "k": col, "v": col}
+    params["o"] = _linear_layouts("row", axis, True)
+    return OpLayout((seq,), params, seq)
+
+
+# ------------------------------------------------------------------------------ ring attention
+def _block_scores(q: Tensor, k: Tensor, scale: float, diagonal: bool) -> Tensor:
+    scores = q @ k.transpose(-1, -2) * scale
+    if diagonal:  # the block on the diagonal: mask keys after each query
+        s = scores.shape[-1]
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return scores
+
+
+class _RingAttention(torch.autograd.Function):
+    """Forward: online softmax over the key/value blocks as they come round the ring.
+    Backward: recompute each block's probabilities from the saved log-sum-exp; the key/value
+    blocks go round again, each carrying the accumulator of its own gradient, and one last
+    shift hands every accumulator back to its owner."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, axis: Axis, causal: bool) -> Tensor:
+        n, me = axis.size, axis.coord
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        kv = torch.stack([k, v])
+        run_max = run_sum = acc = q.new_zeros(())
+        for step in range(n):
+            if step:
+                kv = C._raw_shift(kv, axis, 1, "forward")
+            src = (me - step) % n  # the rank whose keys we now hold
+            if causal and src > me:
+                continue  # every key is in the future of every local query
+            scores = _block_scores(q, kv[0], scale, causal and src == me)
+            blk_max = scores.amax(-1, keepdim=True)
+            if step == 0:
+                run_max = blk_max
+                p = (scores - run_max).exp()
+                run_sum, acc = p.sum(-1, keepdim=True), p @ kv[1]
+                continue
+            new_max = torch.maximum(run_max, blk_max)
+            fix = (run_max - new_max).exp()
+            p = (scores - new_max).exp()
+            run_sum = run_sum * fix + p.sum(-1, keepdim=True)
+            acc = acc * fix + p @ kv[1]
+            run_max = new_max
+        out = acc / run_sum
+        ctx.save_for_backward(q, k, v, out, run_max + run_sum.log())
+        ctx.axis, ctx.causal, ctx.scale = axis, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
+        q, k, v, out, lse = ctx.saved_tensors
+        axis, causal, scale = ctx.axis, ctx.causal, ctx.scale
+        n, me = axis.size, axis.coord
+        delta = (d_out * out).sum(-1, keepdim=True)
+        dq = torch.zeros_like(q)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros_like(kv)
+        for step in range(n):
+            if step:
+                both = C._raw_shift(torch.cat([kv, dkv]), axis, 1, "backward")
+                kv, dkv = both[:2], both[2:]
+            src = (me - step) % n
+            if causal and src > me:
+                continue
+            p = (_block_scores(q, kv[0], scale, causal and src == me) - lse).exp()
+            d_scores = p * (d_out @ kv[1].transpose(-1, -2) - delta)
+            dq = dq + d_scores @ kv[0] * scale
+            dkv = dkv + torch.stack(
+                [d_scores.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ d_out]
+            )
+        dkv = C._raw_shift(dkv, axis, 1, "backward")  # block (me+1)'s gradient goes home
+        return dq, dkv[0], dkv[1], None, None
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, axis: Axis, causal: bool = False) -> Tensor:
+    """Exact attention over a sequence split into contiguous blocks over ``axis``.
+
+    ``q``, ``k``, ``v`` are ``[b, h, s/t, e]``: rank c holds positions ``[c*s/t, (c+1)*s/t)``.
+    Keys and values travel around the ring (t-1 point-to-point shifts of the stacked pair) and
+    are folded in with an online softmax (running max, running sum, rescaled accumulator). With
+    ``causal``, blocks of later positions are skipped and the diagonal block is masked.
+    Backward recomputes block by block (memory stays O(s/t)): t-1 shifts of the key/value
+    blocks with their gradient accumulators, then one shift of the accumulators home.
+    """
+    if not q.shape == k.shape == v.shape or q.dim() < 2:
+        raise InvalidArgument(
+            f"ring_attention: q, k, v must have one shape [..., s/t, e]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}."
+        )
+    C._check_axis(axis, "ring_attention")
+    return _RingAttention.apply(q, k, v, axis, bool(causal))
+
+
+def ring_attention_layout(*, axis: str = "sequence") -> OpLayout:
+    """Layouts of :func:`ring_attention` (``shard_params`` / ``gather_params`` of full weights)."""
+    seq = Layout.of(None, None, axis, None)
+    return OpLayout((seq, seq, seq), {}, seq)
+
+
+def ring_self_attention(
+    x: Tensor, params: dict[str, Any], *, axis: Axis, num_heads: int, causal: bool = False
+) -> Tensor:
+    """Self-attention on ``x[b, s/t, d]`` split on the sequence, with replicated projection
+    weights (``q``, ``k``, ``v``, ``o``; their gradients are all-reduced) and
+    :func:`ring_attention` in the middle -> ``y[b, s/t, d]``."""
+    heads = _heads(x.shape[-1], num_heads, 1, "ring_self_attention")
+    p = {
+        n: {key: C.copy_to_group(w, axis) for key, w in params[n].items()}
+        for n in ("q", "k", "v", "o")
+    }
+    q, k, v = (_split_heads(_local_linear(x, p[n]), heads) for n in ("q", "k", "v"))
+    y = _merge_heads(ring_attention(q, k, v, axis=axis, causal=causal))
+    return _local_linear(y, p["o"])
+
+
+def ring_self_attention_layout(*, axis: str = "sequence") -> OpLayout:
+    """Layouts of :func:`ring_self_attention` (``shard_params`` / ``gather_params`` of full weights)."""
+    seq = Layout.of(None, axis, None)
+    lin = {"weight": Layout.of(None, None), "bias": Layout.of(None)}
+    return OpLayout((seq,), {"q": lin, "k": lin, "v": lin, "o": lin}, seq)
