@@ -21,25 +21,36 @@ Subparsers = Any  # argparse's _SubParsersAction is private
 def _add_demo(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "demo",
+        help="train a GPT with pipeline x tensor x data parallelism on local processes",
+        description="Train a byte-level GPT on text that ships with Python, with pipeline x "
+        "tensor x data parallelism on local CPU processes (or under torchrun). All options: "
+        "funcpipe demo --help.",
+    )
+    parser.set_defaults(handler=lambda args: 0)  # main() hands `demo ...` to funcpipe.demo
+
+
+def _add_tour(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "tour",
         help="partition an MLP, infer its shapes, check the reference step and train it",
         description="Partition a float64 MLP into stages by parameter count, infer every "
         "stage's shapes on the meta device, compare reference_step with plain autograd on "
-        "the whole module, then train with pure SGD updates.",
+        "the whole module, then train with pure SGD updates (one process).",
     )
     parser.add_argument("--microbatches", type=int, default=4, metavar="M", help="default: 4")
     parser.add_argument("--stages", type=int, default=2, metavar="N", help="default: 2")
     parser.add_argument("--steps", type=int, default=20, help="SGD steps (default: 20)")
-    parser.set_defaults(handler=_run_demo)
+    parser.set_defaults(handler=_run_tour)
 
 
-def _run_demo(args: argparse.Namespace) -> int:
-    from funcpipe.demo import run_demo
+def _run_tour(args: argparse.Namespace) -> int:
+    from funcpipe.tour import run_demo
 
     run_demo(microbatches=args.microbatches, stages=args.stages, steps=args.steps)
     return 0
 
 
-_SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (_add_demo,)
+_SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (_add_demo, _add_tour)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -57,6 +68,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``funcpipe`` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # the demo parses its own options (it also runs under torchrun)
+        from funcpipe.demo import main as demo_main
+
+        try:
+            return demo_main(argv[1:])
+        except FuncpipeError as e:
+            print(f"funcpipe demo: error: {e}", file=sys.stderr)
+            return 2
     args = _build_parser().parse_args(argv)
     try:
         status: int = args.handler(args)

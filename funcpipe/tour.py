@@ -1,4 +1,4 @@
-"""``funcpipe demo``: partition an MLP, infer its shapes, check the reference step, train it.
+"""``funcpipe tour``: partition an MLP, infer its shapes, check the reference step, train it.
 
 Everything runs in one process on the CPU; it shows the pieces a pipeline is built from.
 """

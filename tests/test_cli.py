@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_prints_comparison_and_falling_loss(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--microbatches", "3", "--stages", "3", "--steps", "5"]) == 0
+    assert main(["tour", "--microbatches", "3", "--stages", "3", "--steps", "5"]) == 0
     out = capsys.readouterr().out
     assert "3 microbatches" in out
     assert "stage 2" in out and "(meta)" in out
@@ -25,7 +25,7 @@ def test_demo_prints_comparison_and_falling_loss(capsys: pytest.CaptureFixture[s
 
 
 def test_demo_reports_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--stages", "99", "--steps", "1"]) == 2
+    assert main(["tour", "--stages", "99", "--steps", "1"]) == 2
     assert "stages=99" in capsys.readouterr().err
 
 

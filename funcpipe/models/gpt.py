@@ -1,0 +1,245 @@
+"""A GPT as pure stage functions, tensor-parallel (1D, Megatron) inside every stage.
+
+The model: token embedding (vocabulary-parallel) plus learned positions, ``layers`` pre-norm
+blocks (attention with heads split over the tensor axis, an MLP with a column- then a
+row-parallel linear), a final layer norm and an LM head that reuses the token embedding (tied,
+vocabulary-parallel: each tensor rank computes the logits of its vocabulary block), trained with
+the vocabulary-parallel cross-entropy (the full logits never exist on one rank).
+
+``stages`` splits it for a pipeline: stage 0 holds the embedding, the last stage the final norm
+and the head, and the blocks are spread as evenly as possible. Parameters are plain nested dicts;
+:func:`init` makes the full (single-device) ones, :func:`split` cuts them per stage and
+:func:`layouts` says how each leaf is sharded over the tensor axis
+(:meth:`funcpipe.parallel.Layout.shard` / ``gather``). With a size-1 tensor axis the same
+functions are the single-device reference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from funcpipe.errors import InvalidArgument
+from funcpipe.parallel import ops
+from funcpipe.parallel.layout import Layout
+from funcpipe.parallel.mesh import Axis
+from funcpipe.stage import Stage
+
+__all__ = [
+    "GPTConfig",
+    "blocks_per_stage",
+    "full_forward",
+    "init",
+    "layouts",
+    "loss_fn",
+    "single_axis",
+    "split",
+    "stages",
+    "tie_spec",
+]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of the model: ``vocab`` tokens, ``context`` positions, ``d_model`` width,
+    ``heads`` attention heads, ``layers`` blocks, ``mlp`` hidden width (default 4 x d_model)."""
+
+    vocab: int = 256
+    context: int = 64
+    d_model: int = 64
+    heads: int = 4
+    layers: int = 4
+    mlp: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "context", "d_model", "heads", "layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"GPTConfig({name}={value!r}): must be an int >= 1")
+        if self.d_model % self.heads:
+            raise InvalidArgument(
+                f"GPTConfig: d_model={self.d_model} is not divisible by heads={self.heads}"
+            )
+        if self.mlp == 0:
+            object.__setattr__(self, "mlp", 4 * self.d_model)
+
+    def check_tensor(self, t: int) -> None:
+        """The sizes a tensor-parallel degree ``t`` needs, checked up front."""
+        for name, value in (("vocab", self.vocab), ("heads", self.heads), ("mlp", self.mlp)):
+            if value % t:
+                raise InvalidArgument(
+                    f"GPTConfig({name}={value}) must be divisible by the tensor-parallel size "
+                    f"{t}: it is split over the tensor ranks"
+                )
+
+
+def single_axis() -> Axis:
+    """A size-1 tensor axis: every collective is the identity (the single-device reference)."""
+    return Axis("tensor", 1, 0, None)
+
+
+# ------------------------------------------------------------------------------ parameters
+def _linear(
+    g: torch.Generator, out: int, inp: int, dtype: torch.dtype, scale: float = 1.0
+) -> dict[str, Tensor]:
+    w = torch.randn(out, inp, generator=g, dtype=dtype) * (scale / math.sqrt(inp))
+    return {"weight": w, "bias": torch.zeros(out, dtype=dtype)}
+
+
+def _norm(d: int, dtype: torch.dtype) -> dict[str, Tensor]:
+    return {"weight": torch.ones(d, dtype=dtype), "bias": torch.zeros(d, dtype=dtype)}
+
+
+def init(config: GPTConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The full parameters (every rank computes the same ones from ``seed``)."""
+    g = torch.Generator().manual_seed(seed)
+    d, c = config.d_model, config
+    resid = 1.0 / math.sqrt(2 * c.layers)  # keep the residual stream's scale with depth
+    blocks = []
+    for _ in range(c.layers):
+        attn = {n: _linear(g, d, d, dtype) for n in ("q", "k", "v")}
+        attn["o"] = _linear(g, d, d, dtype, resid)
+        attn["norm"] = _norm(d, dtype)
+        mlp = {
+            "fc1": _linear(g, c.mlp, d, dtype),
+            "fc2": _linear(g, d, c.mlp, dtype, resid),
+            "norm": _norm(d, dtype),
+        }
+        blocks.append({"attn": attn, "mlp": mlp})
+    return {
+        "wte": torch.randn(c.vocab, d, generator=g, dtype=dtype) * 0.02,
+        "wpe": torch.randn(c.context, d, generator=g, dtype=dtype) * 0.02,
+        "blocks": blocks,
+        "norm": _norm(d, dtype),
+    }
+
+
+def blocks_per_stage(config: GPTConfig, n_stages: int) -> list[range]:
+    """The blocks of each stage: as even as possible, the extra ones on the middle stages
+    (the first and the last stage also carry the embedding and the head)."""
+    if not isinstance(n_stages, int) or n_stages < 1:
+        raise InvalidArgument(f"n_stages={n_stages!r}: an int >= 1")
+    if n_stages > config.layers + 1 and n_stages > 1:
+        raise InvalidArgument(
+            f"n_stages={n_stages} > layers + 1 = {config.layers + 1}: some stage would be empty; "
+            "use more layers or fewer stages"
+        )
+    base, extra = divmod(config.layers, n_stages)
+    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), s))
+    sizes = [base] * n_stages
+    for s in order[:extra]:
+        sizes[s] += 1
+    out, start = [], 0
+    for n in sizes:
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def split(full: dict[str, Any], config: GPTConfig, n_stages: int) -> tuple[dict[str, Any], ...]:
+    """Per-stage params: blocks keyed by their global index; ``wte`` on the first stage and a
+    copy on the last (tie them with ``ties={"wte": [(0, "wte"), (n - 1, "wte")]}``)."""
+    parts = []
+    for s, blocks in enumerate(blocks_per_stage(config, n_stages)):
+        p: dict[str, Any] = {"blocks": {str(i): full["blocks"][i] for i in blocks}}
+        if s == 0:
+            p["wte"], p["wpe"] = full["wte"], full["wpe"]
+        if s == n_stages - 1:
+            p["norm"] = full["norm"]
+            p["wte"] = full["wte"] if s == 0 else full["wte"].clone()
+        parts.append(p)
+    return tuple(parts)
+
+
+def layouts(
+    config: GPTConfig, n_stages: int, *, axis: str = "tensor"
+) -> tuple[dict[str, Any], ...]:
+    """How every leaf of :func:`split`'s params is sharded over ``axis`` (1D tensor parallel)."""
+    block = {
+        "attn": ops.attention_block_layout(axis=axis).params,
+        "mlp": ops.mlp_block_layout(axis=axis).params,
+    }
+    rep1, rep2 = Layout.of(None), Layout.of(None, None)
+    out = []
+    for s, blocks in enumerate(blocks_per_stage(config, n_stages)):
+        lay: dict[str, Any] = {"blocks": {str(i): block for i in blocks}}
+        if s == 0:
+            lay["wte"], lay["wpe"] = Layout.of(axis, None), rep2
+        if s == n_stages - 1:
+            lay["norm"] = {"weight": rep1, "bias": rep1}
+            lay["wte"] = Layout.of(axis, None)
+        out.append(lay)
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------ stage functions
+def stages(config: GPTConfig, n_stages: int, *, axis: Axis) -> list[Stage]:
+    """The stage functions; ``axis`` is this rank's tensor axis (``single_axis()`` for one device)."""
+    config.check_tensor(axis.size)
+    heads = config.heads
+    out = []
+    for s, blocks in enumerate(blocks_per_stage(config, n_stages)):
+        first, last = s == 0, s == n_stages - 1
+        keys = [str(i) for i in blocks]
+
+        def fn(
+            p: dict[str, Any],
+            x: Tensor,
+            *,
+            _first: bool = first,
+            _last: bool = last,
+            _keys: list[str] = keys,
+        ) -> Tensor:
+            if _first:
+                h = ops.vocab_parallel_embedding(x, {"weight": p["wte"]}, axis=axis)
+                h = h + p["wpe"][: x.shape[-1]]
+            else:
+                h = x
+            for k in _keys:
+                h = ops.attention_block(
+                    h, p["blocks"][k]["attn"], axis=axis, num_heads=heads, causal=True
+                )
+                h = ops.mlp_block(h, p["blocks"][k]["mlp"], axis=axis)
+            if _last:
+                h = F.layer_norm(
+                    h, h.shape[-1:], p["norm"]["weight"], p["norm"]["bias"], ops.LN_EPS
+                )
+                h = ops.column_parallel_linear(
+                    h, {"weight": p["wte"]}, axis=axis
+                )  # logits [b, s, V/t]
+            return h
+
+        name = (
+            f"gpt stage {s}: "
+            + ("embed + " if first else "")
+            + f"blocks {blocks.start}-{blocks.stop - 1}"
+            + (" + head" if last else "")
+        )
+        out.append(Stage(fn, name=name))
+    return out
+
+
+def loss_fn(*, axis: Axis) -> Callable[[Tensor, Tensor], Tensor]:
+    """Mean next-token cross-entropy from vocabulary-parallel logits ``[b, s, V/t]``."""
+
+    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+        return ops.vocab_parallel_cross_entropy(logits, targets, axis=axis).mean()
+
+    return loss
+
+
+def full_forward(params: dict[str, Any], config: GPTConfig, tokens: Tensor) -> Tensor:
+    """Logits ``[b, s, V]`` of the whole model on one device (sampling, reference checks)."""
+    fns = stages(config, 1, axis=single_axis())
+    return fns[0](split(params, config, 1)[0], tokens)
+
+
+def tie_spec(n_stages: int) -> dict[str, list[tuple[int, str]]] | None:
+    """The ``ties=`` argument for :class:`funcpipe.Pipeline` (None for one stage)."""
+    return {"wte": [(0, "wte"), (n_stages - 1, "wte")]} if n_stages > 1 else None

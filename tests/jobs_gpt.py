@@ -1,0 +1,101 @@
+"""Pool jobs for the GPT of the demo: one step against the single-device reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import funcpipe as fp
+from funcpipe.models import gpt
+from funcpipe.parallel.layout import shard_tree
+from funcpipe.parallel.mesh import build_mesh
+from funcpipe.schedule import generate
+from funcpipe.tree import tree_map
+
+CFG = gpt.GPTConfig(vocab=32, context=8, d_model=16, heads=4, layers=3, mlp=32)
+
+
+def batch(step: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, CFG.vocab, (rows, CFG.context + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def reference(steps: int, schedule: str, pipeline: int) -> tuple[list[float], tuple[Any, ...]]:
+    """Single device: the same model, microbatches and SGD, losses of ``steps`` steps and the
+    first step's full gradients (per pipeline stage, as split for the schedule)."""
+    program = generate(schedule, ranks=pipeline, microbatches=4)
+    n = program.n_stages
+    axis = gpt.single_axis()
+    stages, full = (
+        gpt.stages(CFG, 1, axis=axis),
+        gpt.split(gpt.init(CFG, seed=0, dtype=torch.float64), CFG, 1),
+    )
+    losses, first = [], None
+    params = full
+    for step in range(steps):
+        x, y = batch(step)
+        loss, grads = fp.reference_step(
+            stages, params, x, gpt.loss_fn(axis=axis), targets=y, microbatches=4
+        )
+        if first is None:
+            first = grads[0]
+        losses.append(float(loss))
+        params = tree_map(lambda p, g: p - 0.1 * g, params, grads)
+    # the first step's gradients cut like the pipeline's stages (tied wte: summed on both ends)
+    per_stage = gpt.split(
+        {**first, "blocks": [first["blocks"][str(i)] for i in range(CFG.layers)]}, CFG, n
+    )
+    return losses, per_stage
+
+
+def pipeline_step(
+    rank: int, pipeline: int, tensor: int, schedule: str, steps: int
+) -> dict[str, Any]:
+    """One rank of pipeline x tensor x data: the losses of ``steps`` SGD steps and this rank's
+    first-step gradients (its shards)."""
+    import torch.distributed as dist
+
+    mesh = build_mesh({"pipeline": pipeline, "tensor": tensor})
+    place, axis = mesh.place, mesh["tensor"]
+    program = generate(schedule, ranks=pipeline, microbatches=4)
+    n = program.n_stages
+    full = gpt.split(gpt.init(CFG, seed=0, dtype=torch.float64), CFG, n)
+    lay = gpt.layouts(CFG, n)
+    mine = set(program.stages_on(place.coords["pipe"]))
+    params = tuple(
+        shard_tree(full[s], lay[s], place)
+        if s in mine
+        else tree_map(lambda t: t.to("meta"), shard_tree(full[s], lay[s], place))
+        for s in range(n)
+    )
+    pipe = fp.Pipeline(
+        gpt.stages(CFG, n, axis=axis),
+        program,
+        loss_fn=gpt.loss_fn(axis=axis),
+        ties=gpt.tie_spec(n),
+        transport="dist",
+        mesh=mesh,
+    )
+    data = mesh.config.data
+    losses, first = [], None
+    for step in range(steps):
+        x, y = batch(step)
+        rows = x.shape[0] // data
+        d = place.coords["data"]
+        loss, grads = pipe.step(params, x[d * rows : (d + 1) * rows], y[d * rows : (d + 1) * rows])
+        if first is None:
+            first = grads
+        losses.append(float(loss))
+        params = tuple(
+            p if g is None else tree_map(lambda a, b: a - 0.1 * b, p, g)
+            for p, g in zip(params, grads, strict=True)
+        )
+    return {
+        "rank": dist.get_rank(),
+        "place": place,
+        "losses": losses,
+        "grads": first,
+        "stages": sorted(mine),
+    }

@@ -1,0 +1,65 @@
+"""The demo's GPT: pipeline x tensor and pipeline x data against the single-device reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from funcpipe.models import gpt
+from funcpipe.parallel.layout import gather_tree
+from funcpipe.parallel.mesh import Place
+from funcpipe.testing import assert_trees_close
+from tests import jobs_gpt
+
+
+def _check(results: list[dict], schedule: str, pipeline: int, steps: int) -> None:
+    ref_losses, ref_grads = jobs_gpt.reference(steps, schedule, pipeline)
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-10, abs=1e-10)
+    assert ref_losses[-1] < ref_losses[0]  # and it learns
+    n = len(ref_grads)
+    lay = gpt.layouts(jobs_gpt.CFG, n)
+    for s in range(n):
+        holders = [r for r in results if s in r["stages"] and r["place"].coords["data"] == 0]
+        # the layouts name only the tensor axis: gather over it alone
+        places = [
+            Place(
+                k, {"tensor": r["place"].coords["tensor"]}, {"tensor": r["place"].sizes["tensor"]}
+            )
+            for k, r in enumerate(holders)
+        ]
+        got = gather_tree([r["grads"][s] for r in holders], lay[s], places)
+        expected = ref_grads[s]
+        if n > 1 and "wte" in expected:  # tied: the pipeline returns the sum on both ends
+            total = ref_grads[0]["wte"]
+            expected = {**expected, "wte": total}
+        assert_trees_close(got, expected, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("pipeline", "tensor", "schedule"), [(2, 2, "1f1b"), (2, 1, "1f1b"), (2, 1, "zbv")]
+)
+def test_gpt_matches_the_single_device_reference(
+    pool, pipeline: int, tensor: int, schedule: str
+) -> None:
+    results = pool(4).run(jobs_gpt.pipeline_step, pipeline, tensor, schedule, 3)
+    _check(results, schedule, pipeline, 3)
+
+
+def test_gpt_config_errors() -> None:
+    with pytest.raises(ValueError, match="divisible by heads"):
+        gpt.GPTConfig(d_model=10, heads=4)
+    with pytest.raises(ValueError, match="tensor-parallel size 3"):
+        gpt.GPTConfig().check_tensor(3)
+    with pytest.raises(ValueError, match="some stage would be empty"):
+        gpt.blocks_per_stage(gpt.GPTConfig(layers=2), 5)
+
+
+def test_blocks_spread_evenly_middle_first() -> None:
+    cfg = gpt.GPTConfig(layers=5)
+    assert [len(r) for r in gpt.blocks_per_stage(cfg, 4)] == [1, 2, 1, 1]
+    assert [len(r) for r in gpt.blocks_per_stage(cfg, 1)] == [5]
+    full = gpt.init(cfg, seed=0)
+    logits = gpt.full_forward(full, cfg, torch.randint(0, 256, (2, 7)))
+    assert logits.shape == (2, 7, 256)
