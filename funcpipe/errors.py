@@ -12,6 +12,7 @@ __all__ = [
     "CommunicationError",
     "FuncpipeError",
     "InvalidArgument",
+    "NonFiniteError",
     "RankFailed",
     "ScheduleError",
     "ShapeInferenceError",
@@ -76,3 +77,14 @@ class RankFailed(FuncpipeError):
         super().__init__(message)
         self.rank = rank
         self.cause = cause
+
+
+class NonFiniteError(FuncpipeError, FloatingPointError):
+    """A NaN or an infinity appeared in a loss, an activation or a gradient.
+
+    ``stage`` and ``microbatch`` say where it was first seen; ``what`` names the tensor.
+    """
+
+    def __init__(self, message: str, *, stage: int, microbatch: int, what: str) -> None:
+        super().__init__(message)
+        self.stage, self.microbatch, self.what = stage, microbatch, what

@@ -152,6 +152,10 @@ class Pipeline:
             program's ranks: then each program rank is a tensor-parallel group of processes,
             world rank ``(rank * data + copy) * tensor + coord``; stage functions use the mesh's
             tensor axes for their collectives.
+        check_finite: raise :class:`~funcpipe.errors.NonFiniteError` naming the stage and the
+            microbatch where a NaN or an infinity first appears (loss, outputs, gradients).
+            Default: on when the environment sets ``FUNCPIPE_DEBUG=1``. Costs one reduction per
+            tensor.
         device: where received tensors are placed (default: where the params are).
     """
 
@@ -170,6 +174,7 @@ class Pipeline:
         dim: Any = 0,
         transport: str | None = None,
         mesh: Any = None,
+        check_finite: bool | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         self.stages = tuple(stages)
@@ -231,6 +236,11 @@ class Pipeline:
         self.transport = transport
         self._n_ranks = schedule.n_ranks
         self.mesh = mesh
+        if check_finite is None:
+            import os
+
+            check_finite = os.environ.get("FUNCPIPE_DEBUG", "") not in ("", "0")
+        self.check_finite = bool(check_finite)
         if mesh is not None and transport != "dist":
             raise InvalidArgument("mesh= describes processes: it needs transport='dist'")
         if transport == "dist" and data != 1:
@@ -583,8 +593,8 @@ class Pipeline:
             recompute=self.recompute,
             keep_outputs=keep,
             device=device,
-            prefetch=device.type
-            == "cpu",  # NCCL streams: receives stay where the program puts them
+            prefetch=device.type == "cpu",  # NCCL: receives stay where the program puts them
+            check_finite=self.check_finite,
             ties=ties,
             data_size=self.data,
         )

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from funcpipe.errors import InvalidArgument
+from funcpipe.errors import InvalidArgument, NonFiniteError
 from funcpipe.runtime import autodiff
 from funcpipe.runtime.plan import Layout, OutputSpec, rebuild
 from funcpipe.runtime.transport import Handle, Transport
@@ -55,6 +55,7 @@ class RankInputs:
     data_size: int = 1
     trace: bool = False  # record when each instruction starts and ends (time.perf_counter)
     prefetch: bool = True  # post receives one compute instruction early (off for NCCL streams)
+    check_finite: bool = False  # raise NonFiniteError at the first NaN/inf (stage, microbatch)
 
 
 @dataclass
@@ -262,6 +263,25 @@ class _Rank:
                 acc[i] = prev + g
                 owned[i] = True
 
+    def _finite(
+        self, s: int, m: int, tensors: Sequence[Tensor | None], names: Sequence[str], where: str
+    ) -> None:
+        for t, name in zip(tensors, names, strict=False):
+            if (
+                t is not None
+                and (t.is_floating_point() or t.is_complex())
+                and not bool(torch.isfinite(t).all())
+            ):
+                bad = "NaN" if bool(torch.isnan(t).any()) else "inf"
+                raise NonFiniteError(
+                    f"rank {self.x.rank}: {bad} in the {name} of stage {s} ({self.x.stages[s].name!r}), "
+                    f"microbatch {m}, during the {where}. Look at that stage's inputs and "
+                    "parameters for this microbatch (Pipeline(check_finite=False) turns the check off).",
+                    stage=s,
+                    microbatch=m,
+                    what=name,
+                )
+
     def _alive(self, delta: int) -> None:
         self.live += delta
         self.result.peak_activations = max(self.result.peak_activations, self.live)
@@ -286,6 +306,10 @@ class _Rank:
         else:
             with torch.no_grad():
                 out = fn(self._params(s), leaves)
+        if self.x.check_finite:
+            sink = not self.p.consumers(s) and len(out) > len(self.spec(s, m).leaves)
+            names = (["loss"] if sink else []) + [f"output #{k}" for k in range(len(out))]
+            self._finite(s, m, out, names, "forward")
         self._route_outputs(s, m, out)
 
     def recompute(self, i: Instr) -> None:
@@ -299,6 +323,9 @@ class _Rank:
         saved, _ = self.saved.pop((s, m))
         gin, gp = autodiff.backward(saved, self._params(s), grad_outputs)
         self._alive(-1)
+        if self.x.check_finite:
+            self._finite(s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], "backward")
+            self._finite(s, m, gp, [f"parameter gradient #{k}" for k in range(len(gp))], "backward")
         self._accumulate(s, gp)
         self._route_input_grads(s, m, gin)
 
@@ -306,12 +333,21 @@ class _Rank:
         s, m = i.stage, i.microbatch
         saved, _ = self.saved[(s, m)]
         gin = autodiff.backward_input(saved, self._params(s), self._grad_outputs(s, m))
+        if self.x.check_finite:
+            self._finite(
+                s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], "backward (I)"
+            )
         self._route_input_grads(s, m, gin)
 
     def backward_weight(self, i: Instr) -> None:
         s, m = i.stage, i.microbatch
         saved, _ = self.saved.pop((s, m))
-        self._accumulate(s, autodiff.backward_weight(saved, self._params(s)))
+        gw = autodiff.backward_weight(saved, self._params(s))
+        if self.x.check_finite:
+            self._finite(
+                s, m, gw, [f"parameter gradient #{k}" for k in range(len(gw))], "backward (W)"
+            )
+        self._accumulate(s, gw)
         self._alive(-1)
 
     def send(self, i: Instr) -> None:

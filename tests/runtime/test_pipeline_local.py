@@ -253,3 +253,46 @@ def test_trace_gives_the_executed_timeline() -> None:
         assert all(e.end >= e.start >= 0 for e in rank)
         assert all(a.end <= b.start + 1e-9 for a, b in itertools.pairwise(rank))
     assert 0 <= tl.bubble_fraction < 1 and tl.makespan > 0
+
+
+@pytest.mark.parametrize(
+    ("where", "stage", "what"),
+    [("forward", 1, "output"), ("loss", 2, "loss"), ("backward", 0, "gradient")],
+)
+def test_nan_is_reported_with_stage_and_microbatch(where: str, stage: int, what: str) -> None:
+    from funcpipe.errors import NonFiniteError
+
+    stages, params = toy(3)
+    x, y = data(8)
+    if where == "forward":
+        x = x.clone()
+        x[5, 0] = float("nan")  # row 5 is in microbatch 2 of 4: stage 0's output turns NaN
+        stage = 0
+    elif where == "loss":
+        y = y.clone()
+        y[3, 0] = float("inf")  # microbatch 1
+    else:
+        # finite forward (sqrt(0) = 0), but the gradient of sqrt at 0 is infinite: inf * 0 = NaN
+        def sqrt_at_zero(p, h):  # type: ignore[no-untyped-def]
+            return torch.tanh(h @ p["W"] + p["b"]) + torch.sqrt((h @ p["W"]) * 0.0)
+
+        stages[0] = Stage(sqrt_at_zero)
+    pipe = Pipeline(
+        stages, generate("1f1b", ranks=3, microbatches=4), loss_fn=mse, check_finite=True
+    )
+    with pytest.raises(NonFiniteError, match=f"stage {stage}") as info:
+        pipe.step(params, x, y)
+    assert what in str(info.value)
+    if where == "forward":
+        assert info.value.microbatch == 2
+    if where == "loss":
+        assert info.value.microbatch == 1
+
+
+def test_check_finite_is_on_in_debug_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    stages, _params = toy(2)
+    program = generate("1f1b", ranks=2, microbatches=2)
+    monkeypatch.setenv("FUNCPIPE_DEBUG", "1")
+    assert Pipeline(stages, program, loss_fn=mse).check_finite
+    monkeypatch.setenv("FUNCPIPE_DEBUG", "0")
+    assert not Pipeline(stages, program, loss_fn=mse).check_finite
