@@ -152,6 +152,11 @@ class Pipeline:
             program's ranks: then each program rank is a tensor-parallel group of processes,
             world rank ``(rank * data + copy) * tensor + coord``; stage functions use the mesh's
             tensor axes for their collectives.
+        scatter_gather: with ``mesh`` (tensor size ``t`` > 1): each tensor-parallel rank sends
+            only its ``1/t`` slice of a stage boundary's activation (and gradient) and the
+            receivers all-gather it, cutting point-to-point bytes by ``t``. Only valid when what
+            crosses stages is replicated over the tensor ranks (true of a Megatron-style
+            residual stream).
         check_finite: raise :class:`~funcpipe.errors.NonFiniteError` naming the stage and the
             microbatch where a NaN or an infinity first appears (loss, outputs, gradients).
             Default: on when the environment sets ``FUNCPIPE_DEBUG=1``. Costs one reduction per
@@ -174,6 +179,7 @@ class Pipeline:
         dim: Any = 0,
         transport: str | None = None,
         mesh: Any = None,
+        scatter_gather: bool = False,
         check_finite: bool | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -236,6 +242,11 @@ class Pipeline:
         self.transport = transport
         self._n_ranks = schedule.n_ranks
         self.mesh = mesh
+        self.scatter_gather = bool(scatter_gather)
+        if scatter_gather and mesh is None:
+            raise InvalidArgument(
+                "scatter_gather=True splits messages over the tensor ranks of mesh=; pass the mesh"
+            )
         if check_finite is None:
             import os
 
@@ -354,8 +365,12 @@ class Pipeline:
         self.data_size, self.tensor_size = copies, tp
         from funcpipe.launcher import failure_handler
 
+        split = None
+        if self.scatter_gather and tp > 1 and self.mesh is not None:
+            tensor_axis = self.mesh["tensor"]
+            split = (tensor_axis.group, tp, tensor_axis.coord)
         self._transport: Transport = DistTransport(
-            self.rank, self.pipe_ranks, groups=groups, on_error=failure_handler()
+            self.rank, self.pipe_ranks, groups=groups, on_error=failure_handler(), split=split
         )
 
     # ------------------------------------------------------------------ step
@@ -435,6 +450,11 @@ class Pipeline:
         if trace:
             step.timeline = _timeline(self.program, self._gather_times(result.times))
         return step
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this process handed to point-to-point sends so far (``"dist"`` only)."""
+        return int(getattr(self._transport, "bytes_sent", 0)) if self.transport == "dist" else 0
 
     def _gather_times(self, times: list[float]) -> list[list[float]]:
         """Every program rank's instruction times (of this rank's copy and coordinate)."""

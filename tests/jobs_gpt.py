@@ -51,7 +51,7 @@ def reference(steps: int, schedule: str, pipeline: int) -> tuple[list[float], tu
 
 
 def pipeline_step(
-    rank: int, pipeline: int, tensor: int, schedule: str, steps: int
+    rank: int, pipeline: int, tensor: int, schedule: str, steps: int, scatter_gather: bool = False
 ) -> dict[str, Any]:
     """One rank of pipeline x tensor x data: the losses of ``steps`` SGD steps and this rank's
     first-step gradients (its shards)."""
@@ -77,6 +77,7 @@ def pipeline_step(
         ties=gpt.tie_spec(n),
         transport="dist",
         mesh=mesh,
+        scatter_gather=scatter_gather,
     )
     data = mesh.config.data
     losses, first = [], None
@@ -93,6 +94,7 @@ def pipeline_step(
             for p, g in zip(params, grads, strict=True)
         )
     return {
+        "bytes_sent": pipe.bytes_sent,
         "rank": dist.get_rank(),
         "place": place,
         "losses": losses,

@@ -63,3 +63,13 @@ def test_blocks_spread_evenly_middle_first() -> None:
     full = gpt.init(cfg, seed=0)
     logits = gpt.full_forward(full, cfg, torch.randint(0, 256, (2, 7)))
     assert logits.shape == (2, 7, 256)
+
+
+@pytest.mark.timeout(240)
+def test_scatter_gather_sends_a_tensor_share_and_matches(pool) -> None:
+    """Pipeline 2 x tensor 2: each tensor rank sends half of every boundary tensor."""
+    whole = pool(4).run(jobs_gpt.pipeline_step, 2, 2, "1f1b", 2, False)
+    split = pool(4).run(jobs_gpt.pipeline_step, 2, 2, "1f1b", 2, True)
+    _check(split, "1f1b", 2, 2)
+    for a, b in zip(whole, split, strict=True):
+        assert a["bytes_sent"] > 0 and b["bytes_sent"] * 2 == a["bytes_sent"]

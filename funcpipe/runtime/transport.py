@@ -211,6 +211,12 @@ class DistTransport:
     name to the process group this rank reduces over (``None``: a group of its own, no-op).
     ``on_error(exc, what)`` turns a communication failure into the error to raise (the pipeline
     uses it to name the rank that failed first).
+
+    ``split=(group, size, coord)`` turns on scatter-gather for tensor-parallel program ranks:
+    a message's tensors are the same on every rank of ``group`` (replicated activations and
+    their gradients), so each of them sends only its ``1/size`` slice to its peer with the same
+    coordinate, and the receivers all-gather the slices. Point-to-point bytes drop by ``size``.
+    ``bytes_sent`` counts what this rank handed to point-to-point sends.
     """
 
     def __init__(
@@ -220,6 +226,7 @@ class DistTransport:
         *,
         groups: Mapping[str, Any] | None = None,
         on_error: Callable[[BaseException, str], BaseException] | None = None,
+        split: tuple[Any, int, int] | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -229,18 +236,37 @@ class DistTransport:
         self.groups = dict(groups or {})
         self.on_error = on_error or (lambda e, what: CommunicationError(f"{what}: {e}"))
         self.sends: list[Any] = []
+        self.split = split if split is not None and split[1] > 1 else None
+        self.bytes_sent = 0
+
+    def _slice(self, t: Tensor) -> Tensor | None:
+        """This rank's slice of ``t`` under scatter-gather (None: send it whole)."""
+        if self.split is None or t.numel() % self.split[1]:
+            return None
+        _, size, coord = self.split
+        return t.contiguous().view(-1).chunk(size)[coord]
 
     def send(self, tensors: Sequence[Tensor], peer: int) -> None:
         dst = self.ranks[peer]
         for t in tensors:
-            self.sends.append((self.dist.isend(t.contiguous(), dst), t))
+            part = self._slice(t)
+            out = t.contiguous() if part is None else part.clone()
+            self.bytes_sent += out.numel() * out.element_size()
+            self.sends.append((self.dist.isend(out, dst), out))
 
     def recv(self, buffers: Sequence[Tensor], peer: int) -> Handle:
         src = self.ranks[peer]
-        works = [self.dist.irecv(b, src) for b in buffers]
-        return _Work(
-            _All(works), lambda: f"rank {self.rank}: receive from rank {peer}", self.on_error
-        )
+        works, gathers = [], []
+        for b in buffers:
+            part = self._slice(b)
+            if part is None:
+                works.append(self.dist.irecv(b, src))
+            else:
+                tmp = torch.empty_like(part)
+                works.append(self.dist.irecv(tmp, src))
+                gathers.append((tmp, b))
+        what = f"rank {self.rank}: receive from rank {peer}"
+        return _Work(_All(works, gathers, self.split), lambda: what, self.on_error)
 
     def all_reduce(self, tensors: Sequence[Tensor], group: str) -> Handle:
         pg = self.groups.get(group)
@@ -261,9 +287,22 @@ class DistTransport:
 
 
 class _All:
-    def __init__(self, works: Sequence[Any]) -> None:
-        self.works = list(works)
+    """Wait for every work; then rebuild scatter-gathered buffers from their slices."""
+
+    def __init__(
+        self,
+        works: Sequence[Any],
+        gathers: Sequence[tuple[Tensor, Tensor]] = (),
+        split: tuple[Any, int, int] | None = None,
+    ) -> None:
+        self.works, self.gathers, self.split = list(works), list(gathers), split
 
     def wait(self) -> None:
         for w in self.works:
             w.wait()
+        if self.gathers and self.split is not None:
+            import torch.distributed as dist
+
+            group, size, _ = self.split
+            for part, full in self.gathers:
+                dist.all_gather(list(full.view(-1).chunk(size)), part, group=group)
