@@ -199,7 +199,13 @@ def train_rank(rank: int, o: DemoOptions) -> dict[str, Any] | None:
     stages = gpt.stages(cfg, n, axis=axis)
     loss = gpt.loss_fn(axis=axis)
     pipe = Pipeline(
-        stages, program, loss_fn=loss, ties=gpt.tie_spec(n), transport="dist", mesh=mesh
+        stages,
+        program,
+        loss_fn=loss,
+        ties=gpt.tie_spec(n),
+        transport="dist",
+        mesh=mesh,
+        scatter_gather=o.tensor > 1,  # each tensor rank sends 1/t of every boundary tensor
     )
     evaluate = Pipeline(stages, to_eval(program), loss_fn=loss, transport="dist", mesh=mesh)
     schedule = optim.warmup_cosine(
@@ -321,6 +327,7 @@ def train_rank(rank: int, o: DemoOptions) -> dict[str, Any] | None:
         "makespan_simulated_ms": simulated.makespan * 1e3,
         "files": files,
         "last_loss": last,
+        "p2p_bytes_per_step_rank0": pipe.bytes_sent / max(1, o.steps - start + 1),
     }
     with open(os.path.join(o.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
