@@ -421,7 +421,10 @@ def _pictures(o: DemoOptions, history: dict[str, list[list[float]]], traced: Any
     files["loss_curve"] = curve
     timeline_png = os.path.join(o.out, "step_timeline.png")
     draw_timeline(
-        traced, timeline_png, title=f"one executed step ({o.schedule}, {o.pipeline} ranks)"
+        traced,
+        timeline_png,
+        title=f"one executed step ({o.schedule}, {o.pipeline} ranks)",
+        unit="s",
     )
     files["timeline"] = timeline_png
     return files

@@ -81,11 +81,16 @@ def _text_colour(colour: str) -> str:
 
 
 def draw_timeline(
-    timeline: Timeline, path: str | os.PathLike[str], *, title: str | None = None
+    timeline: Timeline,
+    path: str | os.PathLike[str],
+    *,
+    title: str | None = None,
+    unit: str = "cost units",
 ) -> Path:
     """Draw ``timeline`` to ``path`` (``.png``, ``.svg`` or ``.pdf``, by suffix); return the path.
 
-    Rows are ranks (rank 0 on top), the x axis is time in cost units. Each block is one
+    Rows are ranks (rank 0 on top), the x axis is time in ``unit`` (``"s"`` for an executed
+    timeline from ``Pipeline.step(..., trace=True)``). Each block is one
     instruction, coloured by kind (F, B, I, W, R; RECV waits as a thin grey band; REDUCE dark grey),
     labelled with its microbatch; when a rank holds several stages the label adds the stage and
     later chunks are drawn in lighter tones. Idle time is the light background left uncovered.
@@ -167,13 +172,13 @@ def draw_timeline(
     ax.set_xlim(0, span)
     ax.set_yticks(range(n))
     ax.set_yticklabels([f"rank {r}" for r in range(n)])
-    ax.set_xlabel("time (cost units)")
+    ax.set_xlabel(f"time ({unit})")
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
     ax.tick_params(axis="y", length=0)
     heading = title if title is not None else (program.name or "schedule")
     ax.set_title(
-        f"{heading} — {_describe(tl)} — makespan {tl.makespan:g}, bubble {tl.bubble_fraction:.1%}",
+        f"{heading} — {_describe(tl)} — makespan {tl.makespan:.4g} {unit}, bubble {tl.bubble_fraction:.1%}",
         fontsize=10,
     )
     order = [k for k in COLOURS if k in used]
