@@ -59,7 +59,9 @@ def register(subparsers: Any) -> None:
         "simulate it with the given costs and print its rank x step table and statistics "
         "(makespan, bubble fraction, peak activations per rank).",
     )
-    sched.add_argument("name", metavar="NAME", help=f"generator name: {_generator_names()}")
+    sched.add_argument(
+        "name", metavar="NAME", help=f"generator name: {_generator_names()}, or auto (search)"
+    )
     sched.add_argument("--ranks", "-p", type=_positive_int, required=True, metavar="P")
     sched.add_argument("--microbatches", "-m", type=_positive_int, required=True, metavar="M")
     sched.add_argument(
@@ -67,6 +69,19 @@ def register(subparsers: Any) -> None:
     )
     sched.add_argument(
         "--costs", type=_costs, default=None, metavar="F,B,W[,COMM]", help=_COSTS_HELP
+    )
+    sched.add_argument(
+        "--placement",
+        choices=["loop", "v"],
+        default=None,
+        help="auto only: stage placement (default loop; v holds 2 chunks per rank)",
+    )
+    sched.add_argument(
+        "--max-activations",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="auto only: the most activations a rank may keep at once (default: no limit)",
     )
     sched.add_argument(
         "--lower", action="store_true", help="add SEND/RECV (funcpipe.schedule.passes.lower)"
@@ -144,7 +159,22 @@ def _run_schedule(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {"ranks": args.ranks, "microbatches": args.microbatches}
     if args.chunks is not None:
         options["chunks"] = args.chunks
-    program = generate(args.name, **options)
+    if args.name.strip().lower() == "auto":
+        from funcpipe.schedule.auto import auto
+
+        program = auto(
+            **options,
+            placement=args.placement or "loop",
+            costs=args.costs,
+            max_activations=args.max_activations,
+        )
+    elif args.placement is not None or args.max_activations is not None:
+        raise InvalidArgument(
+            f"--placement/--max-activations are options of 'auto', not of {args.name!r}; "
+            "drop them or run 'funcpipe schedule auto ...'"
+        )
+    else:
+        program = generate(args.name, **options)
     try:
         check(program)
         if args.lower:

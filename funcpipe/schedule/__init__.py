@@ -4,6 +4,7 @@ Nothing here touches ``torch.distributed``: a schedule can be generated, checked
 drawn without a process group.
 """
 
+from funcpipe.schedule.auto import auto
 from funcpipe.schedule.check import check
 from funcpipe.schedule.generators import (
     CONSTRAINTS,
@@ -48,6 +49,7 @@ from funcpipe.schedule.passes import (
     split_backward,
     strip_communication,
 )
+from funcpipe.schedule.profile import profile_stages
 from funcpipe.schedule.render import ascii_timeline, chrome_trace, draw_timeline, write_chrome_trace
 from funcpipe.schedule.simulate import Costs, Event, Timeline, peak_activations, simulate
 
@@ -64,6 +66,7 @@ __all__ = [
     "add_recompute",
     "add_reduce",
     "ascii_timeline",
+    "auto",
     "backward",
     "backward_input",
     "backward_weight",
@@ -86,6 +89,7 @@ __all__ = [
     "peak_activations",
     "placement_loop",
     "placement_v",
+    "profile_stages",
     "read_csv",
     "recompute",
     "recv",

@@ -1,0 +1,1 @@
+"""Benchmarks of funcpipe (run each as ``python benchmarks/<name>.py --help``)."""

@@ -1,0 +1,249 @@
+"""Profiling: measure what each stage costs, for :func:`funcpipe.schedule.auto.auto`.
+
+:func:`profile_stages` runs the real stages on a real microbatch through
+:mod:`funcpipe.runtime.autodiff`, the functions the interpreter runs (forward, backward_input,
+backward_weight, backward on flat tensor lists), chaining each stage's outputs into the next
+stage's inputs (:func:`funcpipe.stage.as_inputs`), and returns the medians as a
+:class:`~funcpipe.schedule.simulate.Costs`. :func:`measure_stages` returns every number it took,
+the full backward ``B`` included.
+
+The only schedule module that touches torch, and only inside its functions: importing it (and
+``funcpipe.schedule``) stays free of torch and of ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from funcpipe.errors import InvalidArgument
+from funcpipe.schedule.simulate import Costs
+
+__all__ = ["StageTimes", "measure_stages", "profile_stages"]
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Median seconds per stage: ``f`` forward, ``i`` input gradient, ``w`` weight gradient,
+    ``b`` one full backward (input and weight gradients at once), and ``comm`` the latency of
+    one point-to-point message of the largest activation (0 when not measured)."""
+
+    f: tuple[float, ...]
+    i: tuple[float, ...]
+    w: tuple[float, ...]
+    b: tuple[float, ...]
+    comm: float = 0.0
+
+    def costs(self) -> Costs:
+        """The simulator's costs: ``f``, ``b`` = the input-gradient part (I), ``w``, ``comm``."""
+        return Costs(f=list(self.f), b=list(self.i), w=list(self.w), comm=self.comm)
+
+
+def profile_stages(
+    stages: Sequence[Any],
+    params: Sequence[Any],
+    example: Any,
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    comm: float | None = None,
+) -> Costs:
+    """Per-stage costs of ``stages`` on one microbatch ``example``, in seconds.
+
+    Args:
+        stages: the model's stages in order (:class:`funcpipe.Stage`, as for ``Pipeline``).
+        params: one params pytree per stage.
+        example: the first stage's input for one microbatch (a tuple is several positional
+            inputs, as everywhere in funcpipe). Each stage's outputs feed the next stage.
+        repeats: timed runs per stage; the median is kept (default 5).
+        warmup: untimed runs per stage first (default 1).
+        comm: the message latency to report. ``None`` (the default): measured over
+            ``torch.distributed`` when a process group of at least two ranks is initialised
+            (then every rank must call this function; ranks 0 and 1 exchange the largest
+            activation), else 0.
+
+    Returns ``Costs(f=[...], b=[...], w=[...], comm=...)`` with one value per stage, where
+    ``b`` is the input-gradient backward (I) and ``w`` the weight-gradient backward (W), as
+    :func:`funcpipe.schedule.simulate.simulate` and :func:`funcpipe.schedule.auto.auto` take
+    them. It takes ``(warmup + repeats)`` times two forwards and two backwards per stage.
+    """
+    return measure_stages(
+        stages, params, example, repeats=repeats, warmup=warmup, comm=comm
+    ).costs()
+
+
+def measure_stages(
+    stages: Sequence[Any],
+    params: Sequence[Any],
+    example: Any,
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    comm: float | None = None,
+) -> StageTimes:
+    """What :func:`profile_stages` measures, with the full backward ``B`` too (see there)."""
+    import torch
+
+    from funcpipe.stage import Stage, as_inputs
+    from funcpipe.tree import tree_flatten
+
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or not stages:
+        raise InvalidArgument(
+            f"profile_stages: stages={stages!r}; pass a non-empty list of funcpipe.Stage "
+            "(e.g. from funcpipe.partition or funcpipe.from_module)"
+        )
+    for k, s in enumerate(stages):
+        if not isinstance(s, Stage):
+            raise InvalidArgument(
+                f"profile_stages: stages[{k}]={s!r} is not a funcpipe.Stage; wrap a function "
+                "with funcpipe.Stage(fn) or a module with funcpipe.from_module(module)"
+            )
+    if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+        raise InvalidArgument(
+            f"profile_stages: params must be a sequence with one params pytree per stage; got "
+            f"{type(params).__name__}"
+        )
+    if len(params) != len(stages):
+        raise InvalidArgument(
+            f"profile_stages: {len(stages)} stage(s) but {len(params)} params; give one params "
+            "pytree per stage"
+        )
+    for name, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise InvalidArgument(
+                f"profile_stages: {name}={value!r}; {name} is a whole number >= {least}"
+            )
+    if comm is not None and (
+        isinstance(comm, bool) or not isinstance(comm, int | float) or not comm >= 0
+    ):
+        raise InvalidArgument(
+            f"profile_stages: comm={comm!r}; the message latency is a number >= 0 (seconds), "
+            "or None to measure it"
+        )
+
+    inputs = as_inputs(example)
+    f_t, i_t, w_t, b_t = [], [], [], []
+    largest: Any = None
+    for k, (stage, p) in enumerate(zip(stages, params, strict=True)):
+        f, i, w, b, outputs = _time_stage(stage, p, inputs, k, repeats=repeats, warmup=warmup)
+        f_t.append(f)
+        i_t.append(i)
+        w_t.append(w)
+        b_t.append(b)
+        if k + 1 < len(stages):
+            flat, _ = tree_flatten(outputs)
+            size = sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
+            if largest is None or size > largest[0]:
+                largest = (size, flat)
+            inputs = as_inputs(outputs)
+    latency = float(comm) if comm is not None else _measure_comm(largest[1] if largest else [])
+    return StageTimes(tuple(f_t), tuple(i_t), tuple(w_t), tuple(b_t), latency)
+
+
+def _time_stage(
+    stage: Any, params: Any, inputs: tuple[Any, ...], k: int, *, repeats: int, warmup: int
+) -> tuple[float, float, float, float, Any]:
+    """Median F, I, W, B seconds of one stage, and its outputs (detached) for the next stage."""
+    import torch
+
+    from funcpipe.runtime import autodiff
+    from funcpipe.tree import tree_flatten, tree_unflatten
+
+    p_leaves, p_tree = tree_flatten(params)
+    for t in p_leaves:
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgument(
+                f"profile_stages: params[{k}] holds a {type(t).__name__}; params are pytrees "
+                "of tensors"
+            )
+    flat_params = [
+        t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in p_leaves
+    ]
+    in_leaves, in_tree = tree_flatten(inputs)
+    out_tree: list[Any] = []
+
+    def fn(ps: Sequence[Any], xs: Sequence[Any]) -> list[Any]:
+        out = stage(tree_unflatten(p_tree, list(ps)), *tree_unflatten(in_tree, list(xs)))
+        flat, tree = tree_flatten(out)
+        if not out_tree:
+            out_tree.append(tree)
+        return list(flat)
+
+    device = next((t.device for t in [*flat_params, *in_leaves]), torch.device("cpu"))
+    sync: Callable[[], None] = (
+        (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    )
+
+    def clock() -> float:
+        sync()
+        return time.perf_counter()
+
+    def seeds(outs: Sequence[Any]) -> list[Any]:
+        # the gradient arriving from the next stage (or the loss): ones, shaped as each output
+        return [
+            torch.ones_like(o) if (o.is_floating_point() or o.is_complex()) else None for o in outs
+        ]
+
+    def forward() -> tuple[list[Any], Any]:
+        outs, saved = autodiff.forward(fn, flat_params, in_leaves)
+        if k == 0:  # as the interpreter: the batch needs no gradient, so stage 0's I is empty
+            for t in saved.inputs:
+                t.requires_grad_(False)
+        return outs, saved
+
+    times: dict[str, list[float]] = {"f": [], "i": [], "w": [], "b": []}
+    outputs: list[Any] = []
+    for run in range(warmup + repeats):
+        t0 = clock()
+        outputs, saved = forward()
+        t1 = clock()
+        autodiff.backward_input(saved, flat_params, seeds(outputs))
+        t2 = clock()
+        autodiff.backward_weight(saved, flat_params)
+        t3 = clock()
+        _, saved = forward()
+        t4 = clock()
+        autodiff.backward(saved, flat_params, seeds(outputs))
+        t5 = clock()
+        if run >= warmup:
+            times["f"] += [t1 - t0, t4 - t3]
+            times["i"].append(t2 - t1)
+            times["w"].append(t3 - t2)
+            times["b"].append(t5 - t4)
+    med = {name: statistics.median(v) for name, v in times.items()}
+    return med["f"], med["i"], med["w"], med["b"], tree_unflatten(out_tree[0], outputs)
+
+
+def _measure_comm(payload: Sequence[Any], *, rounds: int = 10) -> float:
+    """Half the median round trip of ``payload`` between ranks 0 and 1 over torch.distributed
+    (0 without a process group of two or more ranks); every rank gets rank 0's number."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return 0.0
+    rank = dist.get_rank()
+    tensors = [t.detach().clone() for t in payload if isinstance(t, torch.Tensor)]
+    if not tensors:
+        tensors = [torch.zeros(1)]
+    if dist.get_backend() == "nccl":
+        tensors = [t.cuda() for t in tensors]
+    samples = []
+    for _ in range(rounds + 1):
+        t0 = time.perf_counter()
+        for t in tensors:
+            if rank == 0:
+                dist.send(t, 1)
+                dist.recv(t, 1)
+            elif rank == 1:
+                dist.recv(t, 0)
+                dist.send(t, 0)
+        samples.append((time.perf_counter() - t0) / 2)
+    result = torch.tensor([statistics.median(samples[1:]) if rank == 0 else 0.0])
+    if dist.get_backend() == "nccl":
+        result = result.cuda()
+    dist.broadcast(result, 0)
+    return float(result.item())

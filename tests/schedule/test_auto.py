@@ -1,0 +1,314 @@
+"""Automatic schedules (funcpipe.schedule.auto) and stage profiling (funcpipe.schedule.profile).
+
+``auto`` is checked with the real checker and timed with the real simulator against the
+built-in generators; its programs run through ``Pipeline`` against the single-device reference.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import funcpipe as fp
+from funcpipe.cli import main
+from funcpipe.errors import InvalidArgument
+from funcpipe.pipeline import Pipeline
+from funcpipe.schedule import auto as auto_from_package
+from funcpipe.schedule.auto import BUILTINS, auto, minimum_activations
+from funcpipe.schedule.check import check
+from funcpipe.schedule.generators import generate
+from funcpipe.schedule.ir import Op, Program, parse_program
+from funcpipe.schedule.profile import measure_stages, profile_stages
+from funcpipe.schedule.simulate import Costs, peak_activations, simulate
+from funcpipe.testing import assert_trees_close
+from tests.jobs_runtime import data, mse, toy
+
+# (chunks, placement): the classes auto searches, each compared with its own built-ins
+CLASSES = [(1, "loop"), (2, "loop"), (3, "loop"), (2, "v")]
+
+
+def comparable(ranks: int, microbatches: int, chunks: int, placement: str) -> list[Program]:
+    """The built-ins auto must beat: those of BUILTINS for this (placement, chunks) class."""
+    if placement == "v":
+        names, kw = BUILTINS[("v", 2)], {}
+    elif chunks == 1:
+        names, kw = BUILTINS[("loop", 1)], {}
+    else:
+        names, kw = BUILTINS[("loop", 0)], {"chunks": chunks}
+    return [generate(n, ranks=ranks, microbatches=microbatches, **kw) for n in names]
+
+
+def fits(program: Program, limits: Sequence[int]) -> bool:
+    return all(a <= c for a, c in zip(peak_activations(program), limits, strict=True))
+
+
+@st.composite
+def problems(draw: Callable[..., Any]) -> dict[str, Any]:
+    p = draw(st.integers(1, 8))
+    m = draw(st.integers(1, 32))
+    v, placement = draw(st.sampled_from(CLASSES))
+    if p * m * v > 384:  # keep the ci profile quick: auto itself is timed elsewhere
+        m = max(1, 384 // (p * v))
+    n = p * v
+    cost = st.floats(0.05, 4.0, allow_nan=False, allow_infinity=False)
+    per_stage = draw(st.booleans())
+    f, b, w = (
+        draw(st.lists(cost, min_size=n, max_size=n)) if per_stage else draw(cost) for _ in range(3)
+    )
+    comm = draw(st.sampled_from([0.0, 0.1, 0.5]))
+    kind = draw(st.sampled_from(["none", "one", "per-rank"]))
+    top = 2 * p * v
+    limit: Any
+    if kind == "none":
+        limit = None
+    elif kind == "one":
+        limit = draw(st.integers(v, top))
+    else:
+        limit = draw(st.lists(st.integers(v, top), min_size=p, max_size=p))
+    return {
+        "ranks": p,
+        "microbatches": m,
+        "chunks": v,
+        "placement": placement,
+        "costs": Costs(f=f, b=b, w=w, comm=comm),
+        "max_activations": limit,
+    }
+
+
+@given(problem=problems())
+@example(
+    problem={
+        "ranks": 8,
+        "microbatches": 24,
+        "chunks": 1,
+        "placement": "loop",
+        "costs": Costs(1, 2, 1, comm=0.1),
+        "max_activations": 8,
+    }
+)
+@example(
+    problem={
+        "ranks": 4,
+        "microbatches": 16,
+        "chunks": 2,
+        "placement": "v",
+        "costs": Costs(1, 1, 2),
+        "max_activations": 8,
+    }
+)
+def test_auto_is_sound_fits_and_beats_every_comparable_builtin(problem: dict[str, Any]) -> None:
+    """For drawn sizes, costs (one number or one per stage, with a message latency) and limits
+    (none, one for all ranks, one per rank, each >= chunks):
+
+    - the program passes ``check`` and is compute-only, with ``ranks`` ranks and the class's
+      placement (loop: stage s on rank s % ranks; v: ZB-V's);
+    - ``peak_activations(program)[r] <= limit[r]`` on every rank;
+    - its simulated makespan is <= that of every built-in of the same class that fits the
+      same limits: one chunk, loop -> 1f1b, zb-h1, zb-h2, gpipe; chunks >= 2, loop ->
+      interleaved and looped-bfs with those chunks; V (2 chunks) -> zbv and dualpipev.
+    """
+    program = auto(**problem)
+    check(program)
+    p, m, v = problem["ranks"], problem["microbatches"], problem["chunks"]
+    assert program.n_ranks == p and program.microbatches == m and program.chunks == v
+    assert {i.op for r in program.ranks for i in r} <= {Op.F, Op.B, Op.I, Op.W}
+    assert program.name == "auto"
+    limit = problem["max_activations"]
+    limits = [m * v] * p if limit is None else [limit] * p if isinstance(limit, int) else limit
+    assert fits(program, limits)
+    costs = problem["costs"]
+    span = simulate(program, costs).makespan
+    for builtin in comparable(p, m, v, problem["placement"]):
+        assert builtin.placement == program.placement
+        if fits(builtin, limits):
+            other = simulate(builtin, costs).makespan
+            assert span <= other + 1e-9 * max(1.0, other), builtin.name
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 16), (8, 8), (8, 32)])
+def test_half_of_1f1b_bubble_at_1f1b_memory(p: int, m: int) -> None:
+    """F = B = W, max_activations = p (1F1B's peak): at most half of 1F1B's bubble."""
+    one_f_one_b = simulate(generate("1f1b", ranks=p, microbatches=m)).bubble_fraction
+    program = auto(ranks=p, microbatches=m, max_activations=p)
+    assert max(peak_activations(program)) <= p
+    assert simulate(program).bubble_fraction <= 0.5 * one_f_one_b
+    # the V placement at the same memory: 2p chunk stages of half a rank each
+    program = auto(ranks=p, microbatches=m, chunks=2, placement="v", max_activations=2 * p)
+    assert max(peak_activations(program)) <= 2 * p
+    assert simulate(program).bubble_fraction <= 0.5 * one_f_one_b
+
+
+def test_auto_beats_interleaved_where_the_split_backward_helps() -> None:
+    costs = Costs(1, 1, 1)
+    program = auto(ranks=4, microbatches=8, chunks=2, max_activations=11)
+    interleaved = generate("interleaved", ranks=4, microbatches=8, chunks=2)
+    assert max(peak_activations(interleaved)) == 11
+    assert simulate(program, costs).makespan < simulate(interleaved, costs).makespan
+
+
+def test_auto_is_deterministic_and_exported() -> None:
+    kw: dict[str, Any] = {"ranks": 3, "microbatches": 7, "costs": Costs(1, 2, 1, comm=0.2)}
+    assert auto(**kw) == auto(**kw)
+    assert auto_from_package is auto
+    assert fp.schedule.profile_stages is profile_stages
+    assert minimum_activations(chunks=2) == 2
+
+
+def test_limit_equal_to_the_minimum_works() -> None:
+    for v, placement in CLASSES:
+        program = auto(ranks=3, microbatches=5, chunks=v, placement=placement, max_activations=v)
+        check(program)
+        assert max(peak_activations(program)) == v
+
+
+# ------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"ranks": 0}, ["ranks=0", ">= 1"]),
+        ({"microbatches": "8"}, ["microbatches='8'", "int"]),
+        ({"chunks": 3, "placement": "v"}, ["chunks=3", "exactly 2", "placement='loop'"]),
+        ({"placement": "zigzag"}, ["placement='zigzag'", "'loop'", "'v'"]),
+        ({"costs": "1,1,1"}, ["costs='1,1,1'", "Costs"]),
+        ({"costs": Costs(f=[1, 2, 3])}, ["costs.f has 3 value(s)", "4 stages", "one value per"]),
+        ({"max_activations": 0}, ["max_activations=0", "below what any", ">= 1"]),
+        (
+            {"chunks": 2, "max_activations": 1},
+            ["max_activations=1", "below what any schedule needs", "max_activations >= 2"],
+        ),
+        ({"max_activations": [4, 4]}, ["max_activations=[4, 4]", "ranks=4", "one limit per"]),
+        ({"max_activations": [4, 4, 0, 4]}, ["max_activations[2]=0", ">= 1"]),
+        ({"max_activations": 2.5}, ["max_activations=2.5", "whole number"]),
+        ({"max_activations": True}, ["max_activations=True", "whole number"]),
+    ],
+)
+def test_bad_arguments_name_the_argument_the_rule_and_the_fix(
+    kwargs: dict[str, Any], words: list[str]
+) -> None:
+    options: dict[str, Any] = {"ranks": 4, "microbatches": 8, **kwargs}
+    with pytest.raises(InvalidArgument) as info:
+        auto(**options)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_bad_profile_arguments() -> None:
+    stages, params = toy(2)
+    x, _ = data(4)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"stages": []}, "non-empty list of funcpipe.Stage"),
+        ({"stages": [print, print]}, "stages[0]="),
+        ({"params": params[:1]}, "2 stage(s) but 1 params"),
+        ({"repeats": 0}, "repeats=0"),
+        ({"warmup": -1}, "warmup=-1"),
+        ({"comm": -1.0}, "comm=-1.0"),
+    ]
+    for change, words in cases:
+        options: dict[str, Any] = {"stages": stages, "params": params, **change}
+        with pytest.raises(InvalidArgument, match=None) as info:
+            profile_stages(options.pop("stages"), options.pop("params"), x, **options)
+        assert words in str(info.value)
+
+
+# ------------------------------------------------------------------------------ CLI
+def test_cli_auto_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schedule", "auto", "--ranks", "4", "--microbatches", "8", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    for key in ("bubble_fraction", "makespan", "peak_activations", "program"):
+        assert key in stats
+    program = parse_program(stats["program"])
+    check(program)
+    assert stats["name"] == "auto" and stats["makespan"] == simulate(program).makespan
+    argv = ["schedule", "auto", "-p", "4", "-m", "8", "--max-activations", "4", "--json"]
+    assert main([*argv, "--costs", "1,2,1,0.1", "--chunks", "2", "--placement", "v"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert max(stats["peak_activations"]) <= 4 and stats["stages"] == 8
+
+
+def test_cli_auto_bad_limit_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["schedule", "auto", "-p", "4", "-m", "8", "--chunks", "2", "--max-activations", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "max_activations=1" in err and ">= 2" in err
+    assert main(["schedule", "1f1b", "-p", "2", "-m", "2", "--max-activations", "2"]) == 2
+    assert "options of 'auto'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ profiling
+def _model(n: int) -> tuple[list[fp.Stage], list[dict[str, torch.Tensor]]]:
+    torch.manual_seed(0)
+    pairs = [
+        fp.from_module(
+            torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        )
+        for _ in range(n)
+    ]
+    return [s for s, _ in pairs], [p for _, p in pairs]
+
+
+def test_profile_stages_on_a_real_model_feeds_auto() -> None:
+    stages, params = _model(4)
+    x = torch.randn(16, 32)
+    costs = profile_stages(stages, params, x, repeats=3)
+    for name in ("f", "b", "w"):
+        values = getattr(costs, name)
+        assert len(values) == 4 and all(0 < t < 1.0 for t in values), (name, values)
+    assert costs.comm == 0.0  # no process group
+    times = measure_stages(stages, params, x, repeats=3, comm=1e-4)
+    assert len(times.b) == 4 and all(t > 0 for t in times.b) and times.comm == 1e-4
+    assert times.costs().comm == 1e-4
+    # stage 0's inputs need no gradient (as in the interpreter): its I is a small share of B
+    assert times.i[0] < times.b[0]
+    for v, placement in [(1, "loop"), (2, "loop"), (2, "v")]:
+        program = auto(ranks=4 // v, microbatches=6, chunks=v, placement=placement, costs=costs)
+        check(program)
+
+
+@pytest.mark.parametrize(("ranks", "chunks", "placement"), [(3, 1, "loop"), (2, 2, "v")])
+def test_an_auto_program_runs_and_matches_the_reference(
+    ranks: int, chunks: int, placement: str
+) -> None:
+    n = ranks * chunks
+    stages, params = toy(n)
+    x, y = data(10)
+    costs = profile_stages(stages, params, x[:2], repeats=2)
+    program = auto(
+        ranks=ranks,
+        microbatches=5,
+        chunks=chunks,
+        placement=placement,
+        costs=costs,
+        max_activations=2 * chunks,
+    )
+    result = Pipeline(stages, program, loss_fn=mse).step(params, x, y)
+    ref_loss, ref_grads = fp.reference_step(stages, params, x, mse, targets=y, microbatches=5)
+    assert_trees_close((result.loss, result.grads), (ref_loss, ref_grads))
+    assert max(result.peak_activations.values()) <= 2 * chunks
+
+
+def profile_job(rank: int, n: int) -> Costs:
+    """Pool job: every rank profiles the same toy stages; ranks 0 and 1 time the messages."""
+    stages, params = toy(n)
+    x, _ = data(4)
+    return profile_stages(stages, params, x, repeats=1)
+
+
+def test_profile_measures_the_latency_over_a_process_group(pool: Callable[[int], Any]) -> None:
+    costs = pool(2).run(profile_job, 2)
+    assert costs[0].comm > 0 and costs[0].comm == costs[1].comm
+
+
+def test_benchmark_grid_cell() -> None:
+    """benchmarks/auto_grid.py at one cell: auto at or below every built-in that fits."""
+    grid = pytest.importorskip("benchmarks.auto_grid")
+    row = grid.cell(4, 8, (1, 1, 2), 4)
+    assert row["interleaved"]["bubble"] is None and row["zb-h2"]["bubble"] is None
+    assert row["auto"]["bubble"] <= min(row[n]["bubble"] for n in ("1f1b", "zb-h1")) + 1e-12
+    assert row["auto-v"]["bubble"] <= row["zbv"]["bubble"] + 1e-12
+    assert row["auto"]["peak"] <= 4 and row["auto-v"]["peak"] <= 4
