@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from funcpipe.errors import FuncpipeError, InvalidArgument
 
@@ -309,9 +310,11 @@ class _MetadataUnpickler(pickle.Unpickler):
     )
 
     def find_class(self, module: str, name: str) -> Any:
-        ok = (
+        # No dotted names: pickle resolves "a.b" attribute by attribute, so a module that merely
+        # imports os (as DCP's metadata module does) would hand out os.system.
+        ok = "." not in name and (
             (module, name) in self._ALLOWED
-            or module == "torch.distributed.checkpoint.metadata"
+            or (module == "torch.distributed.checkpoint.metadata" and self._dcp_class(name))
             or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
         )
         if not ok:
@@ -320,6 +323,15 @@ class _MetadataUnpickler(pickle.Unpickler):
                 "metadata; funcpipe does not unpickle it"
             )
         return super().find_class(module, name)
+
+    @staticmethod
+    def _dcp_class(name: str) -> bool:
+        """A class defined in DCP's metadata module (its dataclasses and enums), nothing it
+        merely imports."""
+        import torch.distributed.checkpoint.metadata as md
+
+        obj = getattr(md, name, None)
+        return isinstance(obj, type) and obj.__module__ == md.__name__
 
 
 class _SafeReader(FileSystemReader):
@@ -338,6 +350,13 @@ class _SafeReader(FileSystemReader):
             raise FuncpipeError(
                 f"cannot read the checkpoint metadata {self.path}/{name}: {e}"
             ) from None
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            rel = os.fspath(getattr(info, "relative_path", ""))
+            if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+                raise FuncpipeError(
+                    f"the checkpoint metadata {self.path}/{name} names the data file {rel!r}, "
+                    "outside the checkpoint directory; funcpipe reads only files inside it"
+                )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = getattr(self, "load_id", None)
@@ -414,8 +433,15 @@ def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None 
         error = e
     _agree(group, error, "checkpoint.load")
     on = _dist_on()
-    with _quiet_single_process():
-        dcp.load(wanted, storage_reader=_SafeReader(source), process_group=group, no_dist=not on)
+    try:
+        with _quiet_single_process():
+            dcp.load(
+                wanted, storage_reader=_SafeReader(source), process_group=group, no_dist=not on
+            )
+    except CheckpointException as e:  # a BaseException: say what failed, as a FuncpipeError
+        raise FuncpipeError(
+            f"cannot read the tensors of the checkpoint {source!r}: {_failures(e)}"
+        ) from None
     leaves = []
     for k, v in flat.items():
         if k not in wanted:
@@ -425,6 +451,17 @@ def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None 
         else:
             leaves.append(type(v)(wanted[k].item()))
     return optree.tree_unflatten(optree.tree_structure(like, none_is_leaf=False), leaves)
+
+
+def _failures(e: CheckpointException) -> str:
+    """One line per failed rank: the error's first line and any line naming a refused global
+    (what ``torch.load(weights_only=True)`` says when it refuses a pickled object)."""
+    parts = []
+    for rank, (exc, _) in sorted(e.failures.items()):
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        keep = lines[:1] + [ln for ln in lines[1:] if "GLOBAL" in ln]
+        parts.append(f"rank {rank}: {type(exc).__name__}: {' '.join(keep)}")
+    return "; ".join(parts)
 
 
 def latest(directory: str | os.PathLike[str]) -> str | None:

@@ -219,9 +219,12 @@ def train_rank(rank: int, o: DemoOptions) -> dict[str, Any] | None:
     tag = f"tensor{axis.coord}of{o.tensor}"  # tensor shards get keys of their own
     start = 0
     history: dict[str, list[list[float]]] = {"train": [], "val": []}
-    if o.resume and os.path.isdir(ckpt_dir):
+    # the newest complete checkpoint: `checkpoint`, or the `checkpoint.old-*` a save killed
+    # between its two renames left behind (never a half-written `.tmp-` one)
+    found = checkpoint.latest(o.out) if o.resume else None
+    if found is not None:
         like = {tag: {"params": params, "opt": state}, "step": 0}
-        loaded = checkpoint.load(ckpt_dir, like)
+        loaded = checkpoint.load(found, like)
         params, state, start = loaded[tag]["params"], loaded[tag]["opt"], int(loaded["step"])
         hist_file = os.path.join(o.out, "history.json")
         if os.path.exists(hist_file):

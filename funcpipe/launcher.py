@@ -2,12 +2,15 @@
 
 :func:`launch` starts one process per rank (gloo on CPU by default; NCCL when CUDA devices are
 there and ``backend="nccl"``), joins them in a process group and calls ``fn(rank, *args)`` in
-each. The rendezvous store lives in the launching process, so it outlives any rank. When a rank
-raises, it records its error in the store and exits; the ranks waiting on it see their
-connection drop, read the record and raise :class:`~funcpipe.errors.RankFailed` naming it; the
-launcher stops every rank left after ``grace`` seconds and raises ``RankFailed`` with the first
-failure's traceback. Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set), ``launch`` runs ``fn``
-in this process only, with the process group torchrun describes.
+each. The rendezvous store lives in the launching process, so it outlives any rank; it and the
+ranks' gloo connections listen on 127.0.0.1 (loopback) only, unless ``host`` says otherwise
+(see docs/security.md). When a rank raises, it records its error in the store and exits; the
+ranks waiting on it see their connection drop, read the record and raise
+:class:`~funcpipe.errors.RankFailed` naming it; the launcher stops every rank left after
+``grace`` seconds and raises ``RankFailed`` with the first failure's traceback. A rank process
+that dies without a word (SIGKILL, out of memory) is recorded by the launcher, which sees it
+exit: the others then name it the same way. Under ``torchrun`` (``RANK`` and ``WORLD_SIZE``
+set), ``launch`` runs ``fn`` in this process only, with the process group torchrun describes.
 
 :class:`Pool` keeps such a group of processes alive and runs one function after another on it:
 starting processes costs seconds, so tests start one pool per session.
@@ -17,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import os
 import pickle
+import signal
 import socket
 import sys
 import time
@@ -40,17 +45,53 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def _listen(host: str) -> tuple[int, int]:
+    """A listening socket bound to ``host`` only (port chosen by the OS): ``(fd, port)``.
+
+    The launcher's store serves on this socket. Given a host alone, torch's ``TCPStore`` listens
+    on every interface; handing it a socket bound to ``host`` keeps it there (loopback by
+    default), and there is no window between choosing a port and binding it.
+    """
+    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    s = socket.socket(family, kind, proto)
+    try:
+        s.bind(addr[:2] if family == socket.AF_INET else addr)
+        s.listen(1024)
+        port = int(s.getsockname()[1])
+    except BaseException:
+        s.close()
+        raise
+    return s.detach(), port  # the store owns (and closes) the descriptor from now on
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    with contextlib.suppress(OSError):
+        names = [name for _, name in socket.if_nameindex()]
+        for name in ("lo", "lo0"):
+            if name in names:
+                return name
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message``, then any notes added to the exception (where it was raised)."""
+    notes = getattr(exc, "__notes__", None) or []
+    return "\n".join([f"{type(exc).__name__}: {exc}", *(str(n) for n in notes)])
 
 
 def record_failure(exc: BaseException) -> None:
     """Record in the shared store that this rank failed (first failure wins)."""
     if _STORE is None or _RANK is None:
         return
-    text = f"{_RANK}\n{type(exc).__name__}: {exc}"
+    text = f"{_RANK}\n{_describe(exc)}"
     with contextlib.suppress(Exception):  # the store may be gone; the launcher sees the exit
         _STORE.compare_set(FAIL_KEY, "", text)
 
@@ -64,15 +105,34 @@ def _read_failure() -> tuple[int, str] | None:
         raw = _STORE.get(FAIL_KEY).decode()
     except Exception:
         return None
+    return _parse_record(raw)
+
+
+def _parse_record(raw: str) -> tuple[int, str] | None:
+    """``(rank, cause)`` from a failure record; ``None`` while nothing is recorded (``""``)."""
     rank, _, cause = raw.partition("\n")
-    return int(rank), cause
+    try:
+        return int(rank), cause
+    except ValueError:
+        return None
+
+
+def _death(rank: int, code: int | None) -> str:
+    """What to say about a rank process that exited without reporting back."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"rank {rank} died: its process was killed by {name} (exit code {code})"
+    return f"rank {rank} died: its process exited with code {code} without reporting an error"
 
 
 def failure_handler() -> Callable[[BaseException, str], BaseException]:
     """What a transport raises when communication breaks: name the rank that failed first."""
 
     def handle(exc: BaseException, what: str) -> BaseException:
-        for _ in range(20):  # the failed rank writes its record just before it exits
+        for _ in range(60):  # the failed rank (or, for a dead one, the launcher) records it soon
             found = _read_failure()
             if found is not None:
                 rank, cause = found
@@ -94,6 +154,11 @@ def _init_group(rank: int, world: int, host: str, port: int, backend: str, timeo
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if backend == "gloo" and _is_loopback(host) and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # gloo otherwise listens on the address the machine's hostname resolves to
+        iface = _loopback_interface()
+        if iface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
     store = dist.TCPStore(
         host, port, world_size=None, is_master=False, timeout=datetime.timedelta(seconds=timeout)
     )
@@ -168,21 +233,35 @@ class Pool:
         grace: float = 5.0,
         paths: Sequence[str] = (),
     ) -> None:
-        if not isinstance(size, int) or size < 1:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise InvalidArgument(f"size={size!r}: the number of processes, an int >= 1")
         if backend not in ("gloo", "nccl"):
             raise InvalidArgument(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise InvalidArgument(f"timeout={timeout!r}: seconds, > 0")
+        if not isinstance(grace, (int, float)) or grace < 0:
+            raise InvalidArgument(
+                f"grace={grace!r}: seconds the other ranks get to stop by themselves after a "
+                "failure, >= 0"
+            )
+        if not isinstance(host, str) or not host:
+            raise InvalidArgument(f"host={host!r}: an address to bind, e.g. '127.0.0.1'")
         import multiprocessing as mp
 
         import torch.distributed as dist
 
         self.size, self.timeout, self.grace = size, float(timeout), float(grace)
-        port = _free_port(host)
-        # the store lives here, in the launcher: it survives any rank
+        self.host = host
+        fd, port = _listen(host)
+        # the store lives here, in the launcher: it survives any rank. It serves on a socket
+        # bound to `host` only (loopback by default), never on every interface.
         self.store = dist.TCPStore(
-            host, port, world_size=None, is_master=True, timeout=datetime.timedelta(seconds=timeout)
+            host,
+            port,
+            world_size=None,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=timeout),
+            master_listen_fd=fd,
         )
         self.store.set(FAIL_KEY, "")
         ctx = mp.get_context("spawn")
@@ -207,7 +286,7 @@ class Pool:
             raise InvalidArgument(
                 "this Pool was closed (a job failed or close() was called); start a new one"
             )
-        job = pickle.dumps((fn, args, kwargs))
+        job = _pickle_job(fn, args, kwargs)
         for c in self.conns:
             c.send(job)
         return self._collect(self.timeout if timeout is None else timeout)
@@ -238,19 +317,27 @@ class Pool:
                 timeout=min(left, 0.5),
             )
             for obj in ready:
-                if obj in sentinels:
-                    r = sentinels[obj]
-                    if r not in results and not self.conns[r].poll():
-                        code = self.procs[r].exitcode
-                        results[r] = None
-                        if first is None:
-                            first = (r, f"rank {r} died (exit code {code})")
+                r = sentinels[obj] if obj in sentinels else self.conns.index(obj)  # type: ignore[arg-type]
+                if r in results:
                     continue
-                r = self.conns.index(obj)  # type: ignore[arg-type]
                 try:
-                    status, value = self.conns[r].recv()
-                except EOFError:
+                    message = self.conns[r].recv() if self.conns[r].poll() else None
+                except (EOFError, OSError):  # the pipe closed: the process is gone
+                    message = None
+                if message is None:
+                    if obj not in sentinels and self.procs[r].is_alive():
+                        self.procs[r].join(timeout=1.0)
+                    if self.procs[r].is_alive():
+                        continue
+                    text = _death(r, self.procs[r].exitcode)
+                    results[r] = None
+                    # tell the ranks still waiting on it who failed (first failure wins)
+                    with contextlib.suppress(Exception):
+                        self.store.compare_set(FAIL_KEY, "", f"{r}\n{text}")
+                    if first is None:
+                        first = (r, text)
                     continue
+                status, value = message
                 results[r] = value
                 if status == "error" and first is None:
                     first = (r, str(value))
@@ -289,6 +376,17 @@ class Pool:
         self.close()
 
 
+def _pickle_job(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> bytes:
+    try:
+        return pickle.dumps((fn, tuple(args), kwargs))
+    except Exception as e:
+        raise InvalidArgument(
+            f"fn={fn!r}: the job cannot be sent to the rank processes ({type(e).__name__}: {e}); "
+            "fn must be a module-level function of an importable module (not a lambda or a "
+            "nested function), and its arguments picklable data and tensors"
+        ) from None
+
+
 def _read_store(store: Any) -> tuple[int, str] | None:
     try:
         raw = store.get(FAIL_KEY).decode()
@@ -296,8 +394,7 @@ def _read_store(store: Any) -> tuple[int, str] | None:
         return None
     if not raw:
         return None
-    rank, _, cause = raw.partition("\n")
-    return int(rank), cause
+    return _parse_record(raw)
 
 
 def launch(
@@ -315,6 +412,10 @@ def launch(
     the environment and ``[fn(rank, ...)]`` (this rank's result only) is returned. The local
     processes bind to 127.0.0.1 (loopback) only.
     """
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise InvalidArgument(
+            f"nprocs={nprocs!r}: the number of local processes to start, an int >= 1"
+        )
     if under_torchrun():
         import torch.distributed as dist
 
@@ -324,5 +425,6 @@ def launch(
         rank = dist.get_rank()
         _RANK = rank
         return [fn(rank, *args, **kwargs)]
+    _pickle_job(fn, args, kwargs)  # before starting any process
     with Pool(nprocs, backend=backend, timeout=timeout, grace=grace) as pool:
         return pool.run(fn, *args, **kwargs)

@@ -188,3 +188,19 @@ def merge(microbatches: Sequence[Any], *, dim: Dim = 0) -> Any:
     return tree_unflatten(
         spec, [torch.cat(list(col), dim=d) for col, d in zip(columns, dims, strict=True)]
     )
+
+
+def split_targets(targets: Any, microbatches: int, *, batch: Any, dim: Dim = 0) -> list[Any]:
+    """Split ``targets`` (batch dim 0) like :func:`split` splits ``batch`` (batch dim ``dim``).
+
+    Checks up front that the targets hold as many samples as the batch, so that a mismatch is
+    an :class:`InvalidArgument` naming both sizes instead of an error inside ``loss_fn``.
+    """
+    size = _batch_size(batch, dim=dim, name="batch")
+    tsize = _batch_size(targets, dim=0, name="targets")
+    if tsize != size:
+        raise InvalidArgument(
+            f"targets have {tsize} samples along dim 0 but the batch has {size}; pass one "
+            "target per sample (targets are split into microbatches along dim 0, like the batch)."
+        )
+    return _split_named(targets, microbatches, dim=0, name="targets")

@@ -163,10 +163,13 @@ def _align(grads: Any, params: Any, states: dict[str, Any]) -> tuple[Any, list[i
         try:
             subs = spec.flatten_up_to(tree)
         except (ValueError, TypeError) as e:
+            detail = str(e).split("; dict:")[0].rstrip(". ")
+            if len(detail) > 200:  # optree quotes the whole tree
+                detail = detail[:200] + "..."
+            source = "" if name == "params" else f", and {name} must come from init(params)"
             raise InvalidArgument(
-                f"{name} does not have the structure of grads: {e}. grads must be shaped like "
-                f"params (None allowed for subtrees this rank does not hold), and {name} must "
-                "come from the same params."
+                f"{name} does not have the structure of grads ({detail}). grads must be shaped "
+                f"like params (None allowed for subtrees this rank does not hold){source}."
             ) from None
         out.append(subs)
     paths = None

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from funcpipe.errors import CommunicationError, InvalidArgument
-from funcpipe.microbatch import split
+from funcpipe.microbatch import split, split_targets
 from funcpipe.runtime.interpreter import RankInputs, RankResult, run_rank
 from funcpipe.runtime.plan import Layout, infer_layout, signature
 from funcpipe.runtime.transport import DistTransport, Handle, LocalWorld, Transport
@@ -239,6 +239,15 @@ class Pipeline:
             transport = "dist" if on else "local"
         if transport not in ("local", "dist"):
             raise InvalidArgument(f"transport={transport!r}: use 'local' or 'dist'")
+        if transport == "dist":
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise InvalidArgument(
+                    "transport='dist' needs torch.distributed initialised (use funcpipe.launch, "
+                    "or torchrun and dist.init_process_group); without a process group use "
+                    "transport='local' (every rank in this process)"
+                )
         self.transport = transport
         self._n_ranks = schedule.n_ranks
         self.mesh = mesh
@@ -543,7 +552,8 @@ class Pipeline:
                 raise InvalidArgument(
                     f"side_inputs need batch keys {missing} that the batch lacks (it has {sorted(batch)})"
                 )
-            pieces = split({k: batch[k] for k in (needed | {self.inputs})}, m, dim=self.dim)
+            batch = {k: batch[k] for k in (needed | {self.inputs})}
+            pieces = split(batch, m, dim=self.dim)
             entry = [as_inputs(pc[self.inputs]) for pc in pieces]
             side = [
                 {s: {k: pc[k] for k in names} for s, names in self.side_inputs.items()}
@@ -552,7 +562,7 @@ class Pipeline:
         else:
             entry = [as_inputs(pc) for pc in split(batch, m, dim=self.dim)]
             side = [{} for _ in range(m)]
-        tgt = split(targets, m, dim=0) if targets is not None else None
+        tgt = None if targets is None else split_targets(targets, m, batch=batch, dim=self.dim)
         layouts = []
         full = self._full_stages()
         fparams = [params[o] for o in (self.program.replica_of or range(self.program.n_stages))]

@@ -24,6 +24,7 @@ from funcpipe.runtime.plan import Layout, OutputSpec, rebuild
 from funcpipe.runtime.transport import Handle, Transport
 from funcpipe.schedule.check import in_program
 from funcpipe.schedule.ir import ACT, Instr, Op, Program
+from funcpipe.shapes import TensorSpec
 from funcpipe.stage import Stage, as_inputs
 from funcpipe.tree import PyTreeSpec, tree_flatten, tree_unflatten
 
@@ -140,7 +141,13 @@ class _Rank:
                     args.extend(as_inputs(rebuild(self.spec(q, m), leaves[k : k + n])))
                     k += n
                 args = tuple(args)
-            out = stage(ptree_value, *args, **kwargs)
+            try:
+                out = stage(ptree_value, *args, **kwargs)
+            except Exception as e:
+                _note(
+                    e, f"stage {s} ({stage.name!r}), microbatch {m}, rank {x.rank}; inputs", leaves
+                )
+                raise
             flat, tree = tree_flatten(out)
             if tree != want.tree or len(flat) != len(want.leaves):
                 raise InvalidArgument(
@@ -148,8 +155,26 @@ class _Rank:
                     f"microbatch {m}, but shape inference saw {want.tree}; a stage must return "
                     "the same structure for inputs of the same shapes"
                 )
+            for j, (t, spec) in enumerate(zip(flat, want.leaves, strict=True)):
+                if (
+                    not isinstance(t, torch.Tensor)
+                    or t.shape != spec.shape
+                    or t.dtype != spec.dtype
+                ):
+                    got = TensorSpec.from_tensor(t) if isinstance(t, torch.Tensor) else repr(t)
+                    raise InvalidArgument(
+                        f"stage {s} ({stage.name!r}) returned output #{j} = {got} for "
+                        f"microbatch {m}, but shape inference (on the meta device) saw {spec}; "
+                        "a stage must return the same shapes and dtypes for inputs of the same "
+                        "shapes and dtypes (the receiving rank sized its buffers from them)"
+                    )
             if sink and x.loss_fn is not None and (target is not None or p.training):
-                loss = x.loss_fn(out, target) if target is not None else x.loss_fn(out)
+                try:
+                    loss = x.loss_fn(out, target) if target is not None else x.loss_fn(out)
+                except Exception as e:
+                    what = f"loss_fn after stage {s}, microbatch {m}, rank {x.rank}; outputs"
+                    _note(e, what, flat, tree_flatten(target)[0])
+                    raise
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise InvalidArgument(
                         f"loss_fn must return a scalar tensor; got {type(loss).__name__}"
@@ -492,6 +517,21 @@ class _Rank:
                 torch.zeros_like(p) if g is None else g for p, g in zip(params, acc, strict=True)
             ]
         return self.result
+
+
+def _note(e: BaseException, where: str, inputs: Sequence[Any], targets: Sequence[Any] = ()) -> None:
+    """Say on a user function's exception where funcpipe called it, and on what (a traceback
+    note: the exception keeps its type)."""
+    if not hasattr(e, "add_note"):  # Python < 3.11
+        return
+
+    def specs(ts: Sequence[Any]) -> str:
+        return ", ".join(str(TensorSpec.from_tensor(t)) for t in ts if isinstance(t, torch.Tensor))
+
+    text = f"funcpipe: raised by {where} {specs(inputs)}"
+    if targets:
+        text += f"; targets {specs(targets)}"
+    e.add_note(text)
 
 
 def _prefetch_plan(instrs: Sequence[Instr]) -> dict[int, list[int]]:

@@ -1,0 +1,626 @@
+"""Shared pieces of the benchmarks: the model, the schedules, timing, tables and JSON.
+
+The model is an MLP of ``layers`` x (Linear(width, width) + GELU) trained with a mean-squared
+error against a random target. ``small`` is the anchor's toy model (width 512, batch 64),
+``large`` a compute-heavier one (width 1024, batch 256: ~0.2 s per step in one thread).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/ first, not the root
+    sys.path.insert(0, str(ROOT))
+
+import funcpipe as fp  # noqa: E402
+from funcpipe.schedule import Program, generate  # noqa: E402
+
+Tensor = torch.Tensor
+
+# ------------------------------------------------------------------------------ sizes and schedules
+
+
+@dataclass(frozen=True)
+class Size:
+    """A model size: ``layers`` x (Linear(width) + GELU), ``batch`` rows, ``microbatches``."""
+
+    name: str
+    width: int
+    batch: int
+    layers: int = 8
+    microbatches: int = 8
+
+
+SIZES: dict[str, Size] = {
+    "small": Size("small", width=512, batch=64),
+    "large": Size("large", width=1024, batch=256),
+    "tiny": Size("tiny", width=16, batch=16),  # for the test suite: shapes only matter
+}
+
+
+def resize(size: Size, **override: int | None) -> Size:
+    """``size`` with the given fields replaced (``None`` keeps the field)."""
+    fields = {k: v for k, v in override.items() if v is not None}
+    return dataclasses.replace(size, **fields)
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule, as funcpipe generates it and as torch.distributed.pipelining names it."""
+
+    name: str  # funcpipe's registry name (funcpipe.schedule.generate)
+    chunks: int  # stages per rank
+    peer: str | None  # class in torch.distributed.pipelining (None: the peer has none)
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec("gpipe", 1, "ScheduleGPipe"),
+    "1f1b": ScheduleSpec("1f1b", 1, "Schedule1F1B"),
+    "interleaved": ScheduleSpec("interleaved", 2, "ScheduleInterleaved1F1B"),
+    "zbv": ScheduleSpec("zbv", 2, "ScheduleZBVZeroBubble"),
+    "dualpipev": ScheduleSpec("dualpipev", 2, "ScheduleDualPipeV"),
+    "zb-h1": ScheduleSpec("zb-h1", 1, None),
+    "zb-h2": ScheduleSpec("zb-h2", 1, None),
+}
+PEER_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
+
+
+def program_for(schedule: str, *, ranks: int, microbatches: int) -> Program:
+    spec = SCHEDULES[schedule]
+    chunks = spec.chunks if spec.name in ("interleaved",) else None
+    return generate(spec.name, ranks=ranks, microbatches=microbatches, chunks=chunks)
+
+
+# ------------------------------------------------------------------------------ the model
+
+
+def mlp(
+    width: int, *, layers: int = 8, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> nn.Sequential:
+    """``layers`` x (Linear(width, width), GELU) as one flat nn.Sequential (2 * layers modules)."""
+    g = torch.Generator().manual_seed(seed)
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        lin = nn.Linear(width, width, dtype=dtype)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(width, width, generator=g, dtype=dtype) / width**0.5)
+            lin.bias.copy_(torch.randn(width, generator=g, dtype=dtype) * 0.1)
+        mods += [lin, nn.GELU()]
+    return nn.Sequential(*mods)
+
+
+def data(size: Size, *, dtype: torch.dtype = torch.float32, seed: int = 1) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(size.batch, size.width, generator=g, dtype=dtype)
+    y = torch.randn(size.batch, size.width, generator=g, dtype=dtype)
+    return x, y
+
+
+def mse(out: Tensor, y: Tensor) -> Tensor:
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def bounds(n_modules: int, n_stages: int) -> list[tuple[int, int]]:
+    """Contiguous, equal module ranges (``n_stages`` must divide the layer pairs evenly)."""
+    if n_modules % (2 * n_stages):
+        raise ValueError(
+            f"{n_modules // 2} layers cannot be cut into {n_stages} equal stages; pick --layers "
+            f"as a multiple of ranks x chunks ({n_stages})"
+        )
+    k = n_modules // n_stages
+    return [(i * k, (i + 1) * k) for i in range(n_stages)]
+
+
+def stage_modules(model: nn.Sequential, n_stages: int) -> list[nn.Sequential]:
+    """The model cut into ``n_stages`` nn.Sequential slices (sharing the model's parameters)."""
+    return [model[a:b] for a, b in bounds(len(model), n_stages)]  # type: ignore[misc]
+
+
+def _linear_gelu_stage(n_layers: int) -> Callable[..., Tensor]:
+    def stage(params: Sequence[Tensor], h: Tensor) -> Tensor:
+        for k in range(n_layers):
+            h = torch.nn.functional.gelu(
+                torch.nn.functional.linear(h, params[2 * k], params[2 * k + 1])
+            )
+        return h
+
+    return stage
+
+
+def funcpipe_stages(
+    model: nn.Sequential, n_stages: int, *, kind: str = "module"
+) -> tuple[list[fp.Stage], list[Any]]:
+    """funcpipe stages and params for the model cut into ``n_stages``.
+
+    ``kind="module"``: :func:`funcpipe.partition` (``torch.func.functional_call`` on each slice,
+    what a user of nn.Modules writes). ``kind="function"``: plain functions over a list of
+    tensors (no functional_call), the cheapest stage funcpipe can run.
+    """
+    if kind == "module":
+        cuts = [a for a, _ in bounds(len(model), n_stages)][1:]
+        part = fp.partition(model, stages=n_stages, by=cuts)
+        return list(part.stages), list(part.params)
+    if kind != "function":
+        raise ValueError(f"kind={kind!r}: use 'module' or 'function'")
+    stages, params = [], []
+    for sl in stage_modules(model, n_stages):
+        ps = [p.detach() for p in sl.parameters()]
+        stages.append(fp.Stage(_linear_gelu_stage(len(ps) // 2), name="linear-gelu"))
+        params.append(ps)
+    return stages, params
+
+
+def flat_grads(tree: Any) -> list[Tensor]:
+    """The leaves of a funcpipe grads pytree in parameter order (dicts keep insertion order)."""
+    if isinstance(tree, Mapping):
+        return [t for v in tree.values() for t in flat_grads(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in flat_grads(v)]
+    return [tree]
+
+
+def reference_grads(
+    model: nn.Sequential, x: Tensor, y: Tensor, *, microbatches: int
+) -> list[Tensor]:
+    """Plain autograd in one process: gradients of the mean over microbatches of the loss (both
+    pipelines define the step's loss so; with equal microbatches it is the full-batch loss)."""
+    ref = copy.deepcopy(model)
+    xs, ys = fp.split(x, microbatches), fp.split(y, microbatches)
+    loss = sum(mse(ref(a), b) for a, b in zip(xs, ys, strict=True)) / microbatches
+    loss.backward()  # type: ignore[union-attr]
+    return [p.grad.detach().clone() for p in ref.parameters()]  # type: ignore[union-attr]
+
+
+def max_rel_diff(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
+    """``max |a - b| / max |b|`` over all tensors (0 when both are zero)."""
+    if len(a) != len(b):
+        return float("inf")
+    num = max((float((x - z).abs().max()) for x, z in zip(a, b, strict=True)), default=0.0)
+    den = max((float(z.abs().max()) for z in b), default=0.0)
+    return num / den if den > 0 else num
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+def median(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return statistics.median(xs) if xs else float("nan")
+
+
+def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
+    return [x / y for x, y in zip(a, b, strict=True) if y > 0]
+
+
+def spread(xs: Sequence[float]) -> float:
+    """Interquartile range over the median: how noisy a cell is."""
+    if len(xs) < 4:
+        return float("nan")
+    q = statistics.quantiles(xs, n=4)
+    return (q[2] - q[0]) / statistics.median(xs)
+
+
+def time_calls(fn: Callable[[], Any], *, reps: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def step_times(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """The pipeline's time of each step: the slowest rank (all ranks start after a barrier)."""
+    return [max(ts) for ts in zip(*per_rank, strict=True)]
+
+
+# ------------------------------------------------------------------------------ tables and JSON
+
+
+Column = tuple[str, str, str]  # (key, header, format spec; "" for str())
+
+
+def fmt(value: Any, spec: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and value != value:  # NaN
+        return "-"
+    if spec and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, spec)
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return str(value)
+
+
+def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[Column]) -> str:
+    """A GitHub-markdown table (also readable on a terminal)."""
+    head = [h for _, h, _ in columns]
+    body = [[fmt(r.get(k), f) for k, _, f in columns] for r in rows]
+    widths = [
+        max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)
+    ]
+    numeric = [bool(f) for _, _, f in columns]
+
+    def line(cells: Sequence[str]) -> str:
+        return (
+            "| "
+            + " | ".join(
+                c.rjust(w) if n else c.ljust(w)
+                for c, w, n in zip(cells, widths, numeric, strict=True)
+            )
+            + " |"
+        )
+
+    sep = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":") if n else (":" + "-" * (w + 1))
+            for w, n in zip(widths, numeric, strict=True)
+        )
+        + "|"
+    )
+    return "\n".join([line(head), sep, *(line(b) for b in body)])
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if ln.startswith("model name"):
+                    cpu = ln.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+
+
+def load() -> float | None:
+    """The 1-minute load average (other processes competing for the two cores)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def write_json(path: str | None, payload: Mapping[str, Any]) -> None:
+    if not path:
+        return
+    with open(path, "w") as f:
+        json.dump({"machine": machine(), **payload}, f, indent=2, default=str)
+        f.write("\n")
+
+
+def pool(size: int, *, timeout: float = 120.0) -> fp.Pool:
+    """``size`` gloo processes, one thread each, able to import ``benchmarks``."""
+    return fp.Pool(size, timeout=timeout, paths=[str(ROOT)])
+
+
+PoolFactory = Callable[[int], fp.Pool]
+
+
+class Pools:
+    """Pools of gloo processes by size: from ``factory`` (e.g. the test suite's shared pools,
+    never closed here) or started on demand and closed on exit. A pool found closed (a job
+    failed) is replaced by a fresh one on the next :meth:`get`."""
+
+    def __init__(self, factory: PoolFactory | None = None, *, timeout: float = 60.0) -> None:
+        self.factory, self.timeout = factory, timeout
+        self.own: dict[int, fp.Pool] = {}
+
+    def get(self, size: int) -> fp.Pool:
+        if self.factory is not None:
+            return self.factory(size)
+        p = self.own.get(size)
+        if p is None or p.closed:
+            p = self.own[size] = pool(size, timeout=self.timeout)
+        return p
+
+    def close(self) -> None:
+        for p in self.own.values():
+            p.close()
+        self.own.clear()
+
+    def __enter__(self) -> Pools:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------------ stage costs
+
+
+@dataclass
+class StageCosts:
+    """Seconds per microbatch for each stage: forward, full backward, its I/W split."""
+
+    f: list[float]
+    b: list[float]
+    i: list[float]
+    w: list[float]
+
+    def as_dict(self) -> dict[str, list[float]]:
+        return {"f": self.f, "b": self.b, "i": self.i, "w": self.w}
+
+
+def _flat_stage(
+    stage: fp.Stage, tree: Any, *, sink: bool, target: Tensor | None
+) -> Callable[..., list[Tensor]]:
+    from funcpipe.tree import tree_unflatten
+
+    def fn(params: Sequence[Tensor], inputs: Sequence[Tensor]) -> list[Tensor]:
+        out = stage(tree_unflatten(tree, list(params)), *inputs)
+        if sink:
+            assert target is not None
+            return [mse(out, target).reshape(())]
+        return [out]
+
+    return fn
+
+
+def measure_stage_costs(
+    size: Size, n_stages: int, *, kind: str = "module", reps: int = 20, seed: int = 0
+) -> StageCosts:
+    """Median time of F, B, I and W of every stage on one microbatch, in this process and thread,
+    with funcpipe's own autodiff (what the interpreter runs; the last stage includes the loss)."""
+    from funcpipe.runtime import autodiff
+    from funcpipe.tree import tree_flatten
+
+    model = mlp(size.width, layers=size.layers, seed=seed)
+    stages, params = funcpipe_stages(model, n_stages, kind=kind)
+    mb = size.batch // size.microbatches
+    g = torch.Generator().manual_seed(seed + 7)
+    x = torch.randn(mb, size.width, generator=g)
+    y = torch.randn(mb, size.width, generator=g)
+    result = StageCosts([], [], [], [])
+    for s, (stage, prm) in enumerate(zip(stages, params, strict=True)):
+        leaves, tree = tree_flatten(prm)
+        ps = [t.detach().requires_grad_() for t in leaves]
+        sink = s == n_stages - 1
+        fn = _flat_stage(stage, tree, sink=sink, target=y)
+        gy: list[Tensor | None] = (
+            [torch.tensor(1.0 / size.microbatches)]
+            if sink
+            else [torch.randn(mb, size.width, generator=g)]
+        )
+        f_t, b_t, i_t, w_t = [], [], [], []
+        for k in range(reps + 2):
+            t0 = time.perf_counter()
+            _, saved = autodiff.forward(fn, ps, [x])
+            t1 = time.perf_counter()
+            autodiff.backward(saved, ps, gy)
+            t2 = time.perf_counter()
+            _, saved = autodiff.forward(fn, ps, [x])
+            t3 = time.perf_counter()
+            autodiff.backward_input(saved, ps, gy)
+            t4 = time.perf_counter()
+            autodiff.backward_weight(saved, ps)
+            t5 = time.perf_counter()
+            if k >= 2:  # warm-up
+                f_t += [t1 - t0, t3 - t2]
+                b_t.append(t2 - t1)
+                i_t.append(t4 - t3)
+                w_t.append(t5 - t4)
+        result.f.append(median(f_t))
+        result.b.append(median(b_t))
+        result.i.append(median(i_t))
+        result.w.append(median(w_t))
+    return result
+
+
+def split_program(program: Program) -> bool:
+    from funcpipe.schedule import Op
+
+    return any(i.op is Op.I for r in program.ranks for i in r)
+
+
+def costs_for(program: Program, c: StageCosts, *, comm: float = 0.0) -> fp.schedule.Costs:
+    """The simulator's costs: I and W for a split program; B - W and W otherwise (b + w = B)."""
+    from funcpipe.schedule import Costs
+
+    if split_program(program):
+        return Costs(f=c.f, b=c.i, w=c.w, comm=comm)
+    return Costs(
+        f=c.f, b=[max(b - w, 0.0) for b, w in zip(c.b, c.w, strict=True)], w=c.w, comm=comm
+    )
+
+
+def one_process_time(program: Program, c: StageCosts) -> float:
+    """The simulated time of the same work on one rank: every F and backward one after another."""
+    split = split_program(program)
+    per_mb = sum(
+        f + ((i + w) if split else b) for f, b, i, w in zip(c.f, c.b, c.i, c.w, strict=True)
+    )
+    return per_mb * program.microbatches
+
+
+def p2p_latency(rank: int, shape: Sequence[int], reps: int = 50) -> float:
+    """Half the median round trip of one float32 tensor of ``shape`` between ranks 0 and 1 (gloo)."""
+    import torch.distributed as dist
+
+    t = torch.zeros(*shape)
+    times = []
+    for k in range(reps + 5):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        elif rank == 1:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        if k >= 5:
+            times.append((time.perf_counter() - t0) / 2)
+    return median(times)
+
+
+# ------------------------------------------------------------------------------ saved activations
+
+
+class SavedBytes:
+    """Counts the bytes autograd saves for backward (activations), live and at peak.
+
+    Use as a context manager around forwards: every tensor autograd packs that is not a parameter
+    (nor a view of one) is counted once (by storage, offset, shape and stride) from the time it is
+    saved until no graph node holds it any more.
+    """
+
+    def __init__(self, params: Iterable[Tensor] = ()) -> None:
+        self.exclude = {t.untyped_storage().data_ptr() for t in params}
+        self.refs: dict[tuple[Any, ...], int] = {}
+        self.live = 0
+        self.peak = 0
+        self._ctx: Any = None
+
+    def _key(self, t: Tensor) -> tuple[Any, ...] | None:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.exclude or t.device.type == "meta":
+            return None
+        return (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def _pack(self, t: Tensor) -> Any:
+        key = self._key(t)
+        if key is not None:
+            n = self.refs.get(key, 0)
+            if n == 0:
+                self.live += t.numel() * t.element_size()
+                self.peak = max(self.peak, self.live)
+            self.refs[key] = n + 1
+        return _Held(self, key, t)
+
+    def release(self, key: tuple[Any, ...] | None, t: Tensor) -> None:
+        if key is None:
+            return
+        n = self.refs[key] - 1
+        if n == 0:
+            del self.refs[key]
+            self.live -= t.numel() * t.element_size()
+        else:
+            self.refs[key] = n
+
+    def __enter__(self) -> SavedBytes:
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)
+
+
+class _Held:
+    __slots__ = ("counter", "key", "t")
+
+    def __init__(self, counter: SavedBytes, key: tuple[Any, ...] | None, t: Tensor) -> None:
+        self.counter, self.key, self.t = counter, key, t
+
+    def __del__(self) -> None:
+        self.counter.release(self.key, self.t)
+
+
+def _unpack(held: _Held) -> Tensor:
+    return held.t
+
+
+# ------------------------------------------------------------------------------ contention
+
+
+def _procs_running() -> int | None:
+    try:
+        with open("/proc/stat") as f:
+            for ln in f:
+                if ln.startswith("procs_running"):
+                    return int(ln.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class Runnable:
+    """Samples the number of runnable tasks on the machine (Linux ``procs_running``) in a
+    background thread while the block runs. A benchmark with ``n`` busy ranks sees about
+    ``n + 1`` (the sampler itself) when nothing else competes for the cores."""
+
+    def __init__(self, every: float = 0.1) -> None:
+        import threading
+
+        self.every, self.samples = every, []  # type: ignore[var-annotated]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            n = _procs_running()
+            if n is not None:
+                self.samples.append(n)
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.samples) if self.samples else None
+
+    def __enter__(self) -> Runnable:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def wait_quiet(*, max_runnable: float, timeout: float, window: float = 2.0) -> float:
+    """Wait (up to ``timeout`` s) until the mean runnable count over ``window`` s is at most
+    ``max_runnable``; returns the seconds waited."""
+    t0 = time.monotonic()
+    while True:
+        with Runnable() as r:
+            time.sleep(window)
+        if r.mean is None or r.mean <= max_runnable or time.monotonic() - t0 > timeout:
+            return time.monotonic() - t0
+
+
+def measured_cell(
+    job: Callable[[], Any],
+    *,
+    ranks: int,
+    quiet: bool,
+    retries: int,
+    wait: float = 300.0,
+    again: Callable[[Any], bool] | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Run ``job`` (one benchmark cell): with ``quiet``, first wait for the other processes on
+    the machine to settle; rerun up to ``retries`` times while others competed for the cores
+    (mean runnable tasks above ranks + 1.5), keeping the least contended run. ``again(result)``
+    False forbids a rerun (e.g. the job left its pool unusable)."""
+    best: tuple[Any, dict[str, Any]] | None = None
+    for attempt in range(retries + 1):
+        waited = wait_quiet(max_runnable=1.5, timeout=wait) if quiet else 0.0
+        with Runnable() as r:
+            out = job()
+        info = {"runnable": r.mean, "attempts": attempt + 1, "waited_s": waited}
+        if best is None or (r.mean or 0.0) < (best[1]["runnable"] or 0.0):
+            best = (out, info)
+        if r.mean is None or r.mean <= ranks + 1.5 or (again is not None and not again(out)):
+            break
+    assert best is not None
+    best[1]["attempts"] = attempt + 1
+    return best

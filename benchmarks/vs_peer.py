@@ -1,0 +1,382 @@
+"""funcpipe against torch.distributed.pipelining: same model, ranks, schedule and processes.
+
+    python benchmarks/vs_peer.py [--sizes small large] [--ranks 2 4] [--pairs 20] [--json FILE]
+
+For every (size, ranks, schedule) cell, one job on a pool of gloo processes (one thread each):
+
+1. gradients: from the same float64 weights, one funcpipe step (``Pipeline(transport="dist")``)
+   and one peer step (``PipelineStage`` + the schedule's ``step``) on the same processes; each
+   rank compares its stages' parameter gradients with each other and with plain autograd on
+   the whole model (the peer averages the per-microbatch losses and divides its grads by the
+   number of microbatches, funcpipe seeds each microbatch's loss with 1/m: both give the
+   gradient of the mean loss);
+2. time: float32, ``--warmup`` steps of each, then ``--pairs`` pairs run A B A B (funcpipe then
+   peer), every step started after a barrier; a step's time is its slowest rank's.
+
+Reported: the median step time of each, the median of the paired ratios funcpipe / peer, and the
+interquartile spread of those ratios. A peer schedule that fails records its error in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import _common as C
+
+COLUMNS: list[C.Column] = [
+    ("size", "size", ""),
+    ("ranks", "ranks", "d"),
+    ("schedule", "schedule", ""),
+    ("peer_class", "peer class", ""),
+    ("funcpipe_ms", "funcpipe ms", ".2f"),
+    ("peer_ms", "peer ms", ".2f"),
+    ("ratio", "funcpipe/peer", ".3f"),
+    ("ratio_iqr", "IQR/med", ".2f"),
+    ("grad_diff", "grads fp vs peer", ".1e"),
+    ("grad_ref", "fp vs 1-proc", ".1e"),
+    ("peer_ref", "peer vs 1-proc", ".1e"),
+    ("note", "note", ""),
+    ("runnable", "runnable (mean)", ".1f"),
+    ("attempts", "runs", "d"),
+]
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:160]
+
+
+def _peer_schedule(
+    spec: C.ScheduleSpec, stages: list[Any], microbatches: int
+) -> Any:  # a torch.distributed.pipelining schedule
+    from torch.distributed.pipelining import schedules
+
+    cls = getattr(schedules, spec.peer or "")
+    if spec.chunks == 1:
+        return cls(stages[0], n_microbatches=microbatches, loss_fn=C.mse)
+    return cls(stages, n_microbatches=microbatches, loss_fn=C.mse)
+
+
+class _Peer:
+    """The peer's stages and schedule for the stages this rank holds."""
+
+    def __init__(
+        self, spec: C.ScheduleSpec, model: torch.nn.Sequential, mine: list[int], n: int, m: int
+    ) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        self.model = copy.deepcopy(model)
+        self.modules = C.stage_modules(self.model, n)
+        self.mine, self.n = mine, n
+        stages = [PipelineStage(self.modules[s], s, n, torch.device("cpu")) for s in mine]
+        self.schedule = _peer_schedule(spec, stages, m)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        for s in self.mine:
+            self.modules[s].zero_grad(set_to_none=True)
+        args = (x,) if 0 in self.mine else ()
+        target = y if self.n - 1 in self.mine else None
+        self.schedule.step(*args, target=target, return_outputs=False)
+
+    def grads(self, names: list[str]) -> list[torch.Tensor]:
+        by_name = dict(self.model.named_parameters())
+        return [
+            torch.zeros_like(by_name[k]) if by_name[k].grad is None else by_name[k].grad.clone()
+            for k in names
+        ]
+
+
+def _stage_names(model: torch.nn.Sequential, n: int, stages: list[int]) -> list[str]:
+    """Parameter names of the given stages, in parameter order."""
+    cuts = C.bounds(len(model), n)
+    names = []
+    for s in stages:
+        a, b = cuts[s]
+        names += [k for k, _ in model.named_parameters() if a <= int(k.split(".")[0]) < b]
+    return names
+
+
+def _fp_grads(
+    grads: Any, names: list[str], model: torch.nn.Sequential, mine: list[int], n: int
+) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for s in mine:
+        g = grads[s]
+        if isinstance(g, dict):
+            out += [g[k] for k in _stage_names(model, n, [s])]
+        else:
+            out += list(g)
+    return out
+
+
+def _any(flag: bool) -> bool:
+    """True on every rank when it is true on some rank."""
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t)
+    return bool(t.item() > 0)
+
+
+def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One (size, ranks, schedule) cell on this rank; see the module docstring."""
+    import torch.distributed as dist
+
+    import funcpipe as fp
+
+    size = C.Size(**cfg["size"])
+    spec = C.SCHEDULES[cfg["schedule"]]
+    ranks = dist.get_world_size()
+    program = C.program_for(spec.name, ranks=ranks, microbatches=size.microbatches)
+    n = program.n_stages
+    mine = sorted(program.stages_on(rank))
+    out: dict[str, Any] = {"rank": rank, "errors": {}, "dirty": False}
+
+    def build(dtype: torch.dtype) -> tuple[Any, torch.nn.Sequential, list[Any], Any, Any]:
+        model = C.mlp(size.width, layers=size.layers, dtype=dtype, seed=cfg["seed"])
+        stages, params = C.funcpipe_stages(model, n, kind=cfg["stage_kind"])
+        pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
+        x, y = C.data(size, dtype=dtype, seed=cfg["seed"] + 1)
+        return pipe, model, params, x, y
+
+    # ---- gradients, float64
+    pipe, model, params, x, y = build(torch.float64)
+    names = _stage_names(model, n, mine)
+    ref_all = dict(
+        zip(
+            [k for k, _ in model.named_parameters()],
+            C.reference_grads(model, x, y, microbatches=size.microbatches),
+            strict=True,
+        )
+    )
+    ref = [ref_all[k] for k in names]
+    fp_grads: list[torch.Tensor] | None = None
+    try:
+        res = pipe.step(params, x, y)
+        fp_grads = _fp_grads(res.grads, names, model, mine, n)
+        out["grad_ref"] = C.max_rel_diff(fp_grads, ref)
+    except Exception as e:
+        out["errors"]["funcpipe"] = _short(e)
+        out["dirty"] = True
+        out["traceback"] = traceback.format_exc()
+    peer_ok = spec.peer is not None and cfg["peer"]
+    if peer_ok:
+        try:
+            peer = _Peer(spec, model, mine, n, size.microbatches)
+            peer.step(x, y)
+            pg = peer.grads(names)
+            out["peer_ref"] = C.max_rel_diff(pg, ref)
+            if fp_grads is not None:
+                out["grad_diff"] = C.max_rel_diff(fp_grads, pg)
+        except Exception as e:
+            out["errors"]["peer"] = _short(e)
+            out["dirty"] = True
+    try:
+        failed = _any(out["dirty"])
+    except Exception:
+        out["dirty"] = True
+        return out
+    if failed:
+        out["dirty"] = True
+        return out
+
+    # ---- time, float32, A B A B
+    pipe, model, params, x, y = build(torch.float32)
+    peer32 = _Peer(spec, model, mine, n, size.microbatches) if peer_ok else None
+
+    def timed(f: Any) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        f()
+        return time.perf_counter() - t0
+
+    def run_fp() -> None:
+        pipe.step(params, x, y)
+
+    def run_peer() -> None:
+        assert peer32 is not None
+        peer32.step(x, y)
+
+    for _ in range(cfg["warmup"]):
+        timed(run_fp)
+        if peer32 is not None:
+            timed(run_peer)
+    fp_t, peer_t = [], []
+    for _ in range(cfg["pairs"]):
+        fp_t.append(timed(run_fp))
+        if peer32 is not None:
+            peer_t.append(timed(run_peer))
+    out["funcpipe"], out["peer"] = fp_t, peer_t
+    return out
+
+
+def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
+    from benchmarks import vs_peer  # by module name, so the workers can unpickle the job
+
+    rows: list[dict[str, Any]] = []
+    for ranks in args.ranks:
+        for size_name in args.sizes:
+            size = C.resize(
+                C.SIZES[size_name],
+                width=args.width,
+                batch=args.batch,
+                layers=args.layers,
+                microbatches=args.microbatches,
+            )
+            for sched in args.schedules:
+                spec = C.SCHEDULES[sched]
+                row: dict[str, Any] = {
+                    "size": size.name,
+                    "width": size.width,
+                    "batch": size.batch,
+                    "layers": size.layers,
+                    "microbatches": size.microbatches,
+                    "ranks": ranks,
+                    "schedule": sched,
+                    "peer_class": spec.peer or "-",
+                    "pairs": args.pairs,
+                }
+                cfg = {
+                    "size": vars(size),
+                    "schedule": sched,
+                    "seed": args.seed,
+                    "stage_kind": args.stage_kind,
+                    "pairs": args.pairs,
+                    "warmup": args.warmup,
+                    "peer": not args.no_peer,
+                }
+                pool = pools.get(ranks)
+                try:
+                    results, info = C.measured_cell(
+                        lambda pool=pool, cfg=cfg: pool.run(
+                            vs_peer.cell, cfg, timeout=args.job_timeout
+                        ),
+                        ranks=ranks,
+                        quiet=args.quiet,
+                        retries=args.retries,
+                        again=lambda res: not any(r["dirty"] for r in res),
+                    )
+                except Exception as e:  # a rank died or hung: restart the pool
+                    row["note"] = f"job failed: {_short(e)}"
+                    pool.close(kill=True)
+                    rows.append(row)
+                    print(C.table([row], COLUMNS).splitlines()[-1], flush=True)
+                    continue
+                errors: dict[str, str] = {}
+                # the rank that raised first, not the ones that timed out waiting for it
+                for r in sorted(results, key=lambda r: "Timed out" in str(r["errors"])):
+                    for k, v in r["errors"].items():
+                        errors.setdefault(k, f"rank {r['rank']}: {v}")
+                if any("traceback" in r for r in results) and args.verbose:
+                    print(
+                        next(r["traceback"] for r in results if "traceback" in r), file=sys.stderr
+                    )
+                row["grad_diff"] = (
+                    max((r.get("grad_diff", 0.0) for r in results), default=None)
+                    if "peer" not in errors and spec.peer
+                    else None
+                )
+                row["grad_ref"] = (
+                    max((r.get("grad_ref", 0.0) for r in results), default=None)
+                    if "funcpipe" not in errors
+                    else None
+                )
+                row["peer_ref"] = (
+                    max((r.get("peer_ref", 0.0) for r in results), default=None)
+                    if "peer" not in errors and spec.peer
+                    else None
+                )
+                if "funcpipe" in results[0]:
+                    fp_t = C.step_times([r["funcpipe"] for r in results])
+                    row["funcpipe_ms"] = C.median(fp_t) * 1e3
+                    row["funcpipe_times"] = fp_t
+                    if results[0]["peer"]:
+                        peer_t = C.step_times([r["peer"] for r in results])
+                        ratios = C.paired_ratios(fp_t, peer_t)
+                        row["peer_ms"] = C.median(peer_t) * 1e3
+                        row["peer_times"] = peer_t
+                        row["ratio"] = C.median(ratios)
+                        row["ratio_iqr"] = C.spread(ratios)
+                row["note"] = "; ".join(f"{k} failed ({v})" for k, v in errors.items()) or ""
+                if any(r["dirty"] for r in results):
+                    pool.close(kill=True)
+                row.update(info)
+                rows.append(row)
+                print(C.table([row], COLUMNS).splitlines()[-1], flush=True)
+    return rows
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="vs_peer.py",
+        description="funcpipe vs torch.distributed.pipelining: step time and gradients.",
+    )
+    ap.add_argument("--sizes", nargs="+", default=["small", "large"], choices=sorted(C.SIZES))
+    ap.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
+    ap.add_argument(
+        "--schedules", nargs="+", default=list(C.PEER_SCHEDULES), choices=list(C.PEER_SCHEDULES)
+    )
+    ap.add_argument("--pairs", type=int, default=20, help="timed A B pairs per cell")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
+    ap.add_argument("--width", type=int, default=None, help="override the size's width")
+    ap.add_argument("--batch", type=int, default=None, help="override the size's batch")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="override the number of Linear+GELU layers"
+    )
+    ap.add_argument("--microbatches", type=int, default=None, help="override the 8 microbatches")
+    ap.add_argument(
+        "--stage-kind",
+        default="module",
+        choices=["module", "function"],
+        help="funcpipe stages from nn.Module slices (functional_call) or plain functions",
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-peer", action="store_true", help="time funcpipe only")
+    ap.add_argument("--timeout", type=float, default=60.0, help="process-group timeout, s")
+    ap.add_argument("--job-timeout", type=float, default=900.0, help="per-cell timeout, s")
+    ap.add_argument("--verbose", action="store_true")
+    ap.add_argument(
+        "--quiet",
+        action="store_true",
+        help="before each cell, wait (up to 5 min) for other processes to leave the cores",
+    )
+    ap.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="rerun a cell up to this many times while other processes competed (keep the least contended)",
+    )
+    ap.add_argument("--json", default=None, help="write the rows (with every step time) here")
+    return ap
+
+
+def main(
+    argv: list[str] | None = None, *, pool: C.PoolFactory | None = None
+) -> list[dict[str, Any]]:
+    """Run the benchmark; ``pool(n)`` may supply started pools of ``n`` gloo processes."""
+    args = parser().parse_args(argv)
+    torch.set_num_threads(1)
+    print(C.table([], COLUMNS), flush=True)
+    with C.Pools(pool, timeout=args.timeout) as pools:
+        rows = run(args, pools)
+    print()
+    print(C.table(rows, COLUMNS))
+    C.write_json(
+        args.json,
+        {"command": ["vs_peer.py", *(argv if argv is not None else sys.argv[1:])], "rows": rows},
+    )
+    return rows
+
+
+if __name__ == "__main__":
+    main()

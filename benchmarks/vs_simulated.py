@@ -1,0 +1,270 @@
+"""Executed step time against the simulator's makespan, from costs measured on this machine.
+
+    python benchmarks/vs_simulated.py [--size large] [--ranks 2] [--steps 20] [--json FILE]
+
+1. Every rank measures each stage's F, B, I and W on one microbatch (funcpipe's autodiff, one
+   thread; all ranks at once, as in a step); rank 0's medians are used.
+2. Ranks 0 and 1 measure the point-to-point latency of one activation (one microbatch x width,
+   float32) over gloo: half the median round trip.
+3. ``funcpipe.schedule.simulate(lowered program, Costs(f, b, w, comm))`` predicts the makespan
+   (``b`` = I and ``w`` = W for split schedules; ``b`` = B - W otherwise, so b + w = B).
+4. funcpipe runs the schedule (``transport="dist"``): ``--warmup`` steps, then ``--steps`` timed
+   steps, each after a barrier; a step's time is its slowest rank's.
+
+5. ``--traced`` more steps run with ``step(trace=True)``: the executed timeline gives each rank's
+   compute time (F, B, I, W instructions, start to end).
+
+Reported: executed / simulated makespan (1.0 = the runtime adds nothing to the schedule's
+compute and messages), the simulated bubble fraction, and executed / simulated compute time of
+the busiest rank (above 1: the instructions themselves run slower inside a step than alone;
+the rest of the gap is waiting and per-instruction overhead). Last, the simulator is run again
+with each stage's median F, B (or I and W) *as executed inside the traced steps*: executed /
+that makespan is what the runtime adds beyond its own instructions' compute (messages,
+waiting, the interpreter between instructions, the step's set-up and loss all-reduce).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import _common as C
+
+DEFAULT_SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "dualpipev"]
+
+COLUMNS: list[C.Column] = [
+    ("size", "size", ""),
+    ("ranks", "ranks", "d"),
+    ("schedule", "schedule", ""),
+    ("executed_ms", "executed ms", ".2f"),
+    ("simulated_ms", "simulated ms", ".2f"),
+    ("ratio", "executed/simulated", ".3f"),
+    ("iqr", "IQR/med", ".2f"),
+    ("bubble", "sim. bubble", ".1%"),
+    ("busy_ratio", "executed/simulated compute", ".3f"),
+    ("simulated_step_ms", "simulated ms (in-step costs)", ".2f"),
+    ("ratio_step", "executed/simulated (in-step costs)", ".3f"),
+    ("runnable", "runnable (mean)", ".1f"),
+    ("attempts", "runs", "d"),
+]
+
+
+def costs_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    size = C.Size(**cfg["size"])
+    out = {
+        str(n): C.measure_stage_costs(
+            size, n, kind=cfg["stage_kind"], reps=cfg["cost_reps"], seed=cfg["seed"]
+        ).as_dict()
+        for n in cfg["n_stages"]
+    }
+    mb = size.batch // size.microbatches
+    return {"costs": out, "comm": C.p2p_latency(rank, (mb, size.width), reps=cfg["comm_reps"])}
+
+
+def step_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import funcpipe as fp
+
+    size = C.Size(**cfg["size"])
+    program = C.program_for(
+        cfg["schedule"], ranks=dist.get_world_size(), microbatches=size.microbatches
+    )
+    model = C.mlp(size.width, layers=size.layers, seed=cfg["seed"])
+    stages, params = C.funcpipe_stages(model, program.n_stages, kind=cfg["stage_kind"])
+    pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
+    x, y = C.data(size, seed=cfg["seed"] + 1)
+    times = []
+    for k in range(cfg["warmup"] + cfg["steps"]):
+        dist.barrier()
+        t0 = time.perf_counter()
+        pipe.step(params, x, y)
+        if k >= cfg["warmup"]:
+            times.append(time.perf_counter() - t0)
+    out: dict[str, Any] = {"times": times, "busy": None, "durations": {}}
+    busy = []
+    durations: dict[str, list[float]] = {}  # "F 3" -> every duration of F on stage 3
+    for _ in range(cfg["traced"]):  # executed timelines: compute time per rank (F/B/I/W)
+        dist.barrier()
+        try:
+            tl = pipe.step(params, x, y, trace=True).timeline
+        except TypeError:  # a funcpipe without step(trace=...)
+            break
+        busy.append(list(tl.busy))
+        for events in tl.events:
+            for e in events:
+                if e.instr.op.name in ("F", "B", "I", "W"):
+                    durations.setdefault(f"{e.instr.op.name} {e.instr.stage}", []).append(
+                        e.end - e.start
+                    )
+    if busy:
+        out["busy"] = [C.median(b[r] for b in busy) for r in range(len(busy[0]))]
+        out["durations"] = {k: C.median(v) for k, v in durations.items()}
+    return out
+
+
+def in_step_costs(program: Any, durations: dict[str, float], comm: float) -> Any:
+    """Costs from the executed timelines: each stage's median F, I and W (or B) inside a step."""
+    from funcpipe.schedule import Costs
+
+    n = program.n_stages
+    f = [durations.get(f"F {s}", 0.0) for s in range(n)]
+    if C.split_program(program):
+        b = [durations.get(f"I {s}", 0.0) for s in range(n)]
+        w = [durations.get(f"W {s}", 0.0) for s in range(n)]
+    else:
+        b, w = [durations.get(f"B {s}", 0.0) for s in range(n)], [0.0] * n
+    return Costs(f=f, b=b, w=w, comm=comm)
+
+
+def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
+    from benchmarks import vs_simulated
+    from funcpipe.schedule import add_communication, simulate
+
+    rows = []
+    for ranks in args.ranks:
+        size = C.SIZES[args.size]
+        size = C.resize(size, layers=args.layers)
+        base = {"size": vars(size), "seed": args.seed, "stage_kind": args.stage_kind}
+        pool = pools.get(ranks)
+        chunks = sorted({C.SCHEDULES[s].chunks for s in args.schedules})
+        measured = pool.run(
+            vs_simulated.costs_job,
+            {
+                **base,
+                "n_stages": [ranks * c for c in chunks],
+                "cost_reps": args.cost_reps,
+                "comm_reps": args.comm_reps,
+            },
+            timeout=args.job_timeout,
+        )
+        comm = measured[0]["comm"]
+        print(
+            f"# {ranks} ranks: p2p latency {comm * 1e6:.0f} us; stage costs (ms, rank 0): "
+            + "; ".join(
+                f"{n} stages: "
+                + ", ".join(f"{k}={[round(v * 1e3, 2) for v in vs]}" for k, vs in c.items())
+                for n, c in measured[0]["costs"].items()
+            ),
+            flush=True,
+        )
+        for sched in args.schedules:
+            program = C.program_for(sched, ranks=ranks, microbatches=size.microbatches)
+            costs = C.StageCosts(**measured[0]["costs"][str(program.n_stages)])
+            sim = simulate(add_communication(program), C.costs_for(program, costs, comm=comm))
+            cfg = {
+                **base,
+                "schedule": sched,
+                "warmup": args.warmup,
+                "steps": args.steps,
+                "traced": args.traced,
+            }
+            res, info = C.measured_cell(
+                lambda pool=pool, cfg=cfg: pool.run(
+                    vs_simulated.step_job, cfg, timeout=args.job_timeout
+                ),
+                ranks=ranks,
+                quiet=args.quiet,
+                retries=args.retries,
+            )
+            executed = C.step_times([r["times"] for r in res])
+            busy = res[0]["busy"]
+            sim_step = None
+            if res[0]["durations"]:
+                lowered = add_communication(program)
+                sim_step = simulate(lowered, in_step_costs(program, res[0]["durations"], comm))
+            ratios = [t / sim.makespan for t in executed]
+            row = {
+                "size": size.name,
+                "width": size.width,
+                "batch": size.batch,
+                "ranks": ranks,
+                "schedule": sched,
+                "steps": args.steps,
+                "executed_ms": C.median(executed) * 1e3,
+                "simulated_ms": sim.makespan * 1e3,
+                "ratio": C.median(ratios),
+                "iqr": C.spread(ratios),
+                "bubble": sim.bubble_fraction,
+                "busy_ratio": max(busy) / max(sim.busy) if busy else None,
+                "simulated_step_ms": sim_step.makespan * 1e3 if sim_step else None,
+                "ratio_step": C.median(t / sim_step.makespan for t in executed)
+                if sim_step
+                else None,
+                "executed_busy_ms": [b * 1e3 for b in busy] if busy else None,
+                "simulated_busy_ms": [b * 1e3 for b in sim.busy],
+                "comm_s": comm,
+                "stage_costs_s": costs.as_dict(),
+                "executed_times": executed,
+            }
+            row.update(info)
+            rows.append(row)
+            print(C.table([row], COLUMNS).splitlines()[-1], flush=True)
+    return rows
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="vs_simulated.py",
+        description="Executed makespan vs the simulator's, with F/B/I/W and p2p latency measured here.",
+    )
+    ap.add_argument("--size", default="large", choices=sorted(C.SIZES))
+    ap.add_argument("--ranks", nargs="+", type=int, default=[2])
+    ap.add_argument("--schedules", nargs="+", default=DEFAULT_SCHEDULES, choices=list(C.SCHEDULES))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument(
+        "--traced", type=int, default=5, help="traced steps for the executed compute time"
+    )
+    ap.add_argument("--cost-reps", type=int, default=20)
+    ap.add_argument("--comm-reps", type=int, default=50)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--stage-kind", default="module", choices=["module", "function"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--job-timeout", type=float, default=900.0)
+    ap.add_argument(
+        "--quiet",
+        action="store_true",
+        help="before each cell, wait (up to 5 min) for other processes to leave the cores",
+    )
+    ap.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="rerun a cell up to this many times while other processes competed (keep the least contended)",
+    )
+    ap.add_argument("--json", default=None)
+    return ap
+
+
+def main(
+    argv: list[str] | None = None, *, pool: C.PoolFactory | None = None
+) -> list[dict[str, Any]]:
+    """Run the benchmark; ``pool(n)`` may supply started pools of ``n`` gloo processes."""
+    args = parser().parse_args(argv)
+    torch.set_num_threads(1)
+    print(C.table([], COLUMNS), flush=True)
+    with C.Pools(pool, timeout=args.timeout) as pools:
+        rows = run(args, pools)
+    print()
+    print(C.table(rows, COLUMNS))
+    C.write_json(
+        args.json,
+        {
+            "command": ["vs_simulated.py", *(argv if argv is not None else sys.argv[1:])],
+            "rows": rows,
+        },
+    )
+    return rows
+
+
+if __name__ == "__main__":
+    main()

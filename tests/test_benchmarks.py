@@ -1,0 +1,77 @@
+"""The benchmark scripts run at a tiny size (so they cannot rot) and their gradients agree.
+
+Nothing here asserts a time: timings on a shared two-core machine are not test material.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from benchmarks import memory, overhead, profile_step, vs_peer, vs_simulated, vs_single
+
+Pool = Callable[[int], Any]
+
+
+@pytest.mark.timeout(120)
+def test_vs_peer_gradients_agree(pool: Pool, tmp_path: Any) -> None:
+    out = tmp_path / "peer.json"
+    argv = ["--sizes", "tiny", "--ranks", "2", "--schedules", "1f1b", "zbv"]
+    rows = vs_peer.main([*argv, "--pairs", "2", "--warmup", "1", "--json", str(out)], pool=pool)
+    assert out.exists()
+    assert [r["schedule"] for r in rows] == ["1f1b", "zbv"]
+    for r in rows:
+        assert r["note"] == "", r["note"]
+        assert r["grad_diff"] < 1e-10 and r["grad_ref"] < 1e-10 and r["peer_ref"] < 1e-10
+        assert len(r["funcpipe_times"]) == len(r["peer_times"]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_vs_single(pool: Pool) -> None:
+    argv = ["--sizes", "tiny", "--ranks", "2", "--schedules", "1f1b", "--pairs", "2"]
+    (row,) = vs_single.main([*argv, "--warmup", "1", "--cost-reps", "2"], pool=pool)
+    assert row["ideal"] > 0 and row["ideal_uniform"] > 0 and row["speedup"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_vs_simulated(pool: Pool) -> None:
+    argv = ["--size", "tiny", "--schedules", "1f1b", "zb-h1", "--steps", "2", "--warmup", "1"]
+    rows = vs_simulated.main([*argv, "--cost-reps", "2", "--comm-reps", "2"], pool=pool)
+    assert [r["schedule"] for r in rows] == ["1f1b", "zb-h1"]
+    assert all(r["simulated_ms"] > 0 and r["executed_ms"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(120)
+def test_memory_counts_match_the_schedule(pool: Pool) -> None:
+    rows = memory.main(["--size", "tiny", "--ranks", "2", "--schedules", "1f1b", "zbv"], pool=pool)
+    assert len(rows) == 4
+    for r in rows:
+        assert r["count"] == r["count_sim"]
+        assert 0 < r["measured_kib"] <= r["figure_kib"]
+        assert r["leak_kib"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_overhead(pool: Pool) -> None:
+    argv = ["--ranks", "2", "--gloo-ranks", "2", "--schedules", "1f1b", "--reps", "3"]
+    rows = overhead.main(argv, pool=pool)
+    assert [r["transport"] for r in rows] == ["local", "gloo"]
+    assert all(r["us_per_instr"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(120)
+def test_profile_step(pool: Pool) -> None:
+    argv = ["--size", "tiny", "--steps", "2", "--warmup", "1", "--cprofile-steps", "1"]
+    rows = profile_step.main([*argv, "--no-cprofile"], pool=pool)
+    step = next(r for r in rows if r["phase"] == "step")
+    assert step["calls0"] == 1 and step["ms0"] > 0
+
+
+def test_help_of_every_script(capsys: pytest.CaptureFixture[str]) -> None:
+    for mod in (vs_peer, vs_single, vs_simulated, memory, overhead):
+        with pytest.raises(SystemExit) as e:
+            mod.main(["--help"])
+        assert e.value.code == 0
+    assert "--json" in capsys.readouterr().out

@@ -1,0 +1,1014 @@
+"""The bad-input catalogue: user mistakes across the API, the error each one raises, and the docs.
+
+Every row of :data:`CASES` makes one mistake. ``test_catalogue[<id>]`` asserts the exact error
+class and the keywords of its message (a ``funcpipe:`` traceback note counts as part of the
+message: that is what the user reads). ``docs/errors.md`` is rendered from the same rows, with
+the message each one actually produces; ``test_docs_are_up_to_date`` fails when it is stale.
+
+Regenerate the page with::
+
+    .venv/bin/python tests/test_errors_catalogue.py --write-docs
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import funcpipe as fp  # noqa: E402
+from funcpipe import checkpoint, optim  # noqa: E402
+from funcpipe.errors import (  # noqa: E402
+    InvalidArgument,
+    ScheduleError,
+    ShapeInferenceError,
+)
+from funcpipe.models.gpt import GPTConfig  # noqa: E402
+from funcpipe.parallel import ops, summa  # noqa: E402
+from funcpipe.parallel.layout import Layout  # noqa: E402
+from funcpipe.parallel.mesh import Axis, ParallelConfig  # noqa: E402
+from funcpipe.schedule import (  # noqa: E402
+    Program,
+    check,
+    forward,
+    generate,
+    lower,
+    parse_program,
+    read_csv,
+    send,
+)
+
+DOCS = ROOT / "docs" / "errors.md"
+F32 = torch.float32
+
+
+@dataclass(frozen=True)
+class Case:
+    """One user mistake: ``make()`` commits it; ``error`` and ``keywords`` are what the user sees.
+
+    ``fixed`` says where an up-front check or a clearer message was added for this mistake (it
+    used to give a bare torch error, a ``KeyError`` or a ``PicklingError``); empty when the
+    error was already clear.
+    """
+
+    id: str
+    area: str
+    mistake: str
+    make: Callable[[], object]
+    error: type[BaseException]
+    keywords: tuple[str, ...]
+    fixed: str = ""
+
+
+# ------------------------------------------------------------------------------ building blocks
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def _tanh_layer(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ params["w"])
+
+
+def _params(*shapes: tuple[int, int], dtype: torch.dtype = F32) -> tuple[dict[str, Any], ...]:
+    g = torch.Generator().manual_seed(0)
+    return tuple({"w": torch.randn(*s, generator=g, dtype=dtype)} for s in shapes)
+
+
+def _two_stages(**kw: Any) -> fp.Pipeline:
+    stages = [fp.Stage(_tanh_layer, name="first"), fp.Stage(_tanh_layer, name="second")]
+    return fp.Pipeline(stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=_mse, **kw)
+
+
+def _xy(batch: int = 8, width: int = 4, *, targets: int | None = None) -> tuple[Any, Any]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, width, generator=g)
+    y = torch.randn(batch if targets is None else targets, width, generator=g)
+    return x, y
+
+
+def _step(pipe: fp.Pipeline, params: Any, x: Any, y: Any) -> None:
+    pipe.step(params, x, y)
+
+
+def _edit(program: Program, rank: int, fn: Callable[[list[Any]], list[Any]]) -> Program:
+    ranks = [list(r) for r in program.ranks]
+    ranks[rank] = fn(ranks[rank])
+    return program.replace(ranks=tuple(tuple(r) for r in ranks))
+
+
+def _1f1b() -> Program:
+    return generate("1f1b", ranks=2, microbatches=2)
+
+
+def _later_microbatch_changes(change: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """A stage that returns something else from its second real call on."""
+    calls = {"real": 0}
+
+    def fickle(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        out = _tanh_layer(params, x)
+        if not x.is_meta:
+            calls["real"] += 1
+            if calls["real"] > 1:
+                return change(out)
+        return out
+
+    stages = [fp.Stage(fickle, name="fickle"), fp.Stage(_tanh_layer, name="second")]
+    pipe = fp.Pipeline(stages, _1f1b(), loss_fn=_mse)
+    pipe.step(_params((4, 4), (4, 4)), *_xy())
+
+
+def _raises_on_input(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    raise ValueError(f"this stage only takes 3 features; got x of shape {tuple(x.shape)}")
+
+
+def _returns_int(params: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
+    return x.shape[0]
+
+
+def _positive_rows(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return x[x[:, 0] > 0]
+
+
+@contextlib.contextmanager
+def _one_process_group() -> Iterator[None]:
+    """A gloo process group of this process alone (world size 1), for the duration."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _program_wider_than_world() -> None:
+    with _one_process_group():
+        _two_stages(transport="dist")
+
+
+def _mesh_narrower_than_program() -> None:
+    from funcpipe.parallel.mesh import build_mesh
+
+    with _one_process_group():
+        mesh = build_mesh({"pipeline": 1, "tensor": 1})
+        _two_stages(transport="dist", mesh=mesh)
+
+
+def _tmp() -> str:
+    return tempfile.mkdtemp(prefix="fp-catalogue-")
+
+
+def _saved() -> str:
+    return checkpoint.save(os.path.join(_tmp(), "ck"), {"w": torch.ones(3), "step": 2}, step=2)
+
+
+def _foreign_directory() -> None:
+    target = os.path.join(_tmp(), "my-notes")
+    os.makedirs(target)
+    checkpoint.save(target, {"w": torch.ones(3)})
+
+
+def _update_mismatch() -> None:
+    opt = optim.sgd(0.1)
+    params = {"w": torch.ones(2)}
+    opt.update({"v": torch.ones(2)}, opt.init(params), params)
+
+
+def _side_inputs_missing() -> None:
+    pipe = _two_stages(side_inputs={1: ["mask"]})
+    x, y = _xy()
+    pipe.step(_params((4, 4), (4, 4)), {"inputs": x}, y)
+
+
+def _tie(members: list[tuple[int, str]], params: tuple[dict[str, Any], ...]) -> None:
+    pipe = _two_stages(ties={"w": members})
+    x, y = _xy(targets=None)
+    if params[1]["w"].shape[1] != 4:
+        y = torch.randn(8, params[1]["w"].shape[1])
+    pipe.step(params, x, y)
+
+
+def _2d_mismatch() -> None:
+    row, col = Axis("tensor_row", 1, 0, None), Axis("tensor_col", 1, 0, None)
+    summa.linear_2d(torch.randn(2, 3, 5), {"weight": torch.randn(4, 4)}, row=row, col=col)
+
+
+def _deadlock() -> Program:
+    low = lower(_1f1b())  # rank 0 waits for a gradient before sending the activation it needs
+    return _edit(low, 0, lambda r: [r[4], *r[:4], *r[5:]])
+
+
+# ------------------------------------------------------------------------------------ the rows
+CASES: list[Case] = [
+    # ---- schedules
+    Case(
+        "schedule-deadlock",
+        "schedules",
+        "a hand-edited lowered program where rank 0 waits for a gradient before sending the "
+        "activation that gradient depends on",
+        lambda: check(_deadlock()),
+        ScheduleError,
+        ("rank 0, step 0", "deadlock", "rule: no deadlock"),
+    ),
+    Case(
+        "schedule-missing-instruction",
+        "schedules",
+        "a training program missing the backward of stage 1, microbatch 1",
+        lambda: check(_edit(_1f1b(), 1, lambda r: r[:-1])),
+        ScheduleError,
+        ("no backward", "s1 m1", "rule: in training every (stage, microbatch) has one backward"),
+    ),
+    Case(
+        "schedule-duplicated-instruction",
+        "schedules",
+        "the same forward twice on one rank",
+        lambda: check(_edit(_1f1b(), 0, lambda r: [r[0], *r])),
+        ScheduleError,
+        ("rank 0, step 1", "duplicate of rank 0, step 0", "F s0 m0"),
+    ),
+    Case(
+        "schedule-wrong-peer",
+        "schedules",
+        "a SEND addressed to the wrong rank",
+        lambda: check(
+            _edit(lower(_1f1b()), 0, lambda r: [r[0], send("act", (0, 1), 0, 0), *r[2:]])
+        ),
+        ScheduleError,
+        ("the peer is rank 0 but stage 1 is placed on rank 1",),
+    ),
+    Case(
+        "schedule-stage-on-two-ranks",
+        "schedules",
+        "an instruction for stage 0 on rank 1, though stage 0 is placed on rank 0",
+        lambda: check(_edit(_1f1b(), 1, lambda r: [forward(0, 0), *r])),
+        ScheduleError,
+        ("stage 0 is placed on rank 0, not rank 1", "change the placement"),
+    ),
+    Case(
+        "schedule-backward-before-forward",
+        "schedules",
+        "a backward placed before its own forward",
+        lambda: check(_edit(_1f1b(), 0, lambda r: [r[2], r[0], r[1], r[3]])),
+        ScheduleError,
+        ("B s0 m0", "needs F s0 m0, which comes later on this rank"),
+    ),
+    Case(
+        "schedule-microbatch-out-of-range",
+        "schedules",
+        "an instruction for microbatch 5 in a program of 2 microbatches",
+        lambda: check(_edit(_1f1b(), 0, lambda r: [*r, forward(0, 5)])),
+        ScheduleError,
+        ("microbatch 5 does not exist (0..1)",),
+    ),
+    Case(
+        "schedule-missing-recv",
+        "schedules",
+        "a lowered program with a SEND whose RECV was deleted",
+        lambda: check(_edit(lower(_1f1b()), 1, lambda r: r[1:])),
+        ScheduleError,
+        ("rank 1",),
+    ),
+    Case(
+        "schedule-placement-out-of-range",
+        "schedules",
+        "a placement naming a rank the program does not have",
+        lambda: Program(ranks=((),), placement=(0, 1), microbatches=1),
+        ScheduleError,
+        ("placement[1]=1", "the program has 1 rank(s)"),
+    ),
+    Case(
+        "schedule-text-unknown-instruction",
+        "schedules",
+        "program text with an instruction that does not exist",
+        lambda: parse_program("placement 0 1\nmicrobatches 2\nrank 0\n  X s0 m0\n"),
+        ScheduleError,
+        ("line 4", "cannot parse instruction 'X s0 m0'", "the forms are"),
+    ),
+    Case(
+        "schedule-text-missing-header",
+        "schedules",
+        "program text without its placement header",
+        lambda: parse_program("microbatches 2\nrank 0\n  F s0 m0\n"),
+        ScheduleError,
+        ("no 'placement' header",),
+    ),
+    Case(
+        "schedule-text-python-code",
+        "schedules",
+        "program text that is Python code (it is read as text, never run)",
+        lambda: parse_program("__import__('os').system('echo pwned')"),
+        ScheduleError,
+        ("line 1", "unknown header"),
+    ),
+    Case(
+        "schedule-csv-malformed-cell",
+        "schedules",
+        "a torch.distributed.pipelining CSV with a cell that is not an action",
+        lambda: read_csv("0F0,0Q1\n,1F0\n"),
+        ScheduleError,
+        ("CSV row 0 (rank 0), column 1", "cannot read cell '0Q1'"),
+    ),
+    Case(
+        "schedule-csv-communication-cell",
+        "schedules",
+        "a CSV with communication cells, read with comms='reject'",
+        lambda: read_csv("0F0,0SEND_F0\n,1F0\n", comms="reject"),
+        ScheduleError,
+        ("'0SEND_F0' is a communication or FSDP action", "comms='skip'"),
+    ),
+    Case(
+        "schedule-unknown-generator",
+        "schedules",
+        "a schedule name that does not exist",
+        lambda: generate("1f2b", ranks=2, microbatches=4),
+        InvalidArgument,
+        ("name='1f2b' is not a schedule", "1f1b"),
+    ),
+    Case(
+        "schedule-zero-microbatches",
+        "schedules",
+        "a schedule of 0 microbatches",
+        lambda: generate("1f1b", ranks=2, microbatches=0),
+        InvalidArgument,
+        ("microbatches=0", ">= 1"),
+    ),
+    Case(
+        "pipeline-schedule-not-a-program",
+        "schedules",
+        "a schedule name where a Program is expected",
+        lambda: fp.Pipeline([fp.Stage(_tanh_layer)] * 2, "1f1b", loss_fn=_mse),
+        InvalidArgument,
+        ("schedule='1f1b'", "generate('1f1b'"),
+    ),
+    Case(
+        "pipeline-training-without-loss",
+        "schedules",
+        "a training schedule without loss_fn",
+        lambda: fp.Pipeline([fp.Stage(_tanh_layer)] * 2, _1f1b()),
+        InvalidArgument,
+        ("needs loss_fn", "to_eval(program)"),
+    ),
+    # ---- stages and partitions
+    Case(
+        "partition-more-stages-than-layers",
+        "stages and partitions",
+        "partition a 2-layer model into 3 stages",
+        lambda: fp.partition(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), 3),
+        InvalidArgument,
+        ("stages=3", "only 2 layers", "at most 2 stages"),
+    ),
+    Case(
+        "partition-unknown-method",
+        "stages and partitions",
+        "partition with an unknown by=",
+        lambda: fp.partition(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), 2, by="magic"),
+        InvalidArgument,
+        ("by='magic'", "'uniform', 'parameters', 'profile'"),
+    ),
+    Case(
+        "partition-cut-out-of-range",
+        "stages and partitions",
+        "explicit cut indices past the last layer",
+        lambda: fp.partition(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), 2, by=[5]),
+        InvalidArgument,
+        ("by=[5]", "strictly increasing"),
+    ),
+    Case(
+        "stage-not-callable",
+        "stages and partitions",
+        "a Stage made of something that is not a function",
+        lambda: fp.Stage(3),
+        InvalidArgument,
+        ("fn=3", "from_module"),
+    ),
+    Case(
+        "pipeline-stage-count",
+        "stages and partitions",
+        "one stage for a two-stage schedule",
+        lambda: fp.Pipeline([fp.Stage(_tanh_layer)], _1f1b(), loss_fn=_mse),
+        InvalidArgument,
+        ("2 model stage(s) but 1 stage(s)",),
+    ),
+    Case(
+        "stage-raises-on-example",
+        "stages and partitions",
+        "a stage that raises on the first microbatch (here: its own input check)",
+        lambda: fp.Pipeline(
+            [fp.Stage(_raises_on_input, name="picky"), fp.Stage(_tanh_layer)],
+            _1f1b(),
+            loss_fn=_mse,
+        ).step(_params((4, 4), (4, 4)), *_xy()),
+        ShapeInferenceError,
+        ("stage 0 ('picky')", "ValueError: this stage only takes 3 features", "real microbatch"),
+    ),
+    Case(
+        "stage-returns-non-tensor",
+        "stages and partitions",
+        "a stage that returns an int",
+        lambda: fp.Pipeline(
+            [fp.Stage(_returns_int), fp.Stage(_tanh_layer)], _1f1b(), loss_fn=_mse
+        ).step(_params((4, 4), (4, 4)), *_xy()),
+        InvalidArgument,
+        ("returned a non-tensor leaf", "pytrees of tensors"),
+    ),
+    Case(
+        "stage-data-dependent-shape",
+        "stages and partitions",
+        "shape inference with fallback='error' on a stage whose output shape depends on data",
+        lambda: fp.infer_specs(
+            [fp.Stage(_positive_rows, name="filter")], [{}], torch.randn(6, 2), fallback="error"
+        ),
+        ShapeInferenceError,
+        ("stage 0 ('filter') cannot run on the meta device", "fallback='real'"),
+    ),
+    Case(
+        "stage-output-dtype-changes",
+        "stages and partitions",
+        "a stage that returns float64 for a later microbatch, float32 for the first",
+        lambda: _later_microbatch_changes(lambda t: t.double()),
+        InvalidArgument,
+        ("stage 0 ('fickle') returned output #0 = f64[4, 4] for microbatch 1", "saw f32[4, 4]"),
+        "funcpipe/runtime/interpreter.py: outputs checked against the inferred specs before "
+        "they are sent (was a CommunicationError on the receiver, a mismatched receive over gloo)",
+    ),
+    Case(
+        "stage-output-shape-changes",
+        "stages and partitions",
+        "a stage that returns a narrower tensor for a later microbatch than inferred",
+        lambda: _later_microbatch_changes(lambda t: t[:, :2]),
+        InvalidArgument,
+        ("returned output #0 = f32[4, 2] for microbatch 1", "saw f32[4, 4]"),
+        "funcpipe/runtime/interpreter.py (same check)",
+    ),
+    Case(
+        "stages-dtype-mismatch",
+        "stages and partitions",
+        "a float64 batch into a stage whose weights are float32 (the meta device does not check "
+        "matmul dtypes, so this surfaces when the stage runs)",
+        lambda: _two_stages().step(_params((4, 4), (4, 4)), _xy()[0].double(), _xy()[1]),
+        RuntimeError,
+        ("same dtype", "funcpipe: raised by stage 0 ('first'), microbatch 0, rank 0", "f64[4, 4]"),
+        "funcpipe/runtime/interpreter.py: a note on the stage's own error names the stage, the "
+        "microbatch, the rank and the input specs (it was a bare torch error)",
+    ),
+    # ---- batches and microbatches
+    Case(
+        "batch-leaves-disagree",
+        "batches and microbatches",
+        "Pipeline.step with a batch whose leaves have different batch sizes",
+        lambda: _two_stages().step(
+            _params((4, 4), (4, 4)), (torch.randn(8, 4), torch.randn(6, 4)), torch.randn(8, 4)
+        ),
+        InvalidArgument,
+        ("disagree on the batch size", "batch[0]: 8 (dim 0), batch[1]: 6 (dim 0)"),
+    ),
+    Case(
+        "batch-smaller-than-microbatches",
+        "batches and microbatches",
+        "a batch of 1 sample for 2 microbatches",
+        lambda: _two_stages().step(_params((4, 4), (4, 4)), *_xy(1)),
+        InvalidArgument,
+        ("1 samples", "microbatches=2", "microbatches <= 1"),
+    ),
+    Case(
+        "batch-empty",
+        "batches and microbatches",
+        "an empty batch",
+        lambda: fp.split(torch.randn(0, 4), 2),
+        InvalidArgument,
+        ("empty",),
+    ),
+    Case(
+        "targets-batch-size",
+        "batches and microbatches",
+        "targets with fewer samples than the batch",
+        lambda: _two_stages().step(_params((4, 4), (4, 4)), *_xy(8, targets=6)),
+        InvalidArgument,
+        ("targets have 6 samples", "the batch has 8"),
+        "funcpipe/microbatch.py split_targets, called by Pipeline.step before any work (was a "
+        "broadcasting error inside loss_fn)",
+    ),
+    Case(
+        "batch-shape-stage-rejects",
+        "batches and microbatches",
+        "a batch of 5 features for a stage that takes 4",
+        lambda: _two_stages().step(_params((4, 4), (4, 4)), torch.randn(8, 5), torch.randn(8, 4)),
+        ShapeInferenceError,
+        ("stage 0 ('first') cannot run on the meta device", "[4, 5] X [4, 4]"),
+    ),
+    Case(
+        "batch-dim-out-of-range",
+        "batches and microbatches",
+        "split along a dim the batch does not have",
+        lambda: fp.split(torch.randn(4, 3), 2, dim=3),
+        InvalidArgument,
+        ("dim=3 is out of range", "[-2, 1]"),
+    ),
+    Case(
+        "merge-nothing",
+        "batches and microbatches",
+        "merge of an empty list",
+        lambda: fp.merge([]),
+        InvalidArgument,
+        ("at least one microbatch",),
+    ),
+    Case(
+        "params-count",
+        "batches and microbatches",
+        "params for one stage given to a two-stage pipeline",
+        lambda: _two_stages().step(_params((4, 4)), *_xy()),
+        InvalidArgument,
+        ("one pytree per stage (2)", "length 1"),
+    ),
+    Case(
+        "params-non-tensor-leaf",
+        "batches and microbatches",
+        "a params pytree holding a Python number",
+        lambda: _two_stages().step(({"w": 3}, {"w": torch.randn(4, 4)}), *_xy()),
+        InvalidArgument,
+        ("params[0]['w']=3", "torch.as_tensor"),
+    ),
+    Case(
+        "side-inputs-missing",
+        "batches and microbatches",
+        "side_inputs naming a batch field the batch does not have",
+        _side_inputs_missing,
+        InvalidArgument,
+        ("batch keys ['mask']", "it has ['inputs']"),
+    ),
+    Case(
+        "loss-not-scalar",
+        "batches and microbatches",
+        "a loss_fn that returns one value per element",
+        lambda: fp.Pipeline(
+            [fp.Stage(_tanh_layer)] * 2, _1f1b(), loss_fn=lambda o, y: (o - y) ** 2
+        ).step(_params((4, 4), (4, 4)), *_xy()),
+        InvalidArgument,
+        ("loss_fn must return a scalar tensor", "(4, 4)"),
+    ),
+    Case(
+        "loss-targets-shape",
+        "batches and microbatches",
+        "targets of 7 features for outputs of 4 (same batch size)",
+        lambda: _two_stages().step(_params((4, 4), (4, 4)), torch.randn(8, 4), torch.randn(8, 7)),
+        RuntimeError,
+        (
+            "size of tensor a (4) must match",
+            "funcpipe: raised by loss_fn after stage 1",
+            "outputs f32[4, 4]; targets f32[4, 7]",
+        ),
+        "funcpipe/runtime/interpreter.py: a note on loss_fn's error names the stage, microbatch, "
+        "rank and the output and target specs (it was a bare torch error)",
+    ),
+    # ---- meshes and parallel configs
+    Case(
+        "parallel-2d-not-square",
+        "meshes and parallel configs",
+        "ParallelConfig with a 2D tensor size that is not a square",
+        lambda: ParallelConfig.from_dict({"tensor": {"size": 8, "mode": "2d"}}, world_size=8),
+        InvalidArgument,
+        ("size 8", "square q*q", "size=4 or size=9"),
+    ),
+    Case(
+        "parallel-3d-not-cube",
+        "meshes and parallel configs",
+        "a 3D tensor size that is not a cube",
+        lambda: ParallelConfig.from_dict({"tensor": {"size": 4, "mode": "3d"}}, world_size=4),
+        InvalidArgument,
+        ("cube c*c*c", "size=8"),
+    ),
+    Case(
+        "parallel-world-not-divisible",
+        "meshes and parallel configs",
+        "a world size that pipeline x tensor does not divide",
+        lambda: ParallelConfig.from_dict({"pipeline": 3}, world_size=4),
+        InvalidArgument,
+        ("world_size=4 is not divisible by pipeline (3)",),
+    ),
+    Case(
+        "parallel-unknown-key",
+        "meshes and parallel configs",
+        "a misspelt config key",
+        lambda: ParallelConfig.from_dict({"pipe": 2}, world_size=4),
+        InvalidArgument,
+        ("unknown key(s) ['pipe']", "'pipeline'"),
+    ),
+    Case(
+        "parallel-unknown-mode",
+        "meshes and parallel configs",
+        "a tensor-parallel mode that does not exist",
+        lambda: ParallelConfig.from_dict({"tensor": {"size": 2, "mode": "4d"}}, world_size=2),
+        InvalidArgument,
+        ("mode='4d' is unknown", "'2.5d'"),
+    ),
+    Case(
+        "pipeline-dist-without-process-group",
+        "meshes and parallel configs",
+        "transport='dist' in a process without torch.distributed",
+        lambda: _two_stages(transport="dist"),
+        InvalidArgument,
+        ("transport='dist' needs torch.distributed initialised", "transport='local'"),
+        "funcpipe/pipeline.py: checked before the process-group sizes are read (was torch's "
+        "ValueError 'Default process group has not been initialized')",
+    ),
+    Case(
+        "pipeline-program-wider-than-world",
+        "meshes and parallel configs",
+        "a 2-rank program in a world of 1 process",
+        _program_wider_than_world,
+        InvalidArgument,
+        ("the world has 1 processes but the program has 2 ranks",),
+    ),
+    Case(
+        "pipeline-mesh-vs-program",
+        "meshes and parallel configs",
+        "a mesh with pipeline=1 for a 2-rank program",
+        _mesh_narrower_than_program,
+        InvalidArgument,
+        ("mesh has pipeline=1 but the program has 2 ranks",),
+    ),
+    Case(
+        "pipeline-mesh-local",
+        "meshes and parallel configs",
+        "a mesh with the in-process transport",
+        lambda: _two_stages(mesh=object()),
+        InvalidArgument,
+        ("mesh= describes processes", "transport='dist'"),
+    ),
+    # ---- tensor-parallel shapes
+    Case(
+        "tp-heads-not-divisible",
+        "tensor-parallel shapes",
+        "3 attention heads over a tensor axis of 2",
+        lambda: ops.parallel_attention(
+            torch.randn(2, 3, 6), {}, axis=Axis("tensor", 2, 0, None), num_heads=3
+        ),
+        InvalidArgument,
+        ("num_heads=3 is not divisible by the tensor axis size 2",),
+    ),
+    Case(
+        "tp-shard-not-divisible",
+        "tensor-parallel shapes",
+        "sharding a dim of 5 over 2 tensor ranks",
+        lambda: Layout.of("tensor", None).shard(
+            torch.randn(5, 4), ParallelConfig.from_dict({"tensor": 2}, world_size=2).place(0)
+        ),
+        InvalidArgument,
+        ("dim 0 of shape (5, 4) has size 5", "multiple of 2"),
+    ),
+    Case(
+        "tp-gpt-vocab",
+        "tensor-parallel shapes",
+        "a GPT whose vocabulary the tensor-parallel size does not divide",
+        lambda: GPTConfig(vocab=256, heads=4, d_model=64).check_tensor(3),
+        InvalidArgument,
+        ("GPTConfig(vocab=256) must be divisible by the tensor-parallel size 3",),
+    ),
+    Case(
+        "tp-cross-entropy-float-targets",
+        "tensor-parallel shapes",
+        "float targets for the vocabulary-parallel cross-entropy",
+        lambda: ops.vocab_parallel_cross_entropy(
+            torch.randn(2, 3, 4), torch.randn(2, 3), axis=Axis("tensor", 1, 0, None)
+        ),
+        InvalidArgument,
+        ("target must hold integer ids",),
+    ),
+    Case(
+        "tp-linear-2d-shapes",
+        "tensor-parallel shapes",
+        "a 2D (SUMMA) linear whose input width does not match its weight block",
+        _2d_mismatch,
+        InvalidArgument,
+        ("linear_2d: x[..., 5] (in/q) does not match weight of shape (4, 4)",),
+    ),
+    # ---- ties
+    Case(
+        "tie-different-shapes",
+        "ties",
+        "a tie between parameters of different shapes",
+        lambda: _tie([(0, "w"), (1, "w")], _params((4, 4), (4, 3))),
+        InvalidArgument,
+        ("ties['w']", "torch.float32[4, 3]", "one shape and dtype"),
+    ),
+    Case(
+        "tie-missing-path",
+        "ties",
+        "a tie naming a parameter the stage does not have",
+        lambda: _tie([(0, "w"), (1, "v")], _params((4, 4), (4, 4))),
+        InvalidArgument,
+        ("path 'v' does not name a leaf",),
+    ),
+    Case(
+        "tie-one-member",
+        "ties",
+        "a tie of one parameter",
+        lambda: _two_stages(ties={"w": [(0, "w")]}),
+        InvalidArgument,
+        ("at least two (stage, path) pairs",),
+    ),
+    Case(
+        "tie-unknown-stage",
+        "ties",
+        "a tie naming stage 5 of a two-stage model",
+        lambda: _two_stages(ties={"w": [(0, "w"), (5, "w")]}),
+        InvalidArgument,
+        ("names stage 5", "stages are 0..1"),
+    ),
+    # ---- optimizers and checkpoints
+    Case(
+        "adamw-negative-lr",
+        "optimizers and checkpoints",
+        "adamw(lr=-1)",
+        lambda: optim.adamw(lr=-1),
+        InvalidArgument,
+        ("lr=-1", ">= 0", "warmup_cosine"),
+    ),
+    Case(
+        "adamw-betas",
+        "optimizers and checkpoints",
+        "a beta of 1.5",
+        lambda: optim.adamw(1e-3, betas=(1.5, 0.9)),
+        InvalidArgument,
+        ("betas=(1.5, 0.9)", "[0, 1)"),
+    ),
+    Case(
+        "sgd-negative-momentum",
+        "optimizers and checkpoints",
+        "sgd(momentum=-1)",
+        lambda: optim.sgd(0.1, momentum=-1),
+        InvalidArgument,
+        ("momentum=-1",),
+    ),
+    Case(
+        "clip-negative-norm",
+        "optimizers and checkpoints",
+        "clip_by_global_norm with max_norm=-1",
+        lambda: optim.clip_by_global_norm({"w": torch.ones(2)}, -1.0),
+        InvalidArgument,
+        ("max_norm=-1.0", "> 0"),
+    ),
+    Case(
+        "schedule-total-before-warmup",
+        "optimizers and checkpoints",
+        "warmup_cosine with fewer total steps than warmup steps",
+        lambda: optim.warmup_cosine(1.0, warmup=10, total=5),
+        InvalidArgument,
+        ("total=5 < warmup=10",),
+    ),
+    Case(
+        "optimizer-grads-structure",
+        "optimizers and checkpoints",
+        "grads that do not have the structure of the params",
+        _update_mismatch,
+        InvalidArgument,
+        ("expected key(s): ['v'], got key(s): ['w']", "grads must be shaped like params"),
+    ),
+    Case(
+        "checkpoint-load-missing-path",
+        "optimizers and checkpoints",
+        "checkpoint.load of a path that does not exist",
+        lambda: checkpoint.load("runs/no-such-checkpoint", {"w": torch.ones(3)}),
+        InvalidArgument,
+        ("path='runs/no-such-checkpoint' is not a complete funcpipe checkpoint", "latest"),
+    ),
+    Case(
+        "checkpoint-load-wrong-shape",
+        "optimizers and checkpoints",
+        "loading into a template of another shape",
+        lambda: checkpoint.load(_saved(), {"w": torch.ones(4), "step": 0}),
+        InvalidArgument,
+        ("checkpoint key 'w'", "shape (3,)", "like has torch.float32 of shape (4,)"),
+    ),
+    Case(
+        "checkpoint-load-missing-key",
+        "optimizers and checkpoints",
+        "loading a key the checkpoint does not hold",
+        lambda: checkpoint.load(_saved(), {"v": torch.ones(3)}),
+        InvalidArgument,
+        ("has no key(s) ['v']", "it has ['step', 'w']"),
+    ),
+    Case(
+        "checkpoint-save-string-leaf",
+        "optimizers and checkpoints",
+        "saving a state with a string in it",
+        lambda: checkpoint.save(os.path.join(_tmp(), "ck"), {"name": "run-1"}),
+        InvalidArgument,
+        ("state['name']='run-1' is a str",),
+    ),
+    Case(
+        "checkpoint-save-over-foreign-directory",
+        "optimizers and checkpoints",
+        "saving over a directory that is not a checkpoint",
+        _foreign_directory,
+        InvalidArgument,
+        ("exists and is not a complete funcpipe checkpoint", "refusing to replace it"),
+    ),
+    # ---- launcher
+    Case(
+        "pool-zero",
+        "launcher",
+        "Pool(0)",
+        lambda: fp.Pool(0),
+        InvalidArgument,
+        ("size=0", "int >= 1"),
+    ),
+    Case(
+        "pool-backend",
+        "launcher",
+        "a backend funcpipe does not launch",
+        lambda: fp.Pool(2, backend="mpi"),
+        InvalidArgument,
+        ("backend='mpi'", "'gloo'"),
+    ),
+    Case(
+        "pool-timeout",
+        "launcher",
+        "a timeout of 0 seconds",
+        lambda: fp.Pool(2, timeout=0),
+        InvalidArgument,
+        ("timeout=0", "> 0"),
+    ),
+    Case(
+        "pool-negative-grace",
+        "launcher",
+        "a negative grace period",
+        lambda: fp.Pool(2, grace=-1),
+        InvalidArgument,
+        ("grace=-1", ">= 0"),
+        "funcpipe/launcher.py: checked up front (was accepted)",
+    ),
+    Case(
+        "launch-zero",
+        "launcher",
+        "launch(fn, 0)",
+        lambda: fp.launch(abs, 0),
+        InvalidArgument,
+        ("nprocs=0", "int >= 1"),
+        "funcpipe/launcher.py: names launch's own argument (the message said size=0)",
+    ),
+    Case(
+        "launch-lambda",
+        "launcher",
+        "launching a lambda (the rank processes cannot import it)",
+        lambda: fp.launch(lambda rank: rank, 2),
+        InvalidArgument,
+        ("cannot be sent to the rank processes", "module-level function"),
+        "funcpipe/launcher.py: checked before any process starts (was a PicklingError from "
+        "Pool.run, after starting the processes)",
+    ),
+]
+
+
+# ------------------------------------------------------------------------------------ checking
+def seen_text(e: BaseException) -> str:
+    """What the user reads: the message, then any notes funcpipe added to the exception."""
+    return "\n".join([str(e), *(str(n) for n in getattr(e, "__notes__", ()) or ())])
+
+
+def commit(case: Case) -> BaseException:
+    """Make the case's mistake and return the exception it raised."""
+    try:
+        case.make()
+    except BaseException as e:  # the catalogue records whatever comes out
+        return e
+    raise AssertionError(f"{case.id}: no error was raised")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_catalogue(case: Case) -> None:
+    e = commit(case)
+    assert type(e) is case.error, f"{case.id}: {type(e).__name__}: {seen_text(e)}"
+    text = seen_text(e)
+    for keyword in case.keywords:
+        assert keyword in text, f"{case.id}: {keyword!r} not in {text!r}"
+
+
+def test_rows_are_distinct_and_many() -> None:
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 30
+    assert all(c.keywords for c in CASES)
+
+
+# ------------------------------------------------------------------------------------ the page
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")
+_TEMP = re.compile(re.escape(tempfile.gettempdir()) + r"/fp-catalogue-[^/'\"]+")
+
+
+def _normalise(text: str) -> str:
+    return _TEMP.sub("<tmp>", _ADDRESS.sub("", text)).rstrip()
+
+
+def _qualname(cls: type[BaseException]) -> str:
+    if cls.__module__ == "funcpipe.errors":
+        return f"funcpipe.{cls.__name__}"
+    return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__name__}"
+
+
+def render() -> str:
+    """docs/errors.md from :data:`CASES`, with the message each mistake produces today."""
+    test = "tests/test_errors_catalogue.py::test_catalogue"
+    out = [
+        "# Errors: a catalogue of user mistakes",
+        "",
+        "<!-- generated by `python tests/test_errors_catalogue.py --write-docs`; do not edit -->",
+        "",
+        f"{len(CASES)} mistakes across the API, what each one raises and the exact message. "
+        "Every row is a test (`" + test + "[<id>]`) that makes the mistake and checks the "
+        "error class and the key words of the message; this page is rendered from the same "
+        "rows, and a test fails when it is out of date.",
+        "",
+        "The rules the messages follow: a mistake is caught before any work or communication "
+        "starts wherever it can be (arguments when a function is called, programs by the "
+        "checker before they run, shapes by inference on the meta device before a step); the "
+        "message names the argument and the value given, the rule, and the fix. Errors are "
+        "`funcpipe.InvalidArgument` (also a `ValueError`) for arguments, "
+        "`funcpipe.ScheduleError` for programs (with `.rank`, `.step`, `.instruction`, "
+        "`.rule`), `funcpipe.ShapeInferenceError` when a stage cannot run on its inputs' "
+        "shapes. Two mistakes can only show when a stage runs for real (the meta device does "
+        "not check matmul dtypes, and `loss_fn` is user code): they keep torch's own error, "
+        "and funcpipe adds a note saying which stage or loss, which microbatch and rank, and "
+        "the shapes it was given. Failures of other ranks, dead processes and NaNs are in "
+        "[faults](#faults).",
+        "",
+        "| id | area | mistake | error |",
+        "|---|---|---|---|",
+    ]
+    outcomes = {}
+    for case in CASES:
+        outcomes[case.id] = commit(case)
+        out.append(
+            f"| [{case.id}](#{case.id}) | {case.area} | {case.mistake} | "
+            f"`{_qualname(type(outcomes[case.id]))}` |"
+        )
+    area = None
+    for case in CASES:
+        if case.area != area:
+            area = case.area
+            out += ["", f"## {area[0].upper()}{area[1:]}"]
+        e = outcomes[case.id]
+        out += [
+            "",
+            f"### {case.id}",
+            "",
+            f"{case.mistake[0].upper()}{case.mistake[1:]}. Raises `{_qualname(type(e))}`:",
+            "",
+            "```text",
+            _normalise(seen_text(e)),
+            "```",
+            "",
+            f"Test: `{test}[{case.id}]`.",
+        ]
+        if case.fixed:
+            out.append(f"Made clear by: {case.fixed}.")
+    out += [
+        "",
+        "## Faults",
+        "",
+        "Failures while a step runs are tested in `tests/test_faults.py` (each with a timeout):",
+        "",
+        "- a rank raises in its forward, its backward, or a REDUCE (a tie or a data-parallel "
+        "reduction): every other rank raises `funcpipe.RankFailed` naming it, and so does the "
+        "launcher, with the failed rank's error and traceback;",
+        "- a rank process is killed (SIGKILL) mid-step: the launcher and every other rank raise "
+        "`funcpipe.RankFailed` saying that rank died, killed by SIGKILL (exit code -9); no "
+        "process is left behind;",
+        "- a NaN or an infinity in a loss or a gradient (`Pipeline(check_finite=True)`, or "
+        "`FUNCPIPE_DEBUG=1`): the rank that sees it raises `funcpipe.NonFiniteError` naming the "
+        "stage, microbatch and tensor; the others raise `RankFailed` naming that rank;",
+        "- the process is killed while saving a checkpoint: the previous checkpoint loads and "
+        "training resumes from it with exactly the losses of an uninterrupted run.",
+        "",
+        "See also [security.md](security.md).",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def test_docs_are_up_to_date() -> None:
+    assert DOCS.read_text() == render(), (
+        "docs/errors.md is stale: run .venv/bin/python tests/test_errors_catalogue.py --write-docs"
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write-docs"]:
+        sys.exit("usage: python tests/test_errors_catalogue.py --write-docs")
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    DOCS.write_text(render())
+    print(f"wrote {DOCS.relative_to(ROOT)} ({len(CASES)} mistakes)")
