@@ -164,12 +164,13 @@ def run(args: argparse.Namespace, pools: C.Pools) -> tuple[list[dict[str, Any]],
     rows: list[dict[str, Any]] = []
     for ranks in args.ranks:
         for sched in args.schedules:
-            row = {
-                "transport": "local",
-                "ranks": ranks,
-                "schedule": sched,
-                **local(sched, ranks, args.microbatches, args.reps),
-            }
+            res, info = C.measured_cell(
+                lambda sched=sched, ranks=ranks: local(sched, ranks, args.microbatches, args.reps),
+                ranks=1,
+                quiet=args.quiet,
+                retries=args.retries,
+            )
+            row = {"transport": "local", "ranks": ranks, "schedule": sched, **res, **info}
             rows.append(row)
             print(C.table([row], COLUMNS).splitlines()[-1], flush=True)
     for ranks in args.gloo_ranks:

@@ -10,7 +10,16 @@ from typing import Any
 
 import pytest
 
-from benchmarks import memory, overhead, profile_step, vs_peer, vs_simulated, vs_single
+from benchmarks import (
+    backward_costs,
+    chart,
+    memory,
+    overhead,
+    profile_step,
+    vs_peer,
+    vs_simulated,
+    vs_single,
+)
 
 Pool = Callable[[int], Any]
 
@@ -26,6 +35,9 @@ def test_vs_peer_gradients_agree(pool: Pool, tmp_path: Any) -> None:
         assert r["note"] == "", r["note"]
         assert r["grad_diff"] < 1e-10 and r["grad_ref"] < 1e-10 and r["peer_ref"] < 1e-10
         assert len(r["funcpipe_times"]) == len(r["peer_times"]) == 2
+    pytest.importorskip("matplotlib")
+    chart.main([str(out), "--out", str(tmp_path / "peer.png")])
+    assert (tmp_path / "peer.png").stat().st_size > 0
 
 
 @pytest.mark.timeout(120)
@@ -69,8 +81,13 @@ def test_profile_step(pool: Pool) -> None:
     assert step["calls0"] == 1 and step["ms0"] > 0
 
 
+def test_backward_costs() -> None:
+    (row,) = backward_costs.main(["--sizes", "tiny", "--reps", "2"])
+    assert row["grad_add_ms"] > 0 and row["dot_grad_ms"] > 0
+
+
 def test_help_of_every_script(capsys: pytest.CaptureFixture[str]) -> None:
-    for mod in (vs_peer, vs_single, vs_simulated, memory, overhead):
+    for mod in (vs_peer, vs_single, vs_simulated, memory, overhead, backward_costs, chart):
         with pytest.raises(SystemExit) as e:
             mod.main(["--help"])
         assert e.value.code == 0
