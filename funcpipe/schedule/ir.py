@@ -557,10 +557,6 @@ def parse_program(text: str) -> Program:
     )
 
 
-def programs_equal_ignoring_name(a: Program, b: Program) -> bool:
-    return a.replace(name="") == b.replace(name="")
-
-
 def flatten(program: Program) -> Iterable[tuple[int, int, Instr]]:
     """(rank, step, instruction) for every instruction."""
     for r, instrs in enumerate(program.ranks):
