@@ -9,6 +9,7 @@ fresh gradient pytree out.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,8 @@ from funcpipe.stage import Stage, as_inputs
 from funcpipe.tree import check_tensor_tree, tree_flatten, tree_unflatten
 
 __all__ = ["Pipeline", "StepResult"]
+
+LAYOUT_CACHE = 256  # microbatch signatures whose shape inference a Pipeline keeps
 
 Tensor = torch.Tensor
 TiePath = tuple[int, Any]  # (stage, key or dotted path or tuple of keys)
@@ -272,7 +275,9 @@ class Pipeline:
             schedule, recompute, data_parallel=data > 1 or self._dist_sizes()[0] > 1
         )
         self.recompute = frozenset(i.stage for r in self.program.ranks for i in r if i.op is Op.R)
-        self._layouts: dict[Any, Layout] = {}
+        # shape inference per microbatch signature, most recently used last (bounded: a batch
+        # whose length changes every step must not grow it without end)
+        self._layouts: OrderedDict[Any, Layout] = OrderedDict()
         if transport == "dist":
             self._setup_dist()
 
@@ -566,11 +571,18 @@ class Pipeline:
         layouts = []
         full = self._full_stages()
         fparams = [params[o] for o in (self.program.replica_of or range(self.program.n_stages))]
+        psig = signature(fparams)  # a stage's outputs may follow its params' dtypes
+        cache = self._layouts
         for k in range(m):
-            key = (signature(entry[k]), signature(side[k]))
-            if key not in self._layouts:
-                self._layouts[key] = infer_layout(self.program, full, fparams, entry[k], side[k])
-            layouts.append(self._layouts[key])
+            key = (signature(entry[k]), signature(side[k]), psig)
+            layout = cache.get(key)
+            if layout is None:
+                layout = cache[key] = infer_layout(self.program, full, fparams, entry[k], side[k])
+                while len(cache) > LAYOUT_CACHE:
+                    cache.popitem(last=False)
+            else:
+                cache.move_to_end(key)
+            layouts.append(layout)
         return entry, side, tgt, layouts
 
     def _full_stages(self) -> list[Stage]:

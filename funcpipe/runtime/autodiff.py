@@ -2,8 +2,12 @@
 
 Gradients come back as lists aligned with the inputs / parameters, ``None`` meaning zero.
 
-A stage call is differentiated on torch's autograd graph, but gradients are returned as values
-(``torch.autograd.grad``), never accumulated into ``.grad``.
+A stage call is differentiated on torch's autograd graph. By default gradients come back as
+values (``torch.autograd.grad``). With ``accumulate=True`` (what the interpreter uses) parameter
+gradients are summed by autograd itself into the ``.grad`` of the given parameter leaves, which
+the caller creates for one step and owns: the engine adds each microbatch's gradient in place,
+so no gradient tensor is allocated, returned and freed per microbatch (on CPU that churn made a
+small stage's backward 2-3x slower: glibc hands the freed pages back and faults them in again).
 
 The split works without doing the backward twice. ``I`` runs the backward to the stage inputs only;
 on the way it records, at every graph node where a parameter-only branch joins the path to the
@@ -127,13 +131,52 @@ def _grad(
     return result
 
 
+def _into(
+    outputs: Sequence[Tensor] | Sequence[GradientEdge],
+    grads: Sequence[Tensor],
+    wrt: Sequence[Tensor],
+    *,
+    retain: bool,
+) -> None:
+    """Backward from ``outputs``, summing into the ``.grad`` of the leaves ``wrt`` only."""
+    targets = [t for t in wrt if t.requires_grad]
+    if outputs and targets:
+        torch.autograd.backward(
+            list(outputs),  # type: ignore[arg-type]  # tensors or gradient edges, never mixed
+            list(grads),
+            retain_graph=retain,
+            inputs=targets,
+        )
+
+
+def _take(leaves: Sequence[Tensor]) -> list[Tensor | None]:
+    """The ``.grad`` of each leaf (``None``: zero), detached from the leaves."""
+    got: list[Tensor | None] = []
+    for t in leaves:
+        got.append(t.grad)
+        t.grad = None
+    return got
+
+
 def backward(
-    saved: Saved, params: Sequence[Tensor], grad_outputs: Sequence[Tensor | None]
+    saved: Saved,
+    params: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor | None],
+    *,
+    accumulate: bool = False,
 ) -> tuple[list[Tensor | None], list[Tensor | None]]:
-    """B: input and parameter gradients in one backward. Frees the graph."""
+    """B: input and parameter gradients in one backward. Frees the graph.
+
+    Returns ``(input_grads, param_grads)``; with ``accumulate=True`` the parameter gradients are
+    added into ``params[k].grad`` instead and ``param_grads`` is all ``None``.
+    """
     if saved.outputs is None:
         raise RuntimeError("backward before recompute: the forward kept no graph")
     outs, gs = _pairs(saved.outputs, grad_outputs)
+    if accumulate:
+        _into(outs, gs, [*saved.inputs, *params], retain=False)
+        saved.outputs = None
+        return _take(saved.inputs), [None] * len(params)
     wrt = [*saved.inputs, *params]
     got = _grad(outs, wrt, gs, retain=False)
     saved.outputs = None
@@ -263,8 +306,12 @@ def _clamp(grads: tuple[Tensor | None, ...]) -> Callable[..., tuple[Tensor | Non
     return hook
 
 
-def backward_weight(saved: Saved, params: Sequence[Tensor]) -> list[Tensor | None]:
+def backward_weight(
+    saved: Saved, params: Sequence[Tensor], *, accumulate: bool = False
+) -> list[Tensor | None]:
     """W: parameter gradients from what :func:`backward_input` recorded. Frees the graph.
+
+    With ``accumulate=True`` they are added into ``params[k].grad`` and the result is all ``None``.
 
     One backward call per group of join nodes sharing parameters; each call asks only for its
     group's parameters, so the engine runs just their branches. Within a group (a parameter used
@@ -287,6 +334,9 @@ def backward_weight(saved: Saved, params: Sequence[Tensor]) -> list[Tensor | Non
                         pinned[e.output_nr] = g
                     handles.append(r.node.register_prehook(_clamp(tuple(pinned))))
         try:
+            if accumulate:
+                _into(outs, gs, [params[i] for i in idx], retain=True)
+                continue
             got = torch.autograd.grad(
                 outs, [params[i] for i in idx], gs, retain_graph=True, allow_unused=True
             )
@@ -298,6 +348,10 @@ def backward_weight(saved: Saved, params: Sequence[Tensor]) -> list[Tensor | Non
                 prev = result[i]
                 result[i] = g if prev is None else prev + g
     for k, g in saved.direct:
+        if accumulate:
+            prm = params[k]
+            prm.grad = g.detach().clone() if prm.grad is None else prm.grad.add_(g)
+            continue
         prev = result[k]
         result[k] = g if prev is None else prev + g
     saved.roots, saved.direct = [], []

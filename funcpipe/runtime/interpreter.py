@@ -6,7 +6,10 @@ whenever it has to wait (a receive, a collective); the driver decides how to wai
 another rank, so all ranks of a program run deterministically in one thread.
 
 State lives only for one step: activations are freed as soon as their last backward use is done,
-weight gradients are returned as a fresh pytree, nothing is accumulated across steps.
+weight gradients are returned as a fresh pytree, nothing is accumulated across steps. Within a
+step, autograd sums each microbatch's parameter gradients in place into the ``.grad`` of the
+parameter leaves :class:`funcpipe.Pipeline` created for this rank and this step (no per-microbatch
+gradient tensors to allocate, add and free); the rank hands those sums back as values.
 """
 
 from __future__ import annotations
@@ -106,12 +109,14 @@ class _Rank:
         self.inflight: dict[int, list[_Pending]] = {}
         self.tied = {key for keys in x.ties.values() for key in keys}
         self.live = 0  # activations kept for a backward (as the simulator counts them)
-        self.grads: dict[int, list[Tensor | None]] = {}
-        self.owned: dict[int, list[bool]] = {}  # accumulators this rank allocated (add in place)
+        # the gradient sums live in the .grad of this step's parameter leaves (see the module
+        # docstring); a tie reduction hands one total to several leaves: those are ``shared``
+        # and copied before anything adds into them
+        self.grads: dict[int, list[Tensor]] = {}
         for s in p.stages_on(x.rank):
             o = self.owner[s]
-            self.grads.setdefault(o, [None] * len(x.params[o][0]))
-            self.owned.setdefault(o, [False] * len(x.params[o][0]))
+            self.grads.setdefault(o, x.params[o][0])
+        self.shared: set[tuple[int, int]] = set()
 
     # ------------------------------------------------------------------ helpers
     def spec(self, s: int, m: int) -> OutputSpec:
@@ -273,20 +278,17 @@ class _Rank:
             return [seed, *extras, *([None] * n_out)]
         return self.out_grads.pop((s, m), [None] * len(self.spec(s, m).leaves))
 
-    def _accumulate(self, s: int, grads: list[Tensor | None]) -> None:
+    def _unshare(self, s: int) -> None:
+        """Before autograd adds into stage ``s``'s sums: give shared ones their own copy."""
         o = self.owner[s]
-        acc, owned = self.grads[o], self.owned[o]
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            prev = acc[i]
-            if prev is None:
-                acc[i] = g  # autograd's tensor: not ours to add into
-            elif owned[i]:
-                prev.add_(g)
-            else:
-                acc[i] = prev + g
-                owned[i] = True
+        for key in [key for key in self.shared if key[0] == o]:
+            leaf = self.grads[o][key[1]]
+            if leaf.grad is not None:
+                leaf.grad = leaf.grad.clone()
+            self.shared.discard(key)
+
+    def _param_grads(self, s: int) -> list[Tensor | None]:
+        return [t.grad for t in self._params(s)]
 
     def _finite(
         self, s: int, m: int, tensors: Sequence[Tensor | None], names: Sequence[str], where: str
@@ -346,12 +348,14 @@ class _Rank:
         s, m = i.stage, i.microbatch
         grad_outputs = self._grad_outputs(s, m)
         saved, _ = self.saved.pop((s, m))
-        gin, gp = autodiff.backward(saved, self._params(s), grad_outputs)
+        if self.shared:
+            self._unshare(s)
+        gin, _ = autodiff.backward(saved, self._params(s), grad_outputs, accumulate=True)
         self._alive(-1)
         if self.x.check_finite:
             self._finite(s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], "backward")
+            gp = self._param_grads(s)
             self._finite(s, m, gp, [f"parameter gradient #{k}" for k in range(len(gp))], "backward")
-        self._accumulate(s, gp)
         self._route_input_grads(s, m, gin)
 
     def backward_input(self, i: Instr) -> None:
@@ -367,12 +371,14 @@ class _Rank:
     def backward_weight(self, i: Instr) -> None:
         s, m = i.stage, i.microbatch
         saved, _ = self.saved.pop((s, m))
-        gw = autodiff.backward_weight(saved, self._params(s))
+        if self.shared:
+            self._unshare(s)
+        autodiff.backward_weight(saved, self._params(s), accumulate=True)
         if self.x.check_finite:
+            gw = self._param_grads(s)
             self._finite(
                 s, m, gw, [f"parameter gradient #{k}" for k in range(len(gw))], "backward (W)"
             )
-        self._accumulate(s, gw)
         self._alive(-1)
 
     def send(self, i: Instr) -> None:
@@ -418,8 +424,9 @@ class _Rank:
 
             def assign(local: list[tuple[int, int]] = local, total: Tensor = total) -> None:
                 for o, k in local:
-                    self.grads[o][k] = total
-                    self.owned[o][k] = False  # shared by the tied leaves now
+                    self.grads[o][k].grad = total
+                    if len(local) > 1:
+                        self.shared.add((o, k))  # one tensor for the tied leaves now
 
             self._reduce([total], group, assign, {o for o, _ in local})
             return
@@ -443,14 +450,16 @@ class _Rank:
         self._reduce(diff, group, average, {owner})
 
     def _grad_leaf(self, key: tuple[int, int]) -> Tensor:
-        """The accumulator of leaf ``k`` of ``o``, made ours (reductions write into it)."""
+        """The gradient sum of leaf ``k`` of ``o``, contiguous and its own (reductions write
+        into it)."""
         o, k = key
-        g = self.grads[o][k]
+        leaf = self.grads[o][k]
+        g = leaf.grad
         if g is None:
-            g = self.grads[o][k] = torch.zeros_like(self.x.params[o][0][k])
-        elif not self.owned[o][k] or not g.is_contiguous():
-            g = self.grads[o][k] = g.contiguous().clone()
-        self.owned[o][k] = True
+            g = leaf.grad = torch.zeros_like(leaf)
+        elif key in self.shared or not g.is_contiguous():
+            g = leaf.grad = g.contiguous().clone()
+            self.shared.discard(key)
         return g
 
     def _reduce(
@@ -511,12 +520,19 @@ class _Rank:
         for pending in self.reductions:
             yield from pending.finish()
         self.t.finish()
-        for o, acc in self.grads.items():
-            params = x.params[o][0]
-            self.result.grads[o] = [
-                torch.zeros_like(p) if g is None else g for p, g in zip(params, acc, strict=True)
-            ]
+        for o, leaves in self.grads.items():
+            self.result.grads[o] = [_take_grad(t) for t in leaves]
         return self.result
+
+
+def _take_grad(leaf: Tensor) -> Tensor:
+    """The gradient sum of a parameter leaf as a value (zeros if it got none); the leaf lets go
+    of it."""
+    g = leaf.grad
+    if g is None:
+        return torch.zeros_like(leaf)
+    leaf.grad = None
+    return g
 
 
 def _note(e: BaseException, where: str, inputs: Sequence[Any], targets: Sequence[Any] = ()) -> None:

@@ -81,6 +81,24 @@ def test_input_then_weight_equals_full_backward(
     if input_grad:
         assert_trees_close(full_in, ref[:1])
 
+    # accumulate=True: two microbatches' parameter gradients summed by autograd into .grad of
+    # the leaves (B for one, I then W for the other), input gradients still returned
+    acc = [p.detach().requires_grad_() for p in params]
+    for split in (False, True):
+        _, saved = autodiff.forward(fn, acc, [x])
+        if not input_grad:
+            saved.inputs[0].requires_grad_(False)
+        if split:
+            got_in = autodiff.backward_input(saved, acc, grads_out)
+            assert autodiff.backward_weight(saved, acc, accumulate=True) == [None] * len(acc)
+        else:
+            got_in, none = autodiff.backward(saved, acc, grads_out, accumulate=True)
+            assert none == [None] * len(acc)
+        assert_trees_close(zeros_for_none(got_in, [x]), full_in, rtol=1e-13, atol=1e-13)
+        assert saved.inputs[0].grad is None  # handed over, not left on the leaf
+    summed = [torch.zeros_like(p) if p.grad is None else p.grad for p in acc]
+    assert_trees_close(summed, [2 * w for w in full_w], rtol=1e-13, atol=1e-13)
+
 
 def test_recompute_replays_dropout_exactly() -> None:
     w = torch.randn(6, 6, dtype=F64).requires_grad_()

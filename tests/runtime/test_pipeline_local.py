@@ -68,6 +68,28 @@ def test_two_steps_are_independent() -> None:
     assert torch.equal(first.loss, second.loss)
 
 
+def test_shape_inference_cache_is_bounded_and_keyed_on_params(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import funcpipe.pipeline as pipeline_mod
+
+    monkeypatch.setattr(pipeline_mod, "LAYOUT_CACHE", 3)
+    stages, params = toy(2)
+    pipe = Pipeline(stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=mse)
+    for batch in (4, 6, 8, 10, 12, 6):
+        x, y = data(batch)
+        got = pipe.step(params, x, y)
+        want = fp.reference_step(stages, params, x, mse, targets=y, microbatches=2)
+        assert_trees_close(got.grads, want[1])
+        assert len(pipe._layouts) <= 3
+    # the same batch with float32 params and inputs: a new signature, the right dtypes out
+    p32 = [{k: v.float() for k, v in p.items()} for p in params]
+    x, y = data(6)
+    got = pipe.step(p32, x.float(), y.float())
+    assert got.loss.dtype == torch.float32
+    assert all(g.dtype == torch.float32 for p in got.grads for g in p.values())
+
+
 def test_handwritten_program_runs() -> None:
     text = """
     # a hand-written GPipe for two ranks and two microbatches, compute only
