@@ -383,7 +383,8 @@ def measure_stage_costs(
     size: Size, n_stages: int, *, kind: str = "module", reps: int = 20, seed: int = 0
 ) -> StageCosts:
     """Median time of F, B, I and W of every stage on one microbatch, in this process and thread,
-    with funcpipe's own autodiff (what the interpreter runs; the last stage includes the loss)."""
+    with funcpipe's own autodiff as the interpreter runs it (parameter gradients summed in place
+    into the leaves' ``.grad``; the last stage includes the loss)."""
     from funcpipe.runtime import autodiff
     from funcpipe.tree import tree_flatten
 
@@ -409,13 +410,13 @@ def measure_stage_costs(
             t0 = time.perf_counter()
             _, saved = autodiff.forward(fn, ps, [x])
             t1 = time.perf_counter()
-            autodiff.backward(saved, ps, gy)
+            autodiff.backward(saved, ps, gy, accumulate=True)
             t2 = time.perf_counter()
             _, saved = autodiff.forward(fn, ps, [x])
             t3 = time.perf_counter()
             autodiff.backward_input(saved, ps, gy)
             t4 = time.perf_counter()
-            autodiff.backward_weight(saved, ps)
+            autodiff.backward_weight(saved, ps, accumulate=True)
             t5 = time.perf_counter()
             if k >= 2:  # warm-up
                 f_t += [t1 - t0, t3 - t2]

@@ -28,6 +28,7 @@ from funcpipe.tree import check_tensor_tree, tree_flatten, tree_unflatten
 
 __all__ = ["Pipeline", "StepResult"]
 
+SCALARS = "<loss>"  # the transport group of the step's loss and metric reduction
 LAYOUT_CACHE = 256  # microbatch signatures whose shape inference a Pipeline keeps
 
 Tensor = torch.Tensor
@@ -358,7 +359,9 @@ class Pipeline:
             mine, _ = dist.new_subgroups_by_enumeration(lists)
             return mine
 
-        groups: dict[str, Any] = {}
+        # the loss and metric sums: every process of the world, a group of their own so the
+        # ranks can start it mid-step (as soon as their loss is final) whatever else is in flight
+        groups: dict[str, Any] = {SCALARS: _scalars_group()}
         names = sorted({i.group for r in self.program.ranks for i in r if i.op is Op.REDUCE})
         for name in names:
             if not in_program(name):  # over the data-parallel copies of this rank and coord
@@ -455,6 +458,8 @@ class Pipeline:
         x = self._rank_inputs(self.rank, params, entry, side, tgt, layouts, return_outputs)
         x.data_size = self.data_size
         x.trace = trace
+        if self.loss_fn is not None or self.metric_fn is not None:
+            x.scalars_group = SCALARS
         result = _drive(run_rank(x, self._transport))
         loss, metric = self._dist_scalars(result)
         grads = self._grads(params, [result])
@@ -678,25 +683,13 @@ class Pipeline:
         return merge([by_mb[k] for k in range(self.program.microbatches)], dim=0)
 
     def _dist_scalars(self, result: RankResult) -> tuple[Tensor | None, Tensor | None]:
-        import torch.distributed as dist
-
         has_loss = self.loss_fn is not None
         has_metric = self.metric_fn is not None
         if not (has_loss or has_metric):
             return None, None
-        dev = self._transport_device()
-        buf = torch.zeros(3, dtype=torch.float64, device=dev)
-        if result.loss_sum is not None:
-            buf[0] = result.loss_sum.detach().to(torch.float64)
-            buf[2] = 1
-        if result.metric_sum is not None:
-            buf[1] = result.metric_sum.detach().to(torch.float64)
-        try:
-            dist.all_reduce(buf)  # over every rank of every copy: the loss of the whole batch
-        except RuntimeError as e:
-            from funcpipe.launcher import failure_handler
-
-            raise failure_handler()(e, f"rank {self.rank}: loss all-reduce") from e
+        assert result.scalars is not None  # posted by the rank as soon as its loss was final
+        buf, handle = result.scalars
+        handle.wait()  # over every rank of every copy: the loss of the whole batch
         # every data copy adds its loss; every tensor coordinate holds the same loss
         m = self.program.microbatches * self.data_size * self.tensor_size
         loss = buf[0] / m if (has_loss and buf[2] > 0) else None
@@ -714,6 +707,25 @@ class Pipeline:
             if backend == "nccl"
             else torch.device("cpu")
         )
+
+
+_SCALAR_GROUPS: dict[int, tuple[Any, Any]] = {}  # id(default group) -> (it, loss group)
+
+
+def _scalars_group() -> Any:
+    """One process group over the whole world for every Pipeline's loss reduction (steps run
+    one after another, so they can share it; a group per Pipeline would open new connections
+    for each). Every process creates it with its first Pipeline, in the same order."""
+    import torch.distributed as dist
+
+    default = dist.group.WORLD
+    found = _SCALAR_GROUPS.get(id(default))
+    if found is None or found[0] is not default:
+        found = _SCALAR_GROUPS[id(default)] = (
+            default,
+            dist.new_group(list(range(dist.get_world_size()))),
+        )
+    return found[1]
 
 
 def _timeline(program: Program, times: Sequence[Sequence[float]]) -> Any:

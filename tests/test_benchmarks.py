@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from benchmarks import (
+    auto_executed,
     backward_costs,
     chart,
     memory,
@@ -55,6 +56,22 @@ def test_vs_simulated(pool: Pool) -> None:
     assert all(r["simulated_ms"] > 0 and r["executed_ms"] > 0 for r in rows)
 
 
+@pytest.mark.timeout(180)
+def test_auto_executed_runs_every_program_with_exact_gradients(pool: Pool) -> None:
+    argv = ["--size", "tiny", "--rounds", "2", "--warmup", "1", "--memory", "p", "2p"]
+    rows = auto_executed.main([*argv, "--cost-reps", "2", "--comm-reps", "2"], pool=pool)
+    for mem in ("p", "2p"):
+        cell = {r["schedule"]: r for r in rows if r["memory"] == mem}
+        assert {"auto", "auto-v", "1f1b", "zb-h1", "zbv"} <= set(cell)
+        limit = 2 if mem == "p" else 4  # full-stage activations per rank, 2 ranks
+        for r in cell.values():
+            assert r["peak"] <= limit, r["schedule"]
+            assert r["grad_ref"] < 1e-10, r["schedule"]
+            assert len(r["executed_times"]) == 2
+        assert cell["1f1b"]["best_builtin"] in cell and cell["auto"]["vs_best"] > 0
+    assert {r["schedule"] for r in rows if r["memory"] == "2p"} >= {"interleaved", "zb-h2"}
+
+
 @pytest.mark.timeout(120)
 def test_memory_counts_match_the_schedule(pool: Pool) -> None:
     rows = memory.main(["--size", "tiny", "--ranks", "2", "--schedules", "1f1b", "zbv"], pool=pool)
@@ -87,7 +104,16 @@ def test_backward_costs() -> None:
 
 
 def test_help_of_every_script(capsys: pytest.CaptureFixture[str]) -> None:
-    for mod in (vs_peer, vs_single, vs_simulated, memory, overhead, backward_costs, chart):
+    for mod in (
+        vs_peer,
+        vs_single,
+        vs_simulated,
+        memory,
+        overhead,
+        backward_costs,
+        chart,
+        auto_executed,
+    ):
         with pytest.raises(SystemExit) as e:
             mod.main(["--help"])
         assert e.value.code == 0

@@ -60,6 +60,9 @@ class RankInputs:
     trace: bool = False  # record when each instruction starts and ends (time.perf_counter)
     prefetch: bool = True  # post receives one compute instruction early (off for NCCL streams)
     check_finite: bool = False  # raise NonFiniteError at the first NaN/inf (stage, microbatch)
+    # reduce (loss sum, metric sum, has loss) over this transport group as soon as this rank's
+    # last sink forward is done (at the start on ranks without one); None: the caller does it
+    scalars_group: str | None = None
 
 
 @dataclass
@@ -70,6 +73,8 @@ class RankResult:
     outputs: dict[int, Any] = field(default_factory=dict)  # microbatch -> sink outputs
     peak_activations: int = 0  # most (stage, microbatch) activations alive at once
     times: list[float] = field(default_factory=list)  # with trace: start, end of each instruction
+    # with RankInputs.scalars_group: (float64 [loss sum, metric sum, has loss], its reduction)
+    scalars: tuple[Tensor, Handle] | None = None
 
 
 def _wait(handle: Handle) -> Generator[Handle, None, None]:
@@ -449,6 +454,18 @@ class _Rank:
 
         self._reduce(diff, group, average, {owner})
 
+    def _post_scalars(self) -> None:
+        """Start reducing this rank's loss and metric sums (final once its sink forwards ran)."""
+        res, group = self.result, self.x.scalars_group
+        assert group is not None
+        buf = torch.zeros(3, dtype=torch.float64, device=self.x.device)
+        if res.loss_sum is not None:
+            buf[0] = res.loss_sum.detach().to(torch.float64)
+            buf[2] = 1
+        if res.metric_sum is not None:
+            buf[1] = res.metric_sum.detach().to(torch.float64)
+        res.scalars = (buf, self.t.all_reduce([buf], group))
+
     def _grad_leaf(self, key: tuple[int, int]) -> Tensor:
         """The gradient sum of leaf ``k`` of ``o``, contiguous and its own (reductions write
         into it)."""
@@ -484,6 +501,14 @@ class _Rank:
         instrs = self.p.ranks[x.rank]
         early = _prefetch_plan(instrs) if x.prefetch else {}
         posted: dict[int, tuple[Handle, Callable[[], None] | None]] = {}
+        scalars_after = -1
+        if x.scalars_group is not None:
+            sinks = [
+                t for t, i in enumerate(instrs) if i.op is Op.F and not self.p.consumers(i.stage)
+            ]
+            scalars_after = sinks[-1] if sinks else -1
+            if not sinks:
+                self._post_scalars()
         for t, i in enumerate(instrs):
             if trace is not None:
                 trace.append(clock())
@@ -515,6 +540,8 @@ class _Rank:
                 if self.inflight:  # a tie or replica sum reads what earlier reductions wrote
                     yield from self._settle(list(self.inflight))
                 self.reduce(i)
+            if t == scalars_after:
+                self._post_scalars()
             if trace is not None:
                 trace.append(clock())
         for pending in self.reductions:

@@ -1,0 +1,256 @@
+"""Executed on this machine: ``auto`` against the built-in schedules, same model, same processes.
+
+    python benchmarks/auto_executed.py [--size large] [--ranks 2] [--rounds 20] [--json FILE]
+
+1. Every rank measures each stage's F, B, I and W on one microbatch (funcpipe's autodiff as the
+   interpreter runs it), for the model cut into ``p`` and ``2p`` stages; ranks 0 and 1 measure
+   the point-to-point latency of one activation. Rank 0's medians are the costs.
+2. From those costs, ``auto`` searches a one-chunk program (``auto``) and a two-chunk V program
+   (``auto-v``) under the memory limit; the built-ins (GPipe, 1F1B, interleaved 1F1B, ZB-H1,
+   ZB-H2, ZB-V, DualPipeV) that keep at most that much are the field.
+3. One job runs every program on the same gloo processes: a float64 step of each is compared
+   with plain autograd on the whole model, then float32: ``--warmup`` steps of each, then
+   ``--rounds`` rounds in which every program runs one step (after a barrier; the order rotates
+   each round). A step's time is its slowest rank's.
+
+Memory is counted in full-stage activations (1F1B's unit: ``p`` per rank): a chunk of a
+two-chunk program counts one half. ``--memory p`` (the default) is 1F1B's peak; ``2p`` doubles it.
+Reported per program: median step time, the simulated makespan (measured costs and latency),
+and the median over rounds of its time over the best built-in's time in the same round
+(``/best built-in``; the best built-in is the one with the lowest median).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import _common as C
+
+BUILTINS = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "dualpipev"]
+AUTOS = {"auto": (1, "loop"), "auto-v": (2, "v")}
+
+COLUMNS: list[C.Column] = [
+    ("size", "size", ""),
+    ("ranks", "ranks", "d"),
+    ("memory", "memory", ""),
+    ("schedule", "schedule", ""),
+    ("peak", "peak (stages)", ".1f"),
+    ("simulated_ms", "simulated ms", ".2f"),
+    ("executed_ms", "executed ms", ".2f"),
+    ("vs_best", "/best built-in", ".3f"),
+    ("iqr", "IQR/med", ".2f"),
+    ("grad_ref", "fp vs 1-proc", ".1e"),
+    ("runnable", "runnable (mean)", ".1f"),
+    ("attempts", "runs", "d"),
+]
+
+
+def programs_for(
+    ranks: int, size: C.Size, costs: dict[str, dict[str, list[float]]], comm: float, memory: str
+) -> dict[str, dict[str, Any]]:
+    """Every program that fits the limit: text, simulated makespan, peak (full-stage units)."""
+    from funcpipe.schedule import Costs, add_communication, simulate
+    from funcpipe.schedule.auto import auto
+    from funcpipe.schedule.ir import format_program
+
+    limit = ranks if memory == "p" else 2 * ranks
+    out: dict[str, dict[str, Any]] = {}
+    for name in BUILTINS:
+        program = C.program_for(name, ranks=ranks, microbatches=size.microbatches)
+        v = program.n_stages // ranks
+        c = C.StageCosts(**costs[str(program.n_stages)])
+        sim = simulate(add_communication(program), C.costs_for(program, c, comm=comm))
+        peak = max(sim.peak_activations) / v
+        if peak <= limit:
+            out[name] = {"text": format_program(program), "sim": sim.makespan, "peak": peak}
+    for name, (v, placement) in AUTOS.items():
+        c = C.StageCosts(**costs[str(ranks * v)])
+        program = auto(
+            ranks=ranks,
+            microbatches=size.microbatches,
+            chunks=v,
+            placement=placement,
+            costs=Costs(f=c.f, b=c.i, w=c.w, comm=comm),
+            max_activations=v * limit,
+        )
+        sim = simulate(add_communication(program), C.costs_for(program, c, comm=comm))
+        peak = max(sim.peak_activations) / v
+        out[name] = {"text": format_program(program), "sim": sim.makespan, "peak": peak}
+    return out
+
+
+def run_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """On every rank: check each program's gradients, then time them round by round."""
+    import torch.distributed as dist
+
+    import funcpipe as fp
+    from funcpipe.schedule.ir import parse_program
+
+    size = C.Size(**cfg["size"])
+    names = list(cfg["programs"])
+    programs = {n: parse_program(cfg["programs"][n]) for n in names}
+    grad_ref: dict[str, float] = {}
+    for name in names:  # float64: the same gradients as one process
+        program = programs[name]
+        model = C.mlp(size.width, layers=size.layers, seed=cfg["seed"], dtype=torch.float64)
+        stages, params = C.funcpipe_stages(model, program.n_stages)
+        x, y = C.data(size, seed=cfg["seed"] + 1, dtype=torch.float64)
+        pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
+        got = pipe.step(params, x, y).grads
+        mine = [
+            t
+            for s, g in enumerate(got)
+            if program.placement[s] == dist.get_rank()
+            for t in C.flat_grads(g)
+        ]
+        ref = C.reference_grads(model, x, y, microbatches=size.microbatches)
+        sizes = [len(C.flat_grads(p)) for p in params]
+        starts = [sum(sizes[:s]) for s in range(len(sizes))]
+        want = [
+            t
+            for s in range(program.n_stages)
+            if program.placement[s] == dist.get_rank()
+            for t in ref[starts[s] : starts[s] + sizes[s]]
+        ]
+        grad_ref[name] = C.max_rel_diff(mine, want)
+    pipes, args = {}, {}
+    for name in names:
+        program = programs[name]
+        model = C.mlp(size.width, layers=size.layers, seed=cfg["seed"])
+        stages, params = C.funcpipe_stages(model, program.n_stages)
+        pipes[name] = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
+        args[name] = (params, *C.data(size, seed=cfg["seed"] + 1))
+    for _ in range(cfg["warmup"]):
+        for name in names:
+            pipes[name].step(*args[name])
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(cfg["rounds"]):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            dist.barrier()
+            t0 = time.perf_counter()
+            pipes[name].step(*args[name])
+            times[name].append(time.perf_counter() - t0)
+    return {"times": times, "grad_ref": grad_ref}
+
+
+def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
+    from benchmarks import vs_simulated
+
+    rows: list[dict[str, Any]] = []
+    size = C.resize(C.SIZES[args.size], layers=args.layers, microbatches=args.microbatches)
+    for ranks in args.ranks:
+        pool = pools.get(ranks)
+        measured = pool.run(
+            vs_simulated.costs_job,
+            {
+                "size": vars(size),
+                "seed": args.seed,
+                "stage_kind": "module",
+                "n_stages": [ranks, 2 * ranks],
+                "cost_reps": args.cost_reps,
+                "comm_reps": args.comm_reps,
+            },
+            timeout=args.job_timeout,
+        )
+        costs, comm = measured[0]["costs"], measured[0]["comm"]
+        for memory in args.memory:
+            progs = programs_for(ranks, size, costs, comm, memory)
+            cfg = {
+                "size": vars(size),
+                "seed": args.seed,
+                "programs": {n: p["text"] for n, p in progs.items()},
+                "warmup": args.warmup,
+                "rounds": args.rounds,
+            }
+            res, info = C.measured_cell(
+                lambda pool=pool, cfg=cfg: pool.run(run_job, cfg, timeout=args.job_timeout),
+                ranks=ranks,
+                quiet=args.quiet,
+                retries=args.retries,
+            )
+            steps = {n: C.step_times([r["times"][n] for r in res]) for n in progs}
+            builtins = [n for n in progs if n not in AUTOS]
+            best = min(builtins, key=lambda n: C.median(steps[n])) if builtins else None
+            for name, prog in progs.items():
+                ratios = C.paired_ratios(steps[name], steps[best]) if best else []
+                rows.append(
+                    {
+                        "size": size.name,
+                        "ranks": ranks,
+                        "microbatches": size.microbatches,
+                        "memory": memory,
+                        "schedule": name,
+                        "best_builtin": best,
+                        "peak": prog["peak"],
+                        "simulated_ms": prog["sim"] * 1e3,
+                        "executed_ms": C.median(steps[name]) * 1e3,
+                        "vs_best": C.median(ratios) if ratios else None,
+                        "iqr": C.spread(steps[name]),
+                        "grad_ref": max(r["grad_ref"][name] for r in res),
+                        "executed_times": steps[name],
+                        "program": prog["text"],
+                        "comm_s": comm,
+                        "stage_costs_s": costs,
+                        **info,
+                    }
+                )
+                print(C.table([rows[-1]], COLUMNS).splitlines()[-1], flush=True)
+    return rows
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="auto_executed.py",
+        description="Executed step time of auto's programs against the built-in schedules.",
+    )
+    ap.add_argument("--size", default="large", choices=sorted(C.SIZES))
+    ap.add_argument("--ranks", nargs="+", type=int, default=[2])
+    ap.add_argument("--memory", nargs="+", default=["p"], choices=["p", "2p"])
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--microbatches", type=int, default=None)
+    ap.add_argument("--cost-reps", type=int, default=20)
+    ap.add_argument("--comm-reps", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--job-timeout", type=float, default=1800.0)
+    ap.add_argument("--quiet", action="store_true", help="wait for the cores to be free first")
+    ap.add_argument("--retries", type=int, default=0, help="rerun a contended cell")
+    ap.add_argument("--json", default=None)
+    return ap
+
+
+def main(
+    argv: list[str] | None = None, *, pool: C.PoolFactory | None = None
+) -> list[dict[str, Any]]:
+    """Run the benchmark; ``pool(n)`` may supply started pools of ``n`` gloo processes."""
+    args = parser().parse_args(argv)
+    torch.set_num_threads(1)
+    print(C.table([], COLUMNS), flush=True)
+    with C.Pools(pool, timeout=args.timeout) as pools:
+        rows = run(args, pools)
+    print()
+    print(C.table(rows, COLUMNS))
+    C.write_json(
+        args.json,
+        {
+            "machine": C.machine(),
+            "command": ["auto_executed.py", *(argv if argv is not None else sys.argv[1:])],
+            "rows": rows,
+        },
+    )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
