@@ -54,6 +54,7 @@ TIMED = [
     ("  SEND _Rank.send (isend)", "funcpipe.runtime.interpreter:_Rank", "send"),
     ("  RECV _Rank.recv (post irecv)", "funcpipe.runtime.interpreter:_Rank", "recv"),
     ("  RECV wait (_Work.wait)", "funcpipe.runtime.transport:_Work", "wait"),
+    ("  RECV wait (sockets)", "funcpipe.runtime.sockets:_Receive", "wait"),
     ("  send completion (finish)", "funcpipe.runtime.transport:DistTransport", "finish"),
     ("  _dist_scalars (loss all-reduce)", "funcpipe.pipeline:Pipeline", "_dist_scalars"),
     ("  _grads", "funcpipe.pipeline:Pipeline", "_grads"),

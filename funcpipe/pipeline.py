@@ -166,6 +166,11 @@ class Pipeline:
             Default: on when the environment sets ``FUNCPIPE_DEBUG=1``. Costs one reduction per
             tensor.
         device: where received tensors are placed (default: where the params are).
+        p2p: how ``"dist"`` moves activations and gradients between ranks. ``"auto"`` (default):
+            CPU tensors between processes of one host go over Unix-domain sockets
+            (:mod:`funcpipe.runtime.sockets`; 10-100x lower latency than gloo's TCP), anything
+            else over ``torch.distributed`` send/recv. ``"torch"``: always
+            ``torch.distributed``. Every process must pass the same value.
     """
 
     def __init__(
@@ -186,7 +191,14 @@ class Pipeline:
         scatter_gather: bool = False,
         check_finite: bool | None = None,
         device: torch.device | str | None = None,
+        p2p: str = "auto",
     ) -> None:
+        if p2p not in ("auto", "torch"):
+            raise InvalidArgument(
+                f"p2p={p2p!r}: use 'auto' (sockets between CPU processes of one host, else "
+                "torch.distributed) or 'torch' (always torch.distributed send/recv)"
+            )
+        self.p2p = p2p
         self.stages = tuple(stages)
         for k, s in enumerate(self.stages):
             if not isinstance(s, Stage):
@@ -386,9 +398,42 @@ class Pipeline:
         if self.scatter_gather and tp > 1 and self.mesh is not None:
             tensor_axis = self.mesh["tensor"]
             split = (tensor_axis.group, tp, tensor_axis.coord)
+        channels = self._channels(me, failure_handler())
         self._transport: Transport = DistTransport(
-            self.rank, self.pipe_ranks, groups=groups, on_error=failure_handler(), split=split
+            self.rank,
+            self.pipe_ranks,
+            groups=groups,
+            on_error=failure_handler(),
+            split=split,
+            channels=channels,
         )
+
+    def _channels(self, me: int, on_error: Callable[[BaseException, str], BaseException]) -> Any:
+        """Sockets to this rank's same-host message peers (every process calls this)."""
+        import torch.distributed as dist
+
+        from funcpipe.runtime import sockets
+
+        global _CHANNELS_MADE
+        if self.p2p != "auto" or not sockets.supported():
+            return None
+        device = self.device
+        if device is not None and device.type != "cpu":
+            return None
+        if dist.get_backend() != "gloo":
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        _CHANNELS_MADE += 1
+        key = f"funcpipe/p2p/{_CHANNELS_MADE}"
+        host = _host_id()
+        store.set(f"{key}/host/{me}", host)
+        peers = {
+            self.pipe_ranks[i.peer]
+            for i in self.program.ranks[self.rank]
+            if i.op in (Op.SEND, Op.RECV) and i.peer is not None
+        }
+        near = [p for p in peers if store.get(f"{key}/host/{p}").decode() == host]
+        return sockets.Channels(me, near, store, key=key, timeout=_pg_timeout(), on_error=on_error)
 
     # ------------------------------------------------------------------ step
     def step(
@@ -707,6 +752,32 @@ class Pipeline:
             if backend == "nccl"
             else torch.device("cpu")
         )
+
+
+_CHANNELS_MADE = 0  # socket set-ups by this process (their store keys; same order everywhere)
+
+
+def _host_id() -> str:
+    """This machine (and boot): ranks with equal ids can talk over Unix-domain sockets."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _pg_timeout() -> float:
+    """The default process group's timeout in seconds (socket waits give up after it too)."""
+    import torch.distributed as dist
+
+    try:
+        opts = dist.group.WORLD._get_backend(torch.device("cpu")).options  # type: ignore[union-attr]
+        return float(opts._timeout.total_seconds())
+    except (AttributeError, RuntimeError):
+        return 1800.0
 
 
 _SCALAR_GROUPS: dict[int, tuple[Any, Any]] = {}  # id(default group) -> (it, loss group)

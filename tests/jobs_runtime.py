@@ -139,6 +139,7 @@ def run_pipeline_vs_reference(
     tied: bool = False,
     chunks: int | None = None,
     split_all: bool = False,
+    p2p: str = "auto",
 ) -> float:
     """Train-step ``batches`` (sizes) through ``name`` and compare with the reference; returns
     the largest difference seen (the caller asserts). Runs on 'dist' inside a pool, else 'local'."""
@@ -150,7 +151,8 @@ def run_pipeline_vs_reference(
     n = len(set(program.replica_of or ()))
     stages, params = toy(n, tied=tied)
     ties = {"E": [(0, "E"), (n - 1, "E")]} if tied and n > 1 else None
-    pipe = Pipeline(stages, program, loss_fn=mse, ties=ties, recompute=recompute)
+    kw = {"p2p": p2p} if p2p != "auto" else {}
+    pipe = Pipeline(stages, program, loss_fn=mse, ties=ties, recompute=recompute, **kw)
     worst = 0.0
     for b, size in enumerate(batches):
         x, y = data(size, seed=b + 1)

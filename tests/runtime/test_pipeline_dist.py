@@ -45,6 +45,16 @@ def test_main_schedules_on_four_gloo_ranks(pool, name: str) -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_gloo_point_to_point_still_works(pool, name: str) -> None:
+    """p2p="torch": messages over gloo's send/recv instead of the same-host sockets."""
+    worst = pool(2).run(
+        jobs_runtime.run_pipeline_vs_reference, name, 2, 5, [11, 6], tied=True, p2p="torch"
+    )
+    assert max(worst) < 1e-10
+
+
+@pytest.mark.timeout(180)
 def test_data_parallel_over_gloo(pool) -> None:
     """Four processes, a 2-rank program: two data-parallel copies averaging their gradients."""
     worst = pool(4).run(jobs_runtime.data_parallel_vs_reference, "1f1b", 2, 2)
