@@ -311,6 +311,32 @@ def write_json(path: str | None, payload: Mapping[str, Any]) -> None:
         f.write("\n")
 
 
+def run_main(
+    name: str,
+    argv: list[str] | None,
+    pool: PoolFactory | None,
+    parser: Any,
+    columns: Sequence[Column],
+    run: Callable[[Any, Pools], Any],
+) -> Any:
+    """What every pool benchmark's ``main`` does: parse, one thread, print the table as rows
+    come and again at the end, write the JSON (command, machine, rows and any extras ``run``
+    returns as ``(rows, extras)``); returns ``run``'s result."""
+    args = parser().parse_args(argv)
+    torch.set_num_threads(1)
+    print(table([], columns), flush=True)
+    with Pools(pool, timeout=args.timeout) as pools:
+        result = run(args, pools)
+    rows, extras = result if isinstance(result, tuple) else (result, {})
+    print()
+    print(table(rows, columns))
+    for key, value in extras.items():
+        print(f"{key}: {value}")
+    command = [name, *(argv if argv is not None else sys.argv[1:])]
+    write_json(args.json, {"command": command, "machine": machine(), **extras, "rows": rows})
+    return result
+
+
 def pool(size: int, *, timeout: float = 120.0) -> fp.Pool:
     """``size`` gloo processes, one thread each, able to import ``benchmarks``."""
     return fp.Pool(size, timeout=timeout, paths=[str(ROOT)])
@@ -456,23 +482,59 @@ def one_process_time(program: Program, c: StageCosts) -> float:
     return per_mb * program.microbatches
 
 
-def p2p_latency(rank: int, shape: Sequence[int], reps: int = 50) -> float:
-    """Half the median round trip of one float32 tensor of ``shape`` between ranks 0 and 1 (gloo)."""
+_P2P_SETUPS = 0
+
+
+def p2p_latency(rank: int, shape: Sequence[int], reps: int = 50, *, p2p: str = "auto") -> float:
+    """Half the median round trip of one float32 tensor of ``shape`` between ranks 0 and 1, over
+    what a Pipeline with this ``p2p`` uses: same-host sockets (``"auto"``) or gloo (``"torch"``).
+    Every rank of the pool must call it."""
     import torch.distributed as dist
 
+    from funcpipe.runtime import sockets
+
+    global _P2P_SETUPS
     t = torch.zeros(*shape)
+    chan = None
+    if p2p == "auto" and sockets.supported():
+        _P2P_SETUPS += 1
+        peers = [1 - rank] if rank in (0, 1) else []
+        chan = sockets.Channels(
+            rank,
+            peers,
+            dist.distributed_c10d._get_default_store(),
+            key=f"bench/p2p/{_P2P_SETUPS}",
+            timeout=60.0,
+            on_error=lambda e, what: RuntimeError(f"{what}: {e}"),
+        )
+
+    def send(peer: int) -> None:
+        if chan is None:
+            dist.send(t, peer)
+        else:
+            chan.send(t, peer)
+            chan.flush("send")
+
+    def recv(peer: int) -> None:
+        if chan is None:
+            dist.recv(t, peer)
+        else:
+            chan.recv([t], peer, "recv").wait()
+
     times = []
     for k in range(reps + 5):
         dist.barrier()
         t0 = time.perf_counter()
         if rank == 0:
-            dist.send(t, 1)
-            dist.recv(t, 1)
+            send(1)
+            recv(1)
         elif rank == 1:
-            dist.recv(t, 0)
-            dist.send(t, 0)
+            recv(0)
+            send(0)
         if k >= 5:
             times.append((time.perf_counter() - t0) / 2)
+    if chan is not None:
+        chan.close()
     return median(times)
 
 

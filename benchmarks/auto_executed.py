@@ -234,21 +234,7 @@ def main(
     argv: list[str] | None = None, *, pool: C.PoolFactory | None = None
 ) -> list[dict[str, Any]]:
     """Run the benchmark; ``pool(n)`` may supply started pools of ``n`` gloo processes."""
-    args = parser().parse_args(argv)
-    torch.set_num_threads(1)
-    print(C.table([], COLUMNS), flush=True)
-    with C.Pools(pool, timeout=args.timeout) as pools:
-        rows = run(args, pools)
-    print()
-    print(C.table(rows, COLUMNS))
-    C.write_json(
-        args.json,
-        {
-            "machine": C.machine(),
-            "command": ["auto_executed.py", *(argv if argv is not None else sys.argv[1:])],
-            "rows": rows,
-        },
-    )
+    rows: list[dict[str, Any]] = C.run_main("auto_executed.py", argv, pool, parser, COLUMNS, run)
     return rows
 
 

@@ -245,23 +245,13 @@ def main(
     argv: list[str] | None = None, *, pool: C.PoolFactory | None = None
 ) -> list[dict[str, Any]]:
     """Run the benchmark; ``pool(n)`` may supply started pools of ``n`` gloo processes."""
-    args = parser().parse_args(argv)
-    torch.set_num_threads(1)
-    print(C.table([], COLUMNS), flush=True)
-    with C.Pools(pool, timeout=args.timeout) as pools:
+
+    def run_with_floor(args: Any, pools: C.Pools) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         rows, floor = run(args, pools)
-    print()
-    print(C.table(rows, COLUMNS))
-    print(f"\nautodiff F+B of one trivial stage alone: {floor * 1e6:.1f} us")
-    C.write_json(
-        args.json,
-        {
-            "command": ["overhead.py", *(argv if argv is not None else sys.argv[1:])],
-            "autodiff_fb_us": floor * 1e6,
-            "rows": rows,
-        },
-    )
-    return rows
+        return rows, {"autodiff_fb_us": floor * 1e6}
+
+    rows, _ = C.run_main("overhead.py", argv, pool, parser, COLUMNS, run_with_floor)
+    return rows  # type: ignore[no-any-return]
 
 
 if __name__ == "__main__":

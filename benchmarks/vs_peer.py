@@ -145,7 +145,7 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     def build(dtype: torch.dtype) -> tuple[Any, torch.nn.Sequential, list[Any], Any, Any]:
         model = C.mlp(size.width, layers=size.layers, dtype=dtype, seed=cfg["seed"])
         stages, params = C.funcpipe_stages(model, n, kind=cfg["stage_kind"])
-        pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
+        pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist", p2p=cfg["p2p"])
         x, y = C.data(size, dtype=dtype, seed=cfg["seed"] + 1)
         return pipe, model, params, x, y
 
@@ -245,6 +245,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                     "schedule": sched,
                     "peer_class": spec.peer or "-",
                     "pairs": args.pairs,
+                    "p2p": args.p2p,
                 }
                 cfg = {
                     "size": vars(size),
@@ -254,6 +255,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                     "pairs": args.pairs,
                     "warmup": args.warmup,
                     "peer": not args.no_peer,
+                    "p2p": args.p2p,
                 }
                 pool = pools.get(ranks)
                 try:
@@ -342,6 +344,12 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-peer", action="store_true", help="time funcpipe only")
+    ap.add_argument(
+        "--p2p",
+        default="auto",
+        choices=["auto", "torch"],
+        help="funcpipe's messages: same-host sockets (auto, its default) or gloo send/recv (torch)",
+    )
     ap.add_argument("--timeout", type=float, default=60.0, help="process-group timeout, s")
     ap.add_argument("--job-timeout", type=float, default=900.0, help="per-cell timeout, s")
     ap.add_argument("--verbose", action="store_true")
@@ -364,17 +372,7 @@ def main(
     argv: list[str] | None = None, *, pool: C.PoolFactory | None = None
 ) -> list[dict[str, Any]]:
     """Run the benchmark; ``pool(n)`` may supply started pools of ``n`` gloo processes."""
-    args = parser().parse_args(argv)
-    torch.set_num_threads(1)
-    print(C.table([], COLUMNS), flush=True)
-    with C.Pools(pool, timeout=args.timeout) as pools:
-        rows = run(args, pools)
-    print()
-    print(C.table(rows, COLUMNS))
-    C.write_json(
-        args.json,
-        {"command": ["vs_peer.py", *(argv if argv is not None else sys.argv[1:])], "rows": rows},
-    )
+    rows: list[dict[str, Any]] = C.run_main("vs_peer.py", argv, pool, parser, COLUMNS, run)
     return rows
 
 

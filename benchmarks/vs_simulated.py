@@ -31,8 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _common as C
@@ -249,20 +247,7 @@ def main(
     argv: list[str] | None = None, *, pool: C.PoolFactory | None = None
 ) -> list[dict[str, Any]]:
     """Run the benchmark; ``pool(n)`` may supply started pools of ``n`` gloo processes."""
-    args = parser().parse_args(argv)
-    torch.set_num_threads(1)
-    print(C.table([], COLUMNS), flush=True)
-    with C.Pools(pool, timeout=args.timeout) as pools:
-        rows = run(args, pools)
-    print()
-    print(C.table(rows, COLUMNS))
-    C.write_json(
-        args.json,
-        {
-            "command": ["vs_simulated.py", *(argv if argv is not None else sys.argv[1:])],
-            "rows": rows,
-        },
-    )
+    rows: list[dict[str, Any]] = C.run_main("vs_simulated.py", argv, pool, parser, COLUMNS, run)
     return rows
 
 
