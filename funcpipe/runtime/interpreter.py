@@ -427,11 +427,19 @@ class _Rank:
             for key in local[1:]:
                 total = total + self._grad_leaf(key)
 
-            def assign(local: list[tuple[int, int]] = local, total: Tensor = total) -> None:
+            # bound as defaults, not through ``self``: the pending reduction that keeps this
+            # callback must not point back at the rank (a reference cycle would keep every
+            # step's rank, its inputs and gradients alive until a full garbage collection)
+            def assign(
+                local: list[tuple[int, int]] = local,
+                total: Tensor = total,
+                grads: dict[int, list[Tensor]] = self.grads,
+                shared: set[tuple[int, int]] = self.shared,
+            ) -> None:
                 for o, k in local:
-                    self.grads[o][k].grad = total
+                    grads[o][k].grad = total
                     if len(local) > 1:
-                        self.shared.add((o, k))  # one tensor for the tied leaves now
+                        shared.add((o, k))  # one tensor for the tied leaves now
 
             self._reduce([total], group, assign, {o for o, _ in local})
             return
@@ -546,6 +554,7 @@ class _Rank:
                 trace.append(clock())
         for pending in self.reductions:
             yield from pending.finish()
+        self.reductions, self.inflight = [], {}  # their callbacks are done: let them go
         self.t.finish()
         for o, leaves in self.grads.items():
             self.result.grads[o] = [_take_grad(t) for t in leaves]

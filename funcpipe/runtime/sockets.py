@@ -53,11 +53,28 @@ def supported() -> bool:
     return hasattr(socket, "AF_UNIX")
 
 
+def _memory_view_factory() -> Callable[[int, int], memoryview] | None:
+    """CPython's ``PyMemoryView_FromMemory`` (writable): a view of raw memory that creates no
+    new type per size (a ctypes array type per message size would be cyclic garbage)."""
+    try:
+        fn = ctypes.pythonapi.PyMemoryView_FromMemory
+    except AttributeError:  # not CPython
+        return None
+    fn.restype = ctypes.py_object
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+    return lambda address, n: fn(address, n, 0x200)  # PyBUF_WRITE
+
+
+_VIEW = _memory_view_factory()
+
+
 def _bytes(t: Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (the caller keeps ``t`` alive)."""
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(bytearray())
+    if _VIEW is not None:
+        return _VIEW(t.data_ptr(), n)
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 

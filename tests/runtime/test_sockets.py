@@ -224,3 +224,24 @@ def test_a_connection_without_the_token_is_refused() -> None:
     intruder.close()
     assert len(caught) == 1 and isinstance(caught[0], CommunicationError)
     assert "token" in str(caught[0])
+
+
+def test_messages_of_many_sizes_leave_no_garbage() -> None:
+    import gc
+
+    a, b = _pair()
+    try:
+        gc.collect()
+        gc.disable()
+        for n in range(1, 40):
+            t = torch.randn(n)
+            a.send(t, 1)
+            buf = torch.empty(n)
+            b.recv([buf], 0, "recv").wait()
+            assert torch.equal(buf, t)
+        a.flush("send")
+        assert gc.collect() == 0  # nothing cyclic was made per message
+    finally:
+        gc.enable()
+        a.close()
+        b.close()
