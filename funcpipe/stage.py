@@ -101,6 +101,7 @@ class _ModuleFn:
         self.module = module
         self.buffers = dict(buffers)
         self.param_names = frozenset(name for name, _ in module.named_parameters())
+        self.slots = _slots(module)
 
     def __call__(self, params: Any, *inputs: Any, **side: Any) -> Any:
         if not isinstance(params, Mapping):
@@ -117,13 +118,52 @@ class _ModuleFn:
                 f"{type(self.module).__name__}; missing={missing!r}, unexpected={unexpected!r}. "
                 "Use the params dict returned with this stage (from_module / partition)."
             )
-        return torch.func.functional_call(self.module, (dict(params), self.buffers), inputs, side)
+        if self.slots is None:
+            return torch.func.functional_call(
+                self.module, (dict(params), self.buffers), inputs, side
+            )
+        # the same as functional_call, with the attribute slots found once: swap the values in,
+        # call, swap the module's own tensors back
+        values = {**params, **self.buffers}
+        saved = []
+        try:
+            for name, places in self.slots:
+                value = values[name]
+                for table, attr in places:
+                    saved.append((table, attr, table[attr]))
+                    table[attr] = value
+            return self.module(*inputs, **side)
+        finally:
+            for table, attr, old in reversed(saved):
+                table[attr] = old
 
     def map_consts(self, f: ConstFn) -> _ModuleFn:
         return _ModuleFn(self.module, {name: f(b) for name, b in self.buffers.items()})
 
     def __repr__(self) -> str:
         return f"functional_call({_short_module_repr(self.module)}, {len(self.param_names)} params)"
+
+
+Slot = tuple[str, list[tuple[dict[str, Any], str]]]
+
+
+def _slots(module: nn.Module) -> list[Slot] | None:
+    """For each parameter and buffer name (as ``named_parameters`` / ``named_buffers`` give
+    them), the module dicts and keys that hold that tensor, aliases included (a tensor shared by
+    two submodules is swapped at both places, as ``functional_call(tie_weights=True)`` does).
+    ``None`` where a plain swap would be wrong (parametrized modules): use functional_call."""
+    if any(hasattr(m, "parametrizations") for m in module.modules()):
+        return None
+    found: dict[int, list[tuple[dict[str, Any], str]]] = {}
+    for kind in ("_parameters", "_buffers"):
+        for m in module.modules():
+            for attr, t in getattr(m, kind).items():
+                if t is not None:
+                    found.setdefault(id(t), []).append((getattr(m, kind), attr))
+    slots: list[Slot] = []
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        slots.append((name, found[id(t)]))
+    return slots
 
 
 def _short_module_repr(module: nn.Module) -> str:

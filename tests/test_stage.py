@@ -149,3 +149,35 @@ def test_compose_validates() -> None:
         compose([(_linear, 0)], name="x")  # type: ignore[list-item]
     with pytest.raises(InvalidArgument, match=r"layers\[0\]"):
         compose([_linear], name="x")  # type: ignore[list-item]
+
+
+def test_module_stage_swaps_tied_and_buffer_slots_like_functional_call() -> None:
+    """The fast swap of from_module stages: aliases of one parameter (a tied weight) and buffers
+    take the given values, and the module keeps its own tensors afterwards."""
+    import torch
+    from torch import nn
+
+    from funcpipe import from_module
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(3, 3, bias=False)
+            self.b = nn.Linear(3, 3, bias=False)
+            self.b.weight = self.a.weight  # one parameter, two places
+            self.register_buffer("shift", torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x)) + self.shift
+
+    m = Tied()
+    stage, params = from_module(m)
+    assert list(params) == ["a.weight"]
+    w = torch.randn(3, 3)
+    x = torch.randn(2, 3)
+    got = stage({"a.weight": w}, x)
+    want = torch.func.functional_call(m, {"a.weight": w, "b.weight": w}, (x,))
+    assert torch.allclose(got, want) and torch.allclose(got, x @ w.T @ w.T + 1)
+    assert m.a.weight is m.b.weight and isinstance(m.a.weight, nn.Parameter)  # restored
+    g = torch.autograd.grad(stage({"a.weight": w.requires_grad_()}, x).sum(), w)[0]
+    assert torch.isfinite(g).all() and g.abs().sum() > 0
