@@ -15,6 +15,12 @@ For every (size, ranks, schedule) cell, one job on a pool of gloo processes (one
 
 Reported: the median step time of each, the median of the paired ratios funcpipe / peer, and the
 interquartile spread of those ratios. A peer schedule that fails records its error in the table.
+
+``floor``: right before each cell, every rank times each stage's F, B, I and W on one microbatch
+(all ranks at once, as in a step); the simulator's makespan of the schedule with those costs and
+no message latency is the compute-only step time, which no runtime running the same autograd
+arithmetic in this schedule can beat. ``floor/peer`` is then the lowest funcpipe/peer any
+runtime could reach in that cell.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ COLUMNS: list[C.Column] = [
     ("peer_ms", "peer ms", ".2f"),
     ("ratio", "funcpipe/peer", ".3f"),
     ("ratio_iqr", "IQR/med", ".2f"),
+    ("floor_ms", "floor ms", ".2f"),
+    ("floor_ratio", "floor/peer", ".3f"),
     ("grad_diff", "grads fp vs peer", ".1e"),
     ("grad_ref", "fp vs 1-proc", ".1e"),
     ("peer_ref", "peer vs 1-proc", ".1e"),
@@ -220,6 +228,32 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def floor(pool: Any, program: Any, size: C.Size, args: argparse.Namespace) -> float:
+    """The schedule's compute-only makespan (s) from stage costs measured now on every rank."""
+    from benchmarks import vs_simulated
+    from funcpipe.schedule import add_communication, simulate
+
+    measured = pool.run(
+        vs_simulated.costs_job,
+        {
+            "size": vars(size),
+            "seed": args.seed,
+            "stage_kind": args.stage_kind,
+            "n_stages": [program.n_stages],
+            "cost_reps": args.floor_reps,
+            "comm_reps": 1,
+        },
+        timeout=args.job_timeout,
+    )
+    costs = [C.StageCosts(**m["costs"][str(program.n_stages)]) for m in measured]
+    n = program.n_stages
+    mine = {s: program.placement[s] for s in range(n)}
+    per_stage = C.StageCosts(  # each stage's costs as measured on the rank that runs it
+        *[[getattr(costs[mine[s]], k)[s] for s in range(n)] for k in ("f", "b", "i", "w")]
+    )
+    return simulate(add_communication(program), C.costs_for(program, per_stage)).makespan
+
+
 def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
     from benchmarks import vs_peer  # by module name, so the workers can unpickle the job
 
@@ -258,6 +292,9 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                     "p2p": args.p2p,
                 }
                 pool = pools.get(ranks)
+                program = C.program_for(sched, ranks=ranks, microbatches=size.microbatches)
+                if args.floor_reps > 0:
+                    row["floor_ms"] = floor(pool, program, size, args) * 1e3
                 try:
                     results, info = C.measured_cell(
                         lambda pool=pool, cfg=cfg: pool.run(
@@ -309,6 +346,8 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                         row["peer_times"] = peer_t
                         row["ratio"] = C.median(ratios)
                         row["ratio_iqr"] = C.spread(ratios)
+                        if row.get("floor_ms"):
+                            row["floor_ratio"] = row["floor_ms"] / row["peer_ms"]
                 row["note"] = "; ".join(f"{k} failed ({v})" for k, v in errors.items()) or ""
                 if any(r["dirty"] for r in results):
                     pool.close(kill=True)
@@ -344,6 +383,12 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-peer", action="store_true", help="time funcpipe only")
+    ap.add_argument(
+        "--floor-reps",
+        type=int,
+        default=10,
+        help="repetitions per stage cost for the compute-only floor (0: skip it)",
+    )
     ap.add_argument(
         "--p2p",
         default="auto",
