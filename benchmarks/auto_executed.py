@@ -2,9 +2,11 @@
 
     python benchmarks/auto_executed.py [--size large] [--ranks 2] [--rounds 20] [--json FILE]
 
-1. Every rank measures each stage's F, B, I and W on one microbatch (funcpipe's autodiff as the
-   interpreter runs it), for the model cut into ``p`` and ``2p`` stages; ranks 0 and 1 measure
-   the point-to-point latency of one activation. Rank 0's medians are the costs.
+1. Costs, for the model cut into ``p`` and ``2p`` stages. ``--costs in-step`` (default): a few
+   traced steps of a split schedule (ZB-H1 for ``p`` stages, ZB-V for ``2p``) and
+   ``funcpipe.schedule.costs_from_timelines``: each stage's median F, I, W inside a real step.
+   ``--costs isolated``: every rank times each stage alone on one microbatch (rank 0's medians).
+   Ranks 0 and 1 measure the point-to-point latency of one activation either way.
 2. From those costs, ``auto`` searches a one-chunk program (``auto``) and a two-chunk V program
    (``auto-v``) under the memory limit; the built-ins (GPipe, 1F1B, interleaved 1F1B, ZB-H1,
    ZB-H2, ZB-V, DualPipeV) that keep at most that much are the field.
@@ -44,6 +46,7 @@ COLUMNS: list[C.Column] = [
     ("schedule", "schedule", ""),
     ("peak", "peak (stages)", ".1f"),
     ("simulated_ms", "simulated ms", ".2f"),
+    ("isolated_ms", "sim. ms (isolated costs)", ".2f"),
     ("executed_ms", "executed ms", ".2f"),
     ("vs_best", "/best built-in", ".3f"),
     ("iqr", "IQR/med", ".2f"),
@@ -53,38 +56,80 @@ COLUMNS: list[C.Column] = [
 ]
 
 
+def _costs(c: C.StageCosts, comm: float) -> Any:
+    """The simulator's costs from measured F, I, W (a full B costs I + W)."""
+    from funcpipe.schedule import Costs
+
+    return Costs(f=c.f, b=c.i, w=c.w, comm=comm)
+
+
 def programs_for(
-    ranks: int, size: C.Size, costs: dict[str, dict[str, list[float]]], comm: float, memory: str
+    ranks: int,
+    size: C.Size,
+    costs: dict[str, Any],
+    isolated: dict[str, dict[str, list[float]]],
+    comm: float,
+    memory: str,
 ) -> dict[str, dict[str, Any]]:
-    """Every program that fits the limit: text, simulated makespan, peak (full-stage units)."""
-    from funcpipe.schedule import Costs, add_communication, simulate
+    """Every program that fits the limit: text, simulated makespan (with ``costs``, the ones
+    ``auto`` gets, and with the isolated ones), peak (full-stage units)."""
+    from funcpipe.schedule import add_communication, simulate
     from funcpipe.schedule.auto import auto
     from funcpipe.schedule.ir import format_program
 
     limit = ranks if memory == "p" else 2 * ranks
     out: dict[str, dict[str, Any]] = {}
+
+    def entry(program: Any, v: int) -> dict[str, Any]:
+        lowered = add_communication(program)
+        sim = simulate(lowered, costs[str(program.n_stages)])
+        alone = C.StageCosts(**isolated[str(program.n_stages)])
+        return {
+            "text": format_program(program),
+            "sim": sim.makespan,
+            "isolated": simulate(lowered, C.costs_for(program, alone, comm=comm)).makespan,
+            "peak": max(sim.peak_activations) / v,
+        }
+
     for name in BUILTINS:
         program = C.program_for(name, ranks=ranks, microbatches=size.microbatches)
-        v = program.n_stages // ranks
-        c = C.StageCosts(**costs[str(program.n_stages)])
-        sim = simulate(add_communication(program), C.costs_for(program, c, comm=comm))
-        peak = max(sim.peak_activations) / v
-        if peak <= limit:
-            out[name] = {"text": format_program(program), "sim": sim.makespan, "peak": peak}
+        got = entry(program, program.n_stages // ranks)
+        if got["peak"] <= limit:
+            out[name] = got
     for name, (v, placement) in AUTOS.items():
-        c = C.StageCosts(**costs[str(ranks * v)])
         program = auto(
             ranks=ranks,
             microbatches=size.microbatches,
             chunks=v,
             placement=placement,
-            costs=Costs(f=c.f, b=c.i, w=c.w, comm=comm),
+            costs=costs[str(ranks * v)],
             max_activations=v * limit,
         )
-        sim = simulate(add_communication(program), C.costs_for(program, c, comm=comm))
-        peak = max(sim.peak_activations) / v
-        out[name] = {"text": format_program(program), "sim": sim.makespan, "peak": peak}
+        out[name] = entry(program, v)
     return out
+
+
+def trace_job(rank: int, cfg: dict[str, Any]) -> list[Any]:
+    """Executed timelines of a few steps of ``cfg["schedule"]`` (for in-step costs)."""
+    import torch.distributed as dist
+
+    import funcpipe as fp
+
+    size = C.Size(**cfg["size"])
+    program = C.program_for(
+        cfg["schedule"], ranks=dist.get_world_size(), microbatches=size.microbatches
+    )
+    model = C.mlp(size.width, layers=size.layers, seed=cfg["seed"])
+    stages, params = C.funcpipe_stages(model, program.n_stages)
+    pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
+    x, y = C.data(size, seed=cfg["seed"] + 1)
+    for _ in range(cfg["warmup"]):
+        pipe.step(params, x, y)
+    timelines = []
+    for _ in range(cfg["steps"]):
+        dist.barrier()
+        timelines.append(pipe.step(params, x, y, trace=True).timeline)
+    return timelines if rank == 0 else []
 
 
 def run_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -144,6 +189,7 @@ def run_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
     from benchmarks import vs_simulated
+    from funcpipe.schedule import costs_from_timelines
 
     rows: list[dict[str, Any]] = []
     size = C.resize(C.SIZES[args.size], layers=args.layers, microbatches=args.microbatches)
@@ -161,9 +207,19 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
             },
             timeout=args.job_timeout,
         )
-        costs, comm = measured[0]["costs"], measured[0]["comm"]
+        isolated, comm = measured[0]["costs"], measured[0]["comm"]
+        costs: dict[str, Any] = {}
+        for v, traced in ((1, "zb-h1"), (2, "zbv")):
+            n = str(ranks * v)
+            if args.costs == "isolated":
+                costs[n] = _costs(C.StageCosts(**isolated[n]), comm)
+                continue
+            cfg0 = {"size": vars(size), "seed": args.seed, "schedule": traced}
+            cfg0 |= {"warmup": args.warmup, "steps": args.trace_steps}
+            timelines = pool.run(trace_job, cfg0, timeout=args.job_timeout)[0]
+            costs[n] = costs_from_timelines(timelines, comm=comm)
         for memory in args.memory:
-            progs = programs_for(ranks, size, costs, comm, memory)
+            progs = programs_for(ranks, size, costs, isolated, comm, memory)
             cfg = {
                 "size": vars(size),
                 "seed": args.seed,
@@ -192,6 +248,8 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                         "best_builtin": best,
                         "peak": prog["peak"],
                         "simulated_ms": prog["sim"] * 1e3,
+                        "isolated_ms": prog["isolated"] * 1e3,
+                        "costs": args.costs,
                         "executed_ms": C.median(steps[name]) * 1e3,
                         "vs_best": C.median(ratios) if ratios else None,
                         "iqr": C.spread(steps[name]),
@@ -199,7 +257,10 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                         "executed_times": steps[name],
                         "program": prog["text"],
                         "comm_s": comm,
-                        "stage_costs_s": costs,
+                        "stage_costs_s": {
+                            n: {"f": c.f, "b": c.b, "w": c.w} for n, c in costs.items()
+                        },
+                        "isolated_costs_s": isolated,
                         **info,
                     }
                 )
@@ -216,6 +277,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ranks", nargs="+", type=int, default=[2])
     ap.add_argument("--memory", nargs="+", default=["p"], choices=["p", "2p"])
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument(
+        "--costs",
+        default="in-step",
+        choices=["in-step", "isolated"],
+        help="what auto gets: stage costs traced inside steps (default) or timed alone",
+    )
+    ap.add_argument("--trace-steps", type=int, default=5, help="traced steps for in-step costs")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--microbatches", type=int, default=None)

@@ -20,13 +20,14 @@ interquartile spread of those ratios. A peer schedule that fails records its err
 (all ranks at once, as in a step); the simulator's makespan of the schedule with those costs and
 no message latency is the compute-only step time, which no runtime running the same autograd
 arithmetic in this schedule can beat. ``floor/peer`` is then the lowest funcpipe/peer any
-runtime could reach in that cell.
+runtime could reach in that cell. Only where every rank has a core of its own (ranks <= cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 import traceback
@@ -293,7 +294,8 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 }
                 pool = pools.get(ranks)
                 program = C.program_for(sched, ranks=ranks, microbatches=size.microbatches)
-                if args.floor_reps > 0:
+                if args.floor_reps > 0 and ranks <= (os.cpu_count() or 1):
+                    # (with more ranks than cores the simulator's one-core-per-rank is wrong)
                     row["floor_ms"] = floor(pool, program, size, args) * 1e3
                 try:
                     results, info = C.measured_cell(

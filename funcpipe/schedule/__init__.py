@@ -49,7 +49,7 @@ from funcpipe.schedule.passes import (
     split_backward,
     strip_communication,
 )
-from funcpipe.schedule.profile import profile_stages
+from funcpipe.schedule.profile import costs_from_timelines, profile_stages
 from funcpipe.schedule.render import ascii_timeline, chrome_trace, draw_timeline, write_chrome_trace
 from funcpipe.schedule.simulate import Costs, Event, Timeline, peak_activations, simulate
 
@@ -73,6 +73,7 @@ __all__ = [
     "check",
     "chimera",
     "chrome_trace",
+    "costs_from_timelines",
     "draw_timeline",
     "dualpipe_v",
     "forward",

@@ -7,6 +7,11 @@ stage's inputs (:func:`funcpipe.stage.as_inputs`), and returns the medians as a
 :class:`~funcpipe.schedule.simulate.Costs`. :func:`measure_stages` returns every number it took,
 the full backward ``B`` included.
 
+:func:`costs_from_timelines` reads the same costs off executed steps instead
+(``Pipeline.step(..., trace=True).timeline``): what each instruction took inside a real step,
+next to the other ranks and stages, which can differ from a stage timed alone (caches, memory
+bandwidth shared by the ranks).
+
 The only schedule module that touches torch, and only inside its functions: importing it (and
 ``funcpipe.schedule``) stays free of torch and of ``torch.distributed``.
 """
@@ -22,7 +27,7 @@ from typing import Any
 from funcpipe.errors import InvalidArgument
 from funcpipe.schedule.simulate import Costs
 
-__all__ = ["StageTimes", "measure_stages", "profile_stages"]
+__all__ = ["StageTimes", "costs_from_timelines", "measure_stages", "profile_stages"]
 
 
 @dataclass(frozen=True)
@@ -248,3 +253,51 @@ def _measure_comm(payload: Sequence[Any], *, rounds: int = 10) -> float:
         result = result.cuda()
     dist.broadcast(result, 0)
     return float(result.item())
+
+
+def costs_from_timelines(timelines: Sequence[Any], *, comm: float = 0.0) -> Costs:
+    """Per-stage costs measured inside executed steps, for the simulator and ``auto``.
+
+    ``timelines`` are executed :class:`~funcpipe.schedule.simulate.Timeline` s of one program
+    (``Pipeline.step(..., trace=True).timeline``, one per step; run a few and pass them all).
+    Each stage's ``f``, ``b`` (input gradient) and ``w`` (weight gradient) are the medians of
+    its F, I and W instructions over all the steps, so the program must split its backwards
+    (ZB-H1, ZB-H2, ZB-V, DualPipeV, or ``passes.split_backward``); a stage seen only with full
+    backwards B gets ``b = w = B / 2``. ``comm`` is passed through.
+    """
+    if not timelines:
+        raise InvalidArgument("costs_from_timelines needs at least one executed timeline")
+    n = timelines[0].program.n_stages
+    seen: dict[tuple[str, int], list[float]] = {}
+    for tl in timelines:
+        if tl.program.n_stages != n:
+            raise InvalidArgument(
+                "costs_from_timelines: the timelines come from programs with different stages "
+                f"({n} and {tl.program.n_stages}); pass steps of one program"
+            )
+        for events in tl.events:
+            for e in events:
+                if e.instr.op.name in ("F", "B", "I", "W"):
+                    seen.setdefault((e.instr.op.name, e.instr.stage), []).append(e.end - e.start)
+
+    def med(op: str, stage: int) -> float | None:
+        got = seen.get((op, stage))
+        return statistics.median(got) if got else None
+
+    f, b, w = [], [], []
+    for s in range(n):
+        fs, i, wt, full = med("F", s), med("I", s), med("W", s), med("B", s)
+        if fs is None or ((i is None or wt is None) and full is None):
+            raise InvalidArgument(
+                f"costs_from_timelines: stage {s} has no forward or no backward in these "
+                "timelines; pass training steps (step(..., trace=True)) of the program"
+            )
+        f.append(fs)
+        if i is not None and wt is not None:
+            b.append(i)
+            w.append(wt)
+        else:
+            assert full is not None
+            b.append(full / 2)
+            w.append(full / 2)
+    return Costs(f=f, b=b, w=w, comm=comm)

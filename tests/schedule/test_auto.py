@@ -22,7 +22,7 @@ from funcpipe.pipeline import Pipeline
 from funcpipe.schedule import auto as auto_from_package
 from funcpipe.schedule.auto import BUILTINS, auto, minimum_activations
 from funcpipe.schedule.check import check
-from funcpipe.schedule.generators import generate
+from funcpipe.schedule.generators import generate, to_eval
 from funcpipe.schedule.ir import Op, Program, parse_program
 from funcpipe.schedule.profile import measure_stages, profile_stages
 from funcpipe.schedule.simulate import Costs, peak_activations, simulate
@@ -290,6 +290,31 @@ def test_an_auto_program_runs_and_matches_the_reference(
     ref_loss, ref_grads = fp.reference_step(stages, params, x, mse, targets=y, microbatches=5)
     assert_trees_close((result.loss, result.grads), (ref_loss, ref_grads))
     assert max(result.peak_activations.values()) <= 2 * chunks
+
+
+def test_costs_from_executed_timelines_feed_auto() -> None:
+    from funcpipe.schedule import costs_from_timelines
+
+    stages, params = toy(4)
+    x, y = data(8)
+    pipe = Pipeline(stages, generate("zb-h1", ranks=4, microbatches=4), loss_fn=mse)
+    timelines = [pipe.step(params, x, y, trace=True).timeline for _ in range(2)]
+    costs = costs_from_timelines(timelines, comm=2e-5)
+    for name in ("f", "b", "w"):
+        values = getattr(costs, name)
+        assert len(values) == 4 and all(0 < t < 1.0 for t in values), (name, values)
+    assert costs.comm == 2e-5
+    check(auto(ranks=4, microbatches=4, costs=costs, max_activations=4))
+    # a program with full backwards only: B is halved between b and w
+    full = Pipeline(stages, generate("1f1b", ranks=4, microbatches=4), loss_fn=mse)
+    tl = full.step(params, x, y, trace=True).timeline
+    halves = costs_from_timelines([tl])
+    assert halves.b == halves.w
+    with pytest.raises(InvalidArgument, match="at least one"):
+        costs_from_timelines([])
+    evaluation = Pipeline(stages, to_eval(generate("1f1b", ranks=4, microbatches=4)))
+    with pytest.raises(InvalidArgument, match="no forward or no backward"):
+        costs_from_timelines([evaluation.step(params, x, trace=True).timeline])
 
 
 def profile_job(rank: int, n: int) -> Costs:
