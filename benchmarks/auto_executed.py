@@ -3,8 +3,9 @@
     python benchmarks/auto_executed.py [--size large] [--ranks 2] [--rounds 20] [--json FILE]
 
 1. Costs, for the model cut into ``p`` and ``2p`` stages. ``--costs in-step`` (default): a few
-   traced steps of a split schedule (ZB-H1 for ``p`` stages, ZB-V for ``2p``) and
-   ``funcpipe.schedule.costs_from_timelines``: each stage's median F, I, W inside a real step.
+   traced steps of a split and a whole-backward schedule (ZB-H1 and 1F1B for ``p`` stages,
+   ZB-V and interleaved 1F1B for ``2p``) and ``funcpipe.schedule.costs_from_timelines``: each
+   stage's median F, I, W and B inside a real step.
    ``--costs isolated``: every rank times each stage alone on one microbatch (rank 0's medians).
    Ranks 0 and 1 measure the point-to-point latency of one activation either way.
 2. From those costs, ``auto`` searches a one-chunk program (``auto``) and a two-chunk V program
@@ -60,7 +61,7 @@ def _costs(c: C.StageCosts, comm: float) -> Any:
     """The simulator's costs from measured F, I, W (a full B costs I + W)."""
     from funcpipe.schedule import Costs
 
-    return Costs(f=c.f, b=c.i, w=c.w, comm=comm)
+    return Costs(f=c.f, b=c.i, w=c.w, full=c.b, comm=comm)
 
 
 def programs_for(
@@ -209,14 +210,16 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
         )
         isolated, comm = measured[0]["costs"], measured[0]["comm"]
         costs: dict[str, Any] = {}
-        for v, traced in ((1, "zb-h1"), (2, "zbv")):
+        for v, traced in ((1, ("zb-h1", "1f1b")), (2, ("zbv", "interleaved"))):
             n = str(ranks * v)
             if args.costs == "isolated":
                 costs[n] = _costs(C.StageCosts(**isolated[n]), comm)
                 continue
-            cfg0 = {"size": vars(size), "seed": args.seed, "schedule": traced}
-            cfg0 |= {"warmup": args.warmup, "steps": args.trace_steps}
-            timelines = pool.run(trace_job, cfg0, timeout=args.job_timeout)[0]
+            timelines = []
+            for sched in traced:  # I and W from a split program, B from a whole one
+                cfg0 = {"size": vars(size), "seed": args.seed, "schedule": sched}
+                cfg0 |= {"warmup": args.warmup, "steps": args.trace_steps}
+                timelines += pool.run(trace_job, cfg0, timeout=args.job_timeout)[0]
             costs[n] = costs_from_timelines(timelines, comm=comm)
         for memory in args.memory:
             progs = programs_for(ranks, size, costs, isolated, comm, memory)
@@ -258,7 +261,8 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                         "program": prog["text"],
                         "comm_s": comm,
                         "stage_costs_s": {
-                            n: {"f": c.f, "b": c.b, "w": c.w} for n, c in costs.items()
+                            n: {"f": c.f, "b": c.b, "w": c.w, "full": c.full}
+                            for n, c in costs.items()
                         },
                         "isolated_costs_s": isolated,
                         **info,

@@ -92,6 +92,7 @@ class _Problem:
     w: tuple[float, ...]
     comm: float
     cap: tuple[int, ...]
+    full: tuple[float, ...] = ()  # a full backward B per stage (b + w unless measured)
 
     @property
     def n(self) -> int:
@@ -351,7 +352,7 @@ def _timing(problem: _Problem, order: Order) -> _Timing | None:
                     a = end[q][u] + up[s + 1]
                     if a > now:
                         now = a
-                now += b[s] + (w[s] if op == _B else 0.0)
+                now += problem.full[s] if op == _B else b[s]
                 i_at[s][k] = (r, t)
                 if waiting and (_I, s, k) in waiting:
                     todo.append(waiting.pop((_I, s, k)))
@@ -385,7 +386,7 @@ def _critical_swaps(problem: _Problem, order: Order, tm: _Timing) -> list[tuple[
     out = []
     while True:
         op, s, k = order[r][t]
-        cost = (f[s], b[s], w[s], b[s] + w[s])[op]
+        cost = (f[s], b[s], w[s], problem.full[s])[op]
         start = tm.end[r][t] - cost
         arrive, source = 0.0, None
         if op == _F and s > 0:
@@ -463,8 +464,11 @@ def _problem(
             "or the result of funcpipe.schedule.profile.profile_stages)"
         )
     per: dict[str, tuple[float, ...]] = {}
-    for name in ("f", "b", "w"):
+    for name in ("f", "b", "w", "full"):
         value = getattr(costs, name)
+        if value is None:  # full: b + w
+            per[name] = tuple(x + y for x, y in zip(per["b"], per["w"], strict=True))
+            continue
         if isinstance(value, Sequence):
             if len(value) != n:
                 raise InvalidArgument(
@@ -491,7 +495,9 @@ def _problem(
         limit = _limit(max_activations, least, "max_activations")
         cap = (limit,) * p
     cap = tuple(min(c, m * v) for c in cap)
-    return _Problem(p, m, v, kind, stage_rank, per["f"], per["b"], per["w"], costs.comm, cap)
+    return _Problem(
+        p, m, v, kind, stage_rank, per["f"], per["b"], per["w"], costs.comm, cap, per["full"]
+    )
 
 
 def _limit(value: object, least: int, name: str) -> int:
@@ -575,6 +581,12 @@ def auto(
         scored = _score(problem, order)
         if scored[:3] < best[:3]:
             best = scored
+    if any(u < x + y for u, x, y in zip(problem.full, problem.b, problem.w, strict=True)):
+        # a B cheaper than its I and W apart: where W directly follows its I, one B may do
+        for start in [best, *starts]:
+            scored = _score(problem, _merge_backwards(start[3]))
+            if scored[:3] < best[:3]:
+                best = scored
     winner = Program(
         ranks=tuple(tuple(Instr(_OPS[op], s, k) for op, s, k in x) for x in best[3]),
         placement=problem.placement,
@@ -583,6 +595,24 @@ def auto(
     )
     simulate(winner, Costs() if costs is None else costs)  # the checker's proof, as a last word
     return winner
+
+
+def _merge_backwards(order: Order) -> Order:
+    """Every I directly followed by its own W, made one B (same memory, fewer instructions)."""
+    out: Order = []
+    for instrs in order:
+        merged: list[tuple[int, int, int]] = []
+        t = 0
+        while t < len(instrs):
+            op, s, k = instrs[t]
+            if op == _I and t + 1 < len(instrs) and instrs[t + 1] == (_W, s, k):
+                merged.append((_B, s, k))
+                t += 2
+                continue
+            merged.append(instrs[t])
+            t += 1
+        out.append(merged)
+    return out
 
 
 def _score(problem: _Problem, order: Order) -> tuple[float, float, int, Order]:

@@ -43,8 +43,11 @@ class StageTimes:
     comm: float = 0.0
 
     def costs(self) -> Costs:
-        """The simulator's costs: ``f``, ``b`` = the input-gradient part (I), ``w``, ``comm``."""
-        return Costs(f=list(self.f), b=list(self.i), w=list(self.w), comm=self.comm)
+        """The simulator's costs: ``f``, ``b`` = the input-gradient part (I), ``w``, ``full`` =
+        the full backward (B), ``comm``."""
+        return Costs(
+            f=list(self.f), b=list(self.i), w=list(self.w), full=list(self.b), comm=self.comm
+        )
 
 
 def profile_stages(
@@ -260,10 +263,12 @@ def costs_from_timelines(timelines: Sequence[Any], *, comm: float = 0.0) -> Cost
 
     ``timelines`` are executed :class:`~funcpipe.schedule.simulate.Timeline` s of one program
     (``Pipeline.step(..., trace=True).timeline``, one per step; run a few and pass them all).
-    Each stage's ``f``, ``b`` (input gradient) and ``w`` (weight gradient) are the medians of
-    its F, I and W instructions over all the steps, so the program must split its backwards
-    (ZB-H1, ZB-H2, ZB-V, DualPipeV, or ``passes.split_backward``); a stage seen only with full
-    backwards B gets ``b = w = B / 2``. ``comm`` is passed through.
+    Each stage's ``f``, ``b`` (input gradient), ``w`` (weight gradient) and ``full`` (a whole
+    backward B) are the medians of its F, I, W and B instructions over all the steps: pass steps
+    of a program that splits its backwards (ZB-H1, ZB-H2, ZB-V, DualPipeV, or
+    ``passes.split_backward``) and, for ``full``, steps of one that does not (1F1B, GPipe) with
+    the same stages. A stage seen only with B gets ``b = w = B / 2``; one never seen with B gets
+    ``full = b + w``. ``comm`` is passed through.
     """
     if not timelines:
         raise InvalidArgument("costs_from_timelines needs at least one executed timeline")
@@ -284,7 +289,7 @@ def costs_from_timelines(timelines: Sequence[Any], *, comm: float = 0.0) -> Cost
         got = seen.get((op, stage))
         return statistics.median(got) if got else None
 
-    f, b, w = [], [], []
+    f, b, w, fulls = [], [], [], []
     for s in range(n):
         fs, i, wt, full = med("F", s), med("I", s), med("W", s), med("B", s)
         if fs is None or ((i is None or wt is None) and full is None):
@@ -300,4 +305,5 @@ def costs_from_timelines(timelines: Sequence[Any], *, comm: float = 0.0) -> Cost
             assert full is not None
             b.append(full / 2)
             w.append(full / 2)
-    return Costs(f=f, b=b, w=w, comm=comm)
+        fulls.append(full if full is not None else b[-1] + w[-1])
+    return Costs(f=f, b=b, w=w, full=fulls, comm=comm)

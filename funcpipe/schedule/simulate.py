@@ -31,18 +31,23 @@ def _check_cost(name: str, value: object) -> None:
 @dataclass(frozen=True)
 class Costs:
     """Per-stage costs: ``f`` forward, ``b`` input-gradient backward, ``w`` weight-gradient
-    backward (a full B costs ``b + w``), ``comm`` the latency of one message, ``reduce`` the time of
-    one REDUCE. ``f``, ``b`` and ``w`` may be one number or one per stage."""
+    backward, ``comm`` the latency of one message, ``reduce`` the time of one REDUCE, ``full``
+    one full backward B (default ``b + w``; on small stages a B is cheaper than its I and W run
+    apart, which a measured ``full`` lets the simulator and ``auto`` see). ``f``, ``b``, ``w`` and
+    ``full`` may be one number or one per stage."""
 
     f: CostValue = 1.0
     b: CostValue = 1.0
     w: CostValue = 1.0
     comm: float = 0.0
     reduce: float = 0.0
+    full: CostValue | None = None
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "comm", "reduce"):
+        for name in ("f", "b", "w", "comm", "reduce", "full"):
             value = getattr(self, name)
+            if name == "full" and value is None:
+                continue
             if name in ("comm", "reduce") and isinstance(value, Sequence):
                 raise InvalidArgument(f"Costs({name}={value!r}): {name} is one number")
             _check_cost(name, value)
@@ -65,6 +70,9 @@ class Costs:
 
     def per_stage(self, name: str, program: Program) -> tuple[float, ...]:
         value = getattr(self, name)
+        if name == "full" and value is None:
+            b, w = self.per_stage("b", program), self.per_stage("w", program)
+            return tuple(x + y for x, y in zip(b, w, strict=True))
         n = program.n_stages
         if not isinstance(value, Sequence):
             return (float(value),) * n
@@ -162,13 +170,18 @@ def peak_activations(program: Program) -> tuple[int, ...]:
 
 
 def _cost(
-    i: Instr, f: Sequence[float], b: Sequence[float], w: Sequence[float], costs: Costs
+    i: Instr,
+    f: Sequence[float],
+    b: Sequence[float],
+    w: Sequence[float],
+    full: Sequence[float],
+    costs: Costs,
 ) -> float:
     op = i.op
     if op is Op.F or op is Op.R:
         return f[i.stage]
     if op is Op.B:
-        return b[i.stage] + w[i.stage]
+        return full[i.stage]
     if op is Op.I:
         return b[i.stage]
     if op is Op.W:
@@ -214,7 +227,7 @@ def simulate(program: Program, costs: Costs | None = None) -> Timeline:
     if not isinstance(costs, Costs):
         raise InvalidArgument(f"costs={costs!r}: pass a funcpipe.schedule.Costs")
     analysis = analyse(program)
-    f, b, w = (costs.per_stage(n, program) for n in ("f", "b", "w"))
+    f, b, w, full = (costs.per_stage(n, program) for n in ("f", "b", "w", "full"))
     n = program.n_ranks
     pc = [0] * n
     clock = [0.0] * n
@@ -244,7 +257,7 @@ def simulate(program: Program, costs: Costs | None = None) -> Timeline:
                     start = max(arrived[m] for m in members)
                     for mr, mt in members:
                         i = program.ranks[mr][mt]
-                        end = start + _cost(i, f, b, w, costs)
+                        end = start + _cost(i, f, b, w, full, costs)
                         finish[(mr, mt)] = clock[mr] = end
                         events[mr].append(Event(mr, mt, i, start, end))
                         pc[mr] += 1
@@ -252,7 +265,7 @@ def simulate(program: Program, costs: Costs | None = None) -> Timeline:
                     progressed = True
                     continue
                 i = instrs[t]
-                end = ready + _cost(i, f, b, w, costs)
+                end = ready + _cost(i, f, b, w, full, costs)
                 # a RECV spans the wait: from when the rank reached it to when the data arrived
                 start = clock[r] if i.op is Op.RECV else ready
                 finish[(r, t)] = clock[r] = end

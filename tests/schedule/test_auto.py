@@ -62,6 +62,12 @@ def problems(draw: Callable[..., Any]) -> dict[str, Any]:
         draw(st.lists(cost, min_size=n, max_size=n)) if per_stage else draw(cost) for _ in range(3)
     )
     comm = draw(st.sampled_from([0.0, 0.1, 0.5]))
+    # a full backward cheaper than its I and W apart (measured on small stages), or b + w
+    full = draw(st.sampled_from([None, 0.6, 0.9]))
+    if full is not None:
+        bs = b if isinstance(b, list) else [b] * n
+        ws = w if isinstance(w, list) else [w] * n
+        full = [full * (x + y) for x, y in zip(bs, ws, strict=True)]
     kind = draw(st.sampled_from(["none", "one", "per-rank"]))
     top = 2 * p * v
     limit: Any
@@ -76,7 +82,7 @@ def problems(draw: Callable[..., Any]) -> dict[str, Any]:
         "microbatches": m,
         "chunks": v,
         "placement": placement,
-        "costs": Costs(f=f, b=b, w=w, comm=comm),
+        "costs": Costs(f=f, b=b, w=w, comm=comm, full=full),
         "max_activations": limit,
     }
 
@@ -142,6 +148,17 @@ def test_half_of_1f1b_bubble_at_1f1b_memory(p: int, m: int) -> None:
     program = auto(ranks=p, microbatches=m, chunks=2, placement="v", max_activations=2 * p)
     assert max(peak_activations(program)) <= 2 * p
     assert simulate(program).bubble_fraction <= 0.5 * one_f_one_b
+
+
+def test_a_cheap_full_backward_is_used() -> None:
+    """When B costs less than I + W (small stages), auto keeps whole backwards where splitting
+    does not pay, and is never slower than 1F1B under those costs."""
+    costs = Costs(f=1, b=1, w=1, full=1.2)
+    program = auto(ranks=4, microbatches=8, costs=costs, max_activations=4)
+    assert any(i.op is Op.B for r in program.ranks for i in r)
+    one_f_one_b = generate("1f1b", ranks=4, microbatches=8)
+    assert simulate(program, costs).makespan <= simulate(one_f_one_b, costs).makespan
+    assert simulate(one_f_one_b, costs).makespan < simulate(one_f_one_b, Costs(1, 1, 1)).makespan
 
 
 def test_auto_beats_interleaved_where_the_split_backward_helps() -> None:
