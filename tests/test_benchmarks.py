@@ -13,6 +13,7 @@ import pytest
 from benchmarks import (
     auto_executed,
     backward_costs,
+    backward_split,
     chart,
     memory,
     overhead,
@@ -96,6 +97,11 @@ def test_profile_step(pool: Pool) -> None:
     rows = profile_step.main([*argv, "--no-cprofile"], pool=pool)
     step = next(r for r in rows if r["phase"] == "step")
     assert step["calls0"] == 1 and step["ms0"] > 0
+
+
+def test_backward_split_gives_the_same_gradients() -> None:
+    (row,) = backward_split.main(["--width", "16", "--batch", "4", "--reps", "2"])
+    assert row["grads_equal"] and row["B_ms"] > 0 and row["ratio"] > 0
 
 
 def test_backward_costs() -> None:
