@@ -8,8 +8,8 @@ apply the same SGD update to the full params. Every ``check_every`` steps every 
 ``funcpipe.reference_step`` on the same params and batch and records the largest difference of
 the loss and of the gradients. Each rank reports its resident memory (VmRSS) after a warm-up
 and at the end, and its peak (VmHWM); and the same two after ``malloc_trim`` (live memory,
-without what glibc keeps on its free lists: the raw figure creeps up by a few MB over hundreds
-of steps and ``malloc_trim`` gives it back, so that creep is allocator retention, not a leak).
+without what glibc keeps on its free lists). Memory grows by a few MB while new batch shapes
+appear (cached shape inference) and then stays flat (docs/errors.md, "Load: the soak").
 
 Full size (300 steps; the test suite runs 100)::
 

@@ -993,6 +993,33 @@ def render() -> str:
         "- the process is killed while saving a checkpoint: the previous checkpoint loads and "
         "training resumes from it with exactly the losses of an uninterrupted run.",
         "",
+        "## Load: the soak",
+        "",
+        "`tests/soak.py` trains the demo's GPT (tiny, float64, tied embedding, 1F1B over 2 gloo "
+        "processes) with a new batch size and sequence length almost every step, checks the "
+        "loss and every gradient against `funcpipe.reference_step` every few steps, and reports "
+        "each rank's resident memory after a warm-up and at the end (`tests/test_soak.py` runs "
+        "100 steps). Measured on 2026-11-22, rank 0:",
+        "",
+        "| steps | batch shapes | loss / gradient drift | RSS after warm-up -> end (MB) |",
+        "|---:|---:|:--|:--|",
+        "| 300 | 123 | 0.0 / 0.0 | 313.0 -> 315.7 |",
+        "| 1,500 | 135 | 0.0 / 0.0 | 313.0 -> 316.7 |",
+        "| 5,000 | 135 | 0.0 / 0.0 | 313.3 -> 317.2 |",
+        "",
+        "Memory grows while new batch shapes appear (each gets a cached shape inference, at most "
+        "256 kept) and then stays flat: +0.5 MB from step 1,500 to 5,000. Before this was fixed, "
+        "it crept by 1.3 KB per step for as long as training ran (308.8 -> 319.5 MB over 4,800 "
+        "steps): with tied parameters, each step's interpreter state (its inputs and a copy of "
+        "the gradients) was kept alive by a reference cycle through the tie reduction's callback "
+        "until a full garbage collection, which with torch imported almost never runs. "
+        "`tests/runtime/test_no_cycles.py` now checks that a step leaves nothing for the "
+        "garbage collector.",
+        "",
+        "```sh",
+        ".venv/bin/python -m tests.soak --steps 5000 --check-every 500",
+        "```",
+        "",
         "See also [security.md](security.md).",
         "",
     ]
