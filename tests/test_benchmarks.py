@@ -21,6 +21,7 @@ from benchmarks import (
     vs_peer,
     vs_simulated,
     vs_single,
+    weight_batching,
 )
 
 Pool = Callable[[int], Any]
@@ -102,6 +103,11 @@ def test_profile_step(pool: Pool) -> None:
 def test_backward_split_gives_the_same_gradients() -> None:
     (row,) = backward_split.main(["--width", "16", "--batch", "4", "--reps", "2"])
     assert row["grads_equal"] and row["B_ms"] > 0 and row["ratio"] > 0
+
+
+def test_weight_batching_agrees() -> None:
+    (row,) = weight_batching.main(["--shapes", "16x2", "--microbatches", "3", "--reps", "2"])
+    assert row["same"] and row["per_microbatch_ms"] > 0 and row["batched_ms"] > 0
 
 
 def test_backward_costs() -> None:
