@@ -36,7 +36,7 @@ def _pair(timeout: float = 10.0, key: str = "k") -> tuple[sockets.Channels, sock
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    threads = [threading.Thread(target=make, args=(r,), daemon=True) for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
@@ -55,7 +55,9 @@ def _both(a: Callable[[], Any], b: Callable[[], Any]) -> tuple[Any, Any]:
         except BaseException as e:
             out[name + "!"] = e
 
-    threads = [threading.Thread(target=run, args=(n, f)) for n, f in (("a", a), ("b", b))]
+    threads = [
+        threading.Thread(target=run, args=(n, f), daemon=True) for n, f in (("a", a), ("b", b))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -214,7 +216,7 @@ def test_a_connection_without_the_token_is_refused() -> None:
         except BaseException as e:
             caught.append(e)
 
-    t = threading.Thread(target=listen)
+    t = threading.Thread(target=listen, daemon=True)
     t.start()
     path = store.get("k/path/1").decode()  # waits until rank 1 listens
     intruder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
