@@ -131,8 +131,9 @@ def test_profile_balances_time() -> None:
     slow = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
     layers = [nn.Identity(), slow, nn.Identity(), nn.Identity(), nn.Identity(), nn.Identity()]
     # uniform would give ((0, 3), (3, 6)); by time the slow layer's stage takes nothing more.
+    # The identities take ~0 s, so the first one may go either side of the cut (timing noise).
     part = partition(layers, 2, by="profile", example=torch.randn(64, 64))
-    assert part.bounds == ((0, 2), (2, 6))
+    assert part.bounds in (((0, 2), (2, 6)), ((0, 1), (1, 6)))
 
 
 def test_profile_does_not_touch_module_buffers() -> None:
