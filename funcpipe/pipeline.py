@@ -732,7 +732,8 @@ class Pipeline:
         has_metric = self.metric_fn is not None
         if not (has_loss or has_metric):
             return None, None
-        assert result.scalars is not None  # posted by the rank as soon as its loss was final
+        if result.scalars is None:  # every rank posts it once per step (interpreter.run)
+            raise RuntimeError("funcpipe internal error: the step's loss reduction was not posted")
         buf, handle = result.scalars
         handle.wait()  # over every rank of every copy: the loss of the whole batch
         # every data copy adds its loss; every tensor coordinate holds the same loss

@@ -462,10 +462,9 @@ class _Rank:
 
         self._reduce(diff, group, average, {owner})
 
-    def _post_scalars(self) -> None:
+    def _post_scalars(self, group: str) -> None:
         """Start reducing this rank's loss and metric sums (final once its sink forwards ran)."""
-        res, group = self.result, self.x.scalars_group
-        assert group is not None
+        res = self.result
         buf = torch.zeros(3, dtype=torch.float64, device=self.x.device)
         if res.loss_sum is not None:
             buf[0] = res.loss_sum.detach().to(torch.float64)
@@ -510,13 +509,14 @@ class _Rank:
         early = _prefetch_plan(instrs) if x.prefetch else {}
         posted: dict[int, tuple[Handle, Callable[[], None] | None]] = {}
         scalars_after = -1
-        if x.scalars_group is not None:
+        scalars = x.scalars_group
+        if scalars is not None:
             sinks = [
                 t for t, i in enumerate(instrs) if i.op is Op.F and not self.p.consumers(i.stage)
             ]
             scalars_after = sinks[-1] if sinks else -1
             if not sinks:
-                self._post_scalars()
+                self._post_scalars(scalars)
         for t, i in enumerate(instrs):
             if trace is not None:
                 trace.append(clock())
@@ -548,8 +548,8 @@ class _Rank:
                 if self.inflight:  # a tie or replica sum reads what earlier reductions wrote
                     yield from self._settle(list(self.inflight))
                 self.reduce(i)
-            if t == scalars_after:
-                self._post_scalars()
+            if t == scalars_after and scalars is not None:
+                self._post_scalars(scalars)
             if trace is not None:
                 trace.append(clock())
         for pending in self.reductions:

@@ -301,8 +301,7 @@ def costs_from_timelines(timelines: Sequence[Any], *, comm: float = 0.0) -> Cost
         if i is not None and wt is not None:
             b.append(i)
             w.append(wt)
-        else:
-            assert full is not None
+        elif full is not None:
             b.append(full / 2)
             w.append(full / 2)
         fulls.append(full if full is not None else b[-1] + w[-1])
