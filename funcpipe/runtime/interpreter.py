@@ -114,13 +114,13 @@ class _Rank:
         self.inflight: dict[int, list[_Pending]] = {}
         self.tied = {key for keys in x.ties.values() for key in keys}
         self.live = 0  # activations kept for a backward (as the simulator counts them)
-        # the gradient sums live in the .grad of this step's parameter leaves (see the module
-        # docstring); a tie reduction hands one total to several leaves: those are ``shared``
-        # and copied before anything adds into them
-        self.grads: dict[int, list[Tensor]] = {}
+        # owner stage -> this step's parameter leaves; the gradient sums live in their .grad
+        # (see the module docstring); a tie reduction hands one total to several leaves: those
+        # are ``shared`` and copied before anything adds into them
+        self.leaves: dict[int, list[Tensor]] = {}
         for s in p.stages_on(x.rank):
             o = self.owner[s]
-            self.grads.setdefault(o, x.params[o][0])
+            self.leaves.setdefault(o, x.params[o][0])
         self.shared: set[tuple[int, int]] = set()
 
     # ------------------------------------------------------------------ helpers
@@ -287,7 +287,7 @@ class _Rank:
         """Before autograd adds into stage ``s``'s sums: give shared ones their own copy."""
         o = self.owner[s]
         for key in [key for key in self.shared if key[0] == o]:
-            leaf = self.grads[o][key[1]]
+            leaf = self.leaves[o][key[1]]
             if leaf.grad is not None:
                 leaf.grad = leaf.grad.clone()
             self.shared.discard(key)
@@ -422,7 +422,7 @@ class _Rank:
         x = self.x
         group = i.group
         if group.startswith("tie:"):
-            local = [(o, k) for o, k in x.ties.get(group[4:], ()) if o in self.grads]
+            local = [(o, k) for o, k in x.ties.get(group[4:], ()) if o in self.leaves]
             total = self._grad_leaf(local[0])
             for key in local[1:]:
                 total = total + self._grad_leaf(key)
@@ -433,11 +433,11 @@ class _Rank:
             def assign(
                 local: list[tuple[int, int]] = local,
                 total: Tensor = total,
-                grads: dict[int, list[Tensor]] = self.grads,
+                leaves: dict[int, list[Tensor]] = self.leaves,
                 shared: set[tuple[int, int]] = self.shared,
             ) -> None:
                 for o, k in local:
-                    grads[o][k].grad = total
+                    leaves[o][k].grad = total
                     if len(local) > 1:
                         shared.add((o, k))  # one tensor for the tied leaves now
 
@@ -446,7 +446,7 @@ class _Rank:
         owner = self.owner[i.stage]
         keys = [
             k
-            for k in range(len(self.grads[owner]))
+            for k in range(len(self.leaves[owner]))
             if not (group.startswith("replica:") and (owner, k) in self.tied)
         ]
         leaves = [self._grad_leaf((owner, k)) for k in keys]
@@ -477,7 +477,7 @@ class _Rank:
         """The gradient sum of leaf ``k`` of ``o``, contiguous and its own (reductions write
         into it)."""
         o, k = key
-        leaf = self.grads[o][k]
+        leaf = self.leaves[o][k]
         g = leaf.grad
         if g is None:
             g = leaf.grad = torch.zeros_like(leaf)
@@ -556,7 +556,7 @@ class _Rank:
             yield from pending.finish()
         self.reductions, self.inflight = [], {}  # their callbacks are done: let them go
         self.t.finish()
-        for o, leaves in self.grads.items():
+        for o, leaves in self.leaves.items():
             self.result.grads[o] = [_take_grad(t) for t in leaves]
         return self.result
 
