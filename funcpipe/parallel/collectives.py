@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -344,81 +344,46 @@ class _AllReduce(torch.autograd.Function):
         return _raw_all_reduce(g, ctx.axis, "backward"), None
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, axis: Axis, dim: int) -> Tensor:
-        ctx.axis, ctx.dim = axis, dim
-        return _raw_all_gather(x, axis, dim, "forward")
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        return _raw_reduce_scatter(g, ctx.axis, ctx.dim, "backward"), None, None
+Raw = Callable[[Tensor, Axis, int, str], Tensor]  # (x, axis, dim / rank / offset, what)
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, axis: Axis, dim: int) -> Tensor:
-        ctx.axis, ctx.dim = axis, dim
-        return _raw_reduce_scatter(x, axis, dim, "forward")
+def _pair(
+    name: str,
+    forward: Raw,
+    backward: Raw,
+    *,
+    forward_what: str = "forward",
+    backward_what: str = "backward",
+    negate: bool = False,
+) -> type[torch.autograd.Function]:
+    """An autograd Function ``(x, axis, arg)``: ``forward(x, axis, arg)`` going forward and
+    ``backward(g, axis, arg)`` (``-arg`` with ``negate``) for the gradient."""
 
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        return _raw_all_gather(g, ctx.axis, ctx.dim, "backward"), None, None
+    def fwd(ctx: Any, x: Tensor, axis: Axis, arg: int) -> Tensor:
+        ctx.axis, ctx.arg = axis, arg
+        return forward(x, axis, arg, forward_what)
 
+    def bwd(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        arg = -ctx.arg if negate else ctx.arg
+        return backward(g, ctx.axis, arg, backward_what), None, None
 
-class _SplitToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, axis: Axis, dim: int) -> Tensor:
-        ctx.axis, ctx.dim = axis, dim
-        return _own_shard(x, axis, dim, "split_to_group")
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        return _raw_all_gather(g, ctx.axis, ctx.dim, "backward"), None, None
-
-
-class _GatherFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, axis: Axis, dim: int) -> Tensor:
-        ctx.axis, ctx.dim = axis, dim
-        return _raw_all_gather(x, axis, dim, "forward")
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        return _own_shard(g, ctx.axis, ctx.dim, "gather_from_group backward"), None, None
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {"forward": staticmethod(fwd), "backward": staticmethod(bwd)},
+    )
 
 
-class _Broadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, axis: Axis, src: int) -> Tensor:
-        ctx.axis, ctx.src = axis, src
-        return _raw_broadcast(x, axis, src, "forward")
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        return _raw_reduce(g, ctx.axis, ctx.src, "backward"), None, None
-
-
-class _ReduceTo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, axis: Axis, dst: int) -> Tensor:
-        ctx.axis, ctx.dst = axis, dst
-        return _raw_reduce(x, axis, dst, "forward")
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        return _raw_broadcast(g, ctx.axis, ctx.dst, "backward"), None, None
-
-
-class _RingShift(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, axis: Axis, offset: int) -> Tensor:
-        ctx.axis, ctx.offset = axis, offset
-        return _raw_shift(x, axis, offset, "forward")
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        return _raw_shift(g, ctx.axis, -ctx.offset, "backward"), None, None
+# forward collective -> its adjoint
+_AllGather = _pair("_AllGather", _raw_all_gather, _raw_reduce_scatter)
+_ReduceScatter = _pair("_ReduceScatter", _raw_reduce_scatter, _raw_all_gather)
+_SplitToGroup = _pair("_SplitToGroup", _own_shard, _raw_all_gather, forward_what="split_to_group")
+_GatherFromGroup = _pair(
+    "_GatherFromGroup", _raw_all_gather, _own_shard, backward_what="gather_from_group backward"
+)
+_Broadcast = _pair("_Broadcast", _raw_broadcast, _raw_reduce)
+_ReduceTo = _pair("_ReduceTo", _raw_reduce, _raw_broadcast)
+_RingShift = _pair("_RingShift", _raw_shift, _raw_shift, negate=True)
 
 
 def _check_axis(axis: object, what: str) -> Axis:
