@@ -311,6 +311,31 @@ def write_json(path: str | None, payload: Mapping[str, Any]) -> None:
         f.write("\n")
 
 
+def pool_options(
+    ap: Any, *, job_timeout: float = 900.0, seed: bool = True, contention: bool = True
+) -> None:
+    """The options every pool benchmark takes: ``--seed``, ``--timeout`` (process group),
+    ``--job-timeout`` (per cell), ``--quiet`` / ``--retries`` (``contention``) and ``--json``."""
+    if seed:
+        ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=60.0, help="process-group timeout, s")
+    ap.add_argument("--job-timeout", type=float, default=job_timeout, help="per-cell timeout, s")
+    if contention:
+        ap.add_argument(
+            "--quiet",
+            action="store_true",
+            help="before each cell, wait (up to 5 min) for other processes to leave the cores",
+        )
+        ap.add_argument(
+            "--retries",
+            type=int,
+            default=0,
+            help="rerun a cell up to this many times while other processes competed "
+            "(keep the least contended)",
+        )
+    ap.add_argument("--json", default=None, help="write the rows (with every time) here")
+
+
 def run_main(
     name: str,
     argv: list[str] | None,
@@ -388,6 +413,12 @@ class StageCosts:
 
     def as_dict(self) -> dict[str, list[float]]:
         return {"f": self.f, "b": self.b, "i": self.i, "w": self.w}
+
+    def costs(self, comm: float = 0.0) -> fp.schedule.Costs:
+        """Program-independent simulator costs: F, I, W and a whole B (``full``)."""
+        from funcpipe.schedule import Costs
+
+        return Costs(f=self.f, b=self.i, w=self.w, full=self.b, comm=comm)
 
 
 def _flat_stage(

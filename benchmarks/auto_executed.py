@@ -57,13 +57,6 @@ COLUMNS: list[C.Column] = [
 ]
 
 
-def _costs(c: C.StageCosts, comm: float) -> Any:
-    """The simulator's costs from measured F, I, W (a full B costs I + W)."""
-    from funcpipe.schedule import Costs
-
-    return Costs(f=c.f, b=c.i, w=c.w, full=c.b, comm=comm)
-
-
 def programs_for(
     ranks: int,
     size: C.Size,
@@ -213,7 +206,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
         for v, traced in ((1, ("zb-h1", "1f1b")), (2, ("zbv", "interleaved"))):
             n = str(ranks * v)
             if args.costs == "isolated":
-                costs[n] = _costs(C.StageCosts(**isolated[n]), comm)
+                costs[n] = C.StageCosts(**isolated[n]).costs(comm)
                 continue
             timelines = []
             for sched in traced:  # I and W from a split program, B from a whole one
@@ -293,12 +286,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--microbatches", type=int, default=None)
     ap.add_argument("--cost-reps", type=int, default=20)
     ap.add_argument("--comm-reps", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=60.0)
-    ap.add_argument("--job-timeout", type=float, default=1800.0)
-    ap.add_argument("--quiet", action="store_true", help="wait for the cores to be free first")
-    ap.add_argument("--retries", type=int, default=0, help="rerun a contended cell")
-    ap.add_argument("--json", default=None)
+    C.pool_options(ap, job_timeout=1800.0)
     return ap
 
 

@@ -160,10 +160,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--schedules", nargs="+", default=DEFAULT_SCHEDULES, choices=list(C.SCHEDULES))
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--stage-kind", default="module", choices=["module", "function"])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=60.0)
-    ap.add_argument("--job-timeout", type=float, default=600.0)
-    ap.add_argument("--json", default=None)
+    C.pool_options(ap, job_timeout=600.0, contention=False)
     return ap
 
 

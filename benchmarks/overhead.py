@@ -224,20 +224,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--schedules", nargs="+", default=DEFAULT_SCHEDULES, choices=list(C.SCHEDULES))
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--timeout", type=float, default=60.0)
-    ap.add_argument("--job-timeout", type=float, default=600.0)
-    ap.add_argument(
-        "--quiet",
-        action="store_true",
-        help="before each cell, wait (up to 5 min) for other processes to leave the cores",
-    )
-    ap.add_argument(
-        "--retries",
-        type=int,
-        default=0,
-        help="rerun a cell up to this many times while other processes competed (keep the least contended)",
-    )
-    ap.add_argument("--json", default=None)
+    C.pool_options(ap, job_timeout=600.0, seed=False)
     return ap
 
 

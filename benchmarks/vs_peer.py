@@ -383,7 +383,6 @@ def parser() -> argparse.ArgumentParser:
         choices=["module", "function"],
         help="funcpipe stages from nn.Module slices (functional_call) or plain functions",
     )
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-peer", action="store_true", help="time funcpipe only")
     ap.add_argument(
         "--floor-reps",
@@ -397,21 +396,8 @@ def parser() -> argparse.ArgumentParser:
         choices=["auto", "torch"],
         help="funcpipe's messages: same-host sockets (auto, its default) or gloo send/recv (torch)",
     )
-    ap.add_argument("--timeout", type=float, default=60.0, help="process-group timeout, s")
-    ap.add_argument("--job-timeout", type=float, default=900.0, help="per-cell timeout, s")
     ap.add_argument("--verbose", action="store_true")
-    ap.add_argument(
-        "--quiet",
-        action="store_true",
-        help="before each cell, wait (up to 5 min) for other processes to leave the cores",
-    )
-    ap.add_argument(
-        "--retries",
-        type=int,
-        default=0,
-        help="rerun a cell up to this many times while other processes competed (keep the least contended)",
-    )
-    ap.add_argument("--json", default=None, help="write the rows (with every step time) here")
+    C.pool_options(ap)
     return ap
 
 

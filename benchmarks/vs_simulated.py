@@ -225,21 +225,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--comm-reps", type=int, default=50)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--stage-kind", default="module", choices=["module", "function"])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=60.0)
-    ap.add_argument("--job-timeout", type=float, default=900.0)
-    ap.add_argument(
-        "--quiet",
-        action="store_true",
-        help="before each cell, wait (up to 5 min) for other processes to leave the cores",
-    )
-    ap.add_argument(
-        "--retries",
-        type=int,
-        default=0,
-        help="rerun a cell up to this many times while other processes competed (keep the least contended)",
-    )
-    ap.add_argument("--json", default=None)
+    C.pool_options(ap)
     return ap
 
 
