@@ -82,12 +82,24 @@ def test_shape_inference_cache_is_bounded_and_keyed_on_params(
         want = fp.reference_step(stages, params, x, mse, targets=y, microbatches=2)
         assert_trees_close(got.grads, want[1])
         assert len(pipe._layouts) <= 3
-    # the same batch with float32 params and inputs: a new signature, the right dtypes out
-    p32 = [{k: v.float() for k, v in p.items()} for p in params]
-    x, y = data(6)
-    got = pipe.step(p32, x.float(), y.float())
-    assert got.loss.dtype == torch.float32
-    assert all(g.dtype == torch.float32 for p in got.grads for g in p.values())
+
+
+def test_shape_inference_follows_the_params_dtype() -> None:
+    """Stages whose outputs take their params' dtype: the same batch with float32 params after
+    float64 ones needs new shape inference (the layouts are keyed on the params too)."""
+
+    def scale(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        return h.to(p["w"].dtype) * p["w"]
+
+    stages = [Stage(scale, name="a"), Stage(scale, name="b")]
+    pipe = Pipeline(stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=mse)
+    x, y = data(4)
+    for dtype in (torch.float64, torch.float32):
+        params = [{"w": torch.full((D,), 0.5, dtype=dtype)} for _ in stages]
+        got = pipe.step(params, x, y)
+        assert all(p["w"].dtype == dtype for p in got.grads)
+        want = fp.reference_step(stages, params, x, mse, targets=y, microbatches=2)
+        assert_trees_close(got.grads, want[1])
 
 
 def test_handwritten_program_runs() -> None:
