@@ -254,7 +254,7 @@ def backward_input(
     for node, node_grads in captured.items():
         edges = [(GradientEdge(node, k), g) for k, g in enumerate(node_grads) if g is not None]
         if edges:
-            roots.append(_Root(node, edges, joins[node]))
+            roots.append(_Root(node, edges, joins[node], _as_linear(node, param_nodes, closure)))
     for o, g in zip(outs, gs, strict=True):  # outputs that depend on parameters only
         if o.grad_fn is not None and o.grad_fn not in closure:
             reach = _param_reach(o.grad_fn, closure, param_nodes)
@@ -276,6 +276,104 @@ class _Root:
     node: Node | None
     edges: list[tuple[GradientEdge, Tensor]]
     params: set[int]
+    linear: _Linear | None = None  # W computes this root's parameter gradients directly
+
+
+@dataclass(frozen=True)
+class _Linear:
+    """A join that is a matrix product ``x @ w`` / ``x @ w.T`` (+ bias: ``addmm``, what
+    ``nn.Linear`` records) whose weight and bias edges lead straight to parameters.
+
+    W need not run the engine for it: the weight gradient is one product summed in place into
+    the parameter's ``.grad`` (``addmm_``: no fresh gradient tensor per microbatch) and the
+    bias gradient a column sum. On a 4 x Linear(512) stage that is I + W = 0.87 B (64 rows)
+    against 1.1-1.2 B through the engine (one call per weight group).
+    """
+
+    weight: int  # parameter index of the weight
+    transposed: bool  # the product used w.T (nn.Linear): grad = g.T @ x; else x.T @ g
+    bias: int | None  # parameter index of addmm's bias, if any
+    saved: str  # the node's attribute holding the product's left operand x
+
+
+def _as_linear(node: Node, param_nodes: dict[Node, int], closure: set[Node]) -> _Linear | None:
+    """The :class:`_Linear` form of ``node`` if it has one, else ``None`` (the engine runs it)."""
+    name = node.name()
+    if name == "AddmmBackward0":
+        if getattr(node, "_saved_alpha", None) != 1 or getattr(node, "_saved_beta", None) != 1:
+            return None
+        (bias_node, _), (x_node, _), (w_node, _) = node.next_functions
+        saved = "_saved_mat1"
+    elif name == "MmBackward0":
+        (x_node, _), (w_node, _) = node.next_functions
+        bias_node, saved = None, "_saved_self"
+    else:
+        return None
+    if x_node is not None and x_node not in closure:
+        return None  # the left operand's gradient would be W's to compute: not this form
+    transposed = False
+    if w_node is not None and w_node not in param_nodes and w_node.name() == "TBackward0":
+        ((w_node, _),) = w_node.next_functions
+        transposed = True
+    if w_node is None or w_node not in param_nodes:
+        return None
+    if bias_node is not None and bias_node not in param_nodes:
+        return None
+    bias = None if bias_node is None else param_nodes[bias_node]
+    return _Linear(param_nodes[w_node], transposed, bias, saved)
+
+
+def _linear_grads(
+    root: _Root, params: Sequence[Tensor], accumulate: bool, result: list[Tensor | None]
+) -> bool:
+    """W of a :class:`_Linear` root without the engine; ``False`` if its tensors do not allow it
+    (dtypes or devices differ: the engine path handles the casts)."""
+    lin = root.linear
+    if lin is None or len(root.edges) != 1 or root.node is None:
+        return False
+    ((_, g),) = root.edges
+    x = getattr(root.node, lin.saved)
+    w = params[lin.weight]
+    if x.dtype != g.dtype or w.dtype != g.dtype or x.device != g.device or x.dim() != 2:
+        return False
+    a, b = (g.t(), x) if lin.transposed else (x.t(), g)
+    with torch.no_grad():  # x is on the input path (it requires grad): record nothing
+        _add(params, lin.weight, a, b, accumulate, result)
+        if lin.bias is not None:
+            gb = g.sum_to_size(params[lin.bias].shape)
+            _add_value(params, lin.bias, gb.clone() if gb is g else gb, accumulate, result)
+    return True
+
+
+def _add(
+    params: Sequence[Tensor],
+    k: int,
+    a: Tensor,
+    b: Tensor,
+    accumulate: bool,
+    result: list[Tensor | None],
+) -> None:
+    """Add ``a @ b`` to parameter ``k``'s gradient (in place when one exists)."""
+    prev = params[k].grad if accumulate else result[k]
+    if prev is None:
+        total = torch.mm(a, b)
+    else:
+        total = prev.addmm_(a, b)
+    if accumulate:
+        params[k].grad = total
+    else:
+        result[k] = total
+
+
+def _add_value(
+    params: Sequence[Tensor], k: int, g: Tensor, accumulate: bool, result: list[Tensor | None]
+) -> None:
+    prev = params[k].grad if accumulate else result[k]
+    total = g if prev is None else prev.add_(g)
+    if accumulate:
+        params[k].grad = total
+    else:
+        result[k] = total
 
 
 def _group(roots: list[_Root]) -> list[list[_Root]]:
@@ -320,6 +418,8 @@ def backward_weight(
     """
     result: list[Tensor | None] = [None] * len(params)
     for group in saved.roots:
+        if len(group) == 1 and _linear_grads(group[0], params, accumulate, result):
+            continue
         idx = sorted(set().union(*(r.params for r in group)))
         outs = [e for r in group for e, _ in r.edges]
         gs = [g for r in group for _, g in r.edges]

@@ -13,15 +13,25 @@ from funcpipe.testing import assert_trees_close
 F64 = torch.float64
 
 
-def _stage(depth: int, *, reuse: bool, param_output: bool, bias: bool):  # type: ignore[no-untyped-def]
+def _stage(  # type: ignore[no-untyped-def]
+    depth: int, *, reuse: bool, param_output: bool, bias: bool, linear: str = "matmul"
+):
+    """``linear``: how a layer multiplies: "matmul" (``h @ w.T`` then ``+ b``), "linear"
+    (``F.linear``: addmm with the bias, the form W computes without the engine) or "right"
+    (``h @ w`` with ``w`` untransposed)."""
+
     def fn(params, inputs):  # type: ignore[no-untyped-def]
         (x,) = inputs
         h = x + params[-1]  # a parameter joining the input path right away
         for k in range(depth):
             w = params[0] if (reuse and k == depth - 1) else params[k]
-            h = h @ w.T
-            if bias:
-                h = h + params[depth + k]
+            b = params[depth + k] if bias else None
+            if linear == "linear":
+                h = torch.nn.functional.linear(h, w, b)
+            else:
+                h = h @ (w if linear == "right" else w.T)
+                if b is not None:
+                    h = h + b
             h = torch.tanh(h)
         outs = [h]
         if param_output:
@@ -37,10 +47,19 @@ def _stage(depth: int, *, reuse: bool, param_output: bool, bias: bool):  # type:
     param_output=st.booleans(),
     bias=st.booleans(),
     input_grad=st.booleans(),
+    linear=st.sampled_from(["matmul", "linear", "right"]),
+    rows=st.sampled_from([(3,), (2, 3)]),
     seed=st.integers(0, 2**16),
 )
 def test_input_then_weight_equals_full_backward(
-    depth: int, reuse: bool, param_output: bool, bias: bool, input_grad: bool, seed: int
+    depth: int,
+    reuse: bool,
+    param_output: bool,
+    bias: bool,
+    input_grad: bool,
+    linear: str,
+    rows: tuple[int, ...],
+    seed: int,
 ) -> None:
     g = torch.Generator().manual_seed(seed)
     d = 5
@@ -48,12 +67,13 @@ def test_input_then_weight_equals_full_backward(
     params += [torch.randn(d, generator=g, dtype=F64) for _ in range(depth)]
     params += [torch.randn(d, generator=g, dtype=F64)]
     params = [p.requires_grad_() for p in params]
-    x = torch.randn(3, d, generator=g, dtype=F64)
-    fn = _stage(depth, reuse=reuse, param_output=param_output, bias=bias)
+    x = torch.randn(*rows, d, generator=g, dtype=F64)
+    fn = _stage(depth, reuse=reuse, param_output=param_output, bias=bias, linear=linear)
     n_out = 2 if param_output else 1
-    grads_out = [torch.randn(3, d, generator=g, dtype=F64), torch.randn(d, generator=g, dtype=F64)][
-        :n_out
-    ]
+    grads_out = [
+        torch.randn(*rows, d, generator=g, dtype=F64),
+        torch.randn(d, generator=g, dtype=F64),
+    ][:n_out]
 
     def zeros_for_none(got, like):  # type: ignore[no-untyped-def]
         return [torch.zeros_like(t) if g is None else g for g, t in zip(got, like, strict=True)]
@@ -127,3 +147,88 @@ def test_backward_without_a_graph_is_an_error() -> None:
     )
     with pytest.raises(RuntimeError, match="recompute"):
         autodiff.backward(saved, [w], [None])
+
+
+def _count_engine_calls(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    calls: list[object] = []
+    for name in ("grad", "backward"):
+        real = getattr(torch.autograd, name)
+
+        def counted(*a, _real=real, **k):  # type: ignore[no-untyped-def]
+            calls.append(a)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(torch.autograd, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_weight_of_linear_layers_runs_no_engine_call(
+    monkeypatch: pytest.MonkeyPatch, accumulate: bool
+) -> None:
+    """W of nn.Linear-shaped joins (addmm / mm with a transposed weight) is computed directly:
+    no engine call, nothing allocated per microbatch once ``.grad`` exists, same gradients."""
+    g = torch.Generator().manual_seed(3)
+    d, depth = 6, 3
+    params = [torch.randn(d, d, generator=g, dtype=F64) for _ in range(depth)]
+    params += [torch.randn(d, generator=g, dtype=F64) for _ in range(depth)]
+    params += [torch.zeros(d, dtype=F64)]
+    fn = _stage(depth, reuse=False, param_output=False, bias=True, linear="linear")
+    x = torch.randn(2, 4, d, generator=g, dtype=F64)
+    gy = [torch.randn(2, 4, d, generator=g, dtype=F64)]
+    whole = [p.clone().requires_grad_() for p in params]
+    split = [p.clone().requires_grad_() for p in params]
+    for _ in range(2):  # two microbatches: the second adds into existing gradients
+        _, saved = autodiff.forward(fn, whole, [x])
+        want_in, want_w = autodiff.backward(saved, whole, gy, accumulate=accumulate)
+        _, saved = autodiff.forward(fn, split, [x])
+        got_in = autodiff.backward_input(saved, split, gy)
+        calls = _count_engine_calls(monkeypatch)
+        got_w = autodiff.backward_weight(saved, split, accumulate=accumulate)
+        monkeypatch.undo()
+        # the layers' weights and biases went direct; only the parameter added to the input
+        # (params[-1], its join is an add) needs the engine
+        assert len(calls) == 1
+        assert_trees_close(got_in, want_in, rtol=1e-13, atol=1e-13)
+        if not accumulate:
+            assert_trees_close(got_w, want_w, rtol=1e-13, atol=1e-13)
+    if accumulate:
+        assert_trees_close([p.grad for p in split], [p.grad for p in whole], rtol=1e-13, atol=1e-13)
+
+
+def test_weight_of_a_linear_with_mixed_dtypes_goes_through_the_engine() -> None:
+    """A product whose operands' dtype differs from its parameter's (a cast between them) is
+    not the direct form: W falls back to the engine and the gradients stay right."""
+    w = torch.randn(4, 4, dtype=F64).requires_grad_()
+
+    def fn(params, inputs):  # type: ignore[no-untyped-def]
+        return [torch.nn.functional.linear(inputs[0], params[0].float())]
+
+    x = torch.randn(3, 4)
+    gy = [torch.randn(3, 4)]
+    _, saved = autodiff.forward(fn, [w], [x])
+    (want,) = autodiff.backward(saved, [w], gy)[1]
+    _, saved = autodiff.forward(fn, [w], [x])
+    autodiff.backward_input(saved, [w], gy)
+    (got,) = autodiff.backward_weight(saved, [w])
+    assert got is not None and got.dtype == F64
+    assert_trees_close([got], [want])
+
+
+def test_direct_weight_gradients_record_no_graph() -> None:
+    """The direct W reads the product's saved input, which requires grad: its gradients must
+    still be plain values (no graph attached, nothing kept alive)."""
+    w = torch.randn(4, 4, dtype=F64).requires_grad_()
+    b = torch.randn(4, dtype=F64).requires_grad_()
+
+    def fn(params, inputs):  # type: ignore[no-untyped-def]
+        h = torch.tanh(inputs[0])  # the product's input is an intermediate requiring grad
+        return [torch.nn.functional.linear(h, params[0], params[1])]
+
+    x = torch.randn(3, 4, dtype=F64)
+    for accumulate in (False, True):
+        _, saved = autodiff.forward(fn, [w, b], [x])
+        autodiff.backward_input(saved, [w, b], [torch.ones(3, 4, dtype=F64)])
+        got = autodiff.backward_weight(saved, [w, b], accumulate=accumulate)
+        grads = [w.grad, b.grad] if accumulate else got
+        assert all(t is not None and not t.requires_grad and t.grad_fn is None for t in grads)
