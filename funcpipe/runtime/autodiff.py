@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["Saved", "backward", "backward_input", "backward_weight", "forward", "recompute"]
+__all__ = [
+    "Saved",
+    "backward",
+    "backward_input",
+    "backward_weight",
+    "forward",
+    "param_nodes",
+    "recompute",
+]
 
 Tensor = torch.Tensor
 FlatFn = Callable[[Sequence[Tensor], Sequence[Tensor]], Sequence[Tensor]]
@@ -183,32 +191,41 @@ def backward(
     return got[: len(saved.inputs)], got[len(saved.inputs) :]
 
 
-def _input_closure(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> set[Node]:
+Kids = dict[Node, tuple[Node, ...]]  # a node's children (next functions), read once per walk
+
+
+def _kids(node: Node, kids: Kids) -> tuple[Node, ...]:
+    got = kids.get(node)
+    if got is None:
+        got = kids[node] = tuple(n for n, _ in node.next_functions if n is not None)
+    return got
+
+
+def _input_closure(outputs: Sequence[Tensor], inputs: Sequence[Tensor], kids: Kids) -> set[Node]:
     """The graph nodes from which some stage input is reachable (the path of I)."""
     targets = {get_gradient_edge(t).node for t in inputs if t.requires_grad}
     reaches: dict[Node, bool] = {}
-    stack: list[tuple[Node, bool]] = [(o.grad_fn, False) for o in outputs if o.grad_fn is not None]
-    while stack:
-        node, expanded = stack.pop()
-        if node in reaches and not expanded:
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:  # post-order: a node is decided once all its children are (the graph is a DAG)
+        node = stack[-1]
+        if node in reaches:
+            stack.pop()
             continue
-        if not expanded:
-            if node in targets:
-                reaches[node] = True
-                continue
-            reaches[node] = False  # provisional: marks "in progress" (the graph is acyclic)
-            stack.append((node, True))
-            stack.extend(
-                (n, False) for n, _ in node.next_functions if n is not None and n not in reaches
-            )
-        else:
-            reaches[node] = any(
-                reaches.get(n, False) for n, _ in node.next_functions if n is not None
-            )
+        if node in targets:
+            reaches[node] = True
+            stack.pop()
+            continue
+        children = _kids(node, kids)
+        pending = [n for n in children if n not in reaches]
+        if pending:
+            stack.extend(pending)
+            continue
+        stack.pop()
+        reaches[node] = any(reaches[n] for n in children)
     return {n for n, r in reaches.items() if r}
 
 
-def _param_reach(node: Node, closure: set[Node], params: dict[Node, int]) -> set[int]:
+def _param_reach(node: Node, closure: set[Node], params: dict[Node, int], kids: Kids) -> set[int]:
     """Indices of the parameters reachable from ``node`` without re-entering the input path."""
     found: set[int] = set()
     seen: set[Node] = set()
@@ -218,29 +235,47 @@ def _param_reach(node: Node, closure: set[Node], params: dict[Node, int]) -> set
         if n in params:
             found.add(params[n])
             continue
-        for m, _ in n.next_functions:
-            if m is not None and m not in closure and m not in seen:
+        for m in _kids(n, kids):
+            if m not in closure and m not in seen:
                 seen.add(m)
                 stack.append(m)
     return found
 
 
+def param_nodes(params: Sequence[Tensor]) -> dict[Node, int]:
+    """Each parameter leaf's gradient accumulator node -> its index (leaves requiring grad).
+
+    Holding the result keeps the nodes alive, so every later graph over the same leaves uses
+    these very nodes: a caller running I for many microbatches of one stage computes this once
+    (``get_gradient_edge`` costs ~10 us per leaf) and passes it to :func:`backward_input`.
+    """
+    return {get_gradient_edge(p).node: i for i, p in enumerate(params) if p.requires_grad}
+
+
 def backward_input(
-    saved: Saved, params: Sequence[Tensor], grad_outputs: Sequence[Tensor | None]
+    saved: Saved,
+    params: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor | None],
+    *,
+    nodes: dict[Node, int] | None = None,
 ) -> list[Tensor | None]:
-    """I: input gradients only; records what :func:`backward_weight` starts from."""
+    """I: input gradients only; records what :func:`backward_weight` starts from.
+
+    ``nodes``: :func:`param_nodes` of ``params``, if the caller keeps it across microbatches.
+    """
     if saved.outputs is None:
         raise RuntimeError("backward_input before recompute: the forward kept no graph")
     outs, gs = _pairs(saved.outputs, grad_outputs)
-    closure = _input_closure(outs, saved.inputs)
-    param_nodes = {get_gradient_edge(p).node: i for i, p in enumerate(params) if p.requires_grad}
+    kids: Kids = {}
+    closure = _input_closure(outs, saved.inputs, kids)
+    param_nodes_ = param_nodes(params) if nodes is None else nodes
     # join nodes: on the input path, with a branch leaving it towards parameters
     joins: dict[Node, set[int]] = {}
     for n in closure:
         reach: set[int] = set()
-        for m, _ in n.next_functions:
-            if m is not None and m not in closure:
-                reach |= _param_reach(m, closure, param_nodes)
+        for m in _kids(n, kids):
+            if m not in closure:
+                reach |= _param_reach(m, closure, param_nodes_, kids)
         if reach:
             joins[n] = reach
     captured: dict[Node, tuple[Tensor | None, ...]] = {}
@@ -254,10 +289,10 @@ def backward_input(
     for node, node_grads in captured.items():
         edges = [(GradientEdge(node, k), g) for k, g in enumerate(node_grads) if g is not None]
         if edges:
-            roots.append(_Root(node, edges, joins[node], _as_linear(node, param_nodes, closure)))
+            roots.append(_Root(node, edges, joins[node], _as_linear(node, param_nodes_, closure)))
     for o, g in zip(outs, gs, strict=True):  # outputs that depend on parameters only
         if o.grad_fn is not None and o.grad_fn not in closure:
-            reach = _param_reach(o.grad_fn, closure, param_nodes)
+            reach = _param_reach(o.grad_fn, closure, param_nodes_, kids)
             if reach:
                 roots.append(_Root(None, [(get_gradient_edge(o), g)], reach))
         elif o.grad_fn is None:

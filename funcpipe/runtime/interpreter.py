@@ -122,6 +122,7 @@ class _Rank:
             o = self.owner[s]
             self.leaves.setdefault(o, x.params[o][0])
         self.shared: set[tuple[int, int]] = set()
+        self.nodes: dict[int, dict[Any, int]] = {}  # owner -> autodiff.param_nodes (for I)
 
     # ------------------------------------------------------------------ helpers
     def spec(self, s: int, m: int) -> OutputSpec:
@@ -366,7 +367,11 @@ class _Rank:
     def backward_input(self, i: Instr) -> None:
         s, m = i.stage, i.microbatch
         saved, _ = self.saved[(s, m)]
-        gin = autodiff.backward_input(saved, self._params(s), self._grad_outputs(s, m))
+        o = self.owner[s]
+        nodes = self.nodes.get(o)
+        if nodes is None:
+            nodes = self.nodes[o] = autodiff.param_nodes(self._params(s))
+        gin = autodiff.backward_input(saved, self._params(s), self._grad_outputs(s, m), nodes=nodes)
         if self.x.check_finite:
             self._finite(
                 s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], "backward (I)"
