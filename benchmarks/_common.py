@@ -494,11 +494,12 @@ def split_program(program: Program) -> bool:
 
 
 def costs_for(program: Program, c: StageCosts, *, comm: float = 0.0) -> fp.schedule.Costs:
-    """The simulator's costs: I and W for a split program; B - W and W otherwise (b + w = B)."""
+    """The simulator's costs: I, W and the whole B for a split program (which may mix B with
+    I + W); B - W and W otherwise (b + w = B)."""
     from funcpipe.schedule import Costs
 
     if split_program(program):
-        return Costs(f=c.f, b=c.i, w=c.w, comm=comm)
+        return Costs(f=c.f, b=c.i, w=c.w, full=c.b, comm=comm)
     return Costs(
         f=c.f, b=[max(b - w, 0.0) for b, w in zip(c.b, c.w, strict=True)], w=c.w, comm=comm
     )

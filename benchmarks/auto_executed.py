@@ -11,6 +11,10 @@
 2. From those costs, ``auto`` searches a one-chunk program (``auto``) and a two-chunk V program
    (``auto-v``) under the memory limit; the built-ins (GPipe, 1F1B, interleaved 1F1B, ZB-H1,
    ZB-H2, ZB-V, DualPipeV) that keep at most that much are the field.
+   ``auto-tuned``: ``auto_candidates`` gives auto's best ``--tune-count`` programs of each
+   kind (built-ins among them keep their names), ``funcpipe.tune.fastest`` times them on the
+   same processes (``--tune-rounds`` steps each, round-robin) and keeps the fastest; that
+   program then runs in the timed rounds below like any other (fresh measurements).
 3. One job runs every program on the same gloo processes: a float64 step of each is compared
    with plain autograd on the whole model, then float32: ``--warmup`` steps of each, then
    ``--rounds`` rounds in which every program runs one step (after a barrier; the order rotates
@@ -39,6 +43,7 @@ from benchmarks import _common as C
 
 BUILTINS = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "dualpipev"]
 AUTOS = {"auto": (1, "loop"), "auto-v": (2, "v")}
+TUNED = "auto-tuned"  # the fastest of auto's candidates, picked by funcpipe.tune.fastest
 
 COLUMNS: list[C.Column] = [
     ("size", "size", ""),
@@ -50,6 +55,7 @@ COLUMNS: list[C.Column] = [
     ("isolated_ms", "sim. ms (isolated costs)", ".2f"),
     ("executed_ms", "executed ms", ".2f"),
     ("vs_best", "/best built-in", ".3f"),
+    ("picked", "tuned pick", ""),
     ("iqr", "IQR/med", ".2f"),
     ("grad_ref", "fp vs 1-proc", ".1e"),
     ("runnable", "runnable (mean)", ".1f"),
@@ -101,6 +107,72 @@ def programs_for(
         )
         out[name] = entry(program, v)
     return out
+
+
+def candidates_for(
+    ranks: int,
+    size: C.Size,
+    costs: dict[str, Any],
+    isolated: dict[str, dict[str, list[float]]],
+    comm: float,
+    memory: str,
+    count: int,
+) -> list[dict[str, Any]]:
+    """auto_candidates' best ``count`` one-chunk and ``count`` V programs (built-ins among them
+    keep their names), as :func:`programs_for` describes a program, plus ``name``."""
+    from funcpipe.schedule import add_communication, simulate
+    from funcpipe.schedule.auto import auto_candidates
+    from funcpipe.schedule.ir import format_program
+
+    limit = ranks if memory == "p" else 2 * ranks
+    out = []
+    for tag, (v, placement) in AUTOS.items():
+        for program in auto_candidates(
+            ranks=ranks,
+            microbatches=size.microbatches,
+            chunks=v,
+            placement=placement,
+            costs=costs[str(ranks * v)],
+            max_activations=v * limit,
+            count=count,
+        ):
+            lowered = add_communication(program)
+            sim = simulate(lowered, costs[str(program.n_stages)])
+            alone = C.StageCosts(**isolated[str(program.n_stages)])
+            out.append(
+                {
+                    "name": f"{tag}:{program.name}",
+                    "text": format_program(program),
+                    "sim": sim.makespan,
+                    "isolated": simulate(lowered, C.costs_for(program, alone, comm=comm)).makespan,
+                    "peak": max(sim.peak_activations) / v,
+                }
+            )
+    return out
+
+
+def tune_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """On every rank: ``funcpipe.tune.fastest`` over the candidates (float32, the timed model)."""
+    import funcpipe as fp
+    from funcpipe.schedule.ir import parse_program
+
+    size = C.Size(**cfg["size"])
+    programs = [parse_program(t) for t in cfg["candidates"]]
+    pipes, args = [], []
+    for program in programs:
+        model = C.mlp(size.width, layers=size.layers, seed=cfg["seed"])
+        stages, params = C.funcpipe_stages(model, program.n_stages)
+        pipes.append(fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist"))
+        args.append((params, *C.data(size, seed=cfg["seed"] + 1)))
+    index = {id(p): k for k, p in enumerate(programs)}
+    t0 = time.perf_counter()
+    got = fp.tune.fastest(
+        programs,
+        lambda p: pipes[index[id(p)]].step(*args[index[id(p)]]),
+        rounds=cfg["rounds"],
+        warmup=cfg["warmup"],
+    )
+    return {"index": got.index, "medians": list(got.medians), "seconds": time.perf_counter() - t0}
 
 
 def trace_job(rank: int, cfg: dict[str, Any]) -> list[Any]:
@@ -216,6 +288,21 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
             costs[n] = costs_from_timelines(timelines, comm=comm)
         for memory in args.memory:
             progs = programs_for(ranks, size, costs, isolated, comm, memory)
+            tuned: dict[str, Any] = {}
+            if args.tune_count:
+                cands = candidates_for(ranks, size, costs, isolated, comm, memory, args.tune_count)
+                tcfg = {"size": vars(size), "seed": args.seed, "rounds": args.tune_rounds}
+                tcfg |= {"warmup": 1, "candidates": [c["text"] for c in cands]}
+                got = pool.run(tune_job, tcfg, timeout=args.job_timeout)[0]
+                pick = cands[got["index"]]
+                progs[TUNED] = pick
+                tuned = {
+                    "picked": pick["name"],
+                    "tune_seconds": got["seconds"],
+                    "tune_medians_ms": {
+                        c["name"]: t * 1e3 for c, t in zip(cands, got["medians"], strict=True)
+                    },
+                }
             cfg = {
                 "size": vars(size),
                 "seed": args.seed,
@@ -230,7 +317,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 retries=args.retries,
             )
             steps = {n: C.step_times([r["times"][n] for r in res]) for n in progs}
-            builtins = [n for n in progs if n not in AUTOS]
+            builtins = [n for n in progs if n not in AUTOS and n != TUNED]
             best = min(builtins, key=lambda n: C.median(steps[n])) if builtins else None
             for name, prog in progs.items():
                 ratios = C.paired_ratios(steps[name], steps[best]) if best else []
@@ -258,6 +345,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                             for n, c in costs.items()
                         },
                         "isolated_costs_s": isolated,
+                        **(tuned if name == TUNED else {}),
                         **info,
                     }
                 )
@@ -284,6 +372,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--microbatches", type=int, default=None)
+    ap.add_argument(
+        "--tune-count",
+        type=int,
+        default=4,
+        help="auto_candidates per placement timed by funcpipe.tune.fastest (0: no auto-tuned)",
+    )
+    ap.add_argument("--tune-rounds", type=int, default=5, help="timed steps per candidate")
     ap.add_argument("--cost-reps", type=int, default=20)
     ap.add_argument("--comm-reps", type=int, default=50)
     C.pool_options(ap, job_timeout=1800.0)

@@ -4,7 +4,7 @@ Stages are pure functions ``stage(params, *inputs) -> outputs`` over explicit pa
 parameters, gradients and optimizer state are values that go in and come out.
 """
 
-from funcpipe import data, optim, schedule, testing
+from funcpipe import data, optim, schedule, testing, tune
 from funcpipe.errors import (
     CommunicationError,
     FuncpipeError,
@@ -56,6 +56,7 @@ __all__ = [
     "schedule",
     "split",
     "testing",
+    "tune",
 ]
 
 # tensor parallelism (mesh, autograd-correct collectives, sharding specs, ops): funcpipe.parallel

@@ -61,6 +61,7 @@ def test_vs_simulated(pool: Pool) -> None:
 @pytest.mark.timeout(180)
 def test_auto_executed_runs_every_program_with_exact_gradients(pool: Pool) -> None:
     argv = ["--size", "tiny", "--rounds", "2", "--warmup", "1", "--memory", "p", "2p"]
+    argv += ["--tune-count", "2", "--tune-rounds", "1"]
     rows = auto_executed.main([*argv, "--cost-reps", "2", "--comm-reps", "2"], pool=pool)
     for mem in ("p", "2p"):
         cell = {r["schedule"]: r for r in rows if r["memory"] == mem}
@@ -71,6 +72,9 @@ def test_auto_executed_runs_every_program_with_exact_gradients(pool: Pool) -> No
             assert r["grad_ref"] < 1e-10, r["schedule"]
             assert len(r["executed_times"]) == 2
         assert cell["1f1b"]["best_builtin"] in cell and cell["auto"]["vs_best"] > 0
+        tuned = cell["auto-tuned"]  # the pick of funcpipe.tune.fastest among auto's candidates
+        assert tuned["picked"] in tuned["tune_medians_ms"] and tuned["grad_ref"] < 1e-10
+        assert tuned["picked"].split(":")[0] in ("auto", "auto-v")
     assert {r["schedule"] for r in rows if r["memory"] == "2p"} >= {"interleaved", "zb-h2"}
 
 

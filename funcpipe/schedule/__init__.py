@@ -4,7 +4,7 @@ Nothing here touches ``torch.distributed``: a schedule can be generated, checked
 drawn without a process group.
 """
 
-from funcpipe.schedule.auto import auto
+from funcpipe.schedule.auto import auto, auto_candidates
 from funcpipe.schedule.check import check
 from funcpipe.schedule.generators import (
     CONSTRAINTS,
@@ -67,6 +67,7 @@ __all__ = [
     "add_reduce",
     "ascii_timeline",
     "auto",
+    "auto_candidates",
     "backward",
     "backward_input",
     "backward_weight",

@@ -50,7 +50,7 @@ from funcpipe.schedule.generators import generate
 from funcpipe.schedule.ir import Instr, Op, Program
 from funcpipe.schedule.simulate import Costs, simulate
 
-__all__ = ["BUILTINS", "auto", "minimum_activations"]
+__all__ = ["BUILTINS", "auto", "auto_candidates", "minimum_activations"]
 
 BUILTINS: dict[tuple[str, int], tuple[str, ...]] = {
     ("loop", 1): ("1f1b", "zb-h1", "zb-h2", "gpipe"),
@@ -563,14 +563,56 @@ def auto(
     (I then W). Deterministic: the same arguments give the same program.
     """
     problem = _problem(ranks, microbatches, chunks, placement, costs, max_activations)
-    found = [_score(problem, _list_schedule(problem, policy)) for policy in _policies(problem.v)]
+    best = _search(problem)[0]
+    winner = _program(problem, best[3], "auto")
+    simulate(winner, Costs() if costs is None else costs)  # the checker's proof, as a last word
+    return winner
+
+
+def auto_candidates(
+    *,
+    ranks: int,
+    microbatches: int,
+    chunks: int | None = None,
+    placement: str = "loop",
+    costs: Costs | None = None,
+    max_activations: int | Sequence[int] | None = None,
+    count: int = 4,
+) -> list[Program]:
+    """The ``count`` best distinct programs :func:`auto` considered, best first.
+
+    Same arguments as :func:`auto` (plus ``count``); the first is :func:`auto`'s own program.
+    Each passes the checker and keeps the memory limit. A candidate that is exactly a built-in
+    generator's program carries that generator's name (``"zb-h1"``, ...), the others are named
+    ``"auto"``, ``"auto-2"``, ... For choosing by measurement rather than by the simulator's
+    word: time them on the real stages with :func:`funcpipe.tune.fastest`.
+    """
+    k = check_int("auto_candidates", "count", count)
+    problem = _problem(ranks, microbatches, chunks, placement, costs, max_activations)
+    out: list[Program] = []
+    for n, c in enumerate(_search(problem)[:k]):
+        name = c[4] if c[4] != "auto" else ("auto" if n == 0 else f"auto-{n + 1}")
+        program = _program(problem, c[3], name)
+        simulate(program, Costs() if costs is None else costs)
+        out.append(program)
+    return out
+
+
+Scored = tuple[float, float, int, Order, str]  # makespan, sum of finishes, peak, order, origin
+
+
+def _search(problem: _Problem) -> list[Scored]:
+    """Every distinct candidate found (list schedules, fitting built-ins, their local-search
+    improvements, merged backwards), best first."""
+    found = [
+        _score(problem, _list_schedule(problem, policy), "auto") for policy in _policies(problem.v)
+    ]
     for program in _builtins(problem):
         order = [[(_OPS.index(i.op), i.stage, i.microbatch) for i in x] for x in program.ranks]
         if all(_peak(x) <= c for x, c in zip(order, problem.cap, strict=True)):
-            found.append(_score(problem, order))
+            found.append(_score(problem, order, program.name or "auto"))
     found.sort(key=lambda c: c[:3])
-    best = found[0]
-    starts: list[tuple[float, float, int, Order]] = []
+    starts: list[Scored] = []
     for c in found:
         if len(starts) < _POLISHED and all(c[3] != d[3] for d in starts):
             starts.append(c)
@@ -578,23 +620,35 @@ def auto(
     for start in starts:
         order = [list(x) for x in start[3]]
         _improve(problem, order, budget=budget)
-        scored = _score(problem, order)
-        if scored[:3] < best[:3]:
-            best = scored
+        found.append(_score(problem, order, "auto"))
     if any(u < x + y for u, x, y in zip(problem.full, problem.b, problem.w, strict=True)):
         # a B cheaper than its I and W apart: where W directly follows its I, one B may do
-        for start in [best, *starts]:
-            scored = _score(problem, _merge_backwards(start[3]))
-            if scored[:3] < best[:3]:
-                best = scored
-    winner = Program(
-        ranks=tuple(tuple(Instr(_OPS[op], s, k) for op, s, k in x) for x in best[3]),
+        found.sort(key=lambda c: c[:3])
+        for start in [found[0], *starts]:
+            found.append(_score(problem, _merge_backwards(start[3]), "auto"))
+    found.sort(key=lambda c: c[:3])  # stable: among equals, the earlier found (named) first
+    distinct: list[Scored] = []
+    seen: dict[tuple[tuple[tuple[int, int, int], ...], ...], int] = {}
+    for c in found:
+        key = tuple(tuple(x) for x in c[3])
+        if key in seen:
+            j = seen[key]  # the same program found twice: keep a built-in's name if it has one
+            if distinct[j][4] == "auto" and c[4] != "auto":
+                m, total, peak, order, _ = distinct[j]
+                distinct[j] = (m, total, peak, order, c[4])
+            continue
+        seen[key] = len(distinct)
+        distinct.append(c)
+    return distinct
+
+
+def _program(problem: _Problem, order: Order, name: str) -> Program:
+    return Program(
+        ranks=tuple(tuple(Instr(_OPS[op], s, k) for op, s, k in x) for x in order),
         placement=problem.placement,
         microbatches=problem.m,
-        name="auto",
+        name=name,
     )
-    simulate(winner, Costs() if costs is None else costs)  # the checker's proof, as a last word
-    return winner
 
 
 def _merge_backwards(order: Order) -> Order:
@@ -615,12 +669,13 @@ def _merge_backwards(order: Order) -> Order:
     return out
 
 
-def _score(problem: _Problem, order: Order) -> tuple[float, float, int, Order]:
-    """(makespan, sum of the ranks' finish times, peak activations, order): less is better."""
+def _score(problem: _Problem, order: Order, origin: str) -> Scored:
+    """(makespan, sum of the ranks' finish times, peak activations, order, where it came
+    from): less is better."""
     tm = _timing(problem, order)
     if tm is None:
         raise ScheduleError(
             "auto: internal error, a candidate program deadlocks; please report it with the "
             "arguments"
         )
-    return (tm.makespan, tm.total, max(_peak(x) for x in order), order)
+    return (tm.makespan, tm.total, max(_peak(x) for x in order), order, origin)

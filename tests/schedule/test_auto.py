@@ -20,7 +20,7 @@ from funcpipe.cli import main
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline import Pipeline
 from funcpipe.schedule import auto as auto_from_package
-from funcpipe.schedule.auto import BUILTINS, auto, minimum_activations
+from funcpipe.schedule.auto import BUILTINS, auto, auto_candidates, minimum_activations
 from funcpipe.schedule.check import check
 from funcpipe.schedule.generators import generate, to_eval
 from funcpipe.schedule.ir import Op, Program, parse_program
@@ -135,6 +135,41 @@ def test_auto_is_sound_fits_and_beats_every_comparable_builtin(problem: dict[str
         if fits(builtin, limits):
             other = simulate(builtin, costs).makespan
             assert span <= other + 1e-9 * max(1.0, other), builtin.name
+
+
+@given(problem=problems(), count=st.integers(1, 6))
+def test_auto_candidates_are_sound_distinct_ranked_and_start_with_auto(
+    problem: dict[str, Any], count: int
+) -> None:
+    """auto_candidates: at most ``count`` distinct programs, each sound and within the limit,
+    in order of simulated makespan, the first auto's own; one equal to a built-in's program
+    carries the built-in's name."""
+    got = auto_candidates(**problem, count=count)
+    assert 1 <= len(got) <= count
+    p, m, v = problem["ranks"], problem["microbatches"], problem["chunks"]
+    limit = problem["max_activations"]
+    limits = [m * v] * p if limit is None else [limit] * p if isinstance(limit, int) else limit
+    spans = []
+    for program in got:
+        check(program)
+        assert fits(program, limits)
+        spans.append(simulate(program, problem["costs"]).makespan)
+    assert spans == sorted(spans)
+    assert len({c.ranks for c in got}) == len(got)
+    assert got[0].ranks == auto(**problem).ranks
+    builtins: dict[Any, set[str | None]] = {}
+    for b in comparable(p, m, v, problem["placement"]):
+        builtins.setdefault(b.ranks, set()).add(b.name)  # some coincide (1 rank: ZB-H1 = H2)
+    for program in got:
+        if program.ranks in builtins:
+            assert program.name in builtins[program.ranks]
+        else:
+            assert program.name is not None and program.name.startswith("auto")
+
+
+def test_auto_candidates_rejects_a_bad_count() -> None:
+    with pytest.raises(InvalidArgument, match="count"):
+        auto_candidates(ranks=2, microbatches=4, count=0)
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 16), (8, 8), (8, 32)])

@@ -1,0 +1,90 @@
+"""funcpipe.tune.fastest: choose among programs by measured step time."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import funcpipe as fp
+from funcpipe.errors import InvalidArgument
+from funcpipe.pipeline import Pipeline
+from funcpipe.schedule import generate
+from funcpipe.schedule.auto import auto_candidates
+from funcpipe.testing import assert_trees_close
+from funcpipe.tune import Tuned, fastest
+from tests import jobs_runtime
+from tests.jobs_runtime import data, mse, toy
+
+
+def test_picks_the_lowest_median_and_reports_every_time() -> None:
+    progs = [generate(n, ranks=2, microbatches=2) for n in ("gpipe", "1f1b", "zb-h1")]
+    delay = {"gpipe": 0.03, "1f1b": 0.0, "zb-h1": 0.015}
+    calls: list[str] = []
+
+    def step(program: fp.schedule.Program) -> None:
+        calls.append(str(program.name))
+        time.sleep(delay[str(program.name)])
+
+    got = fastest(progs, step, rounds=3, warmup=1)
+    assert isinstance(got, Tuned)
+    assert got.program is progs[1] and got.index == 1
+    assert len(got.times) == 3 and all(len(t) == 3 for t in got.times)
+    assert got.medians[0] >= 0.03 and got.medians[1] < got.medians[2] < got.medians[0]
+    # warm-up once each, then 3 rounds, each starting one candidate further on
+    assert calls[:3] == ["gpipe", "1f1b", "zb-h1"]
+    assert calls[3:6] == ["gpipe", "1f1b", "zb-h1"]
+    assert calls[6:9] == ["1f1b", "zb-h1", "gpipe"]
+    assert calls[9:] == ["zb-h1", "gpipe", "1f1b"]
+
+
+def test_ties_go_to_the_first_candidate() -> None:
+    progs = [generate("1f1b", ranks=2, microbatches=2), generate("gpipe", ranks=2, microbatches=2)]
+    got = fastest(progs, lambda p: None, rounds=1, warmup=0)
+    assert got.index in (0, 1)  # both ~0 s; exact ties (equal medians) go to the first
+    same = Tuned(progs[0], 0, ((1.0,), (1.0,)))
+    assert same.medians == (1.0, 1.0)
+
+
+def test_auto_candidates_tuned_on_a_real_pipeline_match_the_reference() -> None:
+    stages, params = toy(2)
+    x, y = data(8)
+    cands = auto_candidates(ranks=2, microbatches=4, max_activations=2, count=3)
+    pipes = {id(c): Pipeline(stages, c, loss_fn=mse) for c in cands}
+    got = fastest(cands, lambda p: pipes[id(p)].step(params, x, y), rounds=2)
+    assert got.program in cands
+    result = pipes[id(got.program)].step(params, x, y)
+    ref = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
+    assert_trees_close((result.loss, result.grads), ref)
+
+
+def test_bad_arguments_are_named() -> None:
+    prog = generate("1f1b", ranks=2, microbatches=2)
+    with pytest.raises(InvalidArgument, match="non-empty sequence"):
+        fastest([], lambda p: None)
+    with pytest.raises(InvalidArgument, match="non-empty sequence"):
+        fastest(["1f1b"], lambda p: None)  # type: ignore[list-item]
+    with pytest.raises(InvalidArgument, match="not callable"):
+        fastest([prog], None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="rounds=0"):
+        fastest([prog], lambda p: None, rounds=0)
+    with pytest.raises(InvalidArgument, match="warmup=-1"):
+        fastest([prog], lambda p: None, warmup=-1)
+
+
+def test_a_failing_candidate_is_named() -> None:
+    prog = generate("1f1b", ranks=2, microbatches=2)
+
+    def step(program: fp.schedule.Program) -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom") as info:
+        fastest([prog], step)
+    assert any("'1f1b'" in note for note in info.value.__notes__)
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_picks_by_the_slowest_rank(pool) -> None:  # type: ignore[no-untyped-def]
+    got = pool(2).run(jobs_runtime.tune_agrees_across_ranks)
+    assert [g[0] for g in got] == [20, 20]
+    assert got[0][1] == got[1][1]  # the same (all-reduced) medians on both ranks
