@@ -171,6 +171,12 @@ class Pipeline:
             (:mod:`funcpipe.runtime.sockets`; 7-18 us per message against gloo's 0.13-2 ms), anything
             else over ``torch.distributed`` send/recv. ``"torch"``: always
             ``torch.distributed``. Every process must pass the same value.
+        batch_weights: where a program's whole backwards (B) would leave the weight gradients
+            of ``nn.Linear``-shaped products for several microbatches in a row without the rank
+            keeping more activations than the program's own peak (all of GPipe's, the drain of
+            1F1B), compute each such weight gradient once over all those microbatches' rows
+            instead of once per microbatch (:mod:`funcpipe.runtime.linear`). Same gradients
+            up to rounding (the sum is ordered differently). ``False``: one per microbatch.
     """
 
     def __init__(
@@ -192,6 +198,7 @@ class Pipeline:
         check_finite: bool | None = None,
         device: torch.device | str | None = None,
         p2p: str = "auto",
+        batch_weights: bool = True,
     ) -> None:
         if p2p not in ("auto", "torch"):
             raise InvalidArgument(
@@ -277,6 +284,9 @@ class Pipeline:
 
             check_finite = os.environ.get("FUNCPIPE_DEBUG", "") not in ("", "0")
         self.check_finite = bool(check_finite)
+        if not isinstance(batch_weights, bool):
+            raise InvalidArgument(f"batch_weights={batch_weights!r}: pass True or False")
+        self.batch_weights = batch_weights
         if mesh is not None and transport != "dist":
             raise InvalidArgument("mesh= describes processes: it needs transport='dist'")
         if transport == "dist" and data != 1:
@@ -687,6 +697,7 @@ class Pipeline:
             device=device,
             prefetch=device.type == "cpu",  # NCCL: receives stay where the program puts them
             check_finite=self.check_finite,
+            batch_weights=self.batch_weights,
             ties=ties,
             data_size=self.data,
         )

@@ -24,9 +24,13 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from funcpipe.runtime import linear
+from funcpipe.runtime.linear import Linear
+
 __all__ = [
     "Saved",
     "backward",
+    "backward_deferred",
     "backward_input",
     "backward_weight",
     "forward",
@@ -201,6 +205,33 @@ def _kids(node: Node, kids: Kids) -> tuple[Node, ...]:
     return got
 
 
+def backward_deferred(
+    saved: Saved,
+    params: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor | None],
+    *,
+    nodes: dict[Node, int] | None = None,
+) -> tuple[list[Tensor | None], linear.Deferred | None]:
+    """B with the direct products' weight gradients left for :func:`linear.weight_batch`.
+
+    Returns ``(input_grads, deferred)``; every other parameter gradient is added into
+    ``.grad`` as with ``backward(..., accumulate=True)``. ``deferred`` is ``None`` when the
+    stage has no direct product: then this was an ordinary accumulating B. Frees the graph.
+    """
+    if saved.outputs is None:
+        raise RuntimeError("backward before recompute: the forward kept no graph")
+    outs, gs = _pairs(saved.outputs, grad_outputs)
+    got = None
+    if outs:
+        got = linear.backward_deferred(
+            outs, gs, saved.inputs, params, param_nodes(params) if nodes is None else nodes
+        )
+    if got is None:
+        return backward(saved, params, grad_outputs, accumulate=True)[0], None
+    saved.outputs = None
+    return got[0], got[1]
+
+
 def _input_closure(outputs: Sequence[Tensor], inputs: Sequence[Tensor], kids: Kids) -> set[Node]:
     """The graph nodes from which some stage input is reachable (the path of I)."""
     targets = {get_gradient_edge(t).node for t in inputs if t.requires_grad}
@@ -311,104 +342,34 @@ class _Root:
     node: Node | None
     edges: list[tuple[GradientEdge, Tensor]]
     params: set[int]
-    linear: _Linear | None = None  # W computes this root's parameter gradients directly
+    linear: Linear | None = None  # W computes this root's parameter gradients directly
 
 
-@dataclass(frozen=True)
-class _Linear:
-    """A join that is a matrix product ``x @ w`` / ``x @ w.T`` (+ bias: ``addmm``, what
-    ``nn.Linear`` records) whose weight and bias edges lead straight to parameters.
-
-    W need not run the engine for it: the weight gradient is one product summed in place into
-    the parameter's ``.grad`` (``addmm_``: no fresh gradient tensor per microbatch) and the
-    bias gradient a column sum. On a 4 x Linear(512) stage that is I + W = 0.87 B (64 rows)
-    against 1.1-1.2 B through the engine (one call per weight group).
-    """
-
-    weight: int  # parameter index of the weight
-    transposed: bool  # the product used w.T (nn.Linear): grad = g.T @ x; else x.T @ g
-    bias: int | None  # parameter index of addmm's bias, if any
-    saved: str  # the node's attribute holding the product's left operand x
-
-
-def _as_linear(node: Node, param_nodes: dict[Node, int], closure: set[Node]) -> _Linear | None:
-    """The :class:`_Linear` form of ``node`` if it has one, else ``None`` (the engine runs it)."""
-    name = node.name()
-    if name == "AddmmBackward0":
-        if getattr(node, "_saved_alpha", None) != 1 or getattr(node, "_saved_beta", None) != 1:
-            return None
-        (bias_node, _), (x_node, _), (w_node, _) = node.next_functions
-        saved = "_saved_mat1"
-    elif name == "MmBackward0":
-        (x_node, _), (w_node, _) = node.next_functions
-        bias_node, saved = None, "_saved_self"
-    else:
+def _as_linear(node: Node, param_nodes: dict[Node, int], closure: set[Node]) -> Linear | None:
+    """The direct form of a join (see :mod:`funcpipe.runtime.linear`), if it has one and its
+    x side is on the input path (done by I); else ``None`` (the engine runs its W)."""
+    got = linear.match(node, param_nodes)
+    if got is None:
         return None
+    x_node = linear.input_child(node)
     if x_node is not None and x_node not in closure:
         return None  # the left operand's gradient would be W's to compute: not this form
-    transposed = False
-    if w_node is not None and w_node not in param_nodes and w_node.name() == "TBackward0":
-        ((w_node, _),) = w_node.next_functions
-        transposed = True
-    if w_node is None or w_node not in param_nodes:
-        return None
-    if bias_node is not None and bias_node not in param_nodes:
-        return None
-    bias = None if bias_node is None else param_nodes[bias_node]
-    return _Linear(param_nodes[w_node], transposed, bias, saved)
+    return got[0]
 
 
 def _linear_grads(
     root: _Root, params: Sequence[Tensor], accumulate: bool, result: list[Tensor | None]
 ) -> bool:
-    """W of a :class:`_Linear` root without the engine; ``False`` if its tensors do not allow it
-    (dtypes or devices differ: the engine path handles the casts)."""
+    """W of a direct-form root without the engine; ``False`` if its tensors do not allow it."""
     lin = root.linear
     if lin is None or len(root.edges) != 1 or root.node is None:
         return False
     ((_, g),) = root.edges
     x = getattr(root.node, lin.saved)
-    w = params[lin.weight]
-    if x.dtype != g.dtype or w.dtype != g.dtype or x.device != g.device or x.dim() != 2:
+    if not linear.usable(x, g, params[lin.weight]):
         return False
-    a, b = (g.t(), x) if lin.transposed else (x.t(), g)
-    with torch.no_grad():  # x is on the input path (it requires grad): record nothing
-        _add(params, lin.weight, a, b, accumulate, result)
-        if lin.bias is not None:
-            gb = g.sum_to_size(params[lin.bias].shape)
-            _add_value(params, lin.bias, gb.clone() if gb is g else gb, accumulate, result)
+    linear.add_product(params, lin, x, g, accumulate, result)
     return True
-
-
-def _add(
-    params: Sequence[Tensor],
-    k: int,
-    a: Tensor,
-    b: Tensor,
-    accumulate: bool,
-    result: list[Tensor | None],
-) -> None:
-    """Add ``a @ b`` to parameter ``k``'s gradient (in place when one exists)."""
-    prev = params[k].grad if accumulate else result[k]
-    if prev is None:
-        total = torch.mm(a, b)
-    else:
-        total = prev.addmm_(a, b)
-    if accumulate:
-        params[k].grad = total
-    else:
-        result[k] = total
-
-
-def _add_value(
-    params: Sequence[Tensor], k: int, g: Tensor, accumulate: bool, result: list[Tensor | None]
-) -> None:
-    prev = params[k].grad if accumulate else result[k]
-    total = g if prev is None else prev.add_(g)
-    if accumulate:
-        params[k].grad = total
-    else:
-        result[k] = total
 
 
 def _group(roots: list[_Root]) -> list[list[_Root]]:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from funcpipe.errors import InvalidArgument, NonFiniteError
-from funcpipe.runtime import autodiff
+from funcpipe.runtime import autodiff, linear
 from funcpipe.runtime.plan import Layout, OutputSpec, rebuild
 from funcpipe.runtime.transport import Handle, Transport
 from funcpipe.schedule.check import in_program
@@ -63,6 +63,10 @@ class RankInputs:
     # reduce (loss sum, metric sum, has loss) over this transport group as soon as this rank's
     # last sink forward is done (at the start on ranks without one); None: the caller does it
     scalars_group: str | None = None
+    # a B's direct weight products (funcpipe.runtime.linear) wait and are summed for several
+    # microbatches at once, as long as the rank keeps at most the program's own peak of
+    # activations (see _deferral_plan)
+    batch_weights: bool = True
 
 
 @dataclass
@@ -123,6 +127,13 @@ class _Rank:
             self.leaves.setdefault(o, x.params[o][0])
         self.shared: set[tuple[int, int]] = set()
         self.nodes: dict[int, dict[Any, int]] = {}  # owner -> autodiff.param_nodes (for I)
+        # B's whose weight products wait, and where the waiting ones are summed (see
+        # _deferral_plan); owner -> what waits
+        self.defer: set[int] = set()
+        self.flush_at: set[int] = set()
+        if x.batch_weights and p.training:
+            self.defer, self.flush_at = _deferral_plan(p.ranks[x.rank], x.recompute)
+        self.waiting: dict[int, list[linear.Deferred]] = {}
 
     # ------------------------------------------------------------------ helpers
     def spec(self, s: int, m: int) -> OutputSpec:
@@ -350,14 +361,30 @@ class _Rank:
         autodiff.recompute(fn, self._params(i.stage), saved)
         self._alive(+1)
 
-    def backward(self, i: Instr) -> None:
+    def _param_nodes(self, s: int) -> dict[Any, int]:
+        o = self.owner[s]
+        nodes = self.nodes.get(o)
+        if nodes is None:
+            nodes = self.nodes[o] = autodiff.param_nodes(self._params(s))
+        return nodes
+
+    def backward(self, i: Instr, defer: bool = False) -> None:
         s, m = i.stage, i.microbatch
         grad_outputs = self._grad_outputs(s, m)
         saved, _ = self.saved.pop((s, m))
         if self.shared:
             self._unshare(s)
-        gin, _ = autodiff.backward(saved, self._params(s), grad_outputs, accumulate=True)
-        self._alive(-1)
+        later = None
+        if defer:
+            gin, later = autodiff.backward_deferred(
+                saved, self._params(s), grad_outputs, nodes=self._param_nodes(s)
+            )
+        else:
+            gin, _ = autodiff.backward(saved, self._params(s), grad_outputs, accumulate=True)
+        if later is not None:  # still alive (as the deferral plan counts) until summed
+            self.waiting.setdefault(self.owner[s], []).append(later)
+        else:
+            self._alive(-1)
         if self.x.check_finite:
             self._finite(s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], "backward")
             gp = self._param_grads(s)
@@ -367,11 +394,9 @@ class _Rank:
     def backward_input(self, i: Instr) -> None:
         s, m = i.stage, i.microbatch
         saved, _ = self.saved[(s, m)]
-        o = self.owner[s]
-        nodes = self.nodes.get(o)
-        if nodes is None:
-            nodes = self.nodes[o] = autodiff.param_nodes(self._params(s))
-        gin = autodiff.backward_input(saved, self._params(s), self._grad_outputs(s, m), nodes=nodes)
+        gin = autodiff.backward_input(
+            saved, self._params(s), self._grad_outputs(s, m), nodes=self._param_nodes(s)
+        )
         if self.x.check_finite:
             self._finite(
                 s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], "backward (I)"
@@ -390,6 +415,29 @@ class _Rank:
                 s, m, gw, [f"parameter gradient #{k}" for k in range(len(gw))], "backward (W)"
             )
         self._alive(-1)
+
+    def flush_weights(self) -> Generator[Handle, None, None]:
+        """Sum every waiting weight product (one product per layer over all waiting
+        microbatches' rows) into the owners' gradients."""
+        owners = [o for o, w in self.waiting.items() if w]
+        if not owners:
+            return
+        if self.inflight:
+            yield from self._settle(owners)
+        for o in owners:
+            waiting = self.waiting.pop(o)
+            for key in [key for key in self.shared if key[0] == o]:
+                leaf = self.leaves[o][key[1]]
+                if leaf.grad is not None:
+                    leaf.grad = leaf.grad.clone()
+                self.shared.discard(key)
+            params = self.x.params[o][0]
+            linear.weight_batch(waiting, params)
+            self._alive(-len(waiting))
+            if self.x.check_finite:
+                gw = [t.grad for t in params]
+                names = [f"parameter gradient #{k}" for k in range(len(gw))]
+                self._finite(o, -1, gw, names, "batched weight gradient")
 
     def send(self, i: Instr) -> None:
         a, b = i.edge
@@ -522,18 +570,21 @@ class _Rank:
             scalars_after = sinks[-1] if sinks else -1
             if not sinks:
                 self._post_scalars(scalars)
+        last = len(instrs) - 1
         for t, i in enumerate(instrs):
             if trace is not None:
                 trace.append(clock())
             for j in early.get(t, ()):
                 posted[j] = self.recv(instrs[j])
+            if t in self.flush_at:
+                yield from self.flush_weights()
             op = i.op
             if op is Op.F:
                 self.forward(i)
             elif op is Op.B:
                 if self.inflight:
                     yield from self._settle([self.owner[i.stage]])
-                self.backward(i)
+                self.backward(i, defer=t in self.defer)
             elif op is Op.I:
                 self.backward_input(i)
             elif op is Op.W:
@@ -555,8 +606,11 @@ class _Rank:
                 self.reduce(i)
             if t == scalars_after and scalars is not None:
                 self._post_scalars(scalars)
+            if t == last:  # timed as part of the rank's last instruction
+                yield from self.flush_weights()
             if trace is not None:
                 trace.append(clock())
+        yield from self.flush_weights()  # (no instructions at all)
         for pending in self.reductions:
             yield from pending.finish()
         self.reductions, self.inflight = [], {}  # their callbacks are done: let them go
@@ -589,6 +643,48 @@ def _note(e: BaseException, where: str, inputs: Sequence[Any], targets: Sequence
     if targets:
         text += f"; targets {specs(targets)}"
     e.add_note(text)
+
+
+def _deferral_plan(instrs: Sequence[Instr], recompute: frozenset[int]) -> tuple[set[int], set[int]]:
+    """Which B's leave their weight products waiting, and before which instructions the
+    waiting ones are summed.
+
+    A waiting B still counts as alive (its products' inputs and incoming gradients are kept),
+    so the rank may not exceed the program's own peak: before an F that would, everything
+    waiting is summed; also before a REDUCE (it reads the gradients) and after the last
+    instruction. A B that would be summed alone is not deferred (one microbatch gains nothing
+    and the deferred form costs a graph walk). GPipe: all of a rank's B's are summed at once;
+    1F1B: the drain's.
+    """
+    keeps = [(i.op is Op.F and i.stage not in recompute) or i.op is Op.R for i in instrs]
+    live = peak = 0
+    for i, keep in zip(instrs, keeps, strict=True):
+        live += 1 if keep else -1 if i.op in (Op.B, Op.W) else 0
+        peak = max(peak, live)
+    defer = {t for t, i in enumerate(instrs) if i.op is Op.B and i.stage not in recompute}
+    while True:
+        live = 0
+        waiting: list[int] = []
+        flush_at: set[int] = set()
+        batches: list[list[int]] = []
+        for t, (i, keep) in enumerate(zip(instrs, keeps, strict=True)):
+            if waiting and ((keep and live + 1 > peak) or i.op is Op.REDUCE):
+                flush_at.add(t)
+                batches.append(waiting)
+                live -= len(waiting)
+                waiting = []
+            if keep:
+                live += 1
+            elif i.op is Op.B and t in defer:
+                waiting.append(t)
+            elif i.op in (Op.B, Op.W):
+                live -= 1
+        if waiting:
+            batches.append(waiting)
+        alone = {b[0] for b in batches if len(b) == 1}
+        if not alone:
+            return defer, flush_at
+        defer -= alone
 
 
 def _prefetch_plan(instrs: Sequence[Instr]) -> dict[int, list[int]]:

@@ -1,0 +1,231 @@
+"""Weight gradients of ``nn.Linear``-shaped products, computed without the autograd engine.
+
+Most weights of a model sit in matrix products that autograd records as ``addmm`` (a Linear
+with bias on 2-D rows; N-D inputs are flattened to 2-D first) or ``mm``: ``y = x @ w.T + b``.
+Their weight gradient is ``g.T @ x`` and their bias gradient ``g.sum(0)``, where ``g`` is the
+gradient arriving at the product and ``x`` its saved input. Computing that directly, rather
+than letting the engine run the product's weight branch, buys two things:
+
+- the gradient is summed in place into the parameter's ``.grad`` (``addmm_``): no fresh
+  weight-sized tensor per microbatch (:func:`funcpipe.runtime.autodiff.backward_weight`);
+- the products of several microbatches can be summed as *one* product over all their rows
+  (:func:`backward_deferred` keeps ``(x, g)``, :func:`weight_batch` does the sum): on CPU a
+  weight gradient over 8 rows is a skinny, memory-bound product, over 64 rows a real one.
+
+A product qualifies when its weight edge leads (directly or through one transpose) to a
+parameter leaf, its bias edge (if any) to another, and no other use of those parameters exists
+in the stage's graph; anything else stays with the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+__all__ = ["Deferred", "Linear", "backward_deferred", "match", "weight_batch"]
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A product node whose weight (and bias) gradients can be computed directly."""
+
+    weight: int  # parameter index of the weight
+    transposed: bool  # the product used w.T (nn.Linear): grad = g.T @ x; else x.T @ g
+    bias: int | None  # parameter index of addmm's bias, if any
+    saved: str  # the node's attribute holding the product's left operand x
+
+
+def _parts(node: Node) -> tuple[Node | None, Node | None, Node | None, str] | None:
+    """(bias child, x child, weight child, saved x attribute) of an addmm / mm node."""
+    name = node.name()
+    if name == "AddmmBackward0":
+        if getattr(node, "_saved_alpha", None) != 1 or getattr(node, "_saved_beta", None) != 1:
+            return None
+        (bias, _), (x, _), (w, _) = node.next_functions
+        return bias, x, w, "_saved_mat1"
+    if name == "MmBackward0":
+        (x, _), (w, _) = node.next_functions
+        return None, x, w, "_saved_self"
+    return None
+
+
+def match(node: Node, param_nodes: dict[Node, int]) -> tuple[Linear, Node | None] | None:
+    """The :class:`Linear` form of ``node`` and its transpose node (``None`` if the weight
+    edge is the parameter itself), or ``None`` if it has none."""
+    parts = _parts(node)
+    if parts is None:
+        return None
+    bias_node, _, w_node, saved = parts
+    transpose = None
+    if w_node is not None and w_node not in param_nodes and w_node.name() == "TBackward0":
+        transpose = w_node
+        ((w_node, _),) = w_node.next_functions
+    if w_node is None or w_node not in param_nodes:
+        return None
+    if bias_node is not None and bias_node not in param_nodes:
+        return None
+    bias = None if bias_node is None else param_nodes[bias_node]
+    return Linear(param_nodes[w_node], transpose is not None, bias, saved), transpose
+
+
+def input_child(node: Node) -> Node | None:
+    """The child of an addmm / mm node on its x side."""
+    parts = _parts(node)
+    return None if parts is None else parts[1]
+
+
+def usable(x: Tensor, g: Tensor, w: Tensor) -> bool:
+    """The direct formula applies to these tensors (else a cast sits between: the engine)."""
+    return x.dtype == g.dtype == w.dtype and x.device == g.device and x.dim() == 2
+
+
+def add_product(
+    params: Sequence[Tensor],
+    lin: Linear,
+    x: Tensor,
+    g: Tensor,
+    accumulate: bool,
+    result: list[Tensor | None],
+) -> None:
+    """Add the product's weight (and bias) gradient for input ``x`` and incoming gradient ``g``
+    (their rows may be several microbatches' concatenated) to ``params[k].grad``
+    (``accumulate``) or to ``result[k]``; in place where a gradient exists."""
+    a, b = (g.t(), x) if lin.transposed else (x.t(), g)
+    with torch.no_grad():  # x requires grad when it is on the input path: record nothing
+        prev = params[lin.weight].grad if accumulate else result[lin.weight]
+        _put(
+            params,
+            lin.weight,
+            torch.mm(a, b) if prev is None else prev.addmm_(a, b),
+            accumulate,
+            result,
+        )
+        if lin.bias is not None:
+            gb = g.sum_to_size(params[lin.bias].shape)
+            prev = params[lin.bias].grad if accumulate else result[lin.bias]
+            if prev is None:
+                _put(params, lin.bias, gb.clone() if gb is g else gb, accumulate, result)
+            else:
+                prev.add_(gb)
+
+
+def _put(
+    params: Sequence[Tensor], k: int, value: Tensor, accumulate: bool, result: list[Tensor | None]
+) -> None:
+    if accumulate:
+        params[k].grad = value
+    else:
+        result[k] = value
+
+
+@dataclass
+class Deferred:
+    """What :func:`backward_deferred` left for :func:`weight_batch`: per direct product, its
+    input ``x`` and incoming gradient ``g`` for one microbatch."""
+
+    items: list[tuple[Linear, Tensor, Tensor]]
+
+
+def _find(outputs: Sequence[Tensor], param_nodes: dict[Node, int]) -> list[tuple[Node, Linear]]:
+    """The stage's direct products whose parameters nothing else in the graph uses."""
+    roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    seen: set[Node] = set(roots)
+    stack = list(roots)
+    incoming: dict[Node, int] = {}
+    found: list[tuple[Node, Linear, Node | None]] = []
+    while stack:
+        node = stack.pop()
+        m = match(node, param_nodes)
+        if m is not None:
+            found.append((node, m[0], m[1]))
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            incoming[child] = incoming.get(child, 0) + 1
+            if child not in seen:
+                seen.add(child)
+                stack.append(child)
+    by_index = {i: n for n, i in param_nodes.items()}
+    while True:  # drop products sharing a parameter with any other use, until none is left
+        refs: dict[Node, int] = {}
+        for _, lin, _t in found:
+            refs[by_index[lin.weight]] = refs.get(by_index[lin.weight], 0) + 1
+            if lin.bias is not None:
+                refs[by_index[lin.bias]] = refs.get(by_index[lin.bias], 0) + 1
+        keep = [
+            (node, lin, transpose)
+            for node, lin, transpose in found
+            if (transpose is None or incoming.get(transpose, 0) == 1)
+            and incoming.get(by_index[lin.weight], 0) == refs[by_index[lin.weight]]
+            and (
+                lin.bias is None or incoming.get(by_index[lin.bias], 0) == refs[by_index[lin.bias]]
+            )
+        ]
+        if len(keep) == len(found):
+            return [(node, lin) for node, lin, _ in keep]
+        found = keep
+
+
+def backward_deferred(
+    outputs: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor],
+    inputs: Sequence[Tensor],
+    params: Sequence[Tensor],
+    param_nodes: dict[Node, int],
+) -> tuple[list[Tensor | None], Deferred] | None:
+    """A whole backward (B) that leaves the direct products' weight gradients for later.
+
+    One engine call computes the input gradients, the gradients of every parameter not in a
+    direct product (added into their ``.grad``), and the gradient arriving at each direct
+    product; those products' ``(x, g)`` are returned for :func:`weight_batch`. ``None`` if the
+    stage has no direct product (the caller runs an ordinary B). Frees the graph.
+    """
+    found = _find(outputs, param_nodes)
+    if not found:
+        return None
+    fast = {lin.weight for _, lin in found} | {lin.bias for _, lin in found if lin.bias is not None}
+    xs = [getattr(node, lin.saved) for node, lin in found]  # before the engine frees them
+    if not all(usable(x, x, params[lin.weight]) for x, (_, lin) in zip(xs, found, strict=True)):
+        return None  # a cast between a parameter and its product: the engine does it all
+    want_in = [k for k, t in enumerate(inputs) if t.requires_grad]
+    others = [k for k, p in enumerate(params) if p.requires_grad and k not in fast]
+    targets: list[Any] = [inputs[k] for k in want_in]  # tensors and gradient edges
+    targets += [params[k] for k in others]
+    targets += [GradientEdge(node, 0) for node, _ in found]
+    got = torch.autograd.grad(list(outputs), targets, list(grad_outputs), allow_unused=True)
+    grads_in: list[Tensor | None] = [None] * len(inputs)
+    for k, g in zip(want_in, got, strict=False):
+        grads_in[k] = g
+    n = len(want_in)
+    for k, g in zip(others, got[n : n + len(others)], strict=True):
+        if g is not None:
+            p = params[k]
+            p.grad = g if p.grad is None else p.grad.add_(g)
+    items = []
+    for x, (_, lin), g in zip(xs, found, got[n + len(others) :], strict=True):
+        if g is not None:
+            items.append((lin, x.detach(), g))
+    return grads_in, Deferred(items)
+
+
+def weight_batch(deferred: Sequence[Deferred], params: Sequence[Tensor]) -> None:
+    """Sum the deferred weight gradients of several microbatches into ``params[k].grad``: per
+    product, one matrix product over all the microbatches' rows."""
+    groups: dict[Linear, tuple[list[Tensor], list[Tensor]]] = {}
+    for d in deferred:
+        for lin, x, g in d.items:
+            xs, gs = groups.setdefault(lin, ([], []))
+            xs.append(x)
+            gs.append(g)
+    for lin, (xs, gs) in groups.items():
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        g = gs[0] if len(gs) == 1 else torch.cat(gs)
+        add_product(params, lin, x, g, True, [])
+    for d in deferred:
+        d.items = []

@@ -1,0 +1,204 @@
+"""Direct weight gradients of Linear-shaped products: deferred from B, summed over microbatches
+in one product, equal to autograd's; and the interpreter's plan of when to sum them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import funcpipe as fp
+from funcpipe.errors import InvalidArgument
+from funcpipe.runtime import autodiff, linear
+from funcpipe.runtime.interpreter import _deferral_plan
+from funcpipe.schedule import GENERATORS, generate
+from funcpipe.schedule.ir import Op
+from funcpipe.testing import assert_trees_close
+from tests.runtime.test_autodiff import _stage
+
+F64 = torch.float64
+
+
+@given(
+    depth=st.integers(1, 3),
+    reuse=st.booleans(),
+    param_output=st.booleans(),
+    bias=st.booleans(),
+    input_grad=st.booleans(),
+    kind=st.sampled_from(["matmul", "linear", "right"]),
+    rows=st.sampled_from([(3,), (2, 3)]),
+    microbatches=st.integers(1, 4),
+    extra_use=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_deferred_then_batched_equals_whole_backwards(
+    depth: int,
+    reuse: bool,
+    param_output: bool,
+    bias: bool,
+    input_grad: bool,
+    kind: str,
+    rows: tuple[int, ...],
+    microbatches: int,
+    extra_use: bool,
+    seed: int,
+) -> None:
+    """k microbatches' B with their direct products deferred, then one weight_batch: the same
+    input gradients per microbatch and the same parameter gradient sums as k ordinary Bs. A
+    weight used twice (reuse), a parameter joining the input path by an add, a parameter-only
+    output, a product weight also used outside any product (``extra_use``) and a stage whose
+    input needs no gradient (the entry stage) go through the engine."""
+    g = torch.Generator().manual_seed(seed)
+    d = 4
+    base = [torch.randn(d, d, generator=g, dtype=F64) for _ in range(depth)]
+    base += [torch.randn(d, generator=g, dtype=F64) for _ in range(depth)]
+    base += [torch.randn(d, generator=g, dtype=F64)]
+    inner = _stage(depth, reuse=reuse, param_output=param_output, bias=bias, linear=kind)
+
+    def fn(params, inputs):  # type: ignore[no-untyped-def]
+        outs = list(inner(params, inputs))
+        if extra_use:  # the first layer's weight, also outside its product
+            outs[0] = outs[0] + (params[0] * params[0]).sum()
+        return outs
+
+    xs = [torch.randn(*rows, d, generator=g, dtype=F64) for _ in range(microbatches)]
+    gys = [
+        [torch.randn(*rows, d, generator=g, dtype=F64), torch.randn(d, generator=g, dtype=F64)][
+            : 2 if param_output else 1
+        ]
+        for _ in range(microbatches)
+    ]
+    whole = [p.clone().requires_grad_() for p in base]
+    later = [p.clone().requires_grad_() for p in base]
+    nodes = None
+    waiting = []
+    for x, gy in zip(xs, gys, strict=True):
+        _, saved = autodiff.forward(fn, whole, [x])
+        if not input_grad:
+            saved.inputs[0].requires_grad_(False)
+        want_in, _ = autodiff.backward(saved, whole, gy, accumulate=True)
+        _, saved = autodiff.forward(fn, later, [x])
+        if not input_grad:
+            saved.inputs[0].requires_grad_(False)
+        nodes = nodes or autodiff.param_nodes(later)
+        got_in, deferred = autodiff.backward_deferred(saved, later, gy, nodes=nodes)
+        assert saved.outputs is None  # the graph is freed either way
+        assert_trees_close(
+            [torch.zeros(1) if t is None else t for t in got_in],
+            [torch.zeros(1) if t is None else t for t in want_in],
+            rtol=1e-13,
+            atol=1e-13,
+        )
+        if deferred is not None:
+            waiting.append(deferred)
+    linear.weight_batch(waiting, later)
+    zeros = [torch.zeros_like(p) if p.grad is None else p.grad for p in whole]
+    got = [torch.zeros_like(p) if p.grad is None else p.grad for p in later]
+    assert_trees_close(got, zeros, rtol=1e-12, atol=1e-12)
+    assert all(not d.items for d in waiting)  # handed over
+
+
+def test_a_linear_stage_defers_every_weight_and_its_engine_call_computes_none() -> None:
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.nn.Linear(5, 5, dtype=F64) for _ in range(3)]
+    params = [t.detach().clone().requires_grad_() for m in layers for t in (m.weight, m.bias)]
+
+    def fn(ps, inputs):  # type: ignore[no-untyped-def]
+        h = inputs[0]
+        for k in range(3):
+            h = torch.nn.functional.gelu(torch.nn.functional.linear(h, ps[2 * k], ps[2 * k + 1]))
+        return [h]
+
+    _, saved = autodiff.forward(fn, params, [torch.randn(4, 5, generator=g, dtype=F64)])
+    _, deferred = autodiff.backward_deferred(saved, params, [torch.ones(4, 5, dtype=F64)])
+    assert deferred is not None and len(deferred.items) == 3
+    assert all(p.grad is None for p in params)  # nothing computed for them yet
+    linear.weight_batch([deferred], params)
+    assert all(p.grad is not None and p.grad.grad_fn is None for p in params)
+
+
+def test_a_stage_without_direct_products_is_an_ordinary_backward() -> None:
+    w = torch.randn(3, dtype=F64).requires_grad_()
+    _, saved = autodiff.forward(lambda p, i: [torch.tanh(i[0] * p[0])], [w], [torch.ones(3)])
+    got_in, deferred = autodiff.backward_deferred(saved, [w], [torch.ones(3, dtype=F64)])
+    assert deferred is None and w.grad is not None and got_in[0] is not None
+
+
+def _live(instrs, defer, flush_at):  # type: ignore[no-untyped-def]
+    """The activation count along a rank's instructions under a deferral plan (as the
+    interpreter keeps it): a deferred B stays alive until the next flush."""
+    live = peak = waiting = 0
+    for t, i in enumerate(instrs):
+        if t in flush_at:
+            live -= waiting
+            waiting = 0
+        if i.op in (Op.F, Op.R):
+            live += 1
+        elif i.op is Op.B and t in defer:
+            waiting += 1
+        elif i.op in (Op.B, Op.W):
+            live -= 1
+        peak = max(peak, live)
+    return peak, waiting
+
+
+@given(
+    name=st.sampled_from(sorted(n for n in GENERATORS if n != "chimera")),
+    ranks=st.integers(1, 4),
+    microbatches=st.integers(1, 10),
+)
+def test_the_deferral_plan_keeps_the_programs_peak(
+    name: str, ranks: int, microbatches: int
+) -> None:
+    """For every generator: with the plan, no rank keeps more activations than the program's
+    own peak, every deferred B is summed with at least one other, and REDUCE never sees a
+    waiting product."""
+    try:
+        program = fp.schedule.add_reduce(generate(name, ranks=ranks, microbatches=microbatches))
+    except InvalidArgument:
+        return  # sizes the generator does not support
+    peaks = fp.schedule.peak_activations(program)
+    for r, instrs in enumerate(program.ranks):
+        defer, flush_at = _deferral_plan(instrs, frozenset())
+        assert all(instrs[t].op is Op.B for t in defer)
+        peak, _ = _live(instrs, defer, flush_at)
+        assert peak <= peaks[r]
+        for t in flush_at:
+            assert instrs[t].op in (Op.F, Op.R, Op.REDUCE)
+        if name == "gpipe" and microbatches > 1:
+            assert len(defer) == microbatches  # all of a rank's backwards summed at once
+        if defer:
+            assert len(defer) >= 2
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "dualpipev"])
+def test_pipeline_with_and_without_batched_weights(name: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(6, 6, dtype=F64) for _ in range(4)])
+    program = generate(name, ranks=2, microbatches=4)
+    part = fp.partition(model, stages=program.n_stages)
+    x, y = torch.randn(8, 6, dtype=F64), torch.randn(8, 6, dtype=F64)
+
+    def mse(out, t):  # type: ignore[no-untyped-def]
+        return ((out - t) ** 2).mean()
+
+    on = fp.Pipeline(list(part.stages), program, loss_fn=mse).step(list(part.params), x, y)
+    off = fp.Pipeline(list(part.stages), program, loss_fn=mse, batch_weights=False).step(
+        list(part.params), x, y
+    )
+    ref = fp.reference_step(list(part.stages), list(part.params), x, mse, targets=y, microbatches=4)
+    assert_trees_close((on.loss, on.grads), ref)
+    assert_trees_close((off.loss, off.grads), ref)
+    assert on.peak_activations == off.peak_activations
+
+
+def test_batch_weights_must_be_a_bool() -> None:
+    part = fp.partition(torch.nn.Sequential(torch.nn.Linear(2, 2)), stages=1)
+    with pytest.raises(InvalidArgument, match="batch_weights"):
+        fp.Pipeline(
+            list(part.stages),
+            generate("gpipe", ranks=1, microbatches=1),
+            loss_fn=torch.sum,
+            batch_weights=1,
+        )  # type: ignore[arg-type]
