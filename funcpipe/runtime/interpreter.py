@@ -63,9 +63,10 @@ class RankInputs:
     # reduce (loss sum, metric sum, has loss) over this transport group as soon as this rank's
     # last sink forward is done (at the start on ranks without one); None: the caller does it
     scalars_group: str | None = None
-    # a B's direct weight products (funcpipe.runtime.linear) wait and are summed for several
-    # microbatches at once, as long as the rank keeps at most the program's own peak of
-    # activations (see _deferral_plan)
+    # a B computes its Linear-shaped weight gradients directly, in place
+    # (funcpipe.runtime.linear), and lets them wait to be summed for several microbatches at
+    # once as long as the rank keeps at most the program's own peak of activations
+    # (see _deferral_plan)
     batch_weights: bool = True
 
 
@@ -375,15 +376,17 @@ class _Rank:
         if self.shared:
             self._unshare(s)
         later = None
-        if defer:
+        if self.x.batch_weights:
             gin, later = autodiff.backward_deferred(
                 saved, self._params(s), grad_outputs, nodes=self._param_nodes(s)
             )
         else:
             gin, _ = autodiff.backward(saved, self._params(s), grad_outputs, accumulate=True)
-        if later is not None:  # still alive (as the deferral plan counts) until summed
+        if later is not None and defer:  # still alive (as the deferral plan counts) until summed
             self.waiting.setdefault(self.owner[s], []).append(later)
         else:
+            if later is not None:  # summed now, in place (no weight-sized tensor per microbatch)
+                linear.weight_batch([later], self._params(s))
             self._alive(-1)
         if self.x.check_finite:
             self._finite(s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], "backward")
