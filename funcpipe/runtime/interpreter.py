@@ -655,9 +655,8 @@ def _deferral_plan(instrs: Sequence[Instr], recompute: frozenset[int]) -> tuple[
     A waiting B still counts as alive (its products' inputs and incoming gradients are kept),
     so the rank may not exceed the program's own peak: before an F that would, everything
     waiting is summed; also before a REDUCE (it reads the gradients) and after the last
-    instruction. A B that would be summed alone is not deferred (one microbatch gains nothing
-    and the deferred form costs a graph walk). GPipe: all of a rank's B's are summed at once;
-    1F1B: the drain's.
+    instruction. A B that would be summed alone is summed at once instead (waiting gains one
+    microbatch nothing). GPipe: all of a rank's B's are summed at once; 1F1B: the drain's.
     """
     keeps = [(i.op is Op.F and i.stage not in recompute) or i.op is Op.R for i in instrs]
     live = peak = 0
