@@ -441,7 +441,8 @@ def measure_stage_costs(
 ) -> StageCosts:
     """Median time of F, B, I and W of every stage on one microbatch, in this process and thread,
     with funcpipe's own autodiff as the interpreter runs it (parameter gradients summed in place
-    into the leaves' ``.grad``; the last stage includes the loss)."""
+    into the leaves' ``.grad``, B with its Linear weight gradients added directly: one microbatch,
+    so no batching; the last stage includes the loss)."""
     from funcpipe.runtime import autodiff
     from funcpipe.tree import tree_flatten
 
@@ -467,7 +468,7 @@ def measure_stage_costs(
             t0 = time.perf_counter()
             _, saved = autodiff.forward(fn, ps, [x])
             t1 = time.perf_counter()
-            autodiff.backward(saved, ps, gy, accumulate=True)
+            autodiff.backward_direct(saved, ps, gy)  # the runtime's default B
             t2 = time.perf_counter()
             _, saved = autodiff.forward(fn, ps, [x])
             t3 = time.perf_counter()
@@ -603,6 +604,18 @@ class SavedBytes:
                 self.peak = max(self.peak, self.live)
             self.refs[key] = n + 1
         return _Held(self, key, t)
+
+    def hold(self, t: Tensor) -> tuple[tuple[Any, ...] | None, Tensor]:
+        """Count ``t`` as live (once per storage view, as a saved tensor) until :meth:`release`
+        with what this returns: for tensors kept outside autograd's graph."""
+        key = self._key(t)
+        if key is not None:
+            n = self.refs.get(key, 0)
+            if n == 0:
+                self.live += t.numel() * t.element_size()
+                self.peak = max(self.peak, self.live)
+            self.refs[key] = n + 1
+        return key, t
 
     def release(self, key: tuple[Any, ...] | None, t: Tensor) -> None:
         if key is None:

@@ -24,7 +24,9 @@ Memory is counted in full-stage activations (1F1B's unit: ``p`` per rank): a chu
 two-chunk program counts one half. ``--memory p`` (the default) is 1F1B's peak; ``2p`` doubles it.
 Reported per program: median step time, the simulated makespan (measured costs and latency),
 and the median over rounds of its time over the best built-in's time in the same round
-(``/best built-in``; the best built-in is the one with the lowest median).
+(``/best built-in``; the best built-in is the one with the lowest median over the first half of
+the rounds, and the ratio is the median over the second half: choosing the fastest of several
+noisy programs and comparing with it on the same rounds would bias every comparison towards it).
 """
 
 from __future__ import annotations
@@ -318,9 +320,17 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
             )
             steps = {n: C.step_times([r["times"][n] for r in res]) for n in progs}
             builtins = [n for n in progs if n not in AUTOS and n != TUNED]
-            best = min(builtins, key=lambda n: C.median(steps[n])) if builtins else None
+            # the best built-in is chosen on the first half of the rounds and the ratios are
+            # taken on the second: picking the minimum of several noisy medians and comparing
+            # with it on the same rounds would favour the built-ins (the winner's curse)
+            half = len(next(iter(steps.values()))) // 2 if args.rounds >= 4 else 0
+            best = (
+                min(builtins, key=lambda n: C.median(steps[n][:half] or steps[n]))
+                if builtins
+                else None
+            )
             for name, prog in progs.items():
-                ratios = C.paired_ratios(steps[name], steps[best]) if best else []
+                ratios = C.paired_ratios(steps[name][half:], steps[best][half:]) if best else []
                 rows.append(
                     {
                         "size": size.name,
@@ -378,7 +388,7 @@ def parser() -> argparse.ArgumentParser:
         default=4,
         help="auto_candidates per placement timed by funcpipe.tune.fastest (0: no auto-tuned)",
     )
-    ap.add_argument("--tune-rounds", type=int, default=5, help="timed steps per candidate")
+    ap.add_argument("--tune-rounds", type=int, default=8, help="timed steps per candidate")
     ap.add_argument("--cost-reps", type=int, default=20)
     ap.add_argument("--comm-reps", type=int, default=50)
     C.pool_options(ap, job_timeout=1800.0)

@@ -5,7 +5,9 @@
 Measured: on every rank of a gloo pool, one funcpipe step runs inside
 ``torch.autograd.graph.saved_tensors_hooks`` that count the bytes autograd saves for backward
 (parameters excluded; each saved tensor counted once, from when it is saved until the last graph
-node holding it is freed). The rank's peak of those live bytes is its activation memory.
+node holding it is freed), plus what a whole backward keeps for batched weight gradients (each
+Linear's input and incoming gradient, from the B until they are summed). The rank's peak of
+those live bytes is its activation memory.
 
 The schedule's figure: ``peak_activations(program)[rank]`` (the most microbatch activations the
 schedule keeps alive at once on that rank, from F to its B or W) x one microbatch's activation
@@ -17,7 +19,9 @@ also saves the loss's inputs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +70,36 @@ def _stage_bytes(size: C.Size, stages: list[Any], params: list[Any]) -> list[int
     return out
 
 
+@contextlib.contextmanager
+def _count_waiting(counter: C.SavedBytes) -> Iterator[None]:
+    """Also count what a B keeps for its batched weight gradients (each Linear's input and
+    incoming gradient, ``funcpipe.runtime.linear``) from the B until they are summed: they live
+    outside autograd's graph, where the hooks do not see them."""
+    from funcpipe.runtime import linear
+
+    held: dict[int, list[Any]] = {}
+    real_deferred, real_batch = linear.backward_deferred, linear.weight_batch
+
+    def deferred(*args: Any, **kwargs: Any) -> Any:
+        got = real_deferred(*args, **kwargs)
+        if got is not None:
+            held[id(got[1])] = [counter.hold(t) for _, x, g in got[1].items for t in (x, g)]
+        return got
+
+    def batch(waiting: Any, params: Any) -> None:
+        waiting = list(waiting)
+        real_batch(waiting, params)
+        for d in waiting:
+            for key, t in held.pop(id(d), []):
+                counter.release(key, t)
+
+    linear.backward_deferred, linear.weight_batch = deferred, batch  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        linear.backward_deferred, linear.weight_batch = real_deferred, real_batch
+
+
 def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -83,7 +117,7 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     per_stage = _stage_bytes(size, stages, params)
     pipe.step(params, x, y)  # shapes inferred, buffers warm
     dist.barrier()
-    with C.SavedBytes(C.flat_grads(params)) as counter:
+    with C.SavedBytes(C.flat_grads(params)) as counter, _count_waiting(counter):
         res = pipe.step(params, x, y)
     mine = program.stages_on(rank)
     live = peak = 0

@@ -31,6 +31,7 @@ __all__ = [
     "Saved",
     "backward",
     "backward_deferred",
+    "backward_direct",
     "backward_input",
     "backward_weight",
     "forward",
@@ -56,6 +57,8 @@ class Saved:
     # filled by backward_input for backward_weight: groups of roots, one backward call each
     roots: list[list[_Root]] = field(default_factory=list)
     direct: list[tuple[int, Tensor]] = field(default_factory=list)  # outputs that are params
+    # or, when every parameter sits in a direct product: what W sums, without any graph
+    products: linear.Deferred | None = None
 
 
 def _rng_state(device: torch.device) -> tuple[Tensor, ...]:
@@ -232,6 +235,22 @@ def backward_deferred(
     return got[0], got[1]
 
 
+def backward_direct(
+    saved: Saved,
+    params: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor | None],
+    *,
+    nodes: dict[Node, int] | None = None,
+) -> list[Tensor | None]:
+    """B as the runtime runs it by default (``Pipeline(batch_weights=True)``) when its weight
+    products are not left waiting: :func:`backward_deferred`, then the Linear weight gradients
+    added in place at once. Returns the input gradients; parameter gradients go into ``.grad``."""
+    grads_in, later = backward_deferred(saved, params, grad_outputs, nodes=nodes)
+    if later is not None:
+        linear.weight_batch([later], params)
+    return grads_in
+
+
 def _input_closure(outputs: Sequence[Tensor], inputs: Sequence[Tensor], kids: Kids) -> set[Node]:
     """The graph nodes from which some stage input is reachable (the path of I)."""
     targets = {get_gradient_edge(t).node for t in inputs if t.requires_grad}
@@ -297,9 +316,16 @@ def backward_input(
     if saved.outputs is None:
         raise RuntimeError("backward_input before recompute: the forward kept no graph")
     outs, gs = _pairs(saved.outputs, grad_outputs)
+    param_nodes_ = param_nodes(params) if nodes is None else nodes
+    if outs:  # every parameter in a direct product: one engine call, W needs no graph
+        got = linear.backward_deferred(
+            outs, gs, saved.inputs, params, param_nodes_, linear_only=True
+        )
+        if got is not None:
+            saved.products, saved.outputs = got[1], None
+            return got[0]
     kids: Kids = {}
     closure = _input_closure(outs, saved.inputs, kids)
-    param_nodes_ = param_nodes(params) if nodes is None else nodes
     # join nodes: on the input path, with a branch leaving it towards parameters
     joins: dict[Node, set[int]] = {}
     for n in closure:
@@ -413,6 +439,10 @@ def backward_weight(
     a pre-hook pins each join's incoming gradient to what I recorded, so nothing counts twice.
     """
     result: list[Tensor | None] = [None] * len(params)
+    if saved.products is not None:
+        for lin, x, g in saved.products.items:
+            linear.add_product(params, lin, x, g, accumulate, result)
+        saved.products = None
     for group in saved.roots:
         if len(group) == 1 and _linear_grads(group[0], params, accumulate, result):
             continue

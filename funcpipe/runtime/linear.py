@@ -63,7 +63,7 @@ def match(node: Node, param_nodes: dict[Node, int]) -> tuple[Linear, Node | None
         return None
     bias_node, _, w_node, saved = parts
     transpose = None
-    if w_node is not None and w_node not in param_nodes and w_node.name() == "TBackward0":
+    if w_node is not None and w_node not in param_nodes and _is_transpose(w_node):
         transpose = w_node
         ((w_node, _),) = w_node.next_functions
     if w_node is None or w_node not in param_nodes:
@@ -72,6 +72,20 @@ def match(node: Node, param_nodes: dict[Node, int]) -> tuple[Linear, Node | None
         return None
     bias = None if bias_node is None else param_nodes[bias_node]
     return Linear(param_nodes[w_node], transpose is not None, bias, saved), transpose
+
+
+def _is_transpose(node: Node) -> bool:
+    """A node swapping the two dims of a matrix: ``w.t()``, ``w.T``, ``w.mT``,
+    ``w.transpose(0, 1)``."""
+    name = node.name()
+    if name == "TBackward0":
+        return True
+    if name == "PermuteBackward0":
+        return tuple(getattr(node, "_saved_dims", ())) == (1, 0)
+    if name == "TransposeBackward0":
+        dims = {getattr(node, "_saved_dim0", None), getattr(node, "_saved_dim1", None)}
+        return dims == {0, 1} or dims == {2**64 - 1, 2**64 - 2}  # (-1, -2), stored unsigned
+    return False
 
 
 def input_child(node: Node) -> Node | None:
@@ -178,6 +192,8 @@ def backward_deferred(
     inputs: Sequence[Tensor],
     params: Sequence[Tensor],
     param_nodes: dict[Node, int],
+    *,
+    linear_only: bool = False,
 ) -> tuple[list[Tensor | None], Deferred] | None:
     """A whole backward (B) that leaves the direct products' weight gradients for later.
 
@@ -185,6 +201,9 @@ def backward_deferred(
     direct product (added into their ``.grad``), and the gradient arriving at each direct
     product; those products' ``(x, g)`` are returned for :func:`weight_batch`. ``None`` if the
     stage has no direct product (the caller runs an ordinary B). Frees the graph.
+
+    ``linear_only``: also ``None`` (nothing run) unless every parameter that needs a gradient
+    sits in a direct product: then this is an I whose W needs no graph (the split's cheap case).
     """
     found = _find(outputs, param_nodes)
     if not found:
@@ -195,6 +214,8 @@ def backward_deferred(
         return None  # a cast between a parameter and its product: the engine does it all
     want_in = [k for k, t in enumerate(inputs) if t.requires_grad]
     others = [k for k, p in enumerate(params) if p.requires_grad and k not in fast]
+    if linear_only and (others or any(o.grad_fn is None for o in outputs)):
+        return None
     targets: list[Any] = [inputs[k] for k in want_in]  # tensors and gradient edges
     targets += [params[k] for k in others]
     targets += [GradientEdge(node, 0) for node, _ in found]

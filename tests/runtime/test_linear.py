@@ -202,3 +202,64 @@ def test_batch_weights_must_be_a_bool() -> None:
             loss_fn=torch.sum,
             batch_weights=1,
         )  # type: ignore[arg-type]
+
+
+@given(
+    depth=st.integers(1, 3),
+    kind=st.sampled_from(["linear", "linear-bias", "matmul", "right", "mT", "transpose", "t"]),
+    rows=st.sampled_from([(3,), (2, 3)]),
+    input_grad=st.booleans(),
+    accumulate=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_split_of_a_products_only_stage_keeps_no_graph_for_w(
+    depth: int, kind: str, rows: tuple[int, ...], input_grad: bool, accumulate: bool, seed: int
+) -> None:
+    """Every parameter in a direct product: I is one engine call that keeps each product's
+    (x, g), W sums them without the graph and without the engine; same gradients as B."""
+    g = torch.Generator().manual_seed(seed)
+    d = 4
+    bias = kind == "linear-bias"
+    base = [torch.randn(d, d, generator=g, dtype=F64) for _ in range(depth)]
+    base += [torch.randn(d, generator=g, dtype=F64) for _ in range(depth if bias else 0)]
+
+    def fn(ps, inputs):  # type: ignore[no-untyped-def]
+        h = inputs[0]
+        for k in range(depth):
+            if kind.startswith("linear"):
+                h = torch.nn.functional.linear(h, ps[k], ps[depth + k] if bias else None)
+            else:
+                w = ps[k]
+                h = h @ {"right": w, "matmul": w.T, "mT": w.mT, "t": w.t()}.get(
+                    kind, w.transpose(0, 1)
+                )
+            h = torch.tanh(h)
+        return [h]
+
+    x = torch.randn(*rows, d, generator=g, dtype=F64)
+    gy = [torch.randn(*rows, d, generator=g, dtype=F64)]
+    whole = [p.clone().requires_grad_() for p in base]
+    split = [p.clone().requires_grad_() for p in base]
+    _, saved = autodiff.forward(fn, whole, [x])
+    if not input_grad:
+        saved.inputs[0].requires_grad_(False)
+    want_in, want_w = autodiff.backward(saved, whole, gy)
+    _, saved = autodiff.forward(fn, split, [x])
+    if not input_grad:
+        saved.inputs[0].requires_grad_(False)
+    got_in = autodiff.backward_input(saved, split, gy)
+    assert saved.products is not None and len(saved.products.items) == depth
+    assert saved.outputs is None and not saved.roots  # nothing of the graph is kept
+    calls: list[object] = []
+    real = torch.autograd.grad
+    torch.autograd.grad = lambda *a, **k: calls.append(a) or real(*a, **k)  # type: ignore[assignment]
+    try:
+        got_w = autodiff.backward_weight(saved, split, accumulate=accumulate)
+    finally:
+        torch.autograd.grad = real  # type: ignore[assignment]
+    assert not calls
+    if accumulate:
+        got_w = [p.grad for p in split]
+    if input_grad:
+        assert_trees_close(got_in, want_in, rtol=1e-13, atol=1e-13)
+    assert_trees_close(got_w, want_w, rtol=1e-13, atol=1e-13)
