@@ -5,8 +5,8 @@
 Measured: on every rank of a gloo pool, one funcpipe step runs inside
 ``torch.autograd.graph.saved_tensors_hooks`` that count the bytes autograd saves for backward
 (parameters excluded; each saved tensor counted once, from when it is saved until the last graph
-node holding it is freed), plus what a whole backward keeps for batched weight gradients (each
-Linear's input and incoming gradient, from the B until they are summed). The rank's peak of
+node holding it is freed), plus what a backward keeps for Linear weight gradients outside the
+graph (each Linear's input and incoming gradient, from the B or I until they are summed). The rank's peak of
 those live bytes is its activation memory.
 
 The schedule's figure: ``peak_activations(program)[rank]`` (the most microbatch activations the
@@ -75,10 +75,11 @@ def _count_waiting(counter: C.SavedBytes) -> Iterator[None]:
     """Also count what a B keeps for its batched weight gradients (each Linear's input and
     incoming gradient, ``funcpipe.runtime.linear``) from the B until they are summed: they live
     outside autograd's graph, where the hooks do not see them."""
-    from funcpipe.runtime import linear
+    from funcpipe.runtime import autodiff, linear
 
     held: dict[int, list[Any]] = {}
     real_deferred, real_batch = linear.backward_deferred, linear.weight_batch
+    real_weight = autodiff.backward_weight
 
     def deferred(*args: Any, **kwargs: Any) -> Any:
         got = real_deferred(*args, **kwargs)
@@ -93,11 +94,20 @@ def _count_waiting(counter: C.SavedBytes) -> Iterator[None]:
             for key, t in held.pop(id(d), []):
                 counter.release(key, t)
 
+    def weight(saved: Any, *args: Any, **kwargs: Any) -> Any:
+        kept = saved.products  # an I that kept only (x, g) per product: W consumes them
+        got = real_weight(saved, *args, **kwargs)
+        for key, t in held.pop(id(kept), []) if kept is not None else []:
+            counter.release(key, t)
+        return got
+
     linear.backward_deferred, linear.weight_batch = deferred, batch  # type: ignore[assignment]
+    autodiff.backward_weight = weight  # type: ignore[assignment]
     try:
         yield
     finally:
         linear.backward_deferred, linear.weight_batch = real_deferred, real_batch
+        autodiff.backward_weight = real_weight  # type: ignore[assignment]
 
 
 def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
