@@ -596,13 +596,7 @@ class SavedBytes:
         return (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
     def _pack(self, t: Tensor) -> Any:
-        key = self._key(t)
-        if key is not None:
-            n = self.refs.get(key, 0)
-            if n == 0:
-                self.live += t.numel() * t.element_size()
-                self.peak = max(self.peak, self.live)
-            self.refs[key] = n + 1
+        key, _ = self.hold(t)
         return _Held(self, key, t)
 
     def hold(self, t: Tensor) -> tuple[tuple[Any, ...] | None, Tensor]:

@@ -75,23 +75,13 @@ def programs_for(
 ) -> dict[str, dict[str, Any]]:
     """Every program that fits the limit: text, simulated makespan (with ``costs``, the ones
     ``auto`` gets, and with the isolated ones), peak (full-stage units)."""
-    from funcpipe.schedule import add_communication, simulate
     from funcpipe.schedule.auto import auto
-    from funcpipe.schedule.ir import format_program
 
     limit = ranks if memory == "p" else 2 * ranks
     out: dict[str, dict[str, Any]] = {}
 
     def entry(program: Any, v: int) -> dict[str, Any]:
-        lowered = add_communication(program)
-        sim = simulate(lowered, costs[str(program.n_stages)])
-        alone = C.StageCosts(**isolated[str(program.n_stages)])
-        return {
-            "text": format_program(program),
-            "sim": sim.makespan,
-            "isolated": simulate(lowered, C.costs_for(program, alone, comm=comm)).makespan,
-            "peak": max(sim.peak_activations) / v,
-        }
+        return _describe(program, v, costs, isolated, comm)
 
     for name in BUILTINS:
         program = C.program_for(name, ranks=ranks, microbatches=size.microbatches)
@@ -111,6 +101,29 @@ def programs_for(
     return out
 
 
+def _describe(
+    program: Any,
+    v: int,
+    costs: dict[str, Any],
+    isolated: dict[str, dict[str, list[float]]],
+    comm: float,
+) -> dict[str, Any]:
+    """A program's text, simulated makespans (the costs auto gets; the isolated ones) and peak
+    in full-stage units."""
+    from funcpipe.schedule import add_communication, simulate
+    from funcpipe.schedule.ir import format_program
+
+    lowered = add_communication(program)
+    sim = simulate(lowered, costs[str(program.n_stages)])
+    alone = C.StageCosts(**isolated[str(program.n_stages)])
+    return {
+        "text": format_program(program),
+        "sim": sim.makespan,
+        "isolated": simulate(lowered, C.costs_for(program, alone, comm=comm)).makespan,
+        "peak": max(sim.peak_activations) / v,
+    }
+
+
 def candidates_for(
     ranks: int,
     size: C.Size,
@@ -122,9 +135,7 @@ def candidates_for(
 ) -> list[dict[str, Any]]:
     """auto_candidates' best ``count`` one-chunk and ``count`` V programs (built-ins among them
     keep their names), as :func:`programs_for` describes a program, plus ``name``."""
-    from funcpipe.schedule import add_communication, simulate
     from funcpipe.schedule.auto import auto_candidates
-    from funcpipe.schedule.ir import format_program
 
     limit = ranks if memory == "p" else 2 * ranks
     out = []
@@ -138,18 +149,8 @@ def candidates_for(
             max_activations=v * limit,
             count=count,
         ):
-            lowered = add_communication(program)
-            sim = simulate(lowered, costs[str(program.n_stages)])
-            alone = C.StageCosts(**isolated[str(program.n_stages)])
-            out.append(
-                {
-                    "name": f"{tag}:{program.name}",
-                    "text": format_program(program),
-                    "sim": sim.makespan,
-                    "isolated": simulate(lowered, C.costs_for(program, alone, comm=comm)).makespan,
-                    "peak": max(sim.peak_activations) / v,
-                }
-            )
+            described = _describe(program, v, costs, isolated, comm)
+            out.append({"name": f"{tag}:{program.name}", **described})
     return out
 
 
