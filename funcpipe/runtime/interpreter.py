@@ -298,7 +298,9 @@ class _Rank:
 
     def _unshare(self, s: int) -> None:
         """Before autograd adds into stage ``s``'s sums: give shared ones their own copy."""
-        o = self.owner[s]
+        self._unshare_owner(self.owner[s])
+
+    def _unshare_owner(self, o: int) -> None:
         for key in [key for key in self.shared if key[0] == o]:
             leaf = self.leaves[o][key[1]]
             if leaf.grad is not None:
@@ -429,11 +431,7 @@ class _Rank:
             yield from self._settle(owners)
         for o in owners:
             waiting = self.waiting.pop(o)
-            for key in [key for key in self.shared if key[0] == o]:
-                leaf = self.leaves[o][key[1]]
-                if leaf.grad is not None:
-                    leaf.grad = leaf.grad.clone()
-                self.shared.discard(key)
+            self._unshare_owner(o)
             params = self.x.params[o][0]
             linear.weight_batch(waiting, params)
             self._alive(-len(waiting))
