@@ -225,9 +225,9 @@ def backward_deferred(
         grads_in[k] = g
     n = len(want_in)
     for k, g in zip(others, got[n : n + len(others)], strict=True):
-        if g is not None:
-            p = params[k]
-            p.grad = g if p.grad is None else p.grad.add_(g)
+        if g is not None:  # autograd may hand back one tensor for several (or the incoming
+            p = params[k]  # gradient itself): own a copy before summing into it in place
+            p.grad = g.clone() if p.grad is None else p.grad.add_(g)
     items = []
     for x, (_, lin), g in zip(xs, found, got[n + len(others) :], strict=True):
         if g is not None:

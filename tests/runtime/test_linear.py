@@ -263,3 +263,33 @@ def test_split_of_a_products_only_stage_keeps_no_graph_for_w(
     if input_grad:
         assert_trees_close(got_in, want_in, rtol=1e-13, atol=1e-13)
     assert_trees_close(got_w, want_w, rtol=1e-13, atol=1e-13)
+
+
+def test_gradients_autograd_hands_back_as_the_same_tensor_are_not_shared() -> None:
+    """``out = h + a + b`` with ``a``, ``b`` shaped as ``h``: autograd may return the incoming
+    gradient itself for both. Summing microbatches in place must not let one parameter's sum
+    write into the other's (or into the incoming gradient)."""
+    lin = torch.nn.Linear(3, 3, dtype=F64)
+    base = [lin.weight.detach(), lin.bias.detach(), torch.zeros(2, 3, dtype=F64)]
+    base.append(torch.zeros(2, 3, dtype=F64))
+
+    def fn(ps, inputs):  # type: ignore[no-untyped-def]
+        h = torch.nn.functional.linear(inputs[0], ps[0], ps[1])
+        return [h + ps[2] + ps[3]]
+
+    whole = [p.clone().requires_grad_() for p in base]
+    later = [p.clone().requires_grad_() for p in base]
+    gys = [torch.randn(2, 3, dtype=F64) for _ in range(2)]
+    kept = [g.clone() for g in gys]
+    waiting = []
+    for gy in gys:
+        x = torch.randn(2, 3, dtype=F64)
+        _, saved = autodiff.forward(fn, whole, [x])
+        autodiff.backward(saved, whole, [gy], accumulate=True)
+        _, saved = autodiff.forward(fn, later, [x])
+        _, deferred = autodiff.backward_deferred(saved, later, [gy])
+        assert deferred is not None
+        waiting.append(deferred)
+    linear.weight_batch(waiting, later)
+    assert_trees_close([p.grad for p in later], [p.grad for p in whole], rtol=1e-13, atol=1e-13)
+    assert_trees_close(gys, kept, rtol=0, atol=0)  # the incoming gradients are untouched
