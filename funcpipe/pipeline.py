@@ -177,6 +177,7 @@ class Pipeline:
             1F1B), compute each such weight gradient once over all those microbatches' rows
             instead of once per microbatch (:mod:`funcpipe.runtime.linear`). Same gradients
             up to rounding (the sum is ordered differently). ``False``: one per microbatch.
+            ``check_finite`` turns the batching off (a NaN is reported with its microbatch).
     """
 
     def __init__(

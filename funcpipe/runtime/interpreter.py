@@ -132,7 +132,7 @@ class _Rank:
         # _deferral_plan); owner -> what waits
         self.defer: set[int] = set()
         self.flush_at: set[int] = set()
-        if x.batch_weights and p.training:
+        if x.batch_weights and p.training and not x.check_finite:  # checks name a microbatch
             self.defer, self.flush_at = _deferral_plan(p.ranks[x.rank], x.recompute)
         self.waiting: dict[int, list[linear.Deferred]] = {}
 
@@ -432,13 +432,8 @@ class _Rank:
         for o in owners:
             waiting = self.waiting.pop(o)
             self._unshare_owner(o)
-            params = self.x.params[o][0]
-            linear.weight_batch(waiting, params)
+            linear.weight_batch(waiting, self.x.params[o][0])
             self._alive(-len(waiting))
-            if self.x.check_finite:
-                gw = [t.grad for t in params]
-                names = [f"parameter gradient #{k}" for k in range(len(gw))]
-                self._finite(o, -1, gw, names, "batched weight gradient")
 
     def send(self, i: Instr) -> None:
         a, b = i.edge

@@ -293,3 +293,33 @@ def test_gradients_autograd_hands_back_as_the_same_tensor_are_not_shared() -> No
     linear.weight_batch(waiting, later)
     assert_trees_close([p.grad for p in later], [p.grad for p in whole], rtol=1e-13, atol=1e-13)
     assert_trees_close(gys, kept, rtol=0, atol=0)  # the incoming gradients are untouched
+
+
+def test_check_finite_names_the_microbatch_of_a_nan_weight_gradient() -> None:
+    """With check_finite nothing waits to be batched, so a NaN that only reaches a Linear's
+    weight gradient (the entry stage: no input gradient to check) is reported with its
+    microbatch, in GPipe too."""
+    from funcpipe.errors import NonFiniteError
+
+    def first(p, x):  # type: ignore[no-untyped-def]
+        out = torch.nn.functional.linear(x, p["w"], p["b"])
+        if x.device.type != "meta" and bool(x[0, 0] == 99.0):  # microbatch 1's rows
+            out.register_hook(lambda g: g * float("nan"))
+        return torch.tanh(out)
+
+    def last(p, h):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.linear(h, p["w"], p["b"])
+
+    params = [{"w": torch.randn(3, 3, dtype=F64), "b": torch.zeros(3, dtype=F64)} for _ in range(2)]
+    pipe = fp.Pipeline(
+        [fp.Stage(first), fp.Stage(last)],
+        generate("gpipe", ranks=2, microbatches=4),
+        loss_fn=lambda out, y: ((out - y) ** 2).mean(),
+        check_finite=True,
+    )
+    x, y = torch.randn(8, 3, dtype=F64), torch.randn(8, 3, dtype=F64)
+    x[2, 0] = 99.0  # rows 2-3 are microbatch 1
+    with pytest.raises(NonFiniteError) as info:
+        pipe.step(params, x, y)
+    assert info.value.stage == 0 and info.value.microbatch == 1
+    assert "parameter gradient" in info.value.what
