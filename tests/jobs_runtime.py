@@ -231,10 +231,11 @@ def traced_step(rank: int) -> list[float]:
 
 
 def tune_agrees_across_ranks(rank: int) -> tuple[int, list[float]]:
-    """``funcpipe.tune.fastest`` over gloo: candidate 0 is slow on rank 0 only (30 ms), candidate
-    1 slow on rank 1 only (60 ms), candidate 2 a real auto program. Every rank must pick by
-    the slowest rank's time: candidate 2 (a few ms) everywhere, though rank 0 alone would
-    see candidate 1 as fast as 2. Then 0 vs 1 alone: candidate 0 (30 ms < 60 ms) on both ranks."""
+    """``funcpipe.tune.fastest`` over gloo: candidate 0 is slow on rank 0 only (0.3 s),
+    candidate 1 slow on rank 1 only (0.6 s), candidate 2 a real auto program (milliseconds,
+    far below either even on a loaded machine). Every rank must pick by the slowest rank's
+    time: candidate 2 everywhere, though rank 0 alone would see candidate 1 as fast as 2.
+    Then 0 vs 1 alone: candidate 0 (0.3 s < 0.6 s) on both ranks."""
     import time
 
     from funcpipe.schedule.auto import auto_candidates
@@ -244,7 +245,7 @@ def tune_agrees_across_ranks(rank: int) -> tuple[int, list[float]]:
     x, y = data(8)
     cands = auto_candidates(ranks=2, microbatches=4, max_activations=2, count=3)
     pipes = [Pipeline(stages, c, loss_fn=mse, transport="dist") for c in cands]
-    delay = {(0, 0): 0.03, (1, 1): 0.06}
+    delay = {(0, 0): 0.3, (1, 1): 0.6}
 
     def step(k: int) -> None:
         time.sleep(delay.get((rank, k), 0.0))
@@ -253,6 +254,6 @@ def tune_agrees_across_ranks(rank: int) -> tuple[int, list[float]]:
 
     progs = [cands[0].replace(name="slow-on-0"), cands[1].replace(name="slow-on-1"), cands[0]]
     index = {id(p): k for k, p in enumerate(progs)}
-    got = fastest(progs, lambda p: step(index[id(p)]), rounds=3)
-    pair = fastest(progs[:2], lambda p: step(index[id(p)]), rounds=2, warmup=0)
+    got = fastest(progs, lambda p: step(index[id(p)]), rounds=1, warmup=1)
+    pair = fastest(progs[:2], lambda p: step(index[id(p)]), rounds=1, warmup=0)
     return (got.index * 10 + pair.index, list(got.medians))

@@ -19,7 +19,7 @@ from tests.jobs_runtime import data, mse, toy
 
 def test_picks_the_lowest_median_and_reports_every_time() -> None:
     progs = [generate(n, ranks=2, microbatches=2) for n in ("gpipe", "1f1b", "zb-h1")]
-    delay = {"gpipe": 0.03, "1f1b": 0.0, "zb-h1": 0.015}
+    delay = {"gpipe": 0.2, "1f1b": 0.0, "zb-h1": 0.1}  # margins far above scheduling noise
     calls: list[str] = []
 
     def step(program: fp.schedule.Program) -> None:
@@ -30,7 +30,7 @@ def test_picks_the_lowest_median_and_reports_every_time() -> None:
     assert isinstance(got, Tuned)
     assert got.program is progs[1] and got.index == 1
     assert len(got.times) == 3 and all(len(t) == 3 for t in got.times)
-    assert got.medians[0] >= 0.03 and got.medians[1] < got.medians[2] < got.medians[0]
+    assert got.medians[0] >= 0.2 and got.medians[1] < got.medians[2] < got.medians[0]
     # warm-up once each, then 3 rounds, each starting one candidate further on
     assert calls[:3] == ["gpipe", "1f1b", "zb-h1"]
     assert calls[3:6] == ["gpipe", "1f1b", "zb-h1"]
