@@ -308,16 +308,20 @@ def backward_input(
     grad_outputs: Sequence[Tensor | None],
     *,
     nodes: dict[Node, int] | None = None,
+    products: bool = True,
 ) -> list[Tensor | None]:
     """I: input gradients only; records what :func:`backward_weight` starts from.
 
     ``nodes``: :func:`param_nodes` of ``params``, if the caller keeps it across microbatches.
+    ``products``: first try the case where every parameter sits in a Linear-shaped product
+    (then ``saved.products`` is set); ``False`` skips that graph search for a caller that
+    already saw this stage's graph fail it.
     """
     if saved.outputs is None:
         raise RuntimeError("backward_input before recompute: the forward kept no graph")
     outs, gs = _pairs(saved.outputs, grad_outputs)
     param_nodes_ = param_nodes(params) if nodes is None else nodes
-    if outs:  # every parameter in a direct product: one engine call, W needs no graph
+    if outs and products:  # every parameter in a direct product: one call, W needs no graph
         got = linear.backward_deferred(
             outs, gs, saved.inputs, params, param_nodes_, linear_only=True
         )

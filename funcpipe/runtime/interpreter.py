@@ -135,6 +135,10 @@ class _Rank:
         if x.batch_weights and p.training and not x.check_finite:  # checks name a microbatch
             self.defer, self.flush_at = _deferral_plan(p.ranks[x.rank], x.recompute)
         self.waiting: dict[int, list[linear.Deferred]] = {}
+        # owners whose graphs (as first seen this step) have no Linear-shaped product, or some
+        # parameter outside one: B / I skip the search for them (a graph search per microbatch)
+        self.no_products: set[int] = set()
+        self.no_products_only: set[int] = set()
 
     # ------------------------------------------------------------------ helpers
     def spec(self, s: int, m: int) -> OutputSpec:
@@ -377,18 +381,20 @@ class _Rank:
         saved, _ = self.saved.pop((s, m))
         if self.shared:
             self._unshare(s)
-        later = None
-        if self.x.batch_weights:
+        o, params, later = self.owner[s], self._params(s), None
+        if self.x.batch_weights and o not in self.no_products:
             gin, later = autodiff.backward_deferred(
-                saved, self._params(s), grad_outputs, nodes=self._param_nodes(s)
+                saved, params, grad_outputs, nodes=self._param_nodes(s)
             )
+            if later is None:  # no Linear-shaped product here: do not search the next graphs
+                self.no_products.add(o)
         else:
-            gin, _ = autodiff.backward(saved, self._params(s), grad_outputs, accumulate=True)
+            gin, _ = autodiff.backward(saved, params, grad_outputs, accumulate=True)
         if later is not None and defer:  # still alive (as the deferral plan counts) until summed
-            self.waiting.setdefault(self.owner[s], []).append(later)
+            self.waiting.setdefault(o, []).append(later)
         else:
             if later is not None:  # summed now, in place (no weight-sized tensor per microbatch)
-                linear.weight_batch([later], self._params(s))
+                linear.weight_batch([later], params)
             self._alive(-1)
         if self.x.check_finite:
             self._finite(s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], "backward")
@@ -399,9 +405,16 @@ class _Rank:
     def backward_input(self, i: Instr) -> None:
         s, m = i.stage, i.microbatch
         saved, _ = self.saved[(s, m)]
+        o = self.owner[s]
         gin = autodiff.backward_input(
-            saved, self._params(s), self._grad_outputs(s, m), nodes=self._param_nodes(s)
+            saved,
+            self._params(s),
+            self._grad_outputs(s, m),
+            nodes=self._param_nodes(s),
+            products=o not in self.no_products_only,
         )
+        if saved.products is None:  # some parameter outside products: skip that search next time
+            self.no_products_only.add(o)
         if self.x.check_finite:
             self._finite(
                 s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], "backward (I)"

@@ -210,7 +210,10 @@ def backward_deferred(
         return None
     fast = {lin.weight for _, lin in found} | {lin.bias for _, lin in found if lin.bias is not None}
     xs = [getattr(node, lin.saved) for node, lin in found]  # before the engine frees them
-    if not all(usable(x, x, params[lin.weight]) for x, (_, lin) in zip(xs, found, strict=True)):
+    if any(
+        x.dtype != params[lin.weight].dtype or x.dim() != 2
+        for x, (_, lin) in zip(xs, found, strict=True)
+    ):
         return None  # a cast between a parameter and its product: the engine does it all
     want_in = [k for k, t in enumerate(inputs) if t.requires_grad]
     others = [k for k, p in enumerate(params) if p.requires_grad and k not in fast]
@@ -221,9 +224,9 @@ def backward_deferred(
     targets += [GradientEdge(node, 0) for node, _ in found]
     got = torch.autograd.grad(list(outputs), targets, list(grad_outputs), allow_unused=True)
     grads_in: list[Tensor | None] = [None] * len(inputs)
-    for k, g in zip(want_in, got, strict=False):
-        grads_in[k] = g
     n = len(want_in)
+    for k, g in zip(want_in, got[:n], strict=True):
+        grads_in[k] = g
     for k, g in zip(others, got[n : n + len(others)], strict=True):
         if g is not None:  # autograd may hand back one tensor for several (or the incoming
             p = params[k]  # gradient itself): own a copy before summing into it in place

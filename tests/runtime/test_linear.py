@@ -323,3 +323,34 @@ def test_check_finite_names_the_microbatch_of_a_nan_weight_gradient() -> None:
         pipe.step(params, x, y)
     assert info.value.stage == 0 and info.value.microbatch == 1
     assert "parameter gradient" in info.value.what
+
+
+@pytest.mark.parametrize("name", ["gpipe", "zb-h1"])
+def test_a_stage_without_products_is_searched_once_per_step(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """The search for Linear-shaped products walks a whole graph: once a stage's graph had none
+    (B) or had parameters outside them (I), the other microbatches of the step skip it."""
+    calls: list[int] = []
+    real = linear._find
+
+    def counted(*a, **k):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(linear, "_find", counted)
+
+    def scale(p, h):  # type: ignore[no-untyped-def]
+        return torch.tanh(h * p["a"] + p["b"])  # no matrix product at all
+
+    params = [{"a": torch.ones(3, dtype=F64), "b": torch.zeros(3, dtype=F64)} for _ in range(2)]
+    pipe = fp.Pipeline(
+        [fp.Stage(scale), fp.Stage(scale)],
+        generate(name, ranks=2, microbatches=4),
+        loss_fn=lambda out, y: ((out - y) ** 2).mean(),
+    )
+    x, y = torch.randn(8, 3, dtype=F64), torch.randn(8, 3, dtype=F64)
+    got = pipe.step(params, x, y)
+    assert len(calls) == 2  # one per stage, not one per (stage, microbatch)
+    ref = fp.reference_step(pipe.stages, params, x, pipe.loss_fn, targets=y, microbatches=4)
+    assert_trees_close((got.loss, got.grads), ref)
