@@ -38,12 +38,19 @@ def test_picks_the_lowest_median_and_reports_every_time() -> None:
     assert calls[9:] == ["zb-h1", "gpipe", "1f1b"]
 
 
-def test_ties_go_to_the_first_candidate() -> None:
-    progs = [generate("1f1b", ranks=2, microbatches=2), generate("gpipe", ranks=2, microbatches=2)]
-    got = fastest(progs, lambda p: None, rounds=1, warmup=0)
-    assert got.index in (0, 1)  # both ~0 s; exact ties (equal medians) go to the first
-    same = Tuned(progs[0], 0, ((1.0,), (1.0,)))
-    assert same.medians == (1.0, 1.0)
+def test_ties_go_to_the_first_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Equal medians (a clock that makes every step last exactly 1 s): the earlier candidate
+    wins, whichever program it is."""
+    import funcpipe.tune as tune
+
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(tune.time, "perf_counter", lambda: float(next(ticks)))
+    a = generate("1f1b", ranks=2, microbatches=2)
+    b = generate("gpipe", ranks=2, microbatches=2)
+    for progs in ([a, b], [b, a]):
+        got = fastest(progs, lambda p: None, rounds=3, warmup=0)
+        assert got.index == 0 and got.program is progs[0]
+        assert got.medians == (1.0, 1.0)
 
 
 def test_auto_candidates_tuned_on_a_real_pipeline_match_the_reference() -> None:
