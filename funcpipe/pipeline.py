@@ -19,6 +19,7 @@ from funcpipe.errors import CommunicationError, InvalidArgument
 from funcpipe.microbatch import split, split_targets
 from funcpipe.runtime.interpreter import RankInputs, RankResult, run_rank
 from funcpipe.runtime.plan import Layout, infer_layout, signature
+from funcpipe.runtime.reuse import GradMemory
 from funcpipe.runtime.transport import DistTransport, Handle, LocalWorld, Transport
 from funcpipe.schedule.check import check, in_program
 from funcpipe.schedule.ir import Op, Program, reduce
@@ -178,6 +179,14 @@ class Pipeline:
             instead of once per microbatch (:mod:`funcpipe.runtime.linear`). Same gradients
             up to rounding (the sum is ordered differently). ``False``: one per microbatch.
             ``check_finite`` turns the batching off (a NaN is reported with its microbatch).
+        reuse_grads: write a step's gradient sums into the memory of gradients this pipeline
+            returned in its last two steps, where nothing outside funcpipe refers to that
+            memory any more (no reference to the tensor, no view, storage handle or NumPy
+            array of it; :mod:`funcpipe.runtime.reuse`). On CPU a fresh weight-sized
+            gradient page-faults on its first write, inside each stage's first backward. What
+            the caller holds is never written. Between steps the pipeline keeps up to two
+            steps' gradients alive (usually one the caller has dropped). ``False``: always
+            fresh memory.
     """
 
     def __init__(
@@ -200,6 +209,7 @@ class Pipeline:
         device: torch.device | str | None = None,
         p2p: str = "auto",
         batch_weights: bool = True,
+        reuse_grads: bool = True,
     ) -> None:
         if p2p not in ("auto", "torch"):
             raise InvalidArgument(
@@ -288,6 +298,9 @@ class Pipeline:
         if not isinstance(batch_weights, bool):
             raise InvalidArgument(f"batch_weights={batch_weights!r}: pass True or False")
         self.batch_weights = batch_weights
+        if not isinstance(reuse_grads, bool):
+            raise InvalidArgument(f"reuse_grads={reuse_grads!r}: pass True or False")
+        self.grad_memory = GradMemory() if reuse_grads else None
         if mesh is not None and transport != "dist":
             raise InvalidArgument("mesh= describes processes: it needs transport='dist'")
         if transport == "dist" and data != 1:
@@ -485,6 +498,8 @@ class Pipeline:
                 for r in range(program.n_ranks):
                     x = self._rank_inputs(r, params, entry, side, tgt, layouts, return_outputs)
                     x.trace = trace
+                    if d == 0:  # replica 0's gradients are the ones returned
+                        self._offer(x)
                     ranks = [d * program.n_ranks + k for k in range(program.n_ranks)]
                     gens[ranks[r]] = run_rank(x, world.transport(r, ranks))
             results = _drive_local(gens)
@@ -512,6 +527,7 @@ class Pipeline:
             return local
         entry, side, tgt, layouts = self._microbatches(params, batch, targets)
         x = self._rank_inputs(self.rank, params, entry, side, tgt, layouts, return_outputs)
+        self._offer(x)
         x.data_size = self.data_size
         x.trace = trace
         if self.loss_fn is not None or self.metric_fn is not None:
@@ -703,6 +719,11 @@ class Pipeline:
             data_size=self.data,
         )
 
+    def _offer(self, x: RankInputs) -> None:
+        """Let this step's gradient sums reuse the memory of earlier steps' (``reuse_grads``)."""
+        if self.grad_memory is not None and self.program.training:
+            self.grad_memory.offer({o: leaves for o, (leaves, _) in x.params.items()})
+
     @staticmethod
     def _sum(values: Sequence[Tensor | None]) -> Tensor | None:
         got = [v for v in values if v is not None]
@@ -720,6 +741,8 @@ class Pipeline:
         for res in results:
             for o, g in res.grads.items():
                 found.setdefault(o, g)
+        if self.grad_memory is not None:
+            self.grad_memory.remember(found)
         out = []
         for o, prm in enumerate(params):
             if o in found:

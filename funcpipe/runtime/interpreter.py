@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from funcpipe.errors import InvalidArgument, NonFiniteError
-from funcpipe.runtime import autodiff, linear
+from funcpipe.runtime import autodiff, linear, reuse
 from funcpipe.runtime.plan import Layout, OutputSpec, rebuild
 from funcpipe.runtime.transport import Handle, Transport
 from funcpipe.schedule.check import in_program
@@ -542,7 +542,7 @@ class _Rank:
         leaf = self.leaves[o][k]
         g = leaf.grad
         if g is None:
-            g = leaf.grad = torch.zeros_like(leaf)
+            g = leaf.grad = _zeros(leaf)
         elif key in self.shared or not g.is_contiguous():
             g = leaf.grad = g.contiguous().clone()
             self.shared.discard(key)
@@ -634,9 +634,15 @@ def _take_grad(leaf: Tensor) -> Tensor:
     of it."""
     g = leaf.grad
     if g is None:
-        return torch.zeros_like(leaf)
+        return _zeros(leaf)
     leaf.grad = None
     return g
+
+
+def _zeros(leaf: Tensor) -> Tensor:
+    """Zeros like ``leaf``, in memory an earlier step's gradient left if it was offered."""
+    spare = reuse.take(leaf)
+    return torch.zeros_like(leaf) if spare is None else spare.zero_()
 
 
 def _note(e: BaseException, where: str, inputs: Sequence[Any], targets: Sequence[Any] = ()) -> None:

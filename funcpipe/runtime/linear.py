@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from funcpipe.runtime import reuse
+
 __all__ = ["Deferred", "Linear", "backward_deferred", "match", "weight_batch"]
 
 Tensor = torch.Tensor
@@ -113,20 +115,23 @@ def add_product(
     a, b = (g.t(), x) if lin.transposed else (x.t(), g)
     with torch.no_grad():  # x requires grad when it is on the input path: record nothing
         prev = params[lin.weight].grad if accumulate else result[lin.weight]
-        _put(
-            params,
-            lin.weight,
-            torch.mm(a, b) if prev is None else prev.addmm_(a, b),
-            accumulate,
-            result,
-        )
+        if prev is not None:
+            prev.addmm_(a, b)
+        else:  # the step's first: into memory an earlier step's gradient left, if offered
+            spare = reuse.take(params[lin.weight]) if accumulate else None
+            _put(params, lin.weight, torch.mm(a, b, out=spare), accumulate, result)
         if lin.bias is not None:
             gb = g.sum_to_size(params[lin.bias].shape)
             prev = params[lin.bias].grad if accumulate else result[lin.bias]
-            if prev is None:
-                _put(params, lin.bias, gb.clone() if gb is g else gb, accumulate, result)
-            else:
+            if prev is not None:
                 prev.add_(gb)
+            else:
+                spare = reuse.take(params[lin.bias]) if accumulate else None
+                if spare is not None:
+                    gb = spare.copy_(gb)
+                elif gb is g:
+                    gb = gb.clone()
+                _put(params, lin.bias, gb, accumulate, result)
 
 
 def _put(

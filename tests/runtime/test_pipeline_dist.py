@@ -30,7 +30,7 @@ def test_every_schedule_on_two_gloo_ranks(pool, name: str) -> None:
         name,
         2,
         5,
-        [11, 6],
+        [11, 6, 11],  # the third step writes into the first one's dropped gradient memory
         tied=True,
         recompute=name == "1f1b",
     )
