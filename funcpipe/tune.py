@@ -4,7 +4,8 @@ The simulator ranks programs by their predicted makespan, and on a real machine 
 off by 10-25% (caches and memory bandwidth shared by the ranks, message latency, noise), as
 large as the differences between good schedules. :func:`fastest` settles it the direct way:
 it runs one step of every candidate, round-robin for a few rounds, and returns the one whose
-median step time is lowest. Candidates usually come from
+step time relative to the other candidates of the same round is lowest (optionally measuring
+the leading half again, and again: ``halving=True``). Candidates usually come from
 :func:`funcpipe.schedule.auto.auto_candidates` (auto's best few, which include the built-ins
 that fit the memory limit)::
 
@@ -23,6 +24,7 @@ program.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +46,7 @@ class Tuned:
     program: Program
     index: int  # the winner's position in the candidates
     times: tuple[tuple[float, ...], ...]  # per candidate, its timed steps (seconds)
+    scores: tuple[float, ...] = ()  # per candidate, its last score (lower is faster)
 
     @property
     def medians(self) -> tuple[float, ...]:
@@ -54,23 +57,41 @@ def _dist() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+def _scores(rounds: Sequence[dict[int, float]], among: Sequence[int]) -> dict[int, float]:
+    """Each candidate's median, over the rounds, of its time over that round's median time
+    among ``among`` (who all ran in every one of those rounds)."""
+    rel: dict[int, list[float]] = {k: [] for k in among}
+    for times in rounds:
+        mid = statistics.median(times[k] for k in among)
+        for k in among:
+            rel[k].append(times[k] / mid if mid > 0 else 1.0)
+    return {k: statistics.median(v) for k, v in rel.items()}
+
+
 def fastest(
     programs: Sequence[Program],
     step: Callable[[Program], Any],
     *,
     rounds: int = 3,
     warmup: int = 1,
+    halving: bool = False,
 ) -> Tuned:
-    """Run ``step(program)`` for every candidate and return the fastest (lowest median).
+    """Run ``step(program)`` for every candidate and return the fastest.
 
     Args:
         programs: the candidates (at least one), e.g. from ``auto_candidates``.
         step: runs one training step with the given program (typically a ``Pipeline`` built
             for it, created once outside: its first steps infer shapes and fill caches).
-        rounds: timed steps per candidate, interleaved: round ``r`` runs every candidate once,
-            starting from a different one each round, so drifts in the machine's speed fall on
-            all of them alike.
+        rounds: timed rounds; round ``r`` runs every candidate once, starting from a different
+            one each round. A candidate's score is the median, over the rounds, of its step
+            time over that round's median: a drift in the machine's speed between rounds falls
+            on all candidates of the round alike and cancels out.
         warmup: untimed steps of each candidate first.
+        halving: after ``rounds`` rounds keep the better-scoring half (rounded up) and run
+            ``rounds`` more rounds of those, until two are left and have had theirs; scores are
+            then taken among the survivors over all their rounds. The close contenders get the
+            most measurements: with 8 candidates and ``rounds=6``, 84 steps give the last two
+            18 rounds each (84 steps without halving give everyone 10).
 
     Ties go to the earlier candidate. Exceptions from ``step`` propagate with the failing
     candidate's name added.
@@ -86,6 +107,8 @@ def fastest(
     for name, value, least in (("rounds", rounds, 1), ("warmup", warmup, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InvalidArgument(f"fastest: {name}={value!r}; pass an int >= {least}")
+    if not isinstance(halving, bool):
+        raise InvalidArgument(f"fastest: halving={halving!r}; pass True or False")
     dist = _dist()
 
     def run(k: int) -> float:
@@ -104,14 +127,26 @@ def fastest(
     for _ in range(warmup):
         for k in range(len(progs)):
             run(k)
-    times = torch.zeros(rounds, len(progs), dtype=torch.float64)
-    for r in range(rounds):
-        for j in range(len(progs)):
-            k = (r + j) % len(progs)
-            times[r, k] = run(k)
-    if dist:
-        torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)
-    per = tuple(tuple(float(t) for t in times[:, k]) for k in range(len(progs)))
-    medians = [statistics.median(t) for t in per]
-    best = min(range(len(progs)), key=lambda k: (medians[k], k))
-    return Tuned(progs[best], best, per)
+    alive = list(range(len(progs)))
+    done: list[dict[int, float]] = []  # per round: candidate -> its step time
+    scores = [math.inf] * len(progs)
+    while True:
+        block = torch.zeros(rounds, len(alive), dtype=torch.float64)
+        for r in range(rounds):
+            first = len(done) + r
+            for j in range(len(alive)):
+                a = (first + j) % len(alive)
+                block[r, a] = run(alive[a])
+        if dist:  # a step's time is its slowest rank's; every rank decides alike
+            torch.distributed.all_reduce(block, op=torch.distributed.ReduceOp.MAX)
+        done += [{k: float(block[r, a]) for a, k in enumerate(alive)} for r in range(rounds)]
+        got = _scores(done, alive)
+        for k in alive:
+            scores[k] = got[k]
+        if not halving or len(alive) <= 2:
+            break
+        ranked = sorted(alive, key=lambda k: (got[k], k))
+        alive = sorted(ranked[: (len(alive) + 1) // 2])
+    best = min(alive, key=lambda k: (scores[k], k))
+    per = tuple(tuple(times[k] for times in done if k in times) for k in range(len(progs)))
+    return Tuned(progs[best], best, per, tuple(scores))

@@ -53,6 +53,56 @@ def test_ties_go_to_the_first_candidate(monkeypatch: pytest.MonkeyPatch) -> None
         assert got.medians == (1.0, 1.0)
 
 
+def _clocked(monkeypatch: pytest.MonkeyPatch, cost: dict[str, float], slow: set[int]):  # type: ignore[no-untyped-def]
+    """A fake clock: a step of program ``p`` lasts ``cost[p]``, 3x as long in the rounds
+    counted in ``slow`` (the machine slowing down for a while). Returns (step, calls)."""
+    import funcpipe.tune as tune
+
+    now = [0.0]
+    calls: list[str] = []
+    monkeypatch.setattr(tune.time, "perf_counter", lambda: now[0])
+
+    def step(program: fp.schedule.Program) -> None:
+        name = str(program.name)
+        calls.append(name)
+        n = len(cost)  # every candidate once per round while all are alive; enough for the test
+        now[0] += cost[name] * (3.0 if (len(calls) - 1) // n in slow else 1.0)
+
+    return step, calls
+
+
+def test_halving_measures_the_leading_half_again_until_two_are_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    names = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"]
+    cost = {"gpipe": 5.0, "1f1b": 3.0, "interleaved": 4.0, "zb-h1": 1.0, "zb-h2": 2.0}
+    progs = [generate(n, ranks=2, microbatches=4) for n in names]
+    step, calls = _clocked(monkeypatch, cost, slow=set())
+    got = fastest(progs, step, rounds=2, warmup=0, halving=True)
+    assert got.program is progs[3]
+    # 5 candidates for 2 rounds, the best 3 for 2 more, the best 2 for 2 more
+    assert len(calls) == 5 * 2 + 3 * 2 + 2 * 2
+    assert set(calls[10:16]) == {"zb-h1", "zb-h2", "1f1b"}
+    assert set(calls[16:]) == {"zb-h1", "zb-h2"}
+    assert [len(t) for t in got.times] == [2, 4, 2, 6, 6]
+    assert got.scores[3] < got.scores[4]
+    assert fastest(progs, step, rounds=2, warmup=0).index == 3  # without halving: all 2 rounds
+
+
+def test_a_round_on_a_slower_machine_does_not_change_the_pick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Scores are times relative to the same round's: 2 of 5 rounds 3x slower for everyone
+    leave every candidate's score, and so the pick, as on a steady machine."""
+    cost = {"gpipe": 1.1, "1f1b": 1.0}
+    progs = [generate(n, ranks=2, microbatches=4) for n in cost]
+    step, _ = _clocked(monkeypatch, cost, slow={1, 3})
+    got = fastest(progs, step, rounds=5, warmup=0)
+    assert got.index == 1
+    steady, _ = _clocked(monkeypatch, cost, slow=set())
+    assert fastest(progs, steady, rounds=5, warmup=0).scores == pytest.approx(got.scores)
+
+
 def test_auto_candidates_tuned_on_a_real_pipeline_match_the_reference() -> None:
     stages, params = toy(2)
     x, y = data(8)
@@ -77,6 +127,8 @@ def test_bad_arguments_are_named() -> None:
         fastest([prog], lambda p: None, rounds=0)
     with pytest.raises(InvalidArgument, match="warmup=-1"):
         fastest([prog], lambda p: None, warmup=-1)
+    with pytest.raises(InvalidArgument, match="halving=1"):
+        fastest([prog], lambda p: None, halving=1)  # type: ignore[arg-type]
 
 
 def test_a_failing_candidate_is_named() -> None:
