@@ -207,6 +207,22 @@ def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
     return [x / y for x, y in zip(a, b, strict=True) if y > 0]
 
 
+def median_ci(
+    xs: Sequence[float], *, level: float = 0.95, resamples: int = 2000
+) -> tuple[float, float]:
+    """Bootstrap confidence interval of the median of ``xs`` (percentile method, fixed seed):
+    where the median of another run of as many rounds would fall."""
+    import random
+
+    if len(xs) < 4:
+        return float("nan"), float("nan")
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    lo = meds[int((1 - level) / 2 * resamples)]
+    hi = meds[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return lo, hi
+
+
 def spread(xs: Sequence[float]) -> float:
     """Interquartile range over the median: how noisy a cell is."""
     if len(xs) < 4:
@@ -436,56 +452,76 @@ def _flat_stage(
     return fn
 
 
-def measure_stage_costs(
-    size: Size, n_stages: int, *, kind: str = "module", reps: int = 20, seed: int = 0
-) -> StageCosts:
-    """Median time of F, B, I and W of every stage on one microbatch, in this process and thread,
-    with funcpipe's own autodiff as the interpreter runs it (parameter gradients summed in place
-    into the leaves' ``.grad``, B with its Linear weight gradients added directly: one microbatch,
-    so no batching; the last stage includes the loss)."""
-    from funcpipe.runtime import autodiff
-    from funcpipe.tree import tree_flatten
+class StageTimer:
+    """Times F, B, I and W of every stage on one microbatch, one repetition per :meth:`once`,
+    in this process and thread, with funcpipe's own autodiff as the interpreter runs it
+    (parameter gradients summed in place into the leaves' ``.grad``, B with its Linear weight
+    gradients added directly: one microbatch, so no batching; the last stage includes the loss).
+    Repetitions can be spread over a run (between timed steps) so that the costs see the same
+    machine as the steps: this VM's speed drifts by up to 2x within minutes."""
 
-    model = mlp(size.width, layers=size.layers, seed=seed)
-    stages, params = funcpipe_stages(model, n_stages, kind=kind)
-    mb = size.batch // size.microbatches
-    g = torch.Generator().manual_seed(seed + 7)
-    x = torch.randn(mb, size.width, generator=g)
-    y = torch.randn(mb, size.width, generator=g)
-    result = StageCosts([], [], [], [])
-    for s, (stage, prm) in enumerate(zip(stages, params, strict=True)):
-        leaves, tree = tree_flatten(prm)
-        ps = [t.detach().requires_grad_() for t in leaves]
-        sink = s == n_stages - 1
-        fn = _flat_stage(stage, tree, sink=sink, target=y)
-        gy: list[Tensor | None] = (
-            [torch.tensor(1.0 / size.microbatches)]
-            if sink
-            else [torch.randn(mb, size.width, generator=g)]
-        )
-        f_t, b_t, i_t, w_t = [], [], [], []
-        for k in range(reps + 2):
+    def __init__(self, size: Size, n_stages: int, *, kind: str = "module", seed: int = 0) -> None:
+        from funcpipe.tree import tree_flatten
+
+        model = mlp(size.width, layers=size.layers, seed=seed)
+        stages, params = funcpipe_stages(model, n_stages, kind=kind)
+        mb = size.batch // size.microbatches
+        g = torch.Generator().manual_seed(seed + 7)
+        self.x = torch.randn(mb, size.width, generator=g)
+        y = torch.randn(mb, size.width, generator=g)
+        self.stages: list[tuple[Any, list[Tensor], list[Tensor | None]]] = []
+        for s, (stage, prm) in enumerate(zip(stages, params, strict=True)):
+            leaves, tree = tree_flatten(prm)
+            ps = [t.detach().requires_grad_() for t in leaves]
+            sink = s == n_stages - 1
+            fn = _flat_stage(stage, tree, sink=sink, target=y)
+            gy: list[Tensor | None] = (
+                [torch.tensor(1.0 / size.microbatches)]
+                if sink
+                else [torch.randn(mb, size.width, generator=g)]
+            )
+            self.stages.append((fn, ps, gy))
+        self.raw: dict[str, list[list[float]]] = {k: [[] for _ in stages] for k in "fbiw"}
+
+    def once(self) -> None:
+        from funcpipe.runtime import autodiff
+
+        for s, (fn, ps, gy) in enumerate(self.stages):
             t0 = time.perf_counter()
-            _, saved = autodiff.forward(fn, ps, [x])
+            _, saved = autodiff.forward(fn, ps, [self.x])
             t1 = time.perf_counter()
             autodiff.backward_direct(saved, ps, gy)  # the runtime's default B
             t2 = time.perf_counter()
-            _, saved = autodiff.forward(fn, ps, [x])
+            _, saved = autodiff.forward(fn, ps, [self.x])
             t3 = time.perf_counter()
             autodiff.backward_input(saved, ps, gy)
             t4 = time.perf_counter()
             autodiff.backward_weight(saved, ps, accumulate=True)
             t5 = time.perf_counter()
-            if k >= 2:  # warm-up
-                f_t += [t1 - t0, t3 - t2]
-                b_t.append(t2 - t1)
-                i_t.append(t4 - t3)
-                w_t.append(t5 - t4)
-        result.f.append(median(f_t))
-        result.b.append(median(b_t))
-        result.i.append(median(i_t))
-        result.w.append(median(w_t))
-    return result
+            self.raw["f"][s] += [t1 - t0, t3 - t2]
+            self.raw["b"][s].append(t2 - t1)
+            self.raw["i"][s].append(t4 - t3)
+            self.raw["w"][s].append(t5 - t4)
+
+    def result(self, skip: int = 0) -> StageCosts:
+        """Median per stage, leaving out the first ``skip`` repetitions (warm-up)."""
+
+        def med(key: str) -> list[float]:
+            per = 2 if key == "f" else 1  # two forwards per repetition
+            return [median(t[per * skip :]) for t in self.raw[key]]
+
+        return StageCosts(med("f"), med("b"), med("i"), med("w"))
+
+
+def measure_stage_costs(
+    size: Size, n_stages: int, *, kind: str = "module", reps: int = 20, seed: int = 0
+) -> StageCosts:
+    """Median time of F, B, I and W of every stage on one microbatch (:class:`StageTimer`,
+    ``reps`` repetitions after 2 warm-ups)."""
+    timer = StageTimer(size, n_stages, kind=kind, seed=seed)
+    for _ in range(reps + 2):
+        timer.once()
+    return timer.result(skip=2)
 
 
 def split_program(program: Program) -> bool:

@@ -12,8 +12,10 @@
    (``auto-v``) under the memory limit; the built-ins (GPipe, 1F1B, interleaved 1F1B, ZB-H1,
    ZB-H2, ZB-V, DualPipeV) that keep at most that much are the field.
    ``auto-tuned``: ``auto_candidates`` gives auto's best ``--tune-count`` programs of each
-   kind (built-ins among them keep their names), ``funcpipe.tune.fastest`` times them on the
-   same processes (``--tune-rounds`` steps each, round-robin) and keeps the fastest; that
+   kind (built-ins among them keep their names), plus every built-in that fits and is not
+   among them (``--tune-builtins``, default on); ``funcpipe.tune.fastest`` times them on the
+   same processes (``--tune-rounds`` rounds, round-robin; with ``--tune-halving``, the
+   default, the leading half again and again until two are left) and keeps the fastest; that
    program then runs in the timed rounds below like any other (fresh measurements).
 3. One job runs every program on the same gloo processes: a float64 step of each is compared
    with plain autograd on the whole model, then float32: ``--warmup`` steps of each, then
@@ -26,7 +28,9 @@ Reported per program: median step time, the simulated makespan (measured costs a
 and the median over rounds of its time over the best built-in's time in the same round
 (``/best built-in``; the best built-in is the one with the lowest median over the first half of
 the rounds, and the ratio is the median over the second half: choosing the fastest of several
-noisy programs and comparing with it on the same rounds would bias every comparison towards it).
+noisy programs and comparing with it on the same rounds would bias every comparison towards it),
+with its 95% bootstrap interval (``95% interval``: where the median of another run of as many
+rounds would fall; an interval containing 1 is a tie at this machine's noise).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ COLUMNS: list[C.Column] = [
     ("isolated_ms", "sim. ms (isolated costs)", ".2f"),
     ("executed_ms", "executed ms", ".2f"),
     ("vs_best", "/best built-in", ".3f"),
+    ("vs_best_ci_text", "95% interval", ""),
     ("picked", "tuned pick", ""),
     ("iqr", "IQR/med", ".2f"),
     ("grad_ref", "fp vs 1-proc", ".1e"),
@@ -174,6 +179,7 @@ def tune_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         lambda p: pipes[index[id(p)]].step(*args[index[id(p)]]),
         rounds=cfg["rounds"],
         warmup=cfg["warmup"],
+        halving=cfg.get("halving", False),
     )
     return {"index": got.index, "medians": list(got.medians), "seconds": time.perf_counter() - t0}
 
@@ -294,7 +300,15 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
             tuned: dict[str, Any] = {}
             if args.tune_count:
                 cands = candidates_for(ranks, size, costs, isolated, comm, memory, args.tune_count)
+                if args.tune_builtins:  # the built-ins that fit, where auto did not find them
+                    texts = {c["text"] for c in cands}
+                    cands += [
+                        {"name": f"built-in:{n}", **p}
+                        for n, p in progs.items()
+                        if n not in AUTOS and p["text"] not in texts
+                    ]
                 tcfg = {"size": vars(size), "seed": args.seed, "rounds": args.tune_rounds}
+                tcfg["halving"] = args.tune_halving
                 tcfg |= {"warmup": 1, "candidates": [c["text"] for c in cands]}
                 got = pool.run(tune_job, tcfg, timeout=args.job_timeout)[0]
                 pick = cands[got["index"]]
@@ -346,6 +360,10 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                         "costs": args.costs,
                         "executed_ms": C.median(steps[name]) * 1e3,
                         "vs_best": C.median(ratios) if ratios else None,
+                        "vs_best_ci": list(C.median_ci(ratios)) if ratios else None,
+                        "vs_best_ci_text": "{:.3f}-{:.3f}".format(*C.median_ci(ratios))
+                        if len(ratios) >= 4
+                        else "-",
                         "iqr": C.spread(steps[name]),
                         "grad_ref": max(r["grad_ref"][name] for r in res),
                         "executed_times": steps[name],
@@ -389,7 +407,24 @@ def parser() -> argparse.ArgumentParser:
         default=4,
         help="auto_candidates per placement timed by funcpipe.tune.fastest (0: no auto-tuned)",
     )
-    ap.add_argument("--tune-rounds", type=int, default=8, help="timed steps per candidate")
+    ap.add_argument(
+        "--tune-rounds",
+        type=int,
+        default=8,
+        help="rounds per candidate (with halving: per stage of the halving)",
+    )
+    ap.add_argument(
+        "--tune-halving",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fastest(..., halving=True): measure the leading half again until two are left",
+    )
+    ap.add_argument(
+        "--tune-builtins",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time every built-in that fits the memory limit among the candidates",
+    )
     ap.add_argument("--cost-reps", type=int, default=20)
     ap.add_argument("--comm-reps", type=int, default=50)
     C.pool_options(ap, job_timeout=1800.0)

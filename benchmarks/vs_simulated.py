@@ -2,14 +2,17 @@
 
     python benchmarks/vs_simulated.py [--size large] [--ranks 2] [--steps 20] [--json FILE]
 
-1. Every rank measures each stage's F, B, I and W on one microbatch (funcpipe's autodiff, one
-   thread; all ranks at once, as in a step); rank 0's medians are used.
-2. Ranks 0 and 1 measure the point-to-point latency of one activation (one microbatch x width,
-   float32) over gloo: half the median round trip.
+1. Ranks 0 and 1 measure the point-to-point latency of one activation (one microbatch x width,
+   float32) over the sockets a Pipeline uses: half the median round trip.
+2. funcpipe runs the schedule (``transport="dist"``): ``--warmup`` steps, then ``--steps`` timed
+   steps, each after a barrier; a step's time is its slowest rank's. After every step (outside
+   its timing) every rank times each stage's F, B, I and W once on one microbatch (funcpipe's
+   autodiff, one thread, all ranks at once, as in a step): the costs are the medians of those,
+   rank 0's, measured on the same machine as the steps (this VM's speed drifts by up to 2x
+   within minutes; costs timed once before all schedules put 0.8-1.2 on the ratio by drift
+   alone: they are still reported, ``costs timed before``).
 3. ``funcpipe.schedule.simulate(lowered program, Costs(f, b, w, comm))`` predicts the makespan
    (``b`` = I and ``w`` = W for split schedules; ``b`` = B - W otherwise, so b + w = B).
-4. funcpipe runs the schedule (``transport="dist"``): ``--warmup`` steps, then ``--steps`` timed
-   steps, each after a barrier; a step's time is its slowest rank's.
 
 5. ``--traced`` more steps run with ``step(trace=True)``: the executed timeline gives each rank's
    compute time (F, B, I, W instructions, start to end).
@@ -47,6 +50,7 @@ COLUMNS: list[C.Column] = [
     ("iqr", "IQR/med", ".2f"),
     ("bubble", "sim. bubble", ".1%"),
     ("busy_ratio", "executed/simulated compute", ".3f"),
+    ("ratio_before", "executed/simulated (costs timed before)", ".3f"),
     ("simulated_step_ms", "simulated ms (in-step costs)", ".2f"),
     ("ratio_step", "executed/simulated (in-step costs)", ".3f"),
     ("runnable", "runnable (mean)", ".1f"),
@@ -79,6 +83,7 @@ def step_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     stages, params = C.funcpipe_stages(model, program.n_stages, kind=cfg["stage_kind"])
     pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
     x, y = C.data(size, seed=cfg["seed"] + 1)
+    timer = C.StageTimer(size, program.n_stages, kind=cfg["stage_kind"], seed=cfg["seed"])
     times = []
     for k in range(cfg["warmup"] + cfg["steps"]):
         dist.barrier()
@@ -86,7 +91,9 @@ def step_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         pipe.step(params, x, y)
         if k >= cfg["warmup"]:
             times.append(time.perf_counter() - t0)
+        timer.once()  # the stage costs, between the steps: the same machine as the steps
     out: dict[str, Any] = {"times": times, "busy": None, "durations": {}}
+    out["costs"] = timer.result(skip=min(2, cfg["warmup"] + cfg["steps"] - 1)).as_dict()
     busy = []
     durations: dict[str, list[float]] = {}  # "F 3" -> every duration of F on stage 3
     for _ in range(cfg["traced"]):  # executed timelines: compute time per rank (F/B/I/W)
@@ -155,8 +162,9 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
         )
         for sched in args.schedules:
             program = C.program_for(sched, ranks=ranks, microbatches=size.microbatches)
-            costs = C.StageCosts(**measured[0]["costs"][str(program.n_stages)])
-            sim = simulate(add_communication(program), C.costs_for(program, costs, comm=comm))
+            before = C.StageCosts(**measured[0]["costs"][str(program.n_stages)])
+            lowered = add_communication(program)
+            sim_before = simulate(lowered, C.costs_for(program, before, comm=comm))
             cfg = {
                 **base,
                 "schedule": sched,
@@ -173,6 +181,8 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 retries=args.retries,
             )
             executed = C.step_times([r["times"] for r in res])
+            costs = C.StageCosts(**res[0]["costs"])  # rank 0's, timed between the steps
+            sim = simulate(lowered, C.costs_for(program, costs, comm=comm))
             busy = res[0]["busy"]
             sim_step = None
             if res[0]["durations"]:
@@ -196,6 +206,9 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 "ratio_step": C.median(t / sim_step.makespan for t in executed)
                 if sim_step
                 else None,
+                "simulated_before_ms": sim_before.makespan * 1e3,
+                "ratio_before": C.median(t / sim_before.makespan for t in executed),
+                "stage_costs_before_s": before.as_dict(),
                 "executed_busy_ms": [b * 1e3 for b in busy] if busy else None,
                 "simulated_busy_ms": [b * 1e3 for b in sim.busy],
                 "comm_s": comm,
