@@ -9,12 +9,12 @@
    its timing) every rank times each stage's F, B, I and W once on one microbatch (funcpipe's
    autodiff, one thread, all ranks at once, as in a step): the costs are the medians of those,
    rank 0's, measured on the same machine as the steps (this VM's speed drifts by up to 2x
-   within minutes; costs timed once before all schedules put 0.8-1.2 on the ratio by drift
-   alone: they are still reported, ``costs timed before``).
+   within minutes: in round 4 the ratio with costs timed once before all schedules differed
+   from this one by up to 0.2; it is still reported, ``costs timed before``). Each step
+   then starts with the caches as that timing left them (an effect not measured apart).
 3. ``funcpipe.schedule.simulate(lowered program, Costs(f, b, w, comm))`` predicts the makespan
    (``b`` = I and ``w`` = W for split schedules; ``b`` = B - W otherwise, so b + w = B).
-
-5. ``--traced`` more steps run with ``step(trace=True)``: the executed timeline gives each rank's
+4. ``--traced`` more steps run with ``step(trace=True)``: the executed timeline gives each rank's
    compute time (F, B, I, W instructions, start to end).
 
 Reported: executed / simulated makespan (1.0 = the runtime adds nothing to the schedule's

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["GradMemory", "offer", "take"]
+__all__ = ["GradMemory", "offer_to", "take"]
 
 Tensor = torch.Tensor
 _ATTR = "_funcpipe_spare"
@@ -100,7 +100,7 @@ class GradMemory:
                         and t.device == leaf.device
                         and _unshared(t)
                     ):
-                        offer(leaf, t)
+                        offer_to(leaf, t)
                         break
                     kept.append(t)
                 del t
@@ -109,7 +109,7 @@ class GradMemory:
         self._kept.clear()
 
 
-def offer(leaf: Tensor, spare: Tensor) -> None:
+def offer_to(leaf: Tensor, spare: Tensor) -> None:
     """Let the first write of ``leaf``'s gradient this step go into ``spare``."""
     setattr(leaf, _ATTR, spare)
 
