@@ -193,15 +193,17 @@ def test_pipeline_with_and_without_batched_weights(name: str) -> None:
     assert on.peak_activations == off.peak_activations
 
 
-def test_batch_weights_must_be_a_bool() -> None:
+@pytest.mark.parametrize(("flag", "value"), [("batch_weights", 1), ("reuse_grads", "yes")])
+def test_pipeline_switches_must_be_bools(flag: str, value: object) -> None:
+    """``batch_weights`` and ``reuse_grads`` (:mod:`funcpipe.runtime.reuse`) take True/False."""
     part = fp.partition(torch.nn.Sequential(torch.nn.Linear(2, 2)), stages=1)
-    with pytest.raises(InvalidArgument, match="batch_weights"):
+    with pytest.raises(InvalidArgument, match=flag):
         fp.Pipeline(
             list(part.stages),
             generate("gpipe", ranks=1, microbatches=1),
             loss_fn=torch.sum,
-            batch_weights=1,
-        )  # type: ignore[arg-type]
+            **{flag: value},  # type: ignore[arg-type]
+        )
 
 
 @given(

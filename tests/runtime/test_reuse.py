@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import funcpipe as fp
-from funcpipe.errors import InvalidArgument
 from funcpipe.runtime import reuse
 from funcpipe.runtime.reuse import GradMemory, _unshared, take
 from funcpipe.schedule import generate
@@ -173,14 +172,3 @@ def test_tied_stages_over_several_steps_match_the_reference(name: str, recompute
         run_pipeline_vs_reference(0, name, 2, 5, [11, 6, 11, 6], tied=True, recompute=recompute)
         < 1e-10
     )
-
-
-def test_reuse_grads_must_be_a_bool() -> None:
-    part = fp.partition(torch.nn.Sequential(torch.nn.Linear(2, 2)), stages=1)
-    with pytest.raises(InvalidArgument, match="reuse_grads"):
-        fp.Pipeline(
-            list(part.stages),
-            generate("gpipe", ranks=1, microbatches=1),
-            loss_fn=torch.sum,
-            reuse_grads="yes",  # type: ignore[arg-type]
-        )
