@@ -10,10 +10,11 @@ receives expect (the checker proves it, per pair and direction), so a message is
 after a 16-byte header (length and sequence number) that the receiver checks. Nothing but tensor
 bytes travels; nothing is unpickled.
 
-Nothing blocks the sender: a message the kernel cannot take yet waits in a queue, and every call
-into the channels (a send, a check for data, a wait) moves all queued bytes forward in both
-directions, so two ranks waiting on each other always progress. A wait gives up after the process
-group's timeout; a peer that exits closes its socket, which the waiting rank sees at once.
+Nothing blocks the sender: a message the kernel cannot take yet waits in a queue. A send pushes
+its own link's queue; every check for data and every wait moves all queued bytes forward in both
+directions, so two ranks waiting on each other always progress. Posting a receive makes no system
+call (its data has usually not been sent yet): the next check reads it. A wait gives up after the
+process group's timeout; a peer that exits closes its socket, which the waiting rank sees at once.
 
 Set-up: each process listens on a socket file in a private directory (mode 0700), publishes its
 path in the process group's store, and every pair that exchanges messages connects, the lower
@@ -70,7 +71,7 @@ _VIEW = _memory_view_factory()
 
 def _bytes(t: Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (the caller keeps ``t`` alive)."""
-    n = t.numel() * t.element_size()
+    n = t.nbytes
     if n == 0:
         return memoryview(bytearray())
     if _VIEW is not None:
@@ -165,14 +166,19 @@ class _Receive:
     def __init__(self, channels: Channels, items: list[_Incoming], what: str) -> None:
         self.channels, self.items, self.what = channels, items, what
 
+    def done(self) -> bool:
+        # a link's receives complete in the order they were posted: the last one decides
+        return not self.items or self.items[-1].done
+
     def ready(self) -> bool:
-        if all(i.done for i in self.items):
+        if self.done():
             return True
         self.channels.progress()
-        return all(i.done for i in self.items)
+        return self.done()
 
     def wait(self) -> None:
-        self.channels.wait_until(lambda: all(i.done for i in self.items), self.what)
+        if not self.ready():
+            self.channels.wait_until(self.done, self.what)
 
 
 class Channels:
@@ -276,7 +282,10 @@ class Channels:
         view = _bytes(tensor)
         link.out.append(_Outgoing(_HEADER.pack(len(view), link.sent), view, tensor))
         link.sent += 1
-        self._guard(link.flush, f"rank {self.me}: send to rank {peer}")
+        try:
+            link.flush()
+        except OSError as e:
+            raise self.on_error(e, f"rank {self.me}: send to rank {peer}") from e
 
     def recv(self, buffers: Sequence[Tensor], peer: int, what: str) -> _Receive:
         """Expect ``buffers`` (contiguous CPU tensors) next from ``peer``, in this order."""
@@ -286,18 +295,23 @@ class Channels:
             items.append(_Incoming(b, link.received))
             link.received += 1
         link.expect.extend(items)
-        handle = _Receive(self, items, what)
-        handle.ready()
-        return handle
+        # no read here: a receive is usually posted before its data is sent; the next check for
+        # data (ready or wait, on any receive) reads whatever has arrived
+        return _Receive(self, items, what)
 
     def progress(self) -> None:
         """Move every queued byte forward, in both directions, without blocking."""
         for link in self.links.values():
-            self._guard(link.flush, f"rank {self.me}: send to rank {link.peer}")
-            self._guard(
-                lambda link=link: link.drain(self.me),  # type: ignore[misc]
-                f"rank {self.me}: receive from rank {link.peer}",
-            )
+            try:
+                if link.out:
+                    link.flush()
+            except OSError as e:
+                raise self.on_error(e, f"rank {self.me}: send to rank {link.peer}") from e
+            try:
+                if link.expect:
+                    link.drain(self.me)
+            except OSError as e:
+                raise self.on_error(e, f"rank {self.me}: receive from rank {link.peer}") from e
 
     def flush(self, what: str) -> None:
         """Wait until every queued message has been handed to the kernel."""
@@ -333,14 +347,6 @@ class Channels:
             for fd, event in poller.poll(min(left, 1.0) * 1000):
                 if event & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
                     by_fd[fd].hung_up = True  # progress() raises if we still need that peer
-
-    def _guard(self, step: Callable[[], None], what: str) -> None:
-        try:
-            step()
-        except CommunicationError:
-            raise
-        except OSError as e:
-            raise self.on_error(e, what) from e
 
     def close(self) -> None:
         _close(self.links)

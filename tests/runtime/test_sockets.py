@@ -151,6 +151,28 @@ def test_many_messages_keep_their_order() -> None:
         b.close()
 
 
+def test_a_receive_is_ready_only_when_all_its_tensors_are_in() -> None:
+    a, b = _pair()
+    try:
+        assert b.recv([], 0, "nothing").ready()  # no tensors: nothing to wait for
+        bufs = [torch.empty(3), torch.empty(4)]
+        h = b.recv(bufs, 0, "recv")
+        assert not h.ready()
+        a.send(torch.ones(3), 1)
+        a.flush("send")
+        deadline = time.monotonic() + 10
+        while not h.items[0].done:  # the first tensor is in, the second not yet sent
+            assert not h.ready()
+            assert time.monotonic() < deadline, "the first tensor never arrived"
+        assert not h.ready()
+        a.send(torch.full((4,), 2.0), 1)
+        h.wait()
+        assert torch.equal(bufs[0], torch.ones(3)) and torch.equal(bufs[1], torch.full((4,), 2.0))
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_size_mismatch_is_named() -> None:
     a, b = _pair()
     try:
