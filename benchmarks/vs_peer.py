@@ -11,7 +11,9 @@ For every (size, ranks, schedule) cell, one job on a pool of gloo processes (one
    number of microbatches, funcpipe seeds each microbatch's loss with 1/m: both give the
    gradient of the mean loss);
 2. time: float32, ``--warmup`` steps of each, then ``--pairs`` pairs run A B A B (funcpipe then
-   peer), every step started after a barrier; a step's time is its slowest rank's.
+   peer), every step started after a barrier; a step's time is its slowest rank's. Between its
+   steps the peer clears its gradients with ``zero_grad(set_to_none=True)``, torch's default,
+   so its backward allocates new ones; ``--peer-grads zeros`` keeps and zeroes them instead.
 
 Reported: the median step time of each, the median of the paired ratios funcpipe / peer, and the
 interquartile spread of those ratios. A peer schedule that fails records its error in the table.
@@ -80,9 +82,18 @@ class _Peer:
     """The peer's stages and schedule for the stages this rank holds."""
 
     def __init__(
-        self, spec: C.ScheduleSpec, model: torch.nn.Sequential, mine: list[int], n: int, m: int
+        self,
+        spec: C.ScheduleSpec,
+        model: torch.nn.Sequential,
+        mine: list[int],
+        n: int,
+        m: int,
+        *,
+        set_to_none: bool = True,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage
+
+        self.set_to_none = set_to_none
 
         self.model = copy.deepcopy(model)
         self.modules = C.stage_modules(self.model, n)
@@ -92,7 +103,7 @@ class _Peer:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         for s in self.mine:
-            self.modules[s].zero_grad(set_to_none=True)
+            self.modules[s].zero_grad(set_to_none=self.set_to_none)
         args = (x,) if 0 in self.mine else ()
         target = y if self.n - 1 in self.mine else None
         self.schedule.step(*args, target=target, return_outputs=False)
@@ -201,7 +212,11 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     # ---- time, float32, A B A B
     pipe, model, params, x, y = build(torch.float32)
-    peer32 = _Peer(spec, model, mine, n, size.microbatches) if peer_ok else None
+    peer32 = (
+        _Peer(spec, model, mine, n, size.microbatches, set_to_none=cfg["peer_grads"] == "none")
+        if peer_ok
+        else None
+    )
 
     def timed(f: Any) -> float:
         dist.barrier()
@@ -281,6 +296,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                     "peer_class": spec.peer or "-",
                     "pairs": args.pairs,
                     "p2p": args.p2p,
+                    "peer_grads": args.peer_grads,
                 }
                 cfg = {
                     "size": vars(size),
@@ -291,6 +307,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                     "warmup": args.warmup,
                     "peer": not args.no_peer,
                     "p2p": args.p2p,
+                    "peer_grads": args.peer_grads,
                 }
                 pool = pools.get(ranks)
                 program = C.program_for(sched, ranks=ranks, microbatches=size.microbatches)
@@ -395,6 +412,13 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "torch"],
         help="funcpipe's messages: same-host sockets (auto, its default) or gloo send/recv (torch)",
+    )
+    ap.add_argument(
+        "--peer-grads",
+        default="none",
+        choices=["none", "zeros"],
+        help="between the peer's steps: zero_grad(set_to_none=True), torch's default (none: "
+        "every step allocates new gradients), or set_to_none=False (zeros: they are reused)",
     )
     ap.add_argument("--verbose", action="store_true")
     C.pool_options(ap)

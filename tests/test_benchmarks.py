@@ -44,6 +44,14 @@ def test_vs_peer_gradients_agree(pool: Pool, tmp_path: Any) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_vs_peer_with_kept_peer_gradients(pool: Pool) -> None:
+    argv = ["--sizes", "tiny", "--ranks", "2", "--schedules", "1f1b", "--peer-grads", "zeros"]
+    (row,) = vs_peer.main([*argv, "--pairs", "2", "--warmup", "1", "--floor-reps", "0"], pool=pool)
+    assert row["note"] == "" and row["peer_grads"] == "zeros"
+    assert row["grad_diff"] < 1e-10 and len(row["peer_times"]) == 2
+
+
+@pytest.mark.timeout(120)
 def test_vs_single(pool: Pool) -> None:
     argv = ["--sizes", "tiny", "--ranks", "2", "--schedules", "1f1b", "--pairs", "2"]
     (row,) = vs_single.main([*argv, "--warmup", "1", "--cost-reps", "2"], pool=pool)
