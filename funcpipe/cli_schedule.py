@@ -30,6 +30,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0 seconds")
+    return value
+
+
 def _costs(text: str) -> Any:
     from funcpipe.schedule.simulate import Costs
 
@@ -82,6 +92,13 @@ def register(subparsers: Any) -> None:
         default=None,
         metavar="N",
         help="auto only: the most activations a rank may keep at once (default: no limit)",
+    )
+    sched.add_argument(
+        "--exact",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="auto only: refine with an exact solver (needs scipy) for up to SECONDS",
     )
     sched.add_argument(
         "--lower", action="store_true", help="add SEND/RECV (funcpipe.schedule.passes.lower)"
@@ -167,10 +184,11 @@ def _run_schedule(args: argparse.Namespace) -> int:
             placement=args.placement or "loop",
             costs=args.costs,
             max_activations=args.max_activations,
+            exact=args.exact,
         )
-    elif args.placement is not None or args.max_activations is not None:
+    elif args.placement is not None or args.max_activations is not None or args.exact:
         raise InvalidArgument(
-            f"--placement/--max-activations are options of 'auto', not of {args.name!r}; "
+            f"--placement/--max-activations/--exact are options of 'auto', not of {args.name!r}; "
             "drop them or run 'funcpipe schedule auto ...'"
         )
     else:

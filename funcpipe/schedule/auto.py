@@ -31,9 +31,11 @@ returns the one with the shortest simulated makespan. Three sources of candidate
 
 Every timing is the simulator's (:func:`funcpipe.schedule.simulate.simulate`, reimplemented
 here without the checks for speed; the winner goes through the real checker and simulator).
-There is no exact solver: on the regular cases the candidates already reach the simulator's
-lower bound ``work + (p - 1) F`` (ZB-H1/H2/V's shapes emerge from the policies), and an integer
-program would only pay off on problems too small to matter.
+On the regular cases the candidates already reach the simulator's lower bound
+``work + (p - 1) F`` (ZB-H1/H2/V's shapes emerge from the policies). Where they do not (uneven
+stages under a tight limit), ``exact=seconds`` hands the problem to a mixed-integer program
+(:mod:`funcpipe.schedule.exact`, SciPy's HiGHS) and keeps its program if it is strictly
+shorter; that pays on small problems (a few hundred instructions per rank at most).
 """
 
 from __future__ import annotations
@@ -536,6 +538,7 @@ def auto(
     placement: str = "loop",
     costs: Costs | None = None,
     max_activations: int | Sequence[int] | None = None,
+    exact: float | None = None,
 ) -> Program:
     """The fastest compute-only program found for these sizes, costs and memory limit.
 
@@ -553,6 +556,11 @@ def auto(
             counted as :func:`~funcpipe.schedule.simulate.peak_activations` does (a chunk
             stage counts 1): one int for every rank, or one per rank; at least ``chunks``
             (:func:`minimum_activations`). Default: no limit.
+        exact: seconds for an exact refinement (:mod:`funcpipe.schedule.exact`: a
+            mixed-integer program solved by SciPy's HiGHS, which must be installed): the
+            solver's program replaces the heuristic's if it is strictly shorter. A problem
+            with more than ``exact.MAX_PAIRS`` instruction pairs skips it with a warning.
+            Default None: the heuristic alone.
 
     Returns a program named ``"auto"`` that passes :func:`~funcpipe.schedule.check.check`,
     keeps ``peak_activations(program)[r] <= max_activations[r]`` on every rank, and whose
@@ -563,10 +571,50 @@ def auto(
     (I then W). Deterministic: the same arguments give the same program.
     """
     problem = _problem(ranks, microbatches, chunks, placement, costs, max_activations)
+    seconds = _seconds(exact)
     best = _search(problem)[0]
+    if seconds is not None:
+        best = _refined(problem, best, seconds)
     winner = _program(problem, best[3], "auto")
     simulate(winner, Costs() if costs is None else costs)  # the checker's proof, as a last word
     return winner
+
+
+def _seconds(exact: object) -> float | None:
+    if exact is None:
+        return None
+    if isinstance(exact, bool) or not isinstance(exact, int | float) or not exact > 0:
+        raise InvalidArgument(
+            f"auto: exact={exact!r}; give the exact solver's time budget in seconds (a number "
+            "> 0), or None for the heuristic alone"
+        )
+    from funcpipe.schedule import exact as solver
+
+    solver.require("auto")
+    return float(exact)
+
+
+def _refined(problem: _Problem, best: Scored, seconds: float) -> Scored:
+    """``best``, or the exact solver's program if that is valid and strictly better."""
+    from funcpipe.schedule import exact as solver
+
+    order = solver.refine(problem, best[0], time_limit=seconds)
+    if order is None:
+        return best
+    out = best
+    for candidate in (order, _merge_backwards(order)):
+        tm = _timing(problem, candidate)
+        if tm is None or any(_peak(x) > c for x, c in zip(candidate, problem.cap, strict=True)):
+            continue
+        scored = _score(problem, candidate, "auto")
+        if scored[:3] >= out[:3]:
+            continue
+        try:  # the real checker's word (message order), before it is trusted
+            simulate(_program(problem, candidate, "auto"), Costs())
+        except ScheduleError:
+            continue
+        out = scored
+    return out
 
 
 def auto_candidates(
