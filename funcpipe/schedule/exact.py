@@ -179,10 +179,11 @@ def refine(problem: _Problem, incumbent: float, *, time_limit: float) -> Order |
         row([(start_of[b], 1.0), (start_of[a], -1.0)], dur[a] + lag, inf)
     for j in range(total):  # C - S_j >= d_j
         row([(cmax, 1.0), (start_of[j], -1.0)], dur[j], inf)
-    # a rank runs one instruction at a time: the makespan is at least its earliest possible
-    # start, plus all of its work, plus the shortest path still to run after it (the linear
-    # relaxation of the pair constraints alone does not see this; with it the solver can
-    # prove most programs optimal at once)
+    # a rank runs one instruction at a time: the makespan is at least the earliest any of its
+    # instructions can start, plus all of its work, plus the least any of them leaves to run
+    # after it ends (the linear relaxation of the pair constraints alone does not see this;
+    # measured on 2 ranks x 3 microbatches in a V, limit 4: unproved after 2 s without it,
+    # proved in 0.3 s with it)
     order_topo = list(reversed(_topological(succ)))
     head = [0.0] * total  # earliest start from the dependencies alone
     lags: list[list[tuple[int, float]]] = [[] for _ in range(total)]
@@ -196,8 +197,8 @@ def refine(problem: _Problem, incumbent: float, *, time_limit: float) -> Order |
         for b, lag in lags[a]:
             tail[a] = max(tail[a], lag + dur[b] + tail[b])
     for js in by_rank.values():
-        bound = min(head[j] for j in js) + sum(dur[j] for j in js) + min(tail[j] for j in js)
-        row([(cmax, 1.0)], bound, inf)
+        least = min(head[j] for j in js) + sum(dur[j] for j in js) + min(tail[j] for j in js)
+        row([(cmax, 1.0)], least, inf)
     big = horizon
     for (a, b), y in pair_var.items():
         # y = 1: a first (S_b >= S_a + d_a); y = 0: b first (S_a >= S_b + d_b)
