@@ -35,7 +35,7 @@ On the regular cases the candidates already reach the simulator's lower bound
 ``work + (p - 1) F`` (ZB-H1/H2/V's shapes emerge from the policies). Where they do not (uneven
 stages under a tight limit), ``exact=seconds`` hands the problem to a mixed-integer program
 (:mod:`funcpipe.schedule.exact`, SciPy's HiGHS) and keeps its program if it is strictly
-shorter; that pays on small problems (a few hundred instructions per rank at most).
+shorter; that pays on small problems (tens of instructions per rank).
 """
 
 from __future__ import annotations
