@@ -34,7 +34,9 @@ def small_problems(draw: Callable[..., Any]) -> dict[str, Any]:
     f, b, w = (draw(st.lists(cost, min_size=n, max_size=n)) for _ in range(3))
     if draw(st.booleans()):
         w = [0.0] * n  # no split: one B per stage and microbatch
-    limit = draw(st.integers(v, m * v))
+    limit: Any = draw(st.integers(v, m * v))
+    if draw(st.booleans()):  # one limit per rank
+        limit = draw(st.lists(st.integers(v, m * v), min_size=p, max_size=p))
     return {
         "ranks": p,
         "microbatches": m,
@@ -52,7 +54,9 @@ def test_exact_is_sound_fits_and_never_worse_than_the_heuristic(problem: dict[st
     refined = auto(**problem, exact=2.0)
     check(refined)
     assert refined.name == "auto" and refined.placement == heuristic.placement
-    assert max(peak_activations(refined)) <= problem["max_activations"]
+    limit = problem["max_activations"]
+    limits = limit if isinstance(limit, list) else [limit] * problem["ranks"]
+    assert all(a <= c for a, c in zip(peak_activations(refined), limits, strict=True))
     costs = problem["costs"]
     assert simulate(refined, costs).makespan <= simulate(heuristic, costs).makespan + 1e-9
 
