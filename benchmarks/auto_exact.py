@@ -9,7 +9,8 @@ rank can have (``chunks``) plus one, and ``ranks`` (1F1B's peak) per chunk. For 
 ``auto``'s makespan (the heuristic), ``auto(exact=seconds)``'s (the mixed-integer program
 solved by SciPy's HiGHS, kept only if strictly shorter), the gain, and how long the exact call
 took. A call that ends well inside its budget has proved its answer optimal (HiGHS stops at a
-zero gap); one that uses the whole budget returns the best it found. Simulated, comm = 0.
+relative gap of 1e-4: less than one unit for these integer costs, with whole-unit makespans);
+one that uses the whole budget returns the best it found. Simulated, comm = 0.
 """
 
 from __future__ import annotations
