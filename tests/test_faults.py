@@ -153,9 +153,25 @@ def _train(out: Path, *args: str) -> subprocess.Popen[bytes]:
     )
 
 
-def _kill_when(proc: subprocess.Popen[bytes], pattern: str, deadline: float) -> None:
+def _kill_when(
+    proc: subprocess.Popen[bytes], pattern: str, deadline: float, *, step: int | None = None
+) -> None:
+    """SIGKILL ``proc`` once a file matches ``pattern`` (with ``step``: a funcpipe.json that
+    records that step, so an earlier save passing through the same names does not count)."""
+
+    def reached() -> bool:
+        for found in glob.glob(pattern):
+            if step is None:
+                return True
+            try:
+                if json.loads(Path(found).read_text())["step"] == step:
+                    return True
+            except (OSError, ValueError, KeyError):
+                continue  # being written, or already renamed away
+        return False
+
     try:
-        while not glob.glob(pattern):
+        while not reached():
             assert proc.poll() is None, f"the trainer exited ({proc.returncode}) before pausing"
             assert time.monotonic() < deadline, "the trainer never reached the pause"
             time.sleep(0.05)
@@ -186,6 +202,7 @@ def test_killed_while_saving_then_resumed_gives_the_uninterrupted_losses(tmp_pat
         _train(out, "--pause-at", "4", "--pause", "written"),
         str(out / "ck.tmp-*" / "funcpipe.json"),
         deadline,
+        step=4,  # step 2's save passes through a ck.tmp-* too, for an instant
     )
     found = checkpoint.latest(out)
     assert found == str(out / "ck") and _steps_of(found) == 2
