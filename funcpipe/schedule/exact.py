@@ -109,18 +109,18 @@ def refine(problem: _Problem, incumbent: float, *, time_limit: float) -> Order |
         d = {_F: problem.f, _I: problem.b, _W: problem.w, _B: problem.full}[op][s]
         dur.append(d / scale)
     rank = [problem.placement[s] for _, s, _ in instrs]
-    back = [(_I if split[s] else _B, s) for s in range(n)]  # the op that gets the gradient
+    back = [_I if split[s] else _B for s in range(n)]  # the op that receives the gradient
 
     # ---- dependencies: (before, after, lag)
     deps: list[tuple[int, int, float]] = []
     for s in range(n):
-        bop = back[s][0]
+        bop = back[s]
         for k in range(m):
             f, g = index[(_F, s, k)], index[(bop, s, k)]
             if s > 0:
                 deps.append((index[(_F, s - 1, k)], f, down[s - 1] / scale))
             if s + 1 < n:
-                deps.append((index[(back[s + 1][0], s + 1, k)], g, up[s + 1] / scale))
+                deps.append((index[(back[s + 1], s + 1, k)], g, up[s + 1] / scale))
             deps.append((f, g, 0.0))
             if split[s]:
                 deps.append((g, index[(_W, s, k)], 0.0))
@@ -134,8 +134,9 @@ def refine(problem: _Problem, incumbent: float, *, time_limit: float) -> Order |
     succ: list[list[int]] = [[] for _ in range(total)]
     for a, b, _ in deps:
         succ[a].append(b)
+    topo = _topological(succ)  # every node before all of its successors
     reach = [0] * total  # bit sets
-    for j in _topological(succ):
+    for j in reversed(topo):
         bits = 0
         for b in succ[j]:
             bits |= (1 << b) | reach[b]
@@ -185,16 +186,15 @@ def refine(problem: _Problem, incumbent: float, *, time_limit: float) -> Order |
     # after it ends (the linear relaxation of the pair constraints alone does not see this;
     # measured on 2 ranks x 3 microbatches in a V, limit 4: unproved after 2 s without it,
     # proved in 0.3 s with it)
-    order_topo = list(reversed(_topological(succ)))
     head = [0.0] * total  # earliest start from the dependencies alone
     lags: list[list[tuple[int, float]]] = [[] for _ in range(total)]
     for a, b, lag in deps:
         lags[a].append((b, lag))
-    for a in order_topo:
+    for a in topo:
         for b, lag in lags[a]:
             head[b] = max(head[b], head[a] + dur[a] + lag)
     tail = [0.0] * total  # the longest chain that must run after an instruction ends
-    for a in reversed(order_topo):
+    for a in reversed(topo):
         for b, lag in lags[a]:
             tail[a] = max(tail[a], lag + dur[b] + tail[b])
     for js in by_rank.values():
@@ -251,7 +251,10 @@ def refine(problem: _Problem, incumbent: float, *, time_limit: float) -> Order |
     if res.x is None:
         return None
     starts = res.x[:total]
-    depth = _depths(succ)
+    depth = [0] * total  # longest dependency chain before each (breaks ties in start times)
+    for a in topo:
+        for b in succ[a]:
+            depth[b] = max(depth[b], depth[a] + 1)
     order: Order = [[] for _ in range(problem.p)]
     for j in sorted(range(total), key=lambda j: (round(starts[j], 6), depth[j], j)):
         order[rank[j]].append(instrs[j])
@@ -259,7 +262,7 @@ def refine(problem: _Problem, incumbent: float, *, time_limit: float) -> Order |
 
 
 def _topological(succ: list[list[int]]) -> list[int]:
-    """Nodes in reverse topological order (every node after all of its successors)."""
+    """Nodes in topological order (every node before all of its successors)."""
     indeg = [0] * len(succ)
     for bs in succ:
         for b in bs:
@@ -273,17 +276,7 @@ def _topological(succ: list[list[int]]) -> list[int]:
             indeg[b] -= 1
             if indeg[b] == 0:
                 ready.append(b)
-    out.reverse()
     return out
-
-
-def _depths(succ: list[list[int]]) -> list[int]:
-    """Longest dependency chain before each node (to break ties between equal start times)."""
-    depth = [0] * len(succ)
-    for j in reversed(_topological(succ)):
-        for b in succ[j]:
-            depth[b] = max(depth[b], depth[j] + 1)
-    return depth
 
 
 def solver_info() -> dict[str, Any]:
