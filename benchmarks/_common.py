@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/ first
     sys.path.insert(0, str(ROOT))
 
 import funcpipe as fp  # noqa: E402
+from funcpipe.runtime.saved import SavedBytes  # noqa: E402, F401  (the benchmarks' C.SavedBytes)
 from funcpipe.schedule import Program, generate  # noqa: E402
 
 Tensor = torch.Tensor
@@ -605,79 +606,6 @@ def p2p_latency(rank: int, shape: Sequence[int], reps: int = 50, *, p2p: str = "
     if chan is not None:
         chan.close()
     return median(times)
-
-
-# ------------------------------------------------------------------------------ saved activations
-
-
-class SavedBytes:
-    """Counts the bytes autograd saves for backward (activations), live and at peak.
-
-    Use as a context manager around forwards: every tensor autograd packs that is not a parameter
-    (nor a view of one) is counted once (by storage, offset, shape and stride) from the time it is
-    saved until no graph node holds it any more.
-    """
-
-    def __init__(self, params: Iterable[Tensor] = ()) -> None:
-        self.exclude = {t.untyped_storage().data_ptr() for t in params}
-        self.refs: dict[tuple[Any, ...], int] = {}
-        self.live = 0
-        self.peak = 0
-        self._ctx: Any = None
-
-    def _key(self, t: Tensor) -> tuple[Any, ...] | None:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self.exclude or t.device.type == "meta":
-            return None
-        return (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-
-    def _pack(self, t: Tensor) -> Any:
-        key, _ = self.hold(t)
-        return _Held(self, key, t)
-
-    def hold(self, t: Tensor) -> tuple[tuple[Any, ...] | None, Tensor]:
-        """Count ``t`` as live (once per storage view, as a saved tensor) until :meth:`release`
-        with what this returns: for tensors kept outside autograd's graph."""
-        key = self._key(t)
-        if key is not None:
-            n = self.refs.get(key, 0)
-            if n == 0:
-                self.live += t.numel() * t.element_size()
-                self.peak = max(self.peak, self.live)
-            self.refs[key] = n + 1
-        return key, t
-
-    def release(self, key: tuple[Any, ...] | None, t: Tensor) -> None:
-        if key is None:
-            return
-        n = self.refs[key] - 1
-        if n == 0:
-            del self.refs[key]
-            self.live -= t.numel() * t.element_size()
-        else:
-            self.refs[key] = n
-
-    def __enter__(self) -> SavedBytes:
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._ctx.__exit__(*exc)
-
-
-class _Held:
-    __slots__ = ("counter", "key", "t")
-
-    def __init__(self, counter: SavedBytes, key: tuple[Any, ...] | None, t: Tensor) -> None:
-        self.counter, self.key, self.t = counter, key, t
-
-    def __del__(self) -> None:
-        self.counter.release(self.key, self.t)
-
-
-def _unpack(held: _Held) -> Tensor:
-    return held.t
 
 
 # ------------------------------------------------------------------------------ contention

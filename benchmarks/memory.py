@@ -9,11 +9,15 @@ node holding it is freed), plus what a backward keeps for Linear weight gradient
 graph (each Linear's input and incoming gradient, from the B or I until they are summed). The rank's peak of
 those live bytes is its activation memory.
 
-The schedule's figure: ``peak_activations(program)[rank]`` (the most microbatch activations the
-schedule keeps alive at once on that rank, from F to its B or W) x one microbatch's activation
-bytes of the rank's largest stage (measured with the same hooks on one forward). The exact
-column walks the rank's instructions with each stage's own bytes (stages differ: the last one
-also saves the loss's inputs).
+The schedule's figures, from each stage's bytes measured on one microbatch with
+``funcpipe.schedule.measure_memory`` (what its F keeps, and what its I leaves for its W):
+
+- ``peak_memory(program, activation, for_w)[rank]``: the rank's instructions walked in order,
+  F adding the stage's activation, I swapping it for what W needs, B / W removing it;
+- ``count x largest``: ``peak_activations(program)[rank]`` (the most microbatch activations
+  alive at once, each from F to its B or W) x the activation of the rank's largest stage, the
+  figure before ``peak_memory`` existed: an upper bound when stages differ in size or an I
+  frees part of the activation.
 """
 
 from __future__ import annotations
@@ -24,8 +28,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -40,34 +42,14 @@ COLUMNS: list[C.Column] = [
     ("rank", "rank", "d"),
     ("count", "peak count (step)", "d"),
     ("count_sim", "peak count (schedule)", "d"),
-    ("mb_kib", "1 microbatch KiB", ".1f"),
+    ("mb_kib", "largest stage 1 mb KiB", ".1f"),
     ("measured_kib", "measured peak KiB", ".1f"),
-    ("figure_kib", "schedule figure KiB", ".1f"),
-    ("ratio", "measured/figure", ".3f"),
-    ("exact_kib", "exact walk KiB", ".1f"),
-    ("ratio_exact", "measured/exact", ".3f"),
+    ("count_figure_kib", "count x largest KiB", ".1f"),
+    ("ratio_count", "measured / count x largest", ".3f"),
+    ("figure_kib", "peak_memory KiB", ".1f"),
+    ("ratio", "measured / peak_memory", ".3f"),
     ("leak_kib", "live after step KiB", ".1f"),
 ]
-
-
-def _stage_bytes(size: C.Size, stages: list[Any], params: list[Any]) -> list[int]:
-    """Saved-for-backward bytes of one forward of each stage on one microbatch."""
-    from funcpipe.tree import tree_map
-
-    mb = size.batch // size.microbatches
-    g = torch.Generator().manual_seed(3)
-    out = []
-    for s, (stage, prm) in enumerate(zip(stages, params, strict=True)):
-        ps = tree_map(lambda t: t.detach().requires_grad_(), prm)
-        h = torch.randn(mb, size.width, generator=g).requires_grad_(s > 0)
-        with C.SavedBytes(C.flat_grads(ps)) as counter:
-            o = stage(ps, h)
-            if s == len(stages) - 1:
-                o = C.mse(o, torch.randn(mb, size.width, generator=g))
-            peak = counter.peak
-            del o
-        out.append(peak)
-    return out
 
 
 @contextlib.contextmanager
@@ -114,7 +96,7 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     import funcpipe as fp
-    from funcpipe.schedule import Op, peak_activations
+    from funcpipe.schedule import measure_memory, peak_activations, peak_memory
 
     size = C.Size(**cfg["size"])
     program = C.program_for(
@@ -124,21 +106,14 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     stages, params = C.funcpipe_stages(model, program.n_stages, kind=cfg["stage_kind"])
     pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
     x, y = C.data(size, seed=cfg["seed"] + 1)
-    per_stage = _stage_bytes(size, stages, params)
+    mb = size.batch // size.microbatches
+    sizes = measure_memory(stages, params, x[:mb], loss_fn=C.mse, target=y[:mb])
     pipe.step(params, x, y)  # shapes inferred, buffers warm
     dist.barrier()
     with C.SavedBytes(C.flat_grads(params)) as counter, _count_waiting(counter):
         res = pipe.step(params, x, y)
     mine = program.stages_on(rank)
-    live = peak = 0
-    recomputed = {(i.stage, i.microbatch) for i in pipe.program.ranks[rank] if i.op is Op.R}
-    for i in pipe.program.ranks[rank]:
-        if (i.op is Op.F and (i.stage, i.microbatch) not in recomputed) or i.op is Op.R:
-            live += per_stage[i.stage]
-        elif i.op in (Op.B, Op.W):
-            live -= per_stage[i.stage]
-        peak = max(peak, live)
-    unit = max(per_stage[s] for s in mine)
+    unit = max(sizes.activation[s] for s in mine)
     count_sim = peak_activations(pipe.program)[rank]
     return {
         "rank": rank,
@@ -146,10 +121,12 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "count": res.peak_activations[rank],
         "count_sim": count_sim,
         "mb_bytes": unit,
-        "stage_bytes": per_stage,
+        "stage_bytes": list(sizes.activation),
+        "stage_for_w": list(sizes.for_w),
         "measured": counter.peak,
-        "figure": count_sim * unit,
-        "exact": peak,
+        "count_figure": count_sim * unit,
+        "figure": peak_memory(pipe.program, sizes.activation, sizes.for_w)[rank],
+        "whole_until_w": peak_memory(pipe.program, sizes.activation)[rank],
         "leak": counter.live,
     }
 
@@ -182,12 +159,14 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                     "count_sim": r["count_sim"],
                     "mb_kib": r["mb_bytes"] / 1024,
                     "measured_kib": r["measured"] / 1024,
+                    "count_figure_kib": r["count_figure"] / 1024,
+                    "ratio_count": r["measured"] / r["count_figure"] if r["count_figure"] else None,
                     "figure_kib": r["figure"] / 1024,
                     "ratio": r["measured"] / r["figure"] if r["figure"] else None,
-                    "exact_kib": r["exact"] / 1024,
-                    "ratio_exact": r["measured"] / r["exact"] if r["exact"] else None,
+                    "whole_until_w_kib": r["whole_until_w"] / 1024,
                     "leak_kib": r["leak"] / 1024,
                     "stage_bytes": r["stage_bytes"],
+                    "stage_for_w": r["stage_for_w"],
                 }
                 rows.append(row)
                 print(C.table([row], COLUMNS).splitlines()[-1], flush=True)

@@ -49,6 +49,20 @@ def _costs(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _memory(text: str) -> tuple[float, float | None]:
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or not all(0 <= v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(
+            f"--memory={text!r}: write ACTIVATION or ACTIVATION,FOR_W as numbers >= 0 (what one "
+            "F keeps, what an I leaves for its W, e.g. bytes: '131072' or '163840,131072')"
+        )
+    return values[0], values[1] if len(values) == 2 else None
+
+
 def _generator_names() -> str:
     try:
         from funcpipe.schedule.generators import GENERATORS
@@ -99,6 +113,14 @@ def register(subparsers: Any) -> None:
         default=None,
         metavar="SECONDS",
         help="auto only: refine with an exact solver (needs scipy) for up to SECONDS",
+    )
+    sched.add_argument(
+        "--memory",
+        type=_memory,
+        default=None,
+        metavar="ACT[,FOR_W]",
+        help="also print each rank's peak activation memory (funcpipe.schedule.peak_memory): "
+        "ACT what one F keeps, FOR_W what an I leaves for its W (default ACT), in any unit",
     )
     sched.add_argument(
         "--lower", action="store_true", help="add SEND/RECV (funcpipe.schedule.passes.lower)"
@@ -201,6 +223,11 @@ def _run_schedule(args: argparse.Namespace) -> int:
         timeline = simulate(program, args.costs)
     except ScheduleError as e:
         return _fail("schedule", e)
+    extra: dict[str, Any] = {"lowered": program.lowered}
+    if args.memory is not None:
+        from funcpipe.schedule.simulate import peak_memory
+
+        extra["peak_memory"] = list(peak_memory(program, *args.memory))
     written: dict[str, str] = {}
     if args.text is not None:
         args.text.parent.mkdir(parents=True, exist_ok=True)
@@ -210,10 +237,11 @@ def _run_schedule(args: argparse.Namespace) -> int:
         written["png"] = str(draw_timeline(timeline, args.png))
     if args.trace is not None:
         written["trace"] = str(write_chrome_trace(timeline, args.trace))
-    _report(
-        program, timeline, as_json=args.json, extra={"lowered": program.lowered, "files": written}
-    )
+    _report(program, timeline, as_json=args.json, extra={**extra, "files": written})
     if not args.json:
+        if args.memory is not None:
+            peaks = " ".join(f"{m:g}" for m in extra["peak_memory"])
+            print(f"peak memory       {peaks}  (per rank)")
         for kind, path in written.items():
             print(f"wrote {kind}: {path}")
     return 0

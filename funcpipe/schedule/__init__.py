@@ -49,9 +49,20 @@ from funcpipe.schedule.passes import (
     split_backward,
     strip_communication,
 )
-from funcpipe.schedule.profile import costs_from_timelines, profile_stages
+from funcpipe.schedule.profile import (
+    costs_from_timelines,
+    measure_memory,
+    profile_stages,
+)
 from funcpipe.schedule.render import ascii_timeline, chrome_trace, draw_timeline, write_chrome_trace
-from funcpipe.schedule.simulate import Costs, Event, Timeline, peak_activations, simulate
+from funcpipe.schedule.simulate import (
+    Costs,
+    Event,
+    Timeline,
+    peak_activations,
+    peak_memory,
+    simulate,
+)
 
 __all__ = [
     "CONSTRAINTS",
@@ -84,11 +95,13 @@ __all__ = [
     "interleaved_1f1b",
     "looped_bfs",
     "lower",
+    "measure_memory",
     "merge_backward",
     "one_f_one_b",
     "parse_instr",
     "parse_program",
     "peak_activations",
+    "peak_memory",
     "placement_loop",
     "placement_v",
     "profile_stages",

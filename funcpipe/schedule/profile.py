@@ -27,7 +27,14 @@ from typing import Any
 from funcpipe.errors import InvalidArgument
 from funcpipe.schedule.simulate import Costs
 
-__all__ = ["StageTimes", "costs_from_timelines", "measure_stages", "profile_stages"]
+__all__ = [
+    "StageMemory",
+    "StageTimes",
+    "costs_from_timelines",
+    "measure_memory",
+    "measure_stages",
+    "profile_stages",
+]
 
 
 @dataclass(frozen=True)
@@ -95,30 +102,10 @@ def measure_stages(
     """What :func:`profile_stages` measures, with the full backward ``B`` too (see there)."""
     import torch
 
-    from funcpipe.stage import Stage, as_inputs
+    from funcpipe.stage import as_inputs
     from funcpipe.tree import tree_flatten
 
-    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or not stages:
-        raise InvalidArgument(
-            f"profile_stages: stages={stages!r}; pass a non-empty list of funcpipe.Stage "
-            "(e.g. from funcpipe.partition or funcpipe.from_module)"
-        )
-    for k, s in enumerate(stages):
-        if not isinstance(s, Stage):
-            raise InvalidArgument(
-                f"profile_stages: stages[{k}]={s!r} is not a funcpipe.Stage; wrap a function "
-                "with funcpipe.Stage(fn) or a module with funcpipe.from_module(module)"
-            )
-    if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
-        raise InvalidArgument(
-            f"profile_stages: params must be a sequence with one params pytree per stage; got "
-            f"{type(params).__name__}"
-        )
-    if len(params) != len(stages):
-        raise InvalidArgument(
-            f"profile_stages: {len(stages)} stage(s) but {len(params)} params; give one params "
-            "pytree per stage"
-        )
+    _check_stages("profile_stages", stages, params)
     for name, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InvalidArgument(
@@ -151,21 +138,130 @@ def measure_stages(
     return StageTimes(tuple(f_t), tuple(i_t), tuple(w_t), tuple(b_t), latency)
 
 
-def _time_stage(
-    stage: Any, params: Any, inputs: tuple[Any, ...], k: int, *, repeats: int, warmup: int
-) -> tuple[float, float, float, float, Any]:
-    """Median F, I, W, B seconds of one stage, and its outputs (detached) for the next stage."""
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes per stage, for :func:`funcpipe.schedule.simulate.peak_memory`: ``activation``
+    what one F on one microbatch keeps for its backward (autograd's saved tensors, parameters
+    excluded), ``for_w`` what an I of it leaves for its W (the rest is freed at I)."""
+
+    activation: tuple[int, ...]
+    for_w: tuple[int, ...]
+
+
+def measure_memory(
+    stages: Sequence[Any],
+    params: Sequence[Any],
+    example: Any,
+    *,
+    loss_fn: Callable[..., Any] | None = None,
+    target: Any = None,
+) -> StageMemory:
+    """Per-stage activation bytes of ``stages`` on one microbatch ``example``.
+
+    Runs each stage's F and then its I through :mod:`funcpipe.runtime.autodiff`, as the
+    interpreter does, counting with :class:`funcpipe.runtime.saved.SavedBytes` what autograd
+    saves (each tensor once, parameters excluded) and what the I keeps outside the graph for
+    the W. Each stage's outputs feed the next (as in :func:`profile_stages`). With ``loss_fn``
+    the last stage's F also runs ``loss_fn(outputs, target)`` (``loss_fn(outputs)`` without a
+    target), as a pipeline's last stage does, and its saved tensors count as that stage's.
+    Deterministic: one run per stage, no timing.
+    """
+    from funcpipe.runtime import autodiff
+    from funcpipe.runtime.saved import SavedBytes
+    from funcpipe.stage import as_inputs
+    from funcpipe.tree import tree_unflatten
+
+    _check_stages("measure_memory", stages, params)
+    if loss_fn is not None and not callable(loss_fn):
+        raise InvalidArgument(
+            f"measure_memory: loss_fn={loss_fn!r} is not callable; pass the pipeline's loss "
+            "function (outputs[, target]) -> scalar, or None"
+        )
+    inputs = as_inputs(example)
+    act, kept = [], []
+    last = len(stages) - 1
+    for k, (stage, p) in enumerate(zip(stages, params, strict=True)):
+        loss = None
+        if k == last and loss_fn is not None:
+            loss = (lambda o: loss_fn(o, target)) if target is not None else loss_fn
+        fn, flat_params, in_leaves, out_tree = _flat_stage(
+            "measure_memory", stage, p, inputs, k, loss
+        )
+        with SavedBytes(flat_params) as counter:
+            outputs, saved = autodiff.forward(fn, flat_params, in_leaves)
+            if k == 0:  # as the interpreter: the batch needs no gradient
+                for t in saved.inputs:
+                    t.requires_grad_(False)
+            act.append(counter.live)
+            autodiff.backward_input(saved, flat_params, _seeds(outputs))
+            held = [counter.hold(t) for t in _left_for_w(saved)]
+            kept.append(counter.live)
+            for key, t in held:
+                counter.release(key, t)
+            autodiff.backward_weight(saved, flat_params, accumulate=True)
+        if k < last:
+            inputs = as_inputs(tree_unflatten(out_tree[0], outputs))
+    return StageMemory(tuple(act), tuple(kept))
+
+
+def _left_for_w(saved: Any) -> list[Any]:
+    """The tensors an I keeps outside autograd's graph for its W: each Linear-shaped product's
+    input and incoming gradient, and the gradients recorded where W's branches start."""
+    out: list[Any] = []
+    if saved.products is not None:
+        out += [t for _, x, g in saved.products.items for t in (x, g)]
+    for group in saved.roots:
+        out += [g for r in group for _, g in r.edges if g is not None]
+    out += [g for _, g in saved.direct if g is not None]
+    return out
+
+
+def _check_stages(who: str, stages: Any, params: Any) -> None:
+    from funcpipe.stage import Stage
+
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or not stages:
+        raise InvalidArgument(
+            f"{who}: stages={stages!r}; pass a non-empty list of funcpipe.Stage "
+            "(e.g. from funcpipe.partition or funcpipe.from_module)"
+        )
+    for k, s in enumerate(stages):
+        if not isinstance(s, Stage):
+            raise InvalidArgument(
+                f"{who}: stages[{k}]={s!r} is not a funcpipe.Stage; wrap a function "
+                "with funcpipe.Stage(fn) or a module with funcpipe.from_module(module)"
+            )
+    if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+        raise InvalidArgument(
+            f"{who}: params must be a sequence with one params pytree per stage; got "
+            f"{type(params).__name__}"
+        )
+    if len(params) != len(stages):
+        raise InvalidArgument(
+            f"{who}: {len(stages)} stage(s) but {len(params)} params; give one params "
+            "pytree per stage"
+        )
+
+
+def _flat_stage(
+    who: str,
+    stage: Any,
+    params: Any,
+    inputs: tuple[Any, ...],
+    k: int,
+    loss: Callable[[Any], Any] | None,
+) -> tuple[Callable[..., list[Any]], list[Any], list[Any], list[Any]]:
+    """``stage`` as the interpreter runs it: ``fn(flat params, flat inputs) -> flat outputs``
+    (through ``loss`` when given), the params as fresh leaves requiring grad, the flat inputs,
+    and a list that gets the outputs' tree structure at the first call."""
     import torch
 
-    from funcpipe.runtime import autodiff
     from funcpipe.tree import tree_flatten, tree_unflatten
 
     p_leaves, p_tree = tree_flatten(params)
     for t in p_leaves:
         if not isinstance(t, torch.Tensor):
             raise InvalidArgument(
-                f"profile_stages: params[{k}] holds a {type(t).__name__}; params are pytrees "
-                "of tensors"
+                f"{who}: params[{k}] holds a {type(t).__name__}; params are pytrees of tensors"
             )
     flat_params = [
         t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in p_leaves
@@ -175,11 +271,35 @@ def _time_stage(
 
     def fn(ps: Sequence[Any], xs: Sequence[Any]) -> list[Any]:
         out = stage(tree_unflatten(p_tree, list(ps)), *tree_unflatten(in_tree, list(xs)))
+        if loss is not None:
+            out = loss(out)
         flat, tree = tree_flatten(out)
         if not out_tree:
             out_tree.append(tree)
         return list(flat)
 
+    return fn, flat_params, list(in_leaves), out_tree
+
+
+def _seeds(outs: Sequence[Any]) -> list[Any]:
+    """The gradient arriving from the next stage (or the loss): ones, shaped as each output."""
+    import torch
+
+    return [torch.ones_like(o) if (o.is_floating_point() or o.is_complex()) else None for o in outs]
+
+
+def _time_stage(
+    stage: Any, params: Any, inputs: tuple[Any, ...], k: int, *, repeats: int, warmup: int
+) -> tuple[float, float, float, float, Any]:
+    """Median F, I, W, B seconds of one stage, and its outputs (detached) for the next stage."""
+    import torch
+
+    from funcpipe.runtime import autodiff
+    from funcpipe.tree import tree_unflatten
+
+    fn, flat_params, in_leaves, out_tree = _flat_stage(
+        "profile_stages", stage, params, inputs, k, None
+    )
     device = next((t.device for t in [*flat_params, *in_leaves]), torch.device("cpu"))
     sync: Callable[[], None] = (
         (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -188,12 +308,6 @@ def _time_stage(
     def clock() -> float:
         sync()
         return time.perf_counter()
-
-    def seeds(outs: Sequence[Any]) -> list[Any]:
-        # the gradient arriving from the next stage (or the loss): ones, shaped as each output
-        return [
-            torch.ones_like(o) if (o.is_floating_point() or o.is_complex()) else None for o in outs
-        ]
 
     def forward() -> tuple[list[Any], Any]:
         outs, saved = autodiff.forward(fn, flat_params, in_leaves)
@@ -209,13 +323,13 @@ def _time_stage(
         t0 = clock()
         outputs, saved = forward()
         t1 = clock()
-        autodiff.backward_input(saved, flat_params, seeds(outputs))
+        autodiff.backward_input(saved, flat_params, _seeds(outputs))
         t2 = clock()
         autodiff.backward_weight(saved, flat_params, accumulate=True)
         t3 = clock()
         _, saved = forward()
         t4 = clock()
-        autodiff.backward_direct(saved, flat_params, seeds(outputs))  # the runtime's B
+        autodiff.backward_direct(saved, flat_params, _seeds(outputs))  # the runtime's B
         t5 = clock()
         if run >= warmup:
             times["f"] += [t1 - t0, t4 - t3]

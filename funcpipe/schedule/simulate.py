@@ -16,16 +16,16 @@ from funcpipe.errors import InvalidArgument, ScheduleError
 from funcpipe.schedule.check import Analysis, analyse, fail
 from funcpipe.schedule.ir import COMPUTE_OPS, Instr, Op, Program
 
-__all__ = ["Costs", "Event", "Timeline", "peak_activations", "simulate"]
+__all__ = ["Costs", "Event", "Timeline", "peak_activations", "peak_memory", "simulate"]
 
 CostValue = float | Sequence[float]
 
 
-def _check_cost(name: str, value: object) -> None:
+def _check_cost(name: str, value: object, *, where: str = "Costs", what: str = "costs") -> None:
     values = list(value) if isinstance(value, Sequence) else [value]
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-            raise InvalidArgument(f"Costs({name}={value!r}): costs are finite numbers >= 0")
+            raise InvalidArgument(f"{where}({name}={value!r}): {what} are finite numbers >= 0")
 
 
 @dataclass(frozen=True)
@@ -73,18 +73,23 @@ class Costs:
         if name == "full" and value is None:
             b, w = self.per_stage("b", program), self.per_stage("w", program)
             return tuple(x + y for x, y in zip(b, w, strict=True))
-        n = program.n_stages
-        if not isinstance(value, Sequence):
-            return (float(value),) * n
-        owners = program.replica_of or tuple(range(n))
-        if len(value) == n:
-            return tuple(value)
-        if set(owners) == set(range(len(value))):
-            return tuple(value[o] for o in owners)
-        raise InvalidArgument(
-            f"Costs({name}=...) has {len(value)} values but the program has {n} stages; "
-            "give one value per stage (or one number for all)"
-        )
+        return _per_stage(f"Costs({name}=...)", value, program)
+
+
+def _per_stage(what: str, value: CostValue, program: Program) -> tuple[float, ...]:
+    """One number per stage of ``program`` from one number or one per (unreplicated) stage."""
+    n = program.n_stages
+    if not isinstance(value, Sequence):
+        return (float(value),) * n
+    owners = program.replica_of or tuple(range(n))
+    if len(value) == n:
+        return tuple(float(v) for v in value)
+    if set(owners) == set(range(len(value))):
+        return tuple(float(value[o]) for o in owners)
+    raise InvalidArgument(
+        f"{what} has {len(value)} values but the program has {n} stages; "
+        "give one value per stage (or one number for all)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +170,45 @@ def peak_activations(program: Program) -> tuple[int, ...]:
             peak = max(peak, live)
             if not program.training and i.op is Op.F:
                 live -= 1  # forward-only: nothing is kept for a backward
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def peak_memory(
+    program: Program, activation: CostValue, for_w: CostValue | None = None
+) -> tuple[float, ...]:
+    """Per rank, the most activation memory the program keeps at once, in the units given.
+
+    ``activation``: what one F of a stage keeps for its backward (bytes of one microbatch), one
+    number or one per stage. ``for_w``: what an I leaves for its W (default: all of
+    ``activation``, which is :func:`peak_activations` weighted by size; it may be more than
+    ``activation``: the gradients I recorded for W come on top of what the graph still holds).
+    Walking each rank's instructions in order: F adds ``activation``; B removes it; I removes
+    ``activation`` and adds ``for_w``; W removes ``for_w``. A stage recomputed with R counts
+    from its R. :func:`funcpipe.schedule.profile.measure_memory` measures both on real stages.
+    """
+    for name, value in (("activation", activation), ("for_w", for_w)):
+        if value is not None:
+            _check_cost(name, value, where="peak_memory", what="sizes")
+    act = _per_stage("peak_memory(activation=...)", activation, program)
+    kept = act if for_w is None else _per_stage("peak_memory(for_w=...)", for_w, program)
+    recomputed = {(i.stage, i.microbatch) for r in program.ranks for i in r if i.op is Op.R}
+    peaks = []
+    for instrs in program.ranks:
+        live = peak = 0.0
+        for i in instrs:
+            s = i.stage
+            if (i.op is Op.F and (s, i.microbatch) not in recomputed) or i.op is Op.R:
+                live += act[s]
+            elif i.op is Op.B:
+                live -= act[s]
+            elif i.op is Op.I:
+                live += kept[s] - act[s]
+            elif i.op is Op.W:
+                live -= kept[s]
+            peak = max(peak, live)
+            if not program.training and i.op is Op.F:
+                live -= act[s]
         peaks.append(peak)
     return tuple(peaks)
 

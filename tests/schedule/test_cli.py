@@ -135,3 +135,17 @@ def test_schedule_unknown_name_exits_2(capsys: pytest.CaptureFixture[str]) -> No
     _generators_ready()
     assert main(["schedule", "no-such-schedule", "--ranks", "2", "--microbatches", "2"]) == 2
     assert "no-such-schedule" in capsys.readouterr().err
+
+
+def test_schedule_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    from funcpipe.schedule import generate, peak_memory
+
+    argv = ["schedule", "zb-h1", "-p", "2", "-m", "4", "--memory", "160,128"]
+    assert main(argv) == 0
+    assert "peak memory       320 288  (per rank)" in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["peak_memory"]
+    assert got == list(peak_memory(generate("zb-h1", ranks=2, microbatches=4), 160, 128))
+    with pytest.raises(SystemExit):
+        main(["schedule", "1f1b", "-p", "2", "-m", "4", "--memory", "1,-2"])
+    assert "--memory='1,-2': write ACTIVATION" in capsys.readouterr().err
