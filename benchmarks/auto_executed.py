@@ -19,8 +19,11 @@
    program then runs in the timed rounds below like any other (fresh measurements).
 3. One job runs every program on the same gloo processes: a float64 step of each is compared
    with plain autograd on the whole model, then float32: ``--warmup`` steps of each, then
-   ``--rounds`` rounds in which every program runs one step (after a barrier; the order rotates
-   each round). A step's time is its slowest rank's.
+   ``--rounds`` rounds in which every program runs one step (after a barrier; in a fresh
+   seeded order each round, ``--order shuffle``, or rotated by one, ``--order rotate``). A
+   step's time is its slowest rank's. ``same program as``: the built-ins whose program is
+   exactly this one (``auto`` often returns a built-in's program under its own name; the two
+   then run as separate pipelines, and the ratio between them is this machine's noise).
 
 Memory is counted in full-stage activations (1F1B's unit: ``p`` per rank): a chunk of a
 two-chunk program counts one half. ``--memory p`` (the default) is 1F1B's peak; ``2p`` doubles it.
@@ -36,6 +39,7 @@ rounds would fall; an interval containing 1 is a tie at this machine's noise).
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
 from pathlib import Path
@@ -62,6 +66,7 @@ COLUMNS: list[C.Column] = [
     ("executed_ms", "executed ms", ".2f"),
     ("vs_best", "/best built-in", ".3f"),
     ("vs_best_ci_text", "95% interval", ""),
+    ("same_as", "same program as", ""),
     ("picked", "tuned pick", ""),
     ("iqr", "IQR/med", ".2f"),
     ("grad_ref", "fp vs 1-proc", ".1e"),
@@ -207,6 +212,18 @@ def trace_job(rank: int, cfg: dict[str, Any]) -> list[Any]:
     return timelines if rank == 0 else []
 
 
+def _round_order(names: list[str], r: int, seed: int, how: str) -> list[str]:
+    """The order the programs run in round ``r``, the same on every rank. ``rotate``: the
+    list rotated by ``r`` (each program keeps the same predecessor in every round);
+    ``shuffle``: a fresh permutation per round (seeded), so no program always follows the
+    same one (what the previous step leaves in the caches differs between programs)."""
+    if how == "rotate":
+        return [names[(r + k) % len(names)] for k in range(len(names))]
+    order = list(names)
+    random.Random(seed * 100_003 + r).shuffle(order)
+    return order
+
+
 def run_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """On every rank: check each program's gradients, then time them round by round."""
     import torch.distributed as dist
@@ -253,8 +270,7 @@ def run_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
             pipes[name].step(*args[name])
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(cfg["rounds"]):
-        for k in range(len(names)):
-            name = names[(r + k) % len(names)]
+        for name in _round_order(names, r, cfg["seed"], cfg.get("order", "shuffle")):
             dist.barrier()
             t0 = time.perf_counter()
             pipes[name].step(*args[name])
@@ -326,6 +342,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 "programs": {n: p["text"] for n, p in progs.items()},
                 "warmup": args.warmup,
                 "rounds": args.rounds,
+                "order": args.order,
             }
             res, info = C.measured_cell(
                 lambda pool=pool, cfg=cfg: pool.run(run_job, cfg, timeout=args.job_timeout),
@@ -344,7 +361,9 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 if builtins
                 else None
             )
+            bodies = {n: _body(p["text"]) for n, p in progs.items()}
             for name, prog in progs.items():
+                same = [b for b in builtins if b != name and bodies[b] == bodies[name]]
                 ratios = C.paired_ratios(steps[name][half:], steps[best][half:]) if best else []
                 ci = C.median_ci(ratios) if len(ratios) >= 4 else None  # 2,000 resamples: once
                 rows.append(
@@ -355,6 +374,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                         "memory": memory,
                         "schedule": name,
                         "best_builtin": best,
+                        "same_as": ", ".join(same),
                         "peak": prog["peak"],
                         "simulated_ms": prog["sim"] * 1e3,
                         "isolated_ms": prog["isolated"] * 1e3,
@@ -381,6 +401,12 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
     return rows
 
 
+def _body(text: str) -> str:
+    """A program's text without its name: two programs with the same body are the same
+    program (``auto`` names its own ``auto`` even when it equals a built-in's)."""
+    return "\n".join(ln for ln in text.splitlines() if not ln.startswith("name "))
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="auto_executed.py",
@@ -390,6 +416,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ranks", nargs="+", type=int, default=[2])
     ap.add_argument("--memory", nargs="+", default=["p"], choices=["p", "2p"])
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument(
+        "--order",
+        choices=["shuffle", "rotate"],
+        default="shuffle",
+        help="the programs' order within a round: a seeded permutation per round (default) "
+        "or the list rotated by one each round (round 5 and before)",
+    )
     ap.add_argument(
         "--costs",
         default="in-step",

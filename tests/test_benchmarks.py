@@ -80,6 +80,14 @@ def test_auto_executed_runs_every_program_with_exact_gradients(pool: Pool) -> No
             assert r["grad_ref"] < 1e-10, r["schedule"]
             assert len(r["executed_times"]) == 2
         assert cell["1f1b"]["best_builtin"] in cell and cell["auto"]["vs_best"] > 0
+        body = auto_executed._body  # a program's text without its name line
+        for name, r in cell.items():
+            same = {b for b in cell if b != name and body(cell[b]["program"]) == body(r["program"])}
+            assert set(filter(None, r["same_as"].split(", "))) == same - {
+                "auto",
+                "auto-v",
+                "auto-tuned",
+            }
         tuned = cell["auto-tuned"]  # funcpipe.tune.fastest's pick: auto's candidates, built-ins
         assert tuned["picked"] in tuned["tune_medians_ms"] and tuned["grad_ref"] < 1e-10
         assert tuned["picked"].split(":")[0] in ("auto", "auto-v", "built-in")

@@ -603,7 +603,8 @@ def _refined(problem: _Problem, best: Scored, seconds: float) -> Scored:
     if order is None:
         return best
     out = best
-    for candidate in (order, _merge_backwards(order)):
+    cheap = _cheap_backwards(problem)
+    for candidate in (order, _merge_backwards(order, cheap)) if cheap else (order,):
         tm = _timing(problem, candidate)
         if tm is None or any(_peak(x) > c for x, c in zip(candidate, problem.cap, strict=True)):
             continue
@@ -670,11 +671,11 @@ def _search(problem: _Problem) -> list[Scored]:
         order = [list(x) for x in start[3]]
         _improve(problem, order, budget=budget)
         found.append(_score(problem, order, "auto"))
-    if any(u < x + y for u, x, y in zip(problem.full, problem.b, problem.w, strict=True)):
-        # a B cheaper than its I and W apart: where W directly follows its I, one B may do
+    cheap = _cheap_backwards(problem)
+    if cheap:  # a B cheaper than its I and W apart: where W directly follows its I, one B may do
         found.sort(key=lambda c: c[:3])
         for start in [found[0], *starts]:
-            found.append(_score(problem, _merge_backwards(start[3]), "auto"))
+            found.append(_score(problem, _merge_backwards(start[3], cheap), "auto"))
     found.sort(key=lambda c: c[:3])  # stable: among equals, the earlier found (named) first
     distinct: list[Scored] = []
     seen: dict[tuple[tuple[tuple[int, int, int], ...], ...], int] = {}
@@ -700,15 +701,32 @@ def _program(problem: _Problem, order: Order, name: str) -> Program:
     )
 
 
-def _merge_backwards(order: Order) -> Order:
-    """Every I directly followed by its own W, made one B (same memory, fewer instructions)."""
+_MERGE_MARGIN = 0.05
+"""A stage's I and W are merged into one B only where its B is measured this much cheaper
+than I + W: cost tables are noisy by a few percent, and a merge chosen on a 1% difference ran
+2% slower on the large benchmark model (ZB-H1's split stage 0 against the same program with
+B's there, 40 paired steps; docs/benchmarks.md, round 6)."""
+
+
+def _cheap_backwards(problem: _Problem) -> frozenset[int]:
+    """The stages whose full backward B costs clearly less than its I and W apart."""
+    return frozenset(
+        s
+        for s, (u, x, y) in enumerate(zip(problem.full, problem.b, problem.w, strict=True))
+        if u < (1.0 - _MERGE_MARGIN) * (x + y)
+    )
+
+
+def _merge_backwards(order: Order, stages: frozenset[int]) -> Order:
+    """Every I of ``stages`` directly followed by its own W, made one B (same memory, fewer
+    instructions)."""
     out: Order = []
     for instrs in order:
         merged: list[tuple[int, int, int]] = []
         t = 0
         while t < len(instrs):
             op, s, k = instrs[t]
-            if op == _I and t + 1 < len(instrs) and instrs[t + 1] == (_W, s, k):
+            if op == _I and s in stages and t + 1 < len(instrs) and instrs[t + 1] == (_W, s, k):
                 merged.append((_B, s, k))
                 t += 2
                 continue
