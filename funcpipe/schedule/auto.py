@@ -568,8 +568,10 @@ def auto(
     placement class (:data:`BUILTINS`) that fits the limit. With F = B = W and
     ``max_activations = ranks`` (1F1B's peak, one chunk) that is ZB-H1's makespan or better,
     for ``m >= p`` a third of 1F1B's idle time. It may mix full backwards (B) with split ones
-    (I then W). Deterministic without ``exact``: the same arguments give the same program
-    (a solver stopped by its time budget may return a different one from run to run).
+    (I then W): an I directly followed by its own W becomes one B on the stages whose
+    ``costs.full`` is at least 5% below ``b + w`` (closer is within a cost table's noise).
+    Deterministic without ``exact``: the same arguments give the same program (a solver
+    stopped by its time budget may return a different one from run to run).
     """
     problem = _problem(ranks, microbatches, chunks, placement, costs, max_activations)
     seconds = _seconds(exact)
