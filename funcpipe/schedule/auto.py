@@ -2,7 +2,10 @@
 
 :func:`auto` searches compute-only programs for ``ranks`` ranks holding ``chunks`` stages each
 (loop or V placement) that keep at most ``max_activations`` activations alive per rank, and
-returns the one with the shortest simulated makespan. Three sources of candidates:
+returns the one with the shortest simulated makespan. With ``max_memory`` and ``memory``
+instead, the limit is in bytes: each F weighs its stage's bytes (held until its W or B) in
+every memory check below, and the problem counted in activations is also list-scheduled at a
+few counts per rank, keeping the programs that fit the bytes. Three sources of candidates:
 
 1. **List scheduling** over F, I (input gradient) and W (weight gradient), once per *policy*.
    Time advances event by event; whenever a rank is free it picks among the instructions whose
@@ -43,8 +46,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 from funcpipe.errors import InvalidArgument, ScheduleError
 from funcpipe.schedule.gen_common import check_int, placement_loop, placement_v
@@ -93,8 +97,14 @@ class _Problem:
     b: tuple[float, ...]
     w: tuple[float, ...]
     comm: float
-    cap: tuple[int, ...]
+    cap: tuple[float, ...]  # per rank: activations (weight 1 each) or bytes (``weights``)
     full: tuple[float, ...] = ()  # a full backward B per stage (b + w unless measured)
+    # what one F of each stage holds until its W / B (1 each: peak_activations' unit; bytes
+    # with auto(max_memory=...): max(activation, for_w), reserved from F to W)
+    weights: tuple[float, ...] = ()
+
+    def weight(self, s: int) -> float:
+        return self.weights[s] if self.weights else 1.0
 
     @property
     def n(self) -> int:
@@ -153,37 +163,55 @@ class _Rank:
         self.stages = problem.local(r)
         self.entry = self.stages[0]
         self.free = 0.0
-        self.alive = 0
+        self.alive = 0.0
         self.cap = problem.cap[r]
+        self.weight = problem.weight
         self.next_f = dict.fromkeys(self.stages, 0)
         self.next_i = dict.fromkeys(self.stages, 0)
         self.weights: deque[tuple[int, int]] = deque()
-        # admitted microbatches in order: [alive activations here, forwards still to run here]
-        self.admitted: dict[int, list[int]] = {}
+        # admitted microbatches in order: [alive memory here, memory of the forwards still to
+        # run here, activations alive + forwards to run (to know when it is done)]
+        self.admitted: dict[int, list[float]] = {}
         self.out: list[tuple[int, int, int]] = []
         self.last = _W  # the last F or I run (for the alternating policy)
 
-    def fits(self, k: int) -> bool:
-        """Whether one more activation of microbatch ``k`` leaves every admitted microbatch able
-        to finish, in order, within the cap (the banker's check of the module docstring)."""
-        if self.alive + 1 > self.cap:
+    def fits(self, s: int, k: int) -> bool:
+        """Whether the activation of stage ``s``, microbatch ``k`` leaves every admitted
+        microbatch able to finish, in order, within the cap (the banker's check of the module
+        docstring)."""
+        need = self.weight(s)
+        if self.alive + need > self.cap:
             return False
         if len(self.stages) == 1:
             return True
         suffix = self.alive
-        for j, (alive, todo) in self.admitted.items():
+        for j, (alive, todo, _) in self.admitted.items():
             if j == k:
                 break
-            if suffix + todo + 1 > self.cap:
+            if suffix + todo + need > self.cap:
                 return False
             suffix -= alive
         return True
 
-    def release(self, k: int) -> None:
-        self.alive -= 1
+    def admit(self, s: int, k: int) -> None:
+        """F of stage ``s``, microbatch ``k`` ran here."""
+        w = self.weight(s)
+        self.alive += w
+        if s == self.entry:
+            rest = [self.weight(q) for q in self.stages if q != s]
+            self.admitted[k] = [w, sum(rest), 1 + len(rest)]
+        else:
+            entry = self.admitted[k]
+            entry[0] += w
+            entry[1] -= w
+
+    def release(self, s: int, k: int) -> None:
+        w = self.weight(s)
+        self.alive -= w
         entry = self.admitted[k]
-        entry[0] -= 1
-        if entry[0] == 0 and entry[1] == 0:
+        entry[0] -= w
+        entry[2] -= 1
+        if entry[2] == 0:
             del self.admitted[k]
 
 
@@ -205,12 +233,7 @@ def _list_schedule(problem: _Problem, policy: _Policy) -> Order:
         if op == _F:
             end = t + f[s]
             st.next_f[s] += 1
-            st.alive += 1
-            if s == st.entry:
-                st.admitted[k] = [1, len(st.stages) - 1]
-            else:
-                st.admitted[k][0] += 1
-                st.admitted[k][1] -= 1
+            st.admit(s, k)
             if s + 1 < n:
                 f_in[s + 1][k] = end + down[s]
                 if place[s + 1] != r:
@@ -227,7 +250,7 @@ def _list_schedule(problem: _Problem, policy: _Policy) -> Order:
                     heapq.heappush(events, (end + up[s], place[s - 1]))
         else:
             end = t + w[s]
-            st.release(k)
+            st.release(s, k)
         st.out.append((op, s, k))
         if op != _W:
             st.last = op
@@ -252,7 +275,7 @@ def _list_schedule(problem: _Problem, policy: _Policy) -> Order:
             k = st.next_f[s]
             if k < m:
                 a = f_in[s][k]
-                if a is not None and st.fits(k):
+                if a is not None and st.fits(s, k):
                     if a <= t:
                         f_now.append(((-s, k) if policy.f_order == "deep" else (s, k), s, k))
                     else:
@@ -366,15 +389,25 @@ def _timing(problem: _Problem, order: Order) -> _Timing | None:
     return _Timing(end, f_at, i_at, max(clock), sum(clock))
 
 
-def _peak(instrs: Sequence[tuple[int, int, int]]) -> int:
-    live = peak = 0
-    for op, _, _ in instrs:
+def _peak(
+    instrs: Sequence[tuple[int, int, int]], weight: Callable[[int], float] | None = None
+) -> float:
+    """A rank's peak memory: each F adds its stage's weight (1 without ``weight``) until its
+    W or B."""
+    live = peak = 0.0
+    for op, s, _ in instrs:
         if op == _F:
-            live += 1
+            live += 1.0 if weight is None else weight(s)
             peak = max(peak, live)
         elif op != _I:
-            live -= 1
+            live -= 1.0 if weight is None else weight(s)
     return peak
+
+
+def _fits(problem: _Problem, order: Order) -> bool:
+    return all(
+        _peak(x, problem.weight) <= c + 1e-9 for x, c in zip(order, problem.cap, strict=True)
+    )
 
 
 def _critical_swaps(problem: _Problem, order: Order, tm: _Timing) -> list[tuple[int, int]]:
@@ -417,7 +450,7 @@ def _improve(problem: _Problem, order: Order, *, budget: int) -> None:
             budget -= 1
             instrs = order[r]
             instrs[t], instrs[t + 1] = instrs[t + 1], instrs[t]
-            if _peak(instrs) <= problem.cap[r]:
+            if _peak(instrs, problem.weight) <= problem.cap[r] + 1e-9:
                 new = _timing(problem, order)
                 if new is not None and (new.makespan, new.total) < (tm.makespan, tm.total):
                     tm = new
@@ -437,6 +470,8 @@ def _problem(
     placement: object,
     costs: object,
     max_activations: object,
+    max_memory: object = None,
+    memory: object = None,
 ) -> _Problem:
     p = check_int("auto", "ranks", ranks)
     m = check_int("auto", "microbatches", microbatches)
@@ -496,10 +531,89 @@ def _problem(
     else:
         limit = _limit(max_activations, least, "max_activations")
         cap = (limit,) * p
-    cap = tuple(min(c, m * v) for c in cap)
+    caps: tuple[float, ...] = tuple(min(c, m * v) for c in cap)
+    weights: tuple[float, ...] = ()
+    if max_memory is not None or memory is not None:
+        if max_activations is not None:
+            raise InvalidArgument(
+                "auto: give max_activations (a count of activations) or max_memory (bytes, with "
+                "memory=), not both"
+            )
+        weights, caps = _memory_limit(max_memory, memory, p, stage_rank)
     return _Problem(
-        p, m, v, kind, stage_rank, per["f"], per["b"], per["w"], costs.comm, cap, per["full"]
+        p,
+        m,
+        v,
+        kind,
+        stage_rank,
+        per["f"],
+        per["b"],
+        per["w"],
+        costs.comm,
+        caps,
+        per["full"],
+        weights,
     )
+
+
+def _memory_limit(
+    max_memory: object, memory: object, p: int, placement: Sequence[int]
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Each stage's weight (what its F holds until its W: max(activation, for_w)) and each
+    rank's cap, from ``auto(max_memory=..., memory=...)``."""
+    n = len(placement)
+    if memory is None:
+        raise InvalidArgument(
+            "auto: max_memory needs memory=, each stage's activation bytes in model order (e.g. "
+            "funcpipe.schedule.measure_memory(stages, params, example))"
+        )
+    if max_memory is None:
+        raise InvalidArgument(
+            "auto: memory= is used with max_memory=, the most activation bytes a rank may keep; "
+            "pass both (or max_activations alone)"
+        )
+    if hasattr(memory, "activation") and hasattr(memory, "for_w"):
+        act, kept = list(memory.activation), list(memory.for_w)
+    elif isinstance(memory, Sequence) and not isinstance(memory, str):
+        act = kept = list(memory)
+    else:
+        raise InvalidArgument(
+            f"auto: memory={memory!r}; pass a StageMemory (funcpipe.schedule.measure_memory) or "
+            "one number of bytes per stage"
+        )
+    for name, values in (("activation", act), ("for_w", kept)):
+        if len(values) != n or not all(_size(x) for x in values):
+            raise InvalidArgument(
+                f"auto: memory {name}={values!r}; give one number >= 0 per stage ({n} stages, "
+                "model order)"
+            )
+    weights = tuple(max(float(a), float(k)) for a, k in zip(act, kept, strict=True))
+    if isinstance(max_memory, Sequence) and not isinstance(max_memory, str):
+        limits = list(max_memory)
+        if len(limits) != p:
+            raise InvalidArgument(
+                f"auto: max_memory={limits!r} has {len(limits)} value(s) for ranks={p}; give "
+                "one limit per rank, or one number for all"
+            )
+    else:
+        limits = [max_memory] * p
+    caps = []
+    for r, x in enumerate(limits):
+        if not _size(x):
+            raise InvalidArgument(f"auto: max_memory={max_memory!r}; a limit is a number >= 0")
+        least = sum(weights[s] for s, q in enumerate(placement) if q == r)
+        if float(x) < least:
+            raise InvalidArgument(
+                f"auto: max_memory={max_memory!r} leaves rank {r} {x}, below what any schedule "
+                f"needs there: one microbatch through all of its stages keeps {least:g} (each "
+                "stage's max(activation, for_w)); pass at least that"
+            )
+        caps.append(float(x))
+    return weights, tuple(caps)
+
+
+def _size(x: object) -> bool:
+    return not isinstance(x, bool) and isinstance(x, int | float) and math.isfinite(x) and x >= 0
 
 
 def _limit(value: object, least: int, name: str) -> int:
@@ -539,6 +653,8 @@ def auto(
     costs: Costs | None = None,
     max_activations: int | Sequence[int] | None = None,
     exact: float | None = None,
+    max_memory: float | Sequence[float] | None = None,
+    memory: Any = None,
 ) -> Program:
     """The fastest compute-only program found for these sizes, costs and memory limit.
 
@@ -561,6 +677,15 @@ def auto(
             solver's program replaces the heuristic's if it is strictly shorter. A problem
             with more than ``exact.MAX_PAIRS`` instruction pairs skips it with a warning.
             Default None: the heuristic alone.
+        max_memory, memory: a limit in bytes instead of a count: ``memory`` gives each
+            stage's activation bytes for one microbatch (a
+            :class:`~funcpipe.schedule.profile.StageMemory` from
+            :func:`~funcpipe.schedule.profile.measure_memory`, or one number per stage), and
+            ``max_memory`` the most a rank may keep (one number, or one per rank). Each F
+            reserves its stage's ``max(activation, for_w)`` until its W or B, so the program
+            keeps ``peak_memory(program, activation, for_w)[r] <= max_memory[r]`` (the split's
+            saving between I and W is not counted on: a safe bound). Not with
+            ``max_activations``.
 
     Returns a program named ``"auto"`` that passes :func:`~funcpipe.schedule.check.check`,
     keeps ``peak_activations(program)[r] <= max_activations[r]`` on every rank, and whose
@@ -573,7 +698,9 @@ def auto(
     Deterministic without ``exact``: the same arguments give the same program (a solver
     stopped by its time budget may return a different one from run to run).
     """
-    problem = _problem(ranks, microbatches, chunks, placement, costs, max_activations)
+    problem = _problem(
+        ranks, microbatches, chunks, placement, costs, max_activations, max_memory, memory
+    )
     seconds = _seconds(exact)
     best = _search(problem)[0]
     if seconds is not None:
@@ -608,7 +735,7 @@ def _refined(problem: _Problem, best: Scored, seconds: float) -> Scored:
     cheap = _cheap_backwards(problem)
     for candidate in (order, _merge_backwards(order, cheap)) if cheap else (order,):
         tm = _timing(problem, candidate)
-        if tm is None or any(_peak(x) > c for x, c in zip(candidate, problem.cap, strict=True)):
+        if tm is None or not _fits(problem, candidate):
             continue
         scored = _score(problem, candidate, "auto")
         if scored[:3] >= out[:3]:
@@ -630,6 +757,8 @@ def auto_candidates(
     costs: Costs | None = None,
     max_activations: int | Sequence[int] | None = None,
     count: int = 4,
+    max_memory: float | Sequence[float] | None = None,
+    memory: Any = None,
 ) -> list[Program]:
     """The ``count`` best distinct programs :func:`auto` considered, best first.
 
@@ -640,7 +769,9 @@ def auto_candidates(
     word: time them on the real stages with :func:`funcpipe.tune.fastest`.
     """
     k = check_int("auto_candidates", "count", count)
-    problem = _problem(ranks, microbatches, chunks, placement, costs, max_activations)
+    problem = _problem(
+        ranks, microbatches, chunks, placement, costs, max_activations, max_memory, memory
+    )
     out: list[Program] = []
     for n, c in enumerate(_search(problem)[:k]):
         name = c[4] if c[4] != "auto" else ("auto" if n == 0 else f"auto-{n + 1}")
@@ -650,7 +781,7 @@ def auto_candidates(
     return out
 
 
-Scored = tuple[float, float, int, Order, str]  # makespan, sum of finishes, peak, order, origin
+Scored = tuple[float, float, float, Order, str]  # makespan, sum of finishes, peak, order, origin
 
 
 def _search(problem: _Problem) -> list[Scored]:
@@ -661,8 +792,13 @@ def _search(problem: _Problem) -> list[Scored]:
     ]
     for program in _builtins(problem):
         order = [[(_OPS.index(i.op), i.stage, i.microbatch) for i in x] for x in program.ranks]
-        if all(_peak(x) <= c for x, c in zip(order, problem.cap, strict=True)):
+        if _fits(problem, order):
             found.append(_score(problem, order, program.name or "auto"))
+    for counted in _counted(problem):  # a limit in bytes: also what counts find, where it fits
+        for policy in _policies(problem.v):  # (the local search below polishes the best)
+            order = _list_schedule(counted, policy)
+            if _fits(problem, order):
+                found.append(_score(problem, order, "auto"))
     found.sort(key=lambda c: c[:3])
     starts: list[Scored] = []
     for c in found:
@@ -692,6 +828,32 @@ def _search(problem: _Problem) -> list[Scored]:
         seen[key] = len(distinct)
         distinct.append(c)
     return distinct
+
+
+_COUNTED = (0.0, 0.25, 0.5, 0.75, 1.0)
+"""For a limit in bytes, the counted searches tried (see :func:`_counted`)."""
+
+
+def _counted(problem: _Problem) -> list[_Problem]:
+    """For a limit in bytes: the same problem counted in activations, a few times. Each rank's
+    count goes from its limit over its stages' largest weight (``theta = 0``: the programs
+    always fit the bytes) to its limit over the smallest (``theta = 1``: they may not); the
+    caller keeps the programs that fit. Nothing for a counted problem."""
+    if not problem.weights:
+        return []
+    out: list[_Problem] = []
+    most = problem.m * problem.v
+    for theta in _COUNTED:
+        caps = []
+        for r, cap in enumerate(problem.cap):
+            ws = [problem.weight(s) for s in problem.local(r)]
+            lo = most if max(ws) <= 0 else cap / max(ws)
+            hi = most if min(ws) <= 0 else cap / min(ws)
+            count = int(lo + theta * (hi - lo) + 1e-9)
+            caps.append(float(min(most, max(problem.v, count))))
+        if all(c.cap != tuple(caps) for c in out):
+            out.append(replace(problem, cap=tuple(caps), weights=()))
+    return out
 
 
 def _program(problem: _Problem, order: Order, name: str) -> Program:
@@ -747,4 +909,4 @@ def _score(problem: _Problem, order: Order, origin: str) -> Scored:
             "auto: internal error, a candidate program deadlocks; please report it with the "
             "arguments"
         )
-    return (tm.makespan, tm.total, max(_peak(x) for x in order), order, origin)
+    return (tm.makespan, tm.total, max(_peak(x, problem.weight) for x in order), order, origin)

@@ -14,8 +14,8 @@ heuristic's best:
   makespan, which also bounds the objective);
 - a stage's Fs run in microbatch order, and so do its Is (the order the messages are sent in);
 - before each F of a rank, the activations alive (its Fs so far minus its Ws / Bs so far,
-  plus this one) stay within the rank's limit; the count only grows at an F, so that bounds
-  the peak;
+  plus this one; each weighted by its stage's memory with ``auto(max_memory=...)``) stay
+  within the rank's limit; the count only grows at an F, so that bounds the peak;
 - the objective is the makespan.
 
 The solver's start times give each rank's order; the program is timed and checked like every
@@ -206,7 +206,8 @@ def refine(problem: _Problem, incumbent: float, *, time_limit: float) -> Order |
         row([(start_of[b], 1.0), (start_of[a], -1.0), (y, -big)], dur[a] - big, inf)
         row([(start_of[a], 1.0), (start_of[b], -1.0), (y, big)], dur[b], inf)
 
-    # memory: before each F, Fs so far - frees so far + 1 <= cap
+    # memory: before each F, Fs so far - frees so far + this F <= cap (each weighted by its
+    # stage's weight: 1, or bytes with auto(max_memory=...))
     frees = {_W, _B}
     for r, js in by_rank.items():
         cap = problem.cap[r]
@@ -214,11 +215,11 @@ def refine(problem: _Problem, incumbent: float, *, time_limit: float) -> Order |
             if instrs[j][0] != _F:
                 continue
             terms: list[tuple[int, float]] = []
-            const = 1.0
+            const = problem.weight(instrs[j][1])
             for i in js:
                 if i == j or (instrs[i][0] != _F and instrs[i][0] not in frees):
                     continue
-                sign = 1.0 if instrs[i][0] == _F else -1.0
+                sign = problem.weight(instrs[i][1]) * (1.0 if instrs[i][0] == _F else -1.0)
                 if known(i, j):
                     const += sign
                 elif known(j, i):
