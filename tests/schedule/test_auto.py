@@ -214,6 +214,12 @@ def test_a_limit_in_bytes_sees_stages_of_different_sizes() -> None:
     lucky = auto(ranks=p, microbatches=m, placement="v", max_activations=[4, 6, 6, 6])
     assert all(x <= c for x, c in zip(peak_memory(lucky, act), caps, strict=True))
     assert simulate(light).makespan <= simulate(lucky).makespan
+    kw: dict[str, Any] = {"placement": "v", "max_memory": caps, "memory": act}
+    found = auto_candidates(ranks=p, microbatches=m, count=3, **kw)
+    assert found[0].ranks == light.ranks and len(found) == 3
+    for program in found:
+        check(program)
+        assert all(x <= cap for x, cap in zip(peak_memory(program, act), caps, strict=True))
 
 
 def test_a_limit_in_bytes_rejects_bad_arguments() -> None:
