@@ -54,14 +54,15 @@ COLUMNS: list[C.Column] = [
 
 @contextlib.contextmanager
 def _count_waiting(counter: C.SavedBytes) -> Iterator[None]:
-    """Also count what a B keeps for its batched weight gradients (each Linear's input and
-    incoming gradient, ``funcpipe.runtime.linear``) from the B until they are summed: they live
-    outside autograd's graph, where the hooks do not see them."""
+    """Also count what a backward keeps outside autograd's graph until its weight gradients
+    are summed: each Linear's input and incoming gradient (``funcpipe.runtime.linear``), from
+    the B or I until they are summed, and the gradients an I records for its W where the W
+    runs through the graph (``saved.roots``, ``saved.direct``); the hooks do not see them."""
     from funcpipe.runtime import autodiff, linear
 
     held: dict[int, list[Any]] = {}
     real_deferred, real_batch = linear.backward_deferred, linear.weight_batch
-    real_weight = autodiff.backward_weight
+    real_input, real_weight = autodiff.backward_input, autodiff.backward_weight
 
     def deferred(*args: Any, **kwargs: Any) -> Any:
         got = real_deferred(*args, **kwargs)
@@ -76,19 +77,30 @@ def _count_waiting(counter: C.SavedBytes) -> Iterator[None]:
             for key, t in held.pop(id(d), []):
                 counter.release(key, t)
 
+    def input_(saved: Any, *args: Any, **kwargs: Any) -> Any:
+        got = real_input(saved, *args, **kwargs)
+        recorded = [g for group in saved.roots for r in group for _, g in r.edges]
+        recorded += [g for _, g in saved.direct]
+        held[id(saved)] = [counter.hold(g) for g in recorded if g is not None]
+        return got
+
     def weight(saved: Any, *args: Any, **kwargs: Any) -> Any:
         kept = saved.products  # an I that kept only (x, g) per product: W consumes them
         got = real_weight(saved, *args, **kwargs)
         for key, t in held.pop(id(kept), []) if kept is not None else []:
             counter.release(key, t)
+        for key, t in held.pop(id(saved), []):
+            counter.release(key, t)
         return got
 
     linear.backward_deferred, linear.weight_batch = deferred, batch  # type: ignore[assignment]
+    autodiff.backward_input = input_  # type: ignore[assignment]
     autodiff.backward_weight = weight  # type: ignore[assignment]
     try:
         yield
     finally:
         linear.backward_deferred, linear.weight_batch = real_deferred, real_batch
+        autodiff.backward_input = real_input  # type: ignore[assignment]
         autodiff.backward_weight = real_weight  # type: ignore[assignment]
 
 

@@ -257,3 +257,27 @@ def tune_agrees_across_ranks(rank: int) -> tuple[int, list[float]]:
     got = fastest(progs, lambda p: step(index[id(p)]), rounds=1, warmup=1)
     pair = fastest(progs[:2], lambda p: step(index[id(p)]), rounds=1, warmup=0)
     return (got.index * 10 + pair.index, list(got.medians))
+
+
+def auto_bytes_step(rank: int) -> tuple[int, float, float]:
+    """An ``auto`` program searched under a limit in bytes (``measure_memory`` of the real
+    stages; the last also keeps the loss's inputs), one step over gloo with every saved byte
+    counted (as ``benchmarks/memory.py`` does): (measured peak, peak_memory's figure, limit)."""
+    from benchmarks import memory as bench
+    from funcpipe.runtime.saved import SavedBytes
+    from funcpipe.schedule import auto, measure_memory, peak_memory
+
+    stages, params = toy(4)
+    x, y = data(16)
+    mem = measure_memory(stages, params, x[:2], loss_fn=mse, target=y[:2])
+    weights = [max(a, k) for a, k in zip(mem.activation, mem.for_w, strict=True)]
+    least = [weights[0] + weights[3], weights[1] + weights[2]]  # V: stages (0, 3) and (1, 2)
+    caps = [c + 2 * weights[0] for c in least]
+    program = auto(ranks=2, microbatches=8, placement="v", memory=mem, max_memory=caps)
+    pipe = Pipeline(stages, program, loss_fn=mse, transport="dist")
+    pipe.step(params, x, y)
+    flat = [t for p in params for t in p.values()]
+    with SavedBytes(flat) as counter, bench._count_waiting(counter):
+        pipe.step(params, x, y)
+    figure = peak_memory(program, mem.activation, mem.for_w)[rank]
+    return counter.peak, figure, caps[rank]

@@ -76,3 +76,11 @@ def test_a_rank_that_raises_is_named_by_everyone(pool, where: str) -> None:
 def test_trace_over_gloo_is_the_same_on_every_rank(pool) -> None:
     (a, b) = pool(2).run(jobs_runtime.traced_step)
     assert a == b and a[0] > 0 and 0 <= a[1] < 1
+
+
+@pytest.mark.timeout(120)
+def test_an_auto_program_under_a_byte_limit_keeps_to_it(pool) -> None:
+    """Searched with auto(max_memory=..., memory=measure_memory(...)), run over gloo: each
+    rank's saved bytes in the step are what peak_memory says, within the limit."""
+    for measured, figure, cap in pool(2).run(jobs_runtime.auto_bytes_step):
+        assert 0 < measured == figure <= cap
