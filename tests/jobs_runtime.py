@@ -261,8 +261,9 @@ def tune_agrees_across_ranks(rank: int) -> tuple[int, list[float]]:
 
 def auto_bytes_step(rank: int) -> tuple[int, float, float]:
     """An ``auto`` program searched under a limit in bytes (``measure_memory`` of the real
-    stages; the last also keeps the loss's inputs), one step over gloo with every saved byte
-    counted (as ``benchmarks/memory.py`` does): (measured peak, peak_memory's figure, limit)."""
+    stages; the last also keeps the loss's inputs), one step over gloo checked against the
+    single-device reference, one with every saved byte counted (as ``benchmarks/memory.py``
+    does): (measured peak, peak_memory's figure, limit)."""
     from benchmarks import memory as bench
     from funcpipe.runtime.saved import SavedBytes
     from funcpipe.schedule import auto, measure_memory, peak_memory
@@ -275,7 +276,10 @@ def auto_bytes_step(rank: int) -> tuple[int, float, float]:
     caps = [c + 2 * weights[0] for c in least]
     program = auto(ranks=2, microbatches=8, placement="v", memory=mem, max_memory=caps)
     pipe = Pipeline(stages, program, loss_fn=mse, transport="dist")
-    pipe.step(params, x, y)
+    got = pipe.step(params, x, y)
+    loss, grads = fp.reference_step(stages, params, x, mse, targets=y, microbatches=8)
+    mine = [s for s in range(4) if program.placement[s] == rank]
+    assert_trees_close((got.loss, [got.grads[s] for s in mine]), (loss, [grads[s] for s in mine]))
     flat = [t for p in params for t in p.values()]
     with SavedBytes(flat) as counter, bench._count_waiting(counter):
         pipe.step(params, x, y)
