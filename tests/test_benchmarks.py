@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from benchmarks import (
+    auto_bytes,
     auto_executed,
     backward_costs,
     backward_split,
@@ -152,3 +153,11 @@ def test_help_of_every_script(capsys: pytest.CaptureFixture[str]) -> None:
             mod.main(["--help"])
         assert e.value.code == 0
     assert "--json" in capsys.readouterr().out
+
+
+def test_auto_bytes() -> None:
+    rows = auto_bytes.main(["--ranks", "2", "--heads", "2"])
+    assert rows and {r["placement"] for r in rows} == {"v", "loop"}
+    # every program was checked against the bytes in the script; on this grid the byte limit
+    # never loses to the count (deterministic: simulated makespans)
+    assert all(r["bytes"] <= r["count"] for r in rows)
