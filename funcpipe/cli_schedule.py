@@ -63,6 +63,18 @@ def _memory(text: str) -> tuple[float, float | None]:
     return values[0], values[1] if len(values) == 2 else None
 
 
+def _numbers(text: str) -> list[float]:
+    try:
+        values = [float(p.strip()) for p in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0 <= v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: write numbers >= 0 separated by commas, e.g. '4096' or '1024,1024,1536'"
+        )
+    return values
+
+
 def _generator_names() -> str:
     try:
         from funcpipe.schedule.generators import GENERATORS
@@ -113,6 +125,22 @@ def register(subparsers: Any) -> None:
         default=None,
         metavar="SECONDS",
         help="auto only: refine with an exact solver (needs scipy) for up to SECONDS",
+    )
+    sched.add_argument(
+        "--max-memory",
+        type=_numbers,
+        default=None,
+        metavar="B[,B...]",
+        help="auto only: the most activation bytes a rank may keep (one number, or one per "
+        "rank), with --stage-memory",
+    )
+    sched.add_argument(
+        "--stage-memory",
+        type=_numbers,
+        default=None,
+        metavar="A0,A1,...",
+        help="auto only: each stage's activation bytes for one microbatch, in model order "
+        "(funcpipe.schedule.measure_memory), with --max-memory",
     )
     sched.add_argument(
         "--memory",
@@ -207,11 +235,19 @@ def _run_schedule(args: argparse.Namespace) -> int:
             costs=args.costs,
             max_activations=args.max_activations,
             exact=args.exact,
+            max_memory=_one_or_all(args.max_memory),
+            memory=args.stage_memory,
         )
-    elif args.placement is not None or args.max_activations is not None or args.exact:
+    elif (
+        args.placement is not None
+        or args.max_activations is not None
+        or args.exact
+        or args.max_memory is not None
+        or args.stage_memory is not None
+    ):
         raise InvalidArgument(
-            f"--placement/--max-activations/--exact are options of 'auto', not of {args.name!r}; "
-            "drop them or run 'funcpipe schedule auto ...'"
+            "--placement/--max-activations/--exact/--max-memory/--stage-memory are options of "
+            f"'auto', not of {args.name!r}; drop them or run 'funcpipe schedule auto ...'"
         )
     else:
         program = generate(args.name, **options)
@@ -224,10 +260,11 @@ def _run_schedule(args: argparse.Namespace) -> int:
     except ScheduleError as e:
         return _fail("schedule", e)
     extra: dict[str, Any] = {"lowered": program.lowered}
-    if args.memory is not None:
+    sizes = args.memory or ((args.stage_memory, None) if args.stage_memory else None)
+    if sizes is not None:
         from funcpipe.schedule.simulate import peak_memory
 
-        extra["peak_memory"] = list(peak_memory(program, *args.memory))
+        extra["peak_memory"] = list(peak_memory(program, *sizes))
     written: dict[str, str] = {}
     if args.text is not None:
         args.text.parent.mkdir(parents=True, exist_ok=True)
@@ -239,12 +276,16 @@ def _run_schedule(args: argparse.Namespace) -> int:
         written["trace"] = str(write_chrome_trace(timeline, args.trace))
     _report(program, timeline, as_json=args.json, extra={**extra, "files": written})
     if not args.json:
-        if args.memory is not None:
+        if sizes is not None:
             peaks = " ".join(f"{m:g}" for m in extra["peak_memory"])
             print(f"peak memory       {peaks}  (per rank)")
         for kind, path in written.items():
             print(f"wrote {kind}: {path}")
     return 0
+
+
+def _one_or_all(values: list[float] | None) -> float | list[float] | None:
+    return values[0] if values is not None and len(values) == 1 else values
 
 
 # ----------------------------------------------------------------------------- check

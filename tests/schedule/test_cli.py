@@ -149,3 +149,23 @@ def test_schedule_memory(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["schedule", "1f1b", "-p", "2", "-m", "4", "--memory", "1,-2"])
     assert "--memory='1,-2': write ACTIVATION" in capsys.readouterr().err
+
+
+def test_schedule_auto_with_a_limit_in_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    from funcpipe.schedule import auto
+
+    sizes = "1,1,1,1,1,1,1,4"
+    argv = ["schedule", "auto", "-p", "4", "-m", "16", "--placement", "v"]
+    assert main([*argv, "--max-memory", "10,6,6,6", "--stage-memory", sizes, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = auto(
+        ranks=4, microbatches=16, placement="v", max_memory=[10, 6, 6, 6], memory=[1.0] * 7 + [4]
+    )
+    assert parse_program(got["program"]).ranks == want.ranks
+    assert got["makespan"] == 104 and got["peak_memory"] == [7, 6, 6, 6]
+    assert main([*argv, "--max-memory", "10", "--stage-memory", sizes]) == 0
+    assert "peak memory       " in capsys.readouterr().out
+    assert main(["schedule", "1f1b", "-p", "2", "-m", "4", "--max-memory", "5"]) == 2
+    assert "options of 'auto', not of '1f1b'" in capsys.readouterr().err
+    assert main([*argv, "--max-memory", "10"]) == 2
+    assert "max_memory needs memory=" in capsys.readouterr().err
