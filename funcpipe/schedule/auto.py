@@ -3,8 +3,8 @@
 :func:`auto` searches compute-only programs for ``ranks`` ranks holding ``chunks`` stages each
 (loop or V placement) that keep at most ``max_activations`` activations alive per rank, and
 returns the one with the shortest simulated makespan. With ``max_memory`` and ``memory``
-instead, the limit is in bytes: each F weighs its stage's bytes (held until its W or B) in
-every memory check below, and the problem counted in activations is also list-scheduled at a
+instead, the limit is in bytes: each F weighs its stage's bytes (an I frees what its W does
+not need, a W or B the rest) in every memory check below, and the problem counted in activations is also list-scheduled at a
 few counts per rank, keeping the programs that fit the bytes. Three sources of candidates:
 
 1. **List scheduling** over F, I (input gradient) and W (weight gradient), once per *policy*.
@@ -46,7 +46,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -99,12 +99,17 @@ class _Problem:
     comm: float
     cap: tuple[float, ...]  # per rank: activations (weight 1 each) or bytes (``weights``)
     full: tuple[float, ...] = ()  # a full backward B per stage (b + w unless measured)
-    # what one F of each stage holds until its W / B (1 each: peak_activations' unit; bytes
-    # with auto(max_memory=...): max(activation, for_w), reserved from F to W)
+    # what one F of each stage holds until its I (1 each: peak_activations' unit; bytes with
+    # auto(max_memory=...): max(activation, for_w)), and what stays from its I to its W
+    # (1 each; bytes: for_w). A B frees the weight.
     weights: tuple[float, ...] = ()
+    kept: tuple[float, ...] = ()
 
     def weight(self, s: int) -> float:
         return self.weights[s] if self.weights else 1.0
+
+    def after_i(self, s: int) -> float:
+        return self.kept[s] if self.kept else 1.0
 
     @property
     def n(self) -> int:
@@ -166,6 +171,7 @@ class _Rank:
         self.alive = 0.0
         self.cap = problem.cap[r]
         self.weight = problem.weight
+        self.after_i = problem.after_i
         self.next_f = dict.fromkeys(self.stages, 0)
         self.next_i = dict.fromkeys(self.stages, 0)
         self.weights: deque[tuple[int, int]] = deque()
@@ -205,11 +211,18 @@ class _Rank:
             entry[0] += w
             entry[1] -= w
 
+    def swap(self, s: int, k: int) -> None:
+        """I of stage ``s``, microbatch ``k`` ran here: what its W does not need is freed."""
+        freed = self.weight(s) - self.after_i(s)
+        self.alive -= freed
+        self.admitted[k][0] -= freed
+
     def release(self, s: int, k: int) -> None:
-        w = self.weight(s)
-        self.alive -= w
+        """W of stage ``s``, microbatch ``k`` ran here."""
+        kept = self.after_i(s)
+        self.alive -= kept
         entry = self.admitted[k]
-        entry[0] -= w
+        entry[0] -= kept
         entry[2] -= 1
         if entry[2] == 0:
             del self.admitted[k]
@@ -243,6 +256,7 @@ def _list_schedule(problem: _Problem, policy: _Policy) -> Order:
         elif op == _I:
             end = t + b[s]
             st.next_i[s] += 1
+            st.swap(s, k)
             st.weights.append((s, k))
             if s > 0:
                 g_in[s - 1][k] = end + up[s]
@@ -389,25 +403,27 @@ def _timing(problem: _Problem, order: Order) -> _Timing | None:
     return _Timing(end, f_at, i_at, max(clock), sum(clock))
 
 
-def _peak(
-    instrs: Sequence[tuple[int, int, int]], weight: Callable[[int], float] | None = None
-) -> float:
-    """A rank's peak memory: each F adds its stage's weight (1 without ``weight``) until its
-    W or B."""
+def _peak(instrs: Sequence[tuple[int, int, int]], problem: _Problem | None = None) -> float:
+    """A rank's peak memory: each F adds its stage's weight (1 without ``problem``), an I
+    keeps of it what the W needs, a W or B frees the rest."""
     live = peak = 0.0
     for op, s, _ in instrs:
-        if op == _F:
-            live += 1.0 if weight is None else weight(s)
-            peak = max(peak, live)
-        elif op != _I:
-            live -= 1.0 if weight is None else weight(s)
+        if problem is None:
+            live += 1.0 if op == _F else 0.0 if op == _I else -1.0
+        elif op == _F:
+            live += problem.weight(s)
+        elif op == _I:
+            live -= problem.weight(s) - problem.after_i(s)
+        elif op == _W:
+            live -= problem.after_i(s)
+        else:
+            live -= problem.weight(s)
+        peak = max(peak, live)
     return peak
 
 
 def _fits(problem: _Problem, order: Order) -> bool:
-    return all(
-        _peak(x, problem.weight) <= c + 1e-9 for x, c in zip(order, problem.cap, strict=True)
-    )
+    return all(_peak(x, problem) <= c + 1e-9 for x, c in zip(order, problem.cap, strict=True))
 
 
 def _critical_swaps(problem: _Problem, order: Order, tm: _Timing) -> list[tuple[int, int]]:
@@ -450,7 +466,7 @@ def _improve(problem: _Problem, order: Order, *, budget: int) -> None:
             budget -= 1
             instrs = order[r]
             instrs[t], instrs[t + 1] = instrs[t + 1], instrs[t]
-            if _peak(instrs, problem.weight) <= problem.cap[r] + 1e-9:
+            if _peak(instrs, problem) <= problem.cap[r] + 1e-9:
                 new = _timing(problem, order)
                 if new is not None and (new.makespan, new.total) < (tm.makespan, tm.total):
                     tm = new
@@ -533,13 +549,14 @@ def _problem(
         cap = (limit,) * p
     caps: tuple[float, ...] = tuple(min(c, m * v) for c in cap)
     weights: tuple[float, ...] = ()
+    kept: tuple[float, ...] = ()
     if max_memory is not None or memory is not None:
         if max_activations is not None:
             raise InvalidArgument(
                 "auto: give max_activations (a count of activations) or max_memory (bytes, with "
                 "memory=), not both"
             )
-        weights, caps = _memory_limit(max_memory, memory, p, stage_rank)
+        weights, kept, caps = _memory_limit(max_memory, memory, p, stage_rank)
     return _Problem(
         p,
         m,
@@ -553,14 +570,16 @@ def _problem(
         caps,
         per["full"],
         weights,
+        kept,
     )
 
 
 def _memory_limit(
     max_memory: object, memory: object, p: int, placement: Sequence[int]
-) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Each stage's weight (what its F holds until its W: max(activation, for_w)) and each
-    rank's cap, from ``auto(max_memory=..., memory=...)``."""
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """Each stage's weight (what its F holds until its I: max(activation, for_w)), what stays
+    from its I to its W (for_w), and each rank's cap, from ``auto(max_memory=...,
+    memory=...)``."""
     n = len(placement)
     if memory is None:
         raise InvalidArgument(
@@ -609,7 +628,7 @@ def _memory_limit(
                 "stage's max(activation, for_w)); pass at least that"
             )
         caps.append(float(x))
-    return weights, tuple(caps)
+    return weights, tuple(float(k) for k in kept), tuple(caps)
 
 
 def _size(x: object) -> bool:
@@ -682,10 +701,9 @@ def auto(
             :class:`~funcpipe.schedule.profile.StageMemory` from
             :func:`~funcpipe.schedule.profile.measure_memory`, or one number per stage), and
             ``max_memory`` the most a rank may keep (one number, or one per rank). Each F
-            reserves its stage's ``max(activation, for_w)`` until its W or B, so the program
-            keeps ``peak_memory(program, activation, for_w)[r] <= max_memory[r]`` (the split's
-            saving between I and W is not counted on: a safe bound). Not with
-            ``max_activations``.
+            holds its stage's ``max(activation, for_w)`` until its I, then ``for_w`` until its
+            W (a B frees it all), so the program keeps ``peak_memory(program, activation,
+            for_w)[r] <= max_memory[r]``. Not with ``max_activations``.
 
     Returns a program named ``"auto"`` that passes :func:`~funcpipe.schedule.check.check`,
     keeps ``peak_activations(program)[r] <= max_activations[r]`` on every rank, and whose
@@ -852,7 +870,7 @@ def _counted(problem: _Problem) -> list[_Problem]:
             count = int(lo + theta * (hi - lo) + 1e-9)
             caps.append(float(min(most, max(problem.v, count))))
         if all(c.cap != tuple(caps) for c in out):
-            out.append(replace(problem, cap=tuple(caps), weights=()))
+            out.append(replace(problem, cap=tuple(caps), weights=(), kept=()))
     return out
 
 
@@ -909,4 +927,4 @@ def _score(problem: _Problem, order: Order, origin: str) -> Scored:
             "auto: internal error, a candidate program deadlocks; please report it with the "
             "arguments"
         )
-    return (tm.makespan, tm.total, max(_peak(x, problem.weight) for x in order), order, origin)
+    return (tm.makespan, tm.total, max(_peak(x, problem) for x in order), order, origin)

@@ -206,9 +206,18 @@ def refine(problem: _Problem, incumbent: float, *, time_limit: float) -> Order |
         row([(start_of[b], 1.0), (start_of[a], -1.0), (y, -big)], dur[a] - big, inf)
         row([(start_of[a], 1.0), (start_of[b], -1.0), (y, big)], dur[b], inf)
 
-    # memory: before each F, Fs so far - frees so far + this F <= cap (each weighted by its
-    # stage's weight: 1, or bytes with auto(max_memory=...))
-    frees = {_W, _B}
+    # memory: before each F, what the rank's Fs so far hold minus what its Is, Ws and Bs so
+    # far freed, plus this F, <= cap (1 per F and W / B with a count; with auto(max_memory=...)
+    # an F holds its stage's weight, an I frees what its W does not need, a W the rest)
+    def held(op: int, s: int) -> float:
+        if op == _F:
+            return problem.weight(s)
+        if op == _I:
+            return problem.after_i(s) - problem.weight(s)
+        if op == _W:
+            return -problem.after_i(s)
+        return -problem.weight(s)  # B
+
     for r, js in by_rank.items():
         cap = problem.cap[r]
         for j in js:
@@ -217,9 +226,9 @@ def refine(problem: _Problem, incumbent: float, *, time_limit: float) -> Order |
             terms: list[tuple[int, float]] = []
             const = problem.weight(instrs[j][1])
             for i in js:
-                if i == j or (instrs[i][0] != _F and instrs[i][0] not in frees):
+                sign = held(instrs[i][0], instrs[i][1])
+                if i == j or sign == 0.0:
                     continue
-                sign = problem.weight(instrs[i][1]) * (1.0 if instrs[i][0] == _F else -1.0)
                 if known(i, j):
                     const += sign
                 elif known(j, i):

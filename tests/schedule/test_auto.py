@@ -175,10 +175,10 @@ def memory_problems(draw: Callable[..., Any]) -> dict[str, Any]:
 
 @given(problem=memory_problems())
 def test_auto_with_a_limit_in_bytes(problem: dict[str, Any]) -> None:
-    """For drawn sizes, costs, per-stage bytes and limits in bytes: sound, within the limit by
-    peak_memory (both the reserved max(activation, for_w) from F to W and the finer walk that
-    swaps the activation for for_w at I), and never slower than a built-in of the same class
-    that fits the same limit."""
+    """For drawn sizes, costs, per-stage bytes and limits in bytes: sound; within the limit by
+    peak_memory, both as the search counts (an F holds max(activation, for_w) until its I,
+    for_w from its I to its W) and as the activation walk (for_w may exceed the activation);
+    and never slower than a built-in of the same class that fits the same limit."""
     program = auto(**problem)
     check(program)
     p = problem["ranks"]
@@ -186,15 +186,16 @@ def test_auto_with_a_limit_in_bytes(problem: dict[str, Any]) -> None:
     cap = problem["max_memory"]
     caps = cap if isinstance(cap, list) else [cap] * p
     weights = [max(a, k) for a, k in zip(mem.activation, mem.for_w, strict=True)]
-    reserved = peak_memory(program, weights)
-    assert all(x <= c for x, c in zip(reserved, caps, strict=True))
-    assert all(
-        x <= c for x, c in zip(peak_memory(program, mem.activation, mem.for_w), caps, strict=True)
-    )
+
+    def fits(prog: Program, activation: Sequence[float]) -> bool:
+        got = peak_memory(prog, activation, mem.for_w)
+        return all(x <= c for x, c in zip(got, caps, strict=True))
+
+    assert fits(program, weights) and fits(program, mem.activation)
     costs = problem["costs"]
     span = simulate(program, costs).makespan
     for builtin in comparable(p, problem["microbatches"], problem["chunks"], problem["placement"]):
-        if all(x <= c for x, c in zip(peak_memory(builtin, weights), caps, strict=True)):
+        if fits(builtin, weights):
             other = simulate(builtin, costs).makespan
             assert span <= other + 1e-9 * max(1.0, other), builtin.name
 
@@ -220,6 +221,22 @@ def test_a_limit_in_bytes_sees_stages_of_different_sizes() -> None:
     for program in found:
         check(program)
         assert all(x <= cap for x, cap in zip(peak_memory(program, act), caps, strict=True))
+
+
+def test_a_limit_in_bytes_counts_what_i_frees() -> None:
+    """An I frees what its W does not need (ZB's point: a W's memory is less than an F's): with
+    W needing a quarter of the activation, more Ws may wait under the same bytes and fill the
+    drain. 4 ranks, 12 microbatches, F = B = W = 1, latency 0.5, 20 bytes per rank (five
+    4-byte activations)."""
+    costs = Costs(1, 1, 1, comm=0.5)
+    spans = {}
+    for kept in (4, 2, 1):
+        memory = StageMemory((4, 4, 4, 4), (kept,) * 4)
+        program = auto(ranks=4, microbatches=12, costs=costs, memory=memory, max_memory=20)
+        got = peak_memory(program, memory.activation, memory.for_w)
+        assert all(x <= 20 for x in got)
+        spans[kept] = simulate(program, costs).makespan
+    assert spans == {4: 43.0, 2: 42.0, 1: 41.0}
 
 
 def test_a_limit_in_bytes_rejects_bad_arguments() -> None:

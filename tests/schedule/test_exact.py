@@ -109,7 +109,7 @@ def _brute_force(problem: _Problem) -> float:
     best = float("inf")
     for combo in itertools.product(*(list(_orders(problem, r)) for r in range(problem.p))):
         order = [list(x) for x in combo]
-        if any(_peak(x, problem.weight) > c for x, c in zip(order, problem.cap, strict=True)):
+        if any(_peak(x, problem) > c for x, c in zip(order, problem.cap, strict=True)):
             continue
         timing = _timing(problem, order)
         if timing is not None:
@@ -157,10 +157,32 @@ def test_the_solver_reaches_the_brute_force_optimum_with_a_limit_in_bytes() -> N
     assert order is not None
     timing = _timing(problem, order)
     assert timing is not None
-    assert all(_peak(x, problem.weight) <= c for x, c in zip(order, caps, strict=True))
+    assert all(_peak(x, problem) <= c for x, c in zip(order, caps, strict=True))
     assert timing.makespan == pytest.approx(optimum)
     # the limit binds: without it the optimum is shorter (18 against 24)
     assert _brute_force(_problem(2, 2, None, "v", costs, None)) < optimum == 24
+
+
+def test_the_solver_reaches_the_brute_force_optimum_when_i_frees_memory() -> None:
+    """Split backwards whose W needs less than the F kept: the memory rows count each I's
+    release (one chunk, 2 ranks, 3 microbatches, activation 3, W needs 1, 5 per rank)."""
+    from funcpipe.schedule.profile import StageMemory
+
+    costs = Costs(f=[1, 2], b=[2, 1], w=[1, 2], comm=0.5)
+    memory = StageMemory((3, 3), (1, 1))
+    problem = _problem(2, 3, None, "loop", costs, None, 5, memory)
+    optimum = _brute_force(problem)
+    program = auto(ranks=2, microbatches=3, costs=costs, max_memory=5, memory=memory)
+    assert all(x <= 5 for x in peak_memory(program, memory.activation, memory.for_w))
+    order = exact.refine(problem, simulate(program, costs).makespan, time_limit=60.0)
+    assert order is not None
+    timing = _timing(problem, order)
+    assert timing is not None
+    assert all(_peak(x, problem) <= 5 for x in order)
+    assert timing.makespan == pytest.approx(optimum)
+    # what I frees matters: counting the whole activation until W, the optimum is longer
+    whole = _problem(2, 3, None, "loop", costs, None, 5, StageMemory((3, 3), (3, 3)))
+    assert optimum < _brute_force(whole)
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, True, "5", float("nan")])
