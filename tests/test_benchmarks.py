@@ -156,8 +156,14 @@ def test_help_of_every_script(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_auto_bytes() -> None:
-    rows = auto_bytes.main(["--ranks", "2", "--heads", "2"])
+    rows = auto_bytes.main(["--ranks", "2", "--heads", "2", "--keep", "1", "0.25"])
     assert rows and {r["placement"] for r in rows} == {"v", "loop"}
     # every program was checked against the bytes in the script; on this grid the byte limit
-    # never loses to the count (deterministic: simulated makespans)
+    # never loses to the count, and what an I frees never makes auto's answer longer
+    # (deterministic: simulated makespans)
     assert all(r["bytes"] <= r["count"] for r in rows)
+    keys = ("ranks", "microbatches", "placement", "head", "budget")
+    whole = {tuple(r[k] for k in keys): r["bytes"] for r in rows if r["keep"] == 1}
+    for r in rows:
+        if r["keep"] < 1:
+            assert r["bytes"] <= whole[tuple(r[k] for k in keys)]

@@ -812,6 +812,12 @@ def _search(problem: _Problem) -> list[Scored]:
         order = [[(_OPS.index(i.op), i.stage, i.microbatch) for i in x] for x in program.ranks]
         if _fits(problem, order):
             found.append(_score(problem, order, program.name or "auto"))
+    if any(k < w for k, w in zip(problem.kept, problem.weights, strict=True)):
+        # Is that free memory: also the search that keeps it all until W (its programs fit
+        # here too), so that what an I frees never makes the heuristic's answer worse
+        for c in _search(replace(problem, kept=problem.weights)):
+            if _fits(problem, c[3]):
+                found.append(_score(problem, c[3], c[4]))
     for counted in _counted(problem):  # a limit in bytes: also what counts find, where it fits
         for policy in _policies(problem.v):  # (the local search below polishes the best)
             order = _list_schedule(counted, policy)
