@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from funcpipe.runtime import linear
+from funcpipe.runtime import engine, linear
 from funcpipe.runtime.linear import Linear
 
 __all__ = [
@@ -138,9 +138,7 @@ def _grad(
     result: list[Tensor | None] = [None] * len(wrt)
     if not outputs or not need:
         return result
-    got = torch.autograd.grad(
-        list(outputs), [wrt[i] for i in need], list(grads), retain_graph=retain, allow_unused=True
-    )
+    got = engine.run(outputs, grads, [wrt[i] for i in need], retain=retain)
     for i, g in zip(need, got, strict=True):
         result[i] = g
     return result
@@ -156,12 +154,7 @@ def _into(
     """Backward from ``outputs``, summing into the ``.grad`` of the leaves ``wrt`` only."""
     targets = [t for t in wrt if t.requires_grad]
     if outputs and targets:
-        torch.autograd.backward(
-            list(outputs),  # type: ignore[arg-type]  # tensors or gradient edges, never mixed
-            list(grads),
-            retain_graph=retain,
-            inputs=targets,
-        )
+        engine.run(outputs, grads, targets, retain=retain, accumulate=True)
 
 
 def _take(leaves: Sequence[Tensor]) -> list[Tensor | None]:
@@ -467,16 +460,14 @@ def backward_weight(
             if accumulate:
                 _into(outs, gs, [params[i] for i in idx], retain=True)
                 continue
-            got = torch.autograd.grad(
-                outs, [params[i] for i in idx], gs, retain_graph=True, allow_unused=True
-            )
+            got = engine.run(outs, gs, [params[i] for i in idx], retain=True)
         finally:
             for h in handles:
                 h.remove()
-        for i, g in zip(idx, got, strict=True):
-            if g is not None:
+        for i, gi in zip(idx, got, strict=True):
+            if gi is not None:
                 prev = result[i]
-                result[i] = g if prev is None else prev + g
+                result[i] = gi if prev is None else prev + gi
     for k, g in saved.direct:
         if accumulate:
             prm = params[k]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from funcpipe.runtime import reuse
+from funcpipe.runtime import engine, reuse
 
 __all__ = ["Deferred", "Linear", "backward_deferred", "match", "weight_batch"]
 
@@ -151,6 +151,17 @@ class Deferred:
     items: list[tuple[Linear, Tensor, Tensor]]
 
 
+_PRODUCT_TYPES: dict[type, bool] = {}  # node class -> is it addmm / mm (name() per class)
+
+
+def _product_type(node: Node) -> bool:
+    kind = type(node)
+    got = _PRODUCT_TYPES.get(kind)
+    if got is None:
+        got = _PRODUCT_TYPES[kind] = node.name() in ("AddmmBackward0", "MmBackward0")
+    return got
+
+
 def _find(outputs: Sequence[Tensor], param_nodes: dict[Node, int]) -> list[tuple[Node, Linear]]:
     """The stage's direct products whose parameters nothing else in the graph uses."""
     roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
@@ -160,9 +171,10 @@ def _find(outputs: Sequence[Tensor], param_nodes: dict[Node, int]) -> list[tuple
     found: list[tuple[Node, Linear, Node | None]] = []
     while stack:
         node = stack.pop()
-        m = match(node, param_nodes)
-        if m is not None:
-            found.append((node, m[0], m[1]))
+        if _product_type(node):
+            m = match(node, param_nodes)
+            if m is not None:
+                found.append((node, m[0], m[1]))
         for child, _ in node.next_functions:
             if child is None:
                 continue
@@ -227,7 +239,7 @@ def backward_deferred(
     targets: list[Any] = [inputs[k] for k in want_in]  # tensors and gradient edges
     targets += [params[k] for k in others]
     targets += [GradientEdge(node, 0) for node, _ in found]
-    got = torch.autograd.grad(list(outputs), targets, list(grad_outputs), allow_unused=True)
+    got = engine.run(outputs, grad_outputs, targets)
     grads_in: list[Tensor | None] = [None] * len(inputs)
     n = len(want_in)
     for k, g in zip(want_in, got[:n], strict=True):
