@@ -23,6 +23,13 @@ interquartile spread of those ratios. A peer schedule that fails records its err
 no message latency is the compute-only step time, which no runtime running the same autograd
 arithmetic in this schedule can beat. ``floor/peer`` is then the lowest funcpipe/peer any
 runtime could reach in that cell. Only where every rank has a core of its own (ranks <= cores).
+
+``raw floor``: the same, with each stage's F, B, I and W computed by bare kernels
+(``benchmarks/_raw.py``: the products, GELU and the loss with no autograd and no runtime; the
+same gradients), timed on every rank at once right after the floor's costs. It is the step
+time of the arithmetic itself, one microbatch at a time: ``raw floor/peer`` is the lowest
+funcpipe/peer a runtime could reach in that cell without changing what is computed (GPipe
+excepted: funcpipe sums its weight gradients over all microbatches in one product).
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ COLUMNS: list[C.Column] = [
     ("ratio_iqr", "IQR/med", ".2f"),
     ("floor_ms", "floor ms", ".2f"),
     ("floor_ratio", "floor/peer", ".3f"),
+    ("raw_floor_ms", "raw floor ms", ".2f"),
+    ("raw_floor_ratio", "raw floor/peer", ".3f"),
     ("grad_diff", "grads fp vs peer", ".1e"),
     ("grad_ref", "fp vs 1-proc", ".1e"),
     ("peer_ref", "peer vs 1-proc", ".1e"),
@@ -244,8 +253,16 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def floor(pool: Any, program: Any, size: C.Size, args: argparse.Namespace) -> float:
-    """The schedule's compute-only makespan (s) from stage costs measured now on every rank."""
+def raw_costs_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    from benchmarks import _raw
+
+    size = C.Size(**cfg["size"])
+    return _raw.measure(size, cfg["n_stages"], reps=cfg["reps"], seed=cfg["seed"]).as_dict()
+
+
+def floor(pool: Any, program: Any, size: C.Size, args: argparse.Namespace) -> tuple[float, float]:
+    """The schedule's compute-only makespans (s) from stage costs measured now on every rank:
+    with funcpipe's autodiff, and with bare kernels (``_raw``)."""
     from benchmarks import vs_simulated
     from funcpipe.schedule import add_communication, simulate
 
@@ -261,13 +278,29 @@ def floor(pool: Any, program: Any, size: C.Size, args: argparse.Namespace) -> fl
         },
         timeout=args.job_timeout,
     )
-    costs = [C.StageCosts(**m["costs"][str(program.n_stages)]) for m in measured]
+    raw = pool.run(
+        raw_costs_job,
+        {
+            "size": vars(size),
+            "seed": args.seed,
+            "n_stages": program.n_stages,
+            "reps": args.floor_reps,
+        },
+        timeout=args.job_timeout,
+    )
     n = program.n_stages
     mine = {s: program.placement[s] for s in range(n)}
-    per_stage = C.StageCosts(  # each stage's costs as measured on the rank that runs it
-        *[[getattr(costs[mine[s]], k)[s] for s in range(n)] for k in ("f", "b", "i", "w")]
-    )
-    return simulate(add_communication(program), C.costs_for(program, per_stage)).makespan
+    lowered = add_communication(program)
+    spans = []
+    for costs in (
+        [C.StageCosts(**m["costs"][str(n)]) for m in measured],
+        [C.StageCosts(**r) for r in raw],
+    ):
+        per_stage = C.StageCosts(  # each stage's costs as measured on the rank that runs it
+            *[[getattr(costs[mine[s]], k)[s] for s in range(n)] for k in ("f", "b", "i", "w")]
+        )
+        spans.append(simulate(lowered, C.costs_for(program, per_stage)).makespan)
+    return spans[0], spans[1]
 
 
 def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
@@ -313,7 +346,8 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 program = C.program_for(sched, ranks=ranks, microbatches=size.microbatches)
                 if args.floor_reps > 0 and ranks <= (os.cpu_count() or 1):
                     # (with more ranks than cores the simulator's one-core-per-rank is wrong)
-                    row["floor_ms"] = floor(pool, program, size, args) * 1e3
+                    spans = floor(pool, program, size, args)
+                    row["floor_ms"], row["raw_floor_ms"] = spans[0] * 1e3, spans[1] * 1e3
                 try:
                     results, info = C.measured_cell(
                         lambda pool=pool, cfg=cfg: pool.run(
@@ -365,8 +399,9 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                         row["peer_times"] = peer_t
                         row["ratio"] = C.median(ratios)
                         row["ratio_iqr"] = C.spread(ratios)
-                        if row.get("floor_ms"):
-                            row["floor_ratio"] = row["floor_ms"] / row["peer_ms"]
+                        for k in ("floor", "raw_floor"):
+                            if row.get(f"{k}_ms"):
+                                row[f"{k}_ratio"] = row[f"{k}_ms"] / row["peer_ms"]
                 row["note"] = "; ".join(f"{k} failed ({v})" for k, v in errors.items()) or ""
                 if any(r["dirty"] for r in results):
                     pool.close(kill=True)

@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 
+from benchmarks import _common as C
 from benchmarks import (
+    _raw,
     auto_bytes,
     auto_executed,
     backward_costs,
@@ -39,6 +41,7 @@ def test_vs_peer_gradients_agree(pool: Pool, tmp_path: Any) -> None:
         assert r["note"] == "", r["note"]
         assert r["grad_diff"] < 1e-10 and r["grad_ref"] < 1e-10 and r["peer_ref"] < 1e-10
         assert len(r["funcpipe_times"]) == len(r["peer_times"]) == 2
+        assert r["floor_ms"] > 0 and r["raw_floor_ms"] > 0 and r["raw_floor_ratio"] > 0
     pytest.importorskip("matplotlib")
     chart.main([str(out), "--out", str(tmp_path / "peer.png")])
     assert (tmp_path / "peer.png").stat().st_size > 0
@@ -50,6 +53,16 @@ def test_vs_peer_with_kept_peer_gradients(pool: Pool) -> None:
     (row,) = vs_peer.main([*argv, "--pairs", "2", "--warmup", "1", "--floor-reps", "0"], pool=pool)
     assert row["note"] == "" and row["peer_grads"] == "zeros"
     assert row["grad_diff"] < 1e-10 and len(row["peer_times"]) == 2
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 4])
+def test_raw_stages_compute_the_models_gradients(n_stages: int) -> None:
+    """The raw floor times the same arithmetic: its kernels give autograd's gradients (B and the
+    I/W split alike, the loss included)."""
+    for size in ("tiny", "small"):
+        assert _raw.check(C.SIZES[size], n_stages) < 1e-12
+    costs = _raw.measure(C.SIZES["tiny"], n_stages, reps=1)
+    assert all(len(v) == n_stages and min(v) > 0 for v in costs.as_dict().values())
 
 
 @pytest.mark.timeout(120)
