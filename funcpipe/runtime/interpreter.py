@@ -31,6 +31,10 @@ from funcpipe.shapes import TensorSpec
 from funcpipe.stage import Stage, as_inputs
 from funcpipe.tree import PyTreeSpec, tree_flatten, tree_unflatten
 
+# A B followed by sends sums its Linear weight products after them (the input gradient leaves
+# first; see _Rank.backward). False: before, as autograd's B does (benchmarks compare the two).
+WEIGHTS_AFTER_SENDS = True
+
 __all__ = ["RankInputs", "RankResult", "run_rank"]
 
 Tensor = torch.Tensor
@@ -135,6 +139,8 @@ class _Rank:
         if x.batch_weights and p.training and not x.check_finite:  # checks name a microbatch
             self.defer, self.flush_at = _deferral_plan(p.ranks[x.rank], x.recompute)
         self.waiting: dict[int, list[linear.Deferred]] = {}
+        # a B's Linear weight products summed right after the B's sends (see backward)
+        self.after_sends: tuple[linear.Deferred, list[Tensor], int, int] | None = None
         # owners whose graphs (as first seen this step) have no Linear-shaped product, or some
         # parameter outside one: B / I skip the search for them (a graph search per microbatch)
         self.no_products: set[int] = set()
@@ -375,7 +381,10 @@ class _Rank:
             nodes = self.nodes[o] = autodiff.param_nodes(self._params(s))
         return nodes
 
-    def backward(self, i: Instr, defer: bool = False) -> None:
+    def backward(self, i: Instr, defer: bool = False, postpone: bool = False) -> None:
+        """B. ``defer``: its Linear weight products wait for a batched sum (the deferral plan).
+        ``postpone``: they are summed right after the sends that follow this B (see
+        :meth:`weights_after_sends`), so the input gradient leaves before that work."""
         s, m = i.stage, i.microbatch
         grad_outputs = self._grad_outputs(s, m)
         saved, _ = self.saved.pop((s, m))
@@ -392,15 +401,35 @@ class _Rank:
             gin, _ = autodiff.backward(saved, params, grad_outputs, accumulate=True)
         if later is not None and defer:  # still alive (as the deferral plan counts) until summed
             self.waiting.setdefault(o, []).append(later)
+        elif later is not None and postpone:  # alive until summed after the sends
+            self.after_sends = (later, params, s, m)
         else:
             if later is not None:  # summed now, in place (no weight-sized tensor per microbatch)
                 linear.weight_batch([later], params)
             self._alive(-1)
         if self.x.check_finite:
             self._finite(s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], "backward")
-            gp = self._param_grads(s)
-            self._finite(s, m, gp, [f"parameter gradient #{k}" for k in range(len(gp))], "backward")
+            if self.after_sends is None:
+                self._check_param_grads(s, m)
         self._route_input_grads(s, m, gin)
+
+    def weights_after_sends(self) -> None:
+        """The postponed weight products of the last B, summed in place now that its input
+        gradients are sent: the previous stage starts its backward while this rank does this
+        work, instead of after it. Nothing new is allocated in between (only sends ran), so the
+        rank's peak memory is unchanged."""
+        if self.after_sends is None:
+            return
+        later, params, s, m = self.after_sends
+        self.after_sends = None
+        linear.weight_batch([later], params)
+        self._alive(-1)
+        if self.x.check_finite:
+            self._check_param_grads(s, m)
+
+    def _check_param_grads(self, s: int, m: int) -> None:
+        gp = self._param_grads(s)
+        self._finite(s, m, gp, [f"parameter gradient #{k}" for k in range(len(gp))], "backward")
 
     def backward_input(self, i: Instr) -> None:
         s, m = i.stage, i.microbatch
@@ -593,7 +622,8 @@ class _Rank:
             elif op is Op.B:
                 if self.inflight:
                     yield from self._settle([self.owner[i.stage]])
-                self.backward(i, defer=t in self.defer)
+                after = t < last and instrs[t + 1].op is Op.SEND and WEIGHTS_AFTER_SENDS
+                self.backward(i, defer=t in self.defer, postpone=after)
             elif op is Op.I:
                 self.backward_input(i)
             elif op is Op.W:
@@ -602,6 +632,8 @@ class _Rank:
                 self.backward_weight(i)
             elif op is Op.SEND:
                 self.send(i)
+                if t == last or instrs[t + 1].op is not Op.SEND:
+                    self.weights_after_sends()
             elif op is Op.RECV:
                 h, then = posted.pop(t) if t in posted else self.recv(i)
                 yield from _wait(h)
@@ -619,6 +651,7 @@ class _Rank:
                 yield from self.flush_weights()
             if trace is not None:
                 trace.append(clock())
+        self.weights_after_sends()  # (a safety net: the SEND after a B has summed them)
         yield from self.flush_weights()  # (no instructions at all)
         for pending in self.reductions:
             yield from pending.finish()

@@ -330,3 +330,75 @@ def test_check_finite_is_on_in_debug_mode(monkeypatch: pytest.MonkeyPatch) -> No
     assert Pipeline(stages, program, loss_fn=mse).check_finite
     monkeypatch.setenv("FUNCPIPE_DEBUG", "0")
     assert not Pipeline(stages, program, loss_fn=mse).check_finite
+
+
+@pytest.mark.parametrize("after", [True, False], ids=["after-sends", "before-sends"])
+def test_a_backward_sends_its_input_gradient_before_its_weight_products(
+    monkeypatch: pytest.MonkeyPatch, after: bool
+) -> None:
+    """A B followed by a send sums its Linear weight products after that send (the previous
+    stage starts its backward meanwhile); the gradients and the peak are the same either way."""
+    from funcpipe.runtime import interpreter, linear
+    from funcpipe.schedule.simulate import peak_activations
+
+    monkeypatch.setattr(interpreter, "WEIGHTS_AFTER_SENDS", after)
+    events: list[tuple[str, int]] = []
+    real_b, real_send = interpreter._Rank.backward, interpreter._Rank.send
+    real_sum = linear.weight_batch
+
+    def backward(self, i, defer=False, postpone=False):  # type: ignore[no-untyped-def]
+        events.append(("B", self.x.rank))
+        return real_b(self, i, defer=defer, postpone=postpone)
+
+    def send(self, i):  # type: ignore[no-untyped-def]
+        events.append((f"send {i.kind}", self.x.rank))
+        return real_send(self, i)
+
+    def weight_batch(deferred, params):  # type: ignore[no-untyped-def]
+        events.append(("W", -1))
+        return real_sum(deferred, params)
+
+    monkeypatch.setattr(interpreter._Rank, "backward", backward)
+    monkeypatch.setattr(interpreter._Rank, "send", send)
+    monkeypatch.setattr(linear, "weight_batch", weight_batch)
+    program = generate("1f1b", ranks=3, microbatches=4)
+    stages, params = toy(3)
+    x, y = data(8)
+    # check_finite: no B's weight products wait for a batched sum (the deferral plan is off),
+    # so every B sums its own
+    pipe = Pipeline(stages, program, loss_fn=mse, check_finite=True)
+    loss, grads = pipe.step(params, x, y)
+    ref_loss, ref_grads = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
+    assert_trees_close(grads, ref_grads)
+    assert_trees_close(loss, ref_loss)
+    # each B of ranks 1 and 2 (their input gradient goes to the rank before) is followed, in
+    # this one thread, by its send and its weight sum: in this order or the other
+    want = ["send grad", "W"] if after else ["W", "send grad"]
+    follows = [
+        [e[0] for e in events[k + 1 : k + 3]]
+        for k, (what, rank) in enumerate(events)
+        if what == "B" and rank > 0
+    ]
+    assert follows == [want] * 8, events
+    res = pipe.step(params, x, y)
+    assert tuple(res.peak_activations[r] for r in range(3)) == peak_activations(pipe.program)
+
+
+def test_nan_in_a_postponed_weight_gradient_is_reported() -> None:
+    """A parameter gradient summed after the B's sends is still checked, and named."""
+    from funcpipe.errors import NonFiniteError
+
+    stages, params = toy(3)
+    x, y = data(8)
+
+    def nan_bias_grad(p, h):  # type: ignore[no-untyped-def]
+        # finite forward and input gradient; d/db sqrt(0 * b) = inf * 0 = NaN
+        return torch.tanh(h @ p["W"] + p["b"]) + torch.sqrt(p["b"] * 0.0)
+
+    stages[1] = Stage(nan_bias_grad)
+    pipe = Pipeline(
+        stages, generate("1f1b", ranks=3, microbatches=4), loss_fn=mse, check_finite=True
+    )
+    with pytest.raises(NonFiniteError, match="stage 1") as info:
+        pipe.step(params, x, y)
+    assert "parameter gradient" in str(info.value)
