@@ -475,6 +475,9 @@ class Pipeline:
         ``result.timeline`` is the executed :class:`funcpipe.schedule.Timeline` (over processes
         it is gathered to every rank; all ranks must pass the same ``trace``). In one process the
         ranks run one after the other, so its timeline shows the interleaving, not parallelism.
+        A traced step keeps each B's Linear weight products inside the B (an untraced one sums
+        them after the sends that follow it, so the gradient leaves first): each B's event is
+        then the whole backward, as the simulator and ``costs_from_timelines`` expect.
 
         ``params[k]`` is stage k's params pytree; with ``transport="dist"`` the stages this rank
         does not hold may be meta tensors (only their shapes are read). ``grads`` has the same

@@ -622,7 +622,14 @@ class _Rank:
             elif op is Op.B:
                 if self.inflight:
                     yield from self._settle([self.owner[i.stage]])
-                after = t < last and instrs[t + 1].op is Op.SEND and WEIGHTS_AFTER_SENDS
+                # (not when tracing: a timeline shows each B whole, the B the simulator and
+                # costs_from_timelines know, instead of booking its products to a SEND)
+                after = (
+                    WEIGHTS_AFTER_SENDS
+                    and trace is None
+                    and t < last
+                    and instrs[t + 1].op is Op.SEND
+                )
                 self.backward(i, defer=t in self.defer, postpone=after)
             elif op is Op.I:
                 self.backward_input(i)

@@ -382,6 +382,17 @@ def test_a_backward_sends_its_input_gradient_before_its_weight_products(
     assert follows == [want] * 8, events
     res = pipe.step(params, x, y)
     assert tuple(res.peak_activations[r] for r in range(3)) == peak_activations(pipe.program)
+    # a traced step keeps each B whole (its products inside it), so the timeline's B is the
+    # simulator's B; same gradients
+    events.clear()
+    traced = pipe.step(params, x, y, trace=True)
+    assert_trees_close(traced.grads, ref_grads)
+    follows = [
+        [e[0] for e in events[k + 1 : k + 3]]
+        for k, (what, rank) in enumerate(events)
+        if what == "B" and rank > 0
+    ]
+    assert follows == [["W", "send grad"]] * 8, events
 
 
 def test_nan_in_a_postponed_weight_gradient_is_reported() -> None:
