@@ -7,9 +7,12 @@ nothing in funcpipe changes) with timers that add up their wall time per step:
 
 - ``Pipeline.step`` and its phases (``_check_params``, ``_microbatches``: split + shape-inference
   cache, ``_rank_inputs``, ``_dist_scalars``: the loss all-reduce, ``_grads``);
-- each instruction kind of the interpreter (``_Rank.forward``, ``backward``, ``backward_input``,
-  ``backward_weight``, ``send``, ``recv`` posting), the waits for received data
-  (``_Work.wait``) and for sends to complete (``DistTransport.finish``);
+- the interpreter's loop (``_Rank.run``, a generator: timed while it runs, not while
+  suspended), each instruction kind (``_Rank.forward``, ``backward``, ``backward_input``,
+  ``backward_weight``, ``send``, ``recv`` posting), a B's Linear weight products summed after
+  its sends (``weights_after_sends``) and the batched weight sums (``flush_weights``), the
+  waits for received data (``_Work.wait``) and for sends to complete
+  (``DistTransport.finish``);
 - inside them: ``autodiff.forward`` / ``backward`` / ``backward_input`` / ``backward_weight``,
   and the stage function itself (``Stage.__call__``: functional_call + the layers).
 
@@ -21,12 +24,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import io
 import pstats
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,7 @@ TIMED = [
     ("  _check_params", "funcpipe.pipeline:Pipeline", "_check_params"),
     ("  _microbatches (split, layouts)", "funcpipe.pipeline:Pipeline", "_microbatches"),
     ("  _rank_inputs", "funcpipe.pipeline:Pipeline", "_rank_inputs"),
+    ("  interpreter loop (_Rank.run, not suspended)", "funcpipe.runtime.interpreter:_Rank", "run"),
     ("  F  _Rank.forward", "funcpipe.runtime.interpreter:_Rank", "forward"),
     ("    autodiff.forward", "funcpipe.runtime.autodiff", "forward"),
     ("      Stage.__call__ (stage fn)", "funcpipe.stage:Stage", "__call__"),
@@ -51,6 +56,16 @@ TIMED = [
     ("    autodiff.backward_input", "funcpipe.runtime.autodiff", "backward_input"),
     ("  W  _Rank.backward_weight", "funcpipe.runtime.interpreter:_Rank", "backward_weight"),
     ("    autodiff.backward_weight", "funcpipe.runtime.autodiff", "backward_weight"),
+    (
+        "  B's Linear weights after its sends",
+        "funcpipe.runtime.interpreter:_Rank",
+        "weights_after_sends",
+    ),
+    (
+        "  batched weight sums (flush_weights)",
+        "funcpipe.runtime.interpreter:_Rank",
+        "flush_weights",
+    ),
     ("  SEND _Rank.send (isend)", "funcpipe.runtime.interpreter:_Rank", "send"),
     ("  RECV _Rank.recv (post irecv)", "funcpipe.runtime.interpreter:_Rank", "recv"),
     ("  RECV wait (_Work.wait)", "funcpipe.runtime.transport:_Work", "wait"),
@@ -72,6 +87,9 @@ def _owner(path: str) -> Any:
 def _wrap(
     totals: dict[str, float], counts: dict[str, int], label: str, fn: Callable[..., Any]
 ) -> Callable[..., Any]:
+    if inspect.isgeneratorfunction(fn):  # time each resumption, not the time suspended
+        return _wrap_generator(totals, counts, label, fn)
+
     def timed(*a: Any, **k: Any) -> Any:
         t0 = time.perf_counter()
         try:
@@ -79,6 +97,31 @@ def _wrap(
         finally:
             totals[label] += time.perf_counter() - t0
             counts[label] += 1
+
+    return timed
+
+
+def _wrap_generator(
+    totals: dict[str, float], counts: dict[str, int], label: str, fn: Callable[..., Any]
+) -> Callable[..., Any]:
+    def timed(*a: Any, **k: Any) -> Generator[Any, Any, Any]:
+        gen = fn(*a, **k)
+        counts[label] += 1
+        sent: Any = None
+        error: BaseException | None = None
+        while True:
+            t0 = time.perf_counter()
+            try:
+                handle = gen.send(sent) if error is None else gen.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                totals[label] += time.perf_counter() - t0
+            sent, error = None, None
+            try:
+                sent = yield handle
+            except BaseException as e:  # passed on to the wrapped generator
+                error = e
 
     return timed
 

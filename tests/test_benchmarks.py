@@ -5,6 +5,7 @@ Nothing here asserts a time: timings on a shared two-core machine are not test m
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -134,6 +135,41 @@ def test_profile_step(pool: Pool) -> None:
     rows = profile_step.main([*argv, "--no-cprofile"], pool=pool)
     step = next(r for r in rows if r["phase"] == "step")
     assert step["calls0"] == 1 and step["ms0"] > 0
+    # the interpreter's loop is a generator: timed while running, not while suspended
+    loop = next(r for r in rows if r["phase"].strip().startswith("interpreter loop"))
+    forward = next(r for r in rows if r["phase"].strip().startswith("F "))
+    assert loop["calls0"] == 1 and forward["ms0"] <= loop["ms0"] <= step["ms0"]
+
+
+def test_profile_step_times_generators_and_passes_everything_through() -> None:
+    from collections import defaultdict
+
+    def gen(x):  # type: ignore[no-untyped-def]
+        got = yield x
+        time.sleep(0.02)  # inside the generator: counted
+        try:
+            yield got + 1
+        except KeyError:
+            return "caught"
+        return "done"
+
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    timed = profile_step._wrap(totals, counts, "g", gen)
+    g = timed(5)
+    assert next(g) == 5
+    time.sleep(0.05)  # suspended: not counted
+    assert g.send(10) == 11
+    with pytest.raises(StopIteration) as stop:
+        g.throw(KeyError("k"))
+    assert stop.value.value == "caught" and counts["g"] == 1
+    assert 0.02 <= totals["g"] < 0.05
+    g = timed(1)
+    next(g)
+    g.send(1)
+    with pytest.raises(StopIteration) as stop:
+        next(g)
+    assert stop.value.value == "done"
 
 
 def test_backward_split_gives_the_same_gradients() -> None:
