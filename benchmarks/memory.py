@@ -116,7 +116,8 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     )
     model = C.mlp(size.width, layers=size.layers, seed=cfg["seed"])
     stages, params = C.funcpipe_stages(model, program.n_stages, kind=cfg["stage_kind"])
-    pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
+    extra = cfg.get("batch_weights_extra", 0)
+    pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist", batch_weights_extra=extra)
     x, y = C.data(size, seed=cfg["seed"] + 1)
     mb = size.batch // size.microbatches
     sizes = measure_memory(stages, params, x[:mb], loss_fn=C.mse, target=y[:mb])
@@ -157,6 +158,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 "schedule": sched,
                 "seed": args.seed,
                 "stage_kind": args.stage_kind,
+                "batch_weights_extra": args.batch_weights_extra,
             }
             for r in pool.run(memory.job, cfg, timeout=args.job_timeout):
                 row = {
@@ -165,6 +167,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                     "batch": size.batch,
                     "ranks": ranks,
                     "schedule": sched,
+                    "batch_weights_extra": args.batch_weights_extra,
                     "rank": r["rank"],
                     "stages": r["stages"],
                     "count": r["count"],
@@ -195,6 +198,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--schedules", nargs="+", default=DEFAULT_SCHEDULES, choices=list(C.SCHEDULES))
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--stage-kind", default="module", choices=["module", "function"])
+    ap.add_argument(
+        "--batch-weights-extra",
+        type=int,
+        default=0,
+        help="Pipeline(batch_weights_extra=N): activations above the program's peak a rank may "
+        "keep for batched weight gradients; the figures stay the program's own",
+    )
     C.pool_options(ap, job_timeout=600.0, contention=False)
     return ap
 

@@ -174,7 +174,14 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     def build(dtype: torch.dtype) -> tuple[Any, torch.nn.Sequential, list[Any], Any, Any]:
         model = C.mlp(size.width, layers=size.layers, dtype=dtype, seed=cfg["seed"])
         stages, params = C.funcpipe_stages(model, n, kind=cfg["stage_kind"])
-        pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist", p2p=cfg["p2p"])
+        pipe = fp.Pipeline(
+            stages,
+            program,
+            loss_fn=C.mse,
+            transport="dist",
+            p2p=cfg["p2p"],
+            batch_weights_extra=cfg.get("batch_weights_extra", 0),
+        )
         x, y = C.data(size, dtype=dtype, seed=cfg["seed"] + 1)
         return pipe, model, params, x, y
 
@@ -330,6 +337,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                     "pairs": args.pairs,
                     "p2p": args.p2p,
                     "peer_grads": args.peer_grads,
+                    "batch_weights_extra": args.batch_weights_extra,
                 }
                 cfg = {
                     "size": vars(size),
@@ -341,6 +349,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                     "peer": not args.no_peer,
                     "p2p": args.p2p,
                     "peer_grads": args.peer_grads,
+                    "batch_weights_extra": args.batch_weights_extra,
                 }
                 pool = pools.get(ranks)
                 program = C.program_for(sched, ranks=ranks, microbatches=size.microbatches)
@@ -454,6 +463,13 @@ def parser() -> argparse.ArgumentParser:
         choices=["none", "zeros"],
         help="between the peer's steps: zero_grad(set_to_none=True), torch's default (none: "
         "every step allocates new gradients), or set_to_none=False (zeros: they are reused)",
+    )
+    ap.add_argument(
+        "--batch-weights-extra",
+        type=int,
+        default=0,
+        help="funcpipe's Pipeline(batch_weights_extra=N): activations above the program's peak "
+        "a rank may keep to sum weight gradients over several microbatches (default 0)",
     )
     ap.add_argument("--verbose", action="store_true")
     C.pool_options(ap)

@@ -179,6 +179,12 @@ class Pipeline:
             instead of once per microbatch (:mod:`funcpipe.runtime.linear`). Same gradients
             up to rounding (the sum is ordered differently). ``False``: one per microbatch.
             ``check_finite`` turns the batching off (a NaN is reported with its microbatch).
+        batch_weights_extra: with ``batch_weights``, let each rank keep up to this many
+            activations more than the program's peak waiting for a batched weight-gradient sum
+            (default 0: never above the program's peak). A waiting B keeps each Linear's input
+            and incoming gradient, about one activation of an MLP stage; in exchange 1F1B's
+            steady state sums its weight gradients over up to ``k + 1`` microbatches at once
+            instead of one by one. ``step(...).peak_activations`` reports what was kept.
         reuse_grads: write a step's gradient sums into the memory of gradients this pipeline
             returned in its last two steps, where nothing outside funcpipe refers to that
             memory any more (no reference to the tensor, no view, storage handle or NumPy
@@ -210,6 +216,7 @@ class Pipeline:
         p2p: str = "auto",
         batch_weights: bool = True,
         reuse_grads: bool = True,
+        batch_weights_extra: int = 0,
     ) -> None:
         if p2p not in ("auto", "torch"):
             raise InvalidArgument(
@@ -298,6 +305,22 @@ class Pipeline:
         if not isinstance(batch_weights, bool):
             raise InvalidArgument(f"batch_weights={batch_weights!r}: pass True or False")
         self.batch_weights = batch_weights
+        if (
+            isinstance(batch_weights_extra, bool)
+            or not isinstance(batch_weights_extra, int)
+            or batch_weights_extra < 0
+        ):
+            raise InvalidArgument(
+                f"batch_weights_extra={batch_weights_extra!r}: pass a whole number >= 0 (how "
+                "many activations above the program's peak a rank may keep for batched weight "
+                "gradients)"
+            )
+        if batch_weights_extra and not batch_weights:
+            raise InvalidArgument(
+                f"batch_weights_extra={batch_weights_extra} needs batch_weights=True (it allows "
+                "more weight products to wait for a batched sum)"
+            )
+        self.batch_weights_extra = batch_weights_extra
         if not isinstance(reuse_grads, bool):
             raise InvalidArgument(f"reuse_grads={reuse_grads!r}: pass True or False")
         self.grad_memory = GradMemory() if reuse_grads else None
@@ -718,6 +741,7 @@ class Pipeline:
             prefetch=device.type == "cpu",  # NCCL: receives stay where the program puts them
             check_finite=self.check_finite,
             batch_weights=self.batch_weights,
+            batch_weights_extra=self.batch_weights_extra,
             ties=ties,
             data_size=self.data,
         )

@@ -26,6 +26,7 @@ from benchmarks import (
     vs_simulated,
     vs_single,
     weight_batching,
+    weight_memory,
 )
 
 Pool = Callable[[int], Any]
@@ -49,10 +50,11 @@ def test_vs_peer_gradients_agree(pool: Pool, tmp_path: Any) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_vs_peer_with_kept_peer_gradients(pool: Pool) -> None:
+def test_vs_peer_with_kept_peer_gradients_and_extra_weight_memory(pool: Pool) -> None:
     argv = ["--sizes", "tiny", "--ranks", "2", "--schedules", "1f1b", "--peer-grads", "zeros"]
+    argv += ["--batch-weights-extra", "2"]
     (row,) = vs_peer.main([*argv, "--pairs", "2", "--warmup", "1", "--floor-reps", "0"], pool=pool)
-    assert row["note"] == "" and row["peer_grads"] == "zeros"
+    assert row["note"] == "" and row["peer_grads"] == "zeros" and row["batch_weights_extra"] == 2
     assert row["grad_diff"] < 1e-10 and len(row["peer_times"]) == 2
 
 
@@ -110,6 +112,24 @@ def test_auto_executed_runs_every_program_with_exact_gradients(pool: Pool) -> No
 
 
 @pytest.mark.timeout(120)
+def test_weight_memory_runs_and_gradients_agree(pool: Pool) -> None:
+    argv = ["--sizes", "tiny", "--schedules", "1f1b", "--extra", "2", "--pairs", "2"]
+    (row,) = weight_memory.main([*argv, "--warmup", "1"], pool=pool)
+    assert row["grad_diff"] < 1e-12 and len(row["extra_times"]) == len(row["default_times"]) == 2
+    assert row["peaks_default"] == "2,1" and row["peaks_extra"] == "4,3"  # 1F1B's last rank: 1 + 2
+
+
+def test_memory_with_extra_weight_memory(pool: Pool) -> None:
+    """batch_weights_extra=1: 1F1B's last rank keeps one more activation's worth, never more."""
+    argv = ["--size", "tiny", "--ranks", "2", "--schedules", "1f1b", "--batch-weights-extra", "1"]
+    rows = memory.main(argv, pool=pool)
+    last = next(r for r in rows if r["rank"] == 1)
+    assert last["count"] == last["count_sim"] + 1 and last["batch_weights_extra"] == 1
+    for r in rows:
+        assert r["count"] <= r["count_sim"] + 1 and r["leak_kib"] == 0
+        assert r["figure_kib"] < r["measured_kib"] <= r["figure_kib"] + r["mb_kib"]
+
+
 def test_memory_counts_match_the_schedule(pool: Pool) -> None:
     argv = ["--size", "tiny", "--ranks", "2", "--schedules", "1f1b", "zbv", "zb-h1"]
     rows = memory.main(argv, pool=pool)

@@ -72,6 +72,9 @@ class RankInputs:
     # once as long as the rank keeps at most the program's own peak of activations
     # (see _deferral_plan)
     batch_weights: bool = True
+    # ... or at most this many activations more than the program's peak (Pipeline's
+    # batch_weights_extra: memory traded for fewer, larger weight products)
+    batch_weights_extra: int = 0
 
 
 @dataclass
@@ -137,7 +140,9 @@ class _Rank:
         self.defer: set[int] = set()
         self.flush_at: set[int] = set()
         if x.batch_weights and p.training and not x.check_finite:  # checks name a microbatch
-            self.defer, self.flush_at = _deferral_plan(p.ranks[x.rank], x.recompute)
+            self.defer, self.flush_at = _deferral_plan(
+                p.ranks[x.rank], x.recompute, extra=x.batch_weights_extra
+            )
         self.waiting: dict[int, list[linear.Deferred]] = {}
         # a B's Linear weight products summed right after the B's sends (see backward)
         self.after_sends: tuple[linear.Deferred, list[Tensor], int, int] | None = None
@@ -700,21 +705,25 @@ def _note(e: BaseException, where: str, inputs: Sequence[Any], targets: Sequence
     e.add_note(text)
 
 
-def _deferral_plan(instrs: Sequence[Instr], recompute: frozenset[int]) -> tuple[set[int], set[int]]:
+def _deferral_plan(
+    instrs: Sequence[Instr], recompute: frozenset[int], extra: int = 0
+) -> tuple[set[int], set[int]]:
     """Which B's leave their weight products waiting, and before which instructions the
     waiting ones are summed.
 
     A waiting B still counts as alive (its products' inputs and incoming gradients are kept),
-    so the rank may not exceed the program's own peak: before an F that would, everything
-    waiting is summed; also before a REDUCE (it reads the gradients) and after the last
-    instruction. A B that would be summed alone is summed at once instead (waiting gains one
-    microbatch nothing). GPipe: all of a rank's B's are summed at once; 1F1B: the drain's.
+    so the rank may not exceed the program's own peak plus ``extra``: before an F that would,
+    everything waiting is summed; also before a REDUCE (it reads the gradients) and after the
+    last instruction. A B that would be summed alone is summed at once instead (waiting gains
+    one microbatch nothing). GPipe: all of a rank's B's are summed at once; 1F1B: the drain's,
+    and with ``extra`` = k the steady state's in groups of up to k + 1.
     """
     keeps = [(i.op is Op.F and i.stage not in recompute) or i.op is Op.R for i in instrs]
     live = peak = 0
     for i, keep in zip(instrs, keeps, strict=True):
         live += 1 if keep else -1 if i.op in (Op.B, Op.W) else 0
         peak = max(peak, live)
+    peak += extra
     defer = {t for t, i in enumerate(instrs) if i.op is Op.B and i.stage not in recompute}
     while True:
         live = 0

@@ -147,29 +147,50 @@ def _live(instrs, defer, flush_at):  # type: ignore[no-untyped-def]
     name=st.sampled_from(sorted(n for n in GENERATORS if n != "chimera")),
     ranks=st.integers(1, 4),
     microbatches=st.integers(1, 10),
+    extra=st.sampled_from([0, 0, 1, 3]),
 )
 def test_the_deferral_plan_keeps_the_programs_peak(
-    name: str, ranks: int, microbatches: int
+    name: str, ranks: int, microbatches: int, extra: int
 ) -> None:
     """For every generator: with the plan, no rank keeps more activations than the program's
-    own peak, every deferred B is summed with at least one other, and REDUCE never sees a
-    waiting product."""
+    own peak (plus ``extra``, Pipeline's batch_weights_extra), every deferred B is summed with
+    at least one other, and REDUCE never sees a waiting product."""
     try:
         program = fp.schedule.add_reduce(generate(name, ranks=ranks, microbatches=microbatches))
     except InvalidArgument:
         return  # sizes the generator does not support
     peaks = fp.schedule.peak_activations(program)
     for r, instrs in enumerate(program.ranks):
-        defer, flush_at = _deferral_plan(instrs, frozenset())
+        defer, flush_at = _deferral_plan(instrs, frozenset(), extra=extra)
         assert all(instrs[t].op is Op.B for t in defer)
         peak, _ = _live(instrs, defer, flush_at)
-        assert peak <= peaks[r]
+        assert peak <= peaks[r] + extra
         for t in flush_at:
             assert instrs[t].op in (Op.F, Op.R, Op.REDUCE)
         if name == "gpipe" and microbatches > 1:
             assert len(defer) == microbatches  # all of a rank's backwards summed at once
         if defer:
             assert len(defer) >= 2
+
+
+@pytest.mark.parametrize("extra", [0, 1, 2])
+def test_extra_memory_lets_1f1b_sum_its_steady_state_weights_in_groups(extra: int) -> None:
+    """The last rank of 1F1B keeps one activation at a time: with no extra it sums every B's
+    weights alone; with ``extra`` = k it sums them in groups of up to k + 1, keeping at most
+    1 + k activations."""
+    instrs = generate("1f1b", ranks=2, microbatches=8).ranks[1]
+    defer, flush_at = _deferral_plan(instrs, frozenset(), extra=extra)
+    bs = [t for t, i in enumerate(instrs) if i.op is Op.B]
+    peak, _ = _live(instrs, defer, flush_at)
+    assert peak == 1 + extra
+    if extra == 0:
+        assert defer == set()
+    else:
+        assert defer == set(bs)
+        # a group: the B's between two flushes (the last one: summed at the end)
+        group_of = [sum(f <= t for f in flush_at) for t in bs]
+        sizes = [group_of.count(g) for g in sorted(set(group_of))]
+        assert max(sizes) == extra + 1 and sum(sizes) == 8, sizes
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "dualpipev"])
@@ -191,6 +212,50 @@ def test_pipeline_with_and_without_batched_weights(name: str) -> None:
     assert_trees_close((on.loss, on.grads), ref)
     assert_trees_close((off.loss, off.grads), ref)
     assert on.peak_activations == off.peak_activations
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "dualpipev", "zbv"])
+@pytest.mark.parametrize("extra", [1, 3])
+def test_pipeline_with_extra_memory_for_batched_weights(name: str, extra: int) -> None:
+    """``batch_weights_extra``: the same gradients as one process, each rank within the
+    program's peak plus ``extra``, and 1F1B's last rank actually using it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(6, 6, dtype=F64) for _ in range(4)])
+    program = generate(name, ranks=2, microbatches=6)
+    part = fp.partition(model, stages=program.n_stages)
+    x, y = torch.randn(12, 6, dtype=F64), torch.randn(12, 6, dtype=F64)
+
+    def mse(out, t):  # type: ignore[no-untyped-def]
+        return ((out - t) ** 2).mean()
+
+    pipe = fp.Pipeline(list(part.stages), program, loss_fn=mse, batch_weights_extra=extra)
+    res = pipe.step(list(part.params), x, y)
+    ref = fp.reference_step(list(part.stages), list(part.params), x, mse, targets=y, microbatches=6)
+    assert_trees_close((res.loss, res.grads), ref)
+    peaks = fp.schedule.peak_activations(pipe.program)
+    assert all(res.peak_activations[r] <= peaks[r] + extra for r in range(2))
+    if name == "1f1b":
+        assert res.peak_activations[1] == peaks[1] + extra == 1 + extra
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"batch_weights_extra": -1}, "whole number >= 0"),
+        ({"batch_weights_extra": 1.5}, "whole number >= 0"),
+        ({"batch_weights_extra": True}, "whole number >= 0"),
+        ({"batch_weights_extra": 2, "batch_weights": False}, "needs batch_weights=True"),
+    ],
+)
+def test_batch_weights_extra_is_checked(kwargs: dict[str, object], match: str) -> None:
+    part = fp.partition(torch.nn.Sequential(torch.nn.Linear(2, 2)), stages=1)
+    with pytest.raises(InvalidArgument, match=match):
+        fp.Pipeline(
+            list(part.stages),
+            generate("gpipe", ranks=1, microbatches=1),
+            loss_fn=torch.sum,
+            **kwargs,  # type: ignore[arg-type]
+        )
 
 
 @pytest.mark.parametrize(("flag", "value"), [("batch_weights", 1), ("reuse_grads", "yes")])
