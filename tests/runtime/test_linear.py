@@ -193,17 +193,25 @@ def test_extra_memory_lets_1f1b_sum_its_steady_state_weights_in_groups(extra: in
         assert max(sizes) == extra + 1 and sum(sizes) == 8, sizes
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "dualpipev"])
-def test_pipeline_with_and_without_batched_weights(name: str) -> None:
+def _mse(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return ((out - t) ** 2).mean()
+
+
+def _four_linears(name: str, microbatches: int):  # type: ignore[no-untyped-def]
+    """4 x Linear(6) in float64 cut for a 2-rank ``name`` program, and a batch of 2 rows per
+    microbatch."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(6, 6, dtype=F64) for _ in range(4)])
-    program = generate(name, ranks=2, microbatches=4)
+    program = generate(name, ranks=2, microbatches=microbatches)
     part = fp.partition(model, stages=program.n_stages)
-    x, y = torch.randn(8, 6, dtype=F64), torch.randn(8, 6, dtype=F64)
+    rows = 2 * microbatches
+    return program, part, torch.randn(rows, 6, dtype=F64), torch.randn(rows, 6, dtype=F64)
 
-    def mse(out, t):  # type: ignore[no-untyped-def]
-        return ((out - t) ** 2).mean()
 
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "dualpipev"])
+def test_pipeline_with_and_without_batched_weights(name: str) -> None:
+    program, part, x, y = _four_linears(name, 4)
+    mse = _mse
     on = fp.Pipeline(list(part.stages), program, loss_fn=mse).step(list(part.params), x, y)
     off = fp.Pipeline(list(part.stages), program, loss_fn=mse, batch_weights=False).step(
         list(part.params), x, y
@@ -219,15 +227,8 @@ def test_pipeline_with_and_without_batched_weights(name: str) -> None:
 def test_pipeline_with_extra_memory_for_batched_weights(name: str, extra: int) -> None:
     """``batch_weights_extra``: the same gradients as one process, each rank within the
     program's peak plus ``extra``, and 1F1B's last rank actually using it."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(6, 6, dtype=F64) for _ in range(4)])
-    program = generate(name, ranks=2, microbatches=6)
-    part = fp.partition(model, stages=program.n_stages)
-    x, y = torch.randn(12, 6, dtype=F64), torch.randn(12, 6, dtype=F64)
-
-    def mse(out, t):  # type: ignore[no-untyped-def]
-        return ((out - t) ** 2).mean()
-
+    program, part, x, y = _four_linears(name, 6)
+    mse = _mse
     pipe = fp.Pipeline(list(part.stages), program, loss_fn=mse, batch_weights_extra=extra)
     res = pipe.step(list(part.params), x, y)
     ref = fp.reference_step(list(part.stages), list(part.params), x, mse, targets=y, microbatches=6)
