@@ -242,13 +242,17 @@ def test_pipeline_with_extra_memory_for_batched_weights(name: str, extra: int) -
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
+        ({"batch_weights": 1}, "batch_weights"),  # the switches take True/False
+        ({"reuse_grads": "yes"}, "reuse_grads"),  # (funcpipe.runtime.reuse)
         ({"batch_weights_extra": -1}, "whole number >= 0"),
         ({"batch_weights_extra": 1.5}, "whole number >= 0"),
         ({"batch_weights_extra": True}, "whole number >= 0"),
         ({"batch_weights_extra": 2, "batch_weights": False}, "needs batch_weights=True"),
     ],
 )
-def test_batch_weights_extra_is_checked(kwargs: dict[str, object], match: str) -> None:
+def test_pipeline_weight_and_memory_options_are_checked(
+    kwargs: dict[str, object], match: str
+) -> None:
     part = fp.partition(torch.nn.Sequential(torch.nn.Linear(2, 2)), stages=1)
     with pytest.raises(InvalidArgument, match=match):
         fp.Pipeline(
@@ -256,19 +260,6 @@ def test_batch_weights_extra_is_checked(kwargs: dict[str, object], match: str) -
             generate("gpipe", ranks=1, microbatches=1),
             loss_fn=torch.sum,
             **kwargs,  # type: ignore[arg-type]
-        )
-
-
-@pytest.mark.parametrize(("flag", "value"), [("batch_weights", 1), ("reuse_grads", "yes")])
-def test_pipeline_switches_must_be_bools(flag: str, value: object) -> None:
-    """``batch_weights`` and ``reuse_grads`` (:mod:`funcpipe.runtime.reuse`) take True/False."""
-    part = fp.partition(torch.nn.Sequential(torch.nn.Linear(2, 2)), stages=1)
-    with pytest.raises(InvalidArgument, match=flag):
-        fp.Pipeline(
-            list(part.stages),
-            generate("gpipe", ranks=1, microbatches=1),
-            loss_fn=torch.sum,
-            **{flag: value},  # type: ignore[arg-type]
         )
 
 
