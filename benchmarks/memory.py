@@ -116,7 +116,7 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     )
     model = C.mlp(size.width, layers=size.layers, seed=cfg["seed"])
     stages, params = C.funcpipe_stages(model, program.n_stages, kind=cfg["stage_kind"])
-    extra = cfg.get("batch_weights_extra", 0)
+    extra = cfg["batch_weights_extra"]
     pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist", batch_weights_extra=extra)
     x, y = C.data(size, seed=cfg["seed"] + 1)
     mb = size.batch // size.microbatches

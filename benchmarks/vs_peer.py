@@ -180,7 +180,7 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
             loss_fn=C.mse,
             transport="dist",
             p2p=cfg["p2p"],
-            batch_weights_extra=cfg.get("batch_weights_extra", 0),
+            batch_weights_extra=cfg["batch_weights_extra"],
         )
         x, y = C.data(size, dtype=dtype, seed=cfg["seed"] + 1)
         return pipe, model, params, x, y

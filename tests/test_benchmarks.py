@@ -119,6 +119,12 @@ def test_weight_memory_runs_and_gradients_agree(pool: Pool) -> None:
     assert row["peaks_default"] == "2,1" and row["peaks_extra"] == "4,3"  # 1F1B's last rank: 1 + 2
 
 
+def test_weight_memory_refuses_n_0(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):  # before any process starts
+        weight_memory.main(["--extra", "0"])
+    assert "N must be >= 1" in capsys.readouterr().err
+
+
 def test_memory_with_extra_weight_memory(pool: Pool) -> None:
     """batch_weights_extra=1: 1F1B's last rank keeps one more activation's worth, never more."""
     argv = ["--size", "tiny", "--ranks", "2", "--schedules", "1f1b", "--batch-weights-extra", "1"]
