@@ -1,4 +1,5 @@
-"""Choosing among programs by measurement: run each on the real stages, keep the fastest.
+"""Choosing among programs (or pipelines) by measurement: run each on the real stages, keep the
+fastest.
 
 The simulator ranks programs by their predicted makespan, and on a real machine its costs are
 off by 10-25% (caches and memory bandwidth shared by the ranks, message latency, noise), as
@@ -15,6 +16,13 @@ that fit the memory limit)::
     candidates = auto_candidates(ranks=2, microbatches=8, costs=costs, max_activations=2)
     pipes = {p: Pipeline(stages, p, loss_fn=loss) for p in candidates}
     best = fastest(candidates, lambda p: pipes[p].step(params, x, y)).program
+
+The candidates may also be :class:`funcpipe.Pipeline` objects, for choices a program does not
+carry: e.g. how many activations each rank may keep for batched weight gradients
+(``batch_weights_extra``, a trade of memory for speed)::
+
+    pipes = [Pipeline(stages, program, loss_fn=loss, batch_weights_extra=n) for n in (0, 1, 2)]
+    best = fastest(pipes, lambda pipe: pipe.step(params, x, y)).choice
 
 Under ``torch.distributed`` every process of the default group must call :func:`fastest` with
 the same programs in the same order: each step starts after a barrier, a step's time is the
@@ -43,10 +51,11 @@ __all__ = ["Tuned", "fastest"]
 class Tuned:
     """What :func:`fastest` measured: the winner, and every candidate's step times."""
 
-    program: Program
+    program: Program  # the winner's program (a Pipeline's: its lowered program)
     index: int  # the winner's position in the candidates
     times: tuple[tuple[float, ...], ...]  # per candidate, its timed steps (seconds)
     scores: tuple[float, ...] = ()  # per candidate, its last score (lower is faster)
+    choice: Any = None  # the winning candidate itself (a Program or a Pipeline)
 
     @property
     def medians(self) -> tuple[float, ...]:
@@ -68,9 +77,23 @@ def _scores(rounds: Sequence[dict[int, float]], among: Sequence[int]) -> dict[in
     return {k: statistics.median(v) for k, v in rel.items()}
 
 
+def _is_pipeline(c: Any) -> bool:
+    from funcpipe.pipeline import Pipeline  # (the pipeline module does not import this one)
+
+    return isinstance(c, Pipeline)
+
+
+def _label(c: Any) -> str:
+    """A candidate's name in messages."""
+    if isinstance(c, Program):
+        return repr(c.name or "unnamed")
+    name = c.program.name or "unnamed"
+    return f"Pipeline({name!r}, batch_weights_extra={c.batch_weights_extra})"
+
+
 def fastest(
-    programs: Sequence[Program],
-    step: Callable[[Program], Any],
+    programs: Sequence[Any],
+    step: Callable[[Any], Any],
     *,
     rounds: int = 3,
     warmup: int = 1,
@@ -79,9 +102,12 @@ def fastest(
     """Run ``step(program)`` for every candidate and return the fastest.
 
     Args:
-        programs: the candidates (at least one), e.g. from ``auto_candidates``.
-        step: runs one training step with the given program (typically a ``Pipeline`` built
-            for it, created once outside: its first steps infer shapes and fill caches).
+        programs: the candidates (at least one): programs, e.g. from ``auto_candidates``, or
+            :class:`funcpipe.Pipeline` objects (to choose among options such as
+            ``batch_weights_extra``; a program may appear in several).
+        step: runs one training step with the given candidate (for a program, typically with
+            a ``Pipeline`` built for it, created once outside: its first steps infer shapes and
+            fill caches).
         rounds: timed rounds; round ``r`` runs every candidate once, starting from a different
             one each round. A candidate's score is the median, over the rounds, of its step
             time over that round's median: a drift in the machine's speed between rounds falls
@@ -97,13 +123,16 @@ def fastest(
     candidate's name added.
     """
     progs = list(programs)
-    if not progs or not all(isinstance(p, Program) for p in progs):
+    if not progs or not all(isinstance(p, Program) or _is_pipeline(p) for p in progs):
         raise InvalidArgument(
-            "fastest: programs must be a non-empty sequence of funcpipe.schedule.Program "
-            f"(got {programs!r}); auto_candidates(...) returns one"
+            "fastest: programs must be a non-empty sequence of funcpipe.schedule.Program or "
+            f"funcpipe.Pipeline (got {programs!r}); auto_candidates(...) returns programs"
         )
     if not callable(step):
-        raise InvalidArgument(f"fastest: step={step!r} is not callable; pass step(program)")
+        raise InvalidArgument(
+            f"fastest: step={step!r} is not callable; pass step(candidate), e.g. "
+            "lambda pipe: pipe.step(params, x, y)"
+        )
     for name, value, least in (("rounds", rounds, 1), ("warmup", warmup, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InvalidArgument(f"fastest: {name}={value!r}; pass an int >= {least}")
@@ -120,7 +149,7 @@ def fastest(
         except Exception as e:
             note = getattr(e, "add_note", None)  # Python >= 3.11
             if note is not None:
-                note(f"(while timing candidate #{k}, {progs[k].name or 'unnamed'!r})")
+                note(f"(while timing candidate #{k}, {_label(progs[k])})")
             raise
         return time.perf_counter() - t0
 
@@ -149,4 +178,6 @@ def fastest(
         alive = sorted(ranked[: (len(alive) + 1) // 2])
     best = min(alive, key=lambda k: (scores[k], k))
     per = tuple(tuple(times[k] for times in done if k in times) for k in range(len(progs)))
-    return Tuned(progs[best], best, per, tuple(scores))
+    won = progs[best]
+    program = won if isinstance(won, Program) else won.program
+    return Tuned(program, best, per, tuple(scores), won)
