@@ -19,6 +19,7 @@ from benchmarks import (
     backward_costs,
     backward_split,
     chart,
+    cpu_use,
     memory,
     overhead,
     profile_step,
@@ -117,6 +118,22 @@ def test_weight_memory_runs_and_gradients_agree(pool: Pool) -> None:
     (row,) = weight_memory.main([*argv, "--warmup", "1"], pool=pool)
     assert row["grad_diff"] < 1e-12 and len(row["extra_times"]) == len(row["default_times"]) == 2
     assert row["peaks_default"] == "2,1" and row["peaks_extra"] == "4,3"  # 1F1B's last rank: 1 + 2
+
+
+@pytest.mark.timeout(120)
+def test_cpu_use_runs_and_gradients_agree(pool: Pool) -> None:
+    argv = ["--sizes", "tiny", "--ranks", "2", "--schedules", "1f1b", "zbv", "--steps", "2"]
+    rows = cpu_use.main([*argv, "--rounds", "2", "--warmup", "1", "--raw-reps", "2"], pool=pool)
+    assert [r["schedule"] for r in rows] == ["1f1b", "zbv"]
+    for r in rows:
+        assert r["grad_diff"] < 1e-12
+        for lib in ("funcpipe", "peer"):
+            blocks = r[f"{lib}_blocks"]
+            assert len(blocks["step_s"]) == len(blocks["cpu_s"]) == 2
+            assert (
+                r[f"{lib}_cpu_ms"] > 0 and r[f"{lib}_bound_ms"] == r[f"{lib}_cpu_ms"] / r["cores"]
+            )
+        assert r["raw_cpu_ms"] > 0 and r["raw_cpu_ratio"] > 0
 
 
 def test_weight_memory_refuses_n_0(capsys: pytest.CaptureFixture[str]) -> None:
