@@ -82,6 +82,19 @@ def test_vs_simulated(pool: Pool) -> None:
     rows = vs_simulated.main([*argv, "--cost-reps", "2", "--comm-reps", "2"], pool=pool)
     assert [r["schedule"] for r in rows] == ["1f1b", "zb-h1"]
     assert all(r["simulated_ms"] > 0 and r["executed_ms"] > 0 for r in rows)
+    argv = ["--size", "tiny", "--schedules", "1f1b", "--steps", "4", "--warmup", "1"]
+    argv += ["--cost-reps", "2", "--comm-reps", "2", "--traced", "0", "--repeat", "3"]
+    (row,) = vs_simulated.main(argv, pool=pool)
+    # the least noisy of 3 runs is reported; every run's ratio is kept
+    assert row["repeats"] == 3 and len(row["ratio_runs"]) == len(row["iqr_runs"]) == 3
+    best = min(range(3), key=lambda k: row["iqr_runs"][k])
+    assert row["ratio"] == row["ratio_runs"][best] and row["iqr"] == row["iqr_runs"][best]
+
+
+def test_vs_simulated_refuses_repeat_0(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):  # before any process starts
+        vs_simulated.main(["--repeat", "0"])
+    assert ">= 1" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(180)
