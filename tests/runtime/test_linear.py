@@ -154,7 +154,8 @@ def test_the_deferral_plan_keeps_the_programs_peak(
 ) -> None:
     """For every generator: with the plan, no rank keeps more activations than the program's
     own peak (plus ``extra``, Pipeline's batch_weights_extra), every deferred B is summed with
-    at least one other, and REDUCE never sees a waiting product."""
+    at least one other, and REDUCE never sees a waiting product; without ``extra`` nothing is
+    summed before an F (only before a REDUCE or at the end)."""
     try:
         program = fp.schedule.add_reduce(generate(name, ranks=ranks, microbatches=microbatches))
     except InvalidArgument:
@@ -166,7 +167,7 @@ def test_the_deferral_plan_keeps_the_programs_peak(
         peak, _ = _live(instrs, defer, flush_at)
         assert peak <= peaks[r] + extra
         for t in flush_at:
-            assert instrs[t].op in (Op.F, Op.R, Op.REDUCE)
+            assert instrs[t].op in ((Op.F, Op.R, Op.REDUCE) if extra else (Op.REDUCE,))
         if name == "gpipe" and microbatches > 1:
             assert len(defer) == microbatches  # all of a rank's backwards summed at once
         if defer:
@@ -191,6 +192,19 @@ def test_extra_memory_lets_1f1b_sum_its_steady_state_weights_in_groups(extra: in
         group_of = [sum(f <= t for f in flush_at) for t in bs]
         sizes = [group_of.count(g) for g in sorted(set(group_of))]
         assert max(sizes) == extra + 1 and sum(sizes) == 8, sizes
+
+
+def test_without_extra_memory_dualpipev_sums_no_batch_before_an_f() -> None:
+    """DualPipeV's first rank reaches its peak with two backwards waiting before its last
+    stage's last forward: without extra memory those sum their weights at once (after their
+    sends); the backwards after that F still wait for the end of the step."""
+    instrs = generate("dualpipev", ranks=2, microbatches=8).ranks[0]
+    defer, flush_at = _deferral_plan(instrs, frozenset())
+    assert flush_at == set()
+    last_f = max(t for t, i in enumerate(instrs) if i.op is Op.F)
+    assert defer and all(t > last_f for t in defer)
+    with_extra, flushes = _deferral_plan(instrs, frozenset(), extra=1)
+    assert any(t < last_f for t in with_extra) and flushes
 
 
 def _mse(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
