@@ -123,14 +123,16 @@ def step_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def in_step_costs(program: Any, durations: dict[str, float], comm: float) -> Any:
-    """Costs from the executed timelines: each stage's median F, I and W (or B) inside a step."""
+    """Costs from the executed timelines: each stage's median F, I, W and B inside a step."""
     from funcpipe.schedule import Costs
 
     n = program.n_stages
     f = [durations.get(f"F {s}", 0.0) for s in range(n)]
-    if C.split_program(program):
+    if C.split_program(program):  # (which may mix whole B's in: as executed, as costs_for does)
         b = [durations.get(f"I {s}", 0.0) for s in range(n)]
         w = [durations.get(f"W {s}", 0.0) for s in range(n)]
+        full = [durations.get(f"B {s}", b[s] + w[s]) for s in range(n)]
+        return Costs(f=f, b=b, w=w, full=full, comm=comm)
     else:
         b, w = [durations.get(f"B {s}", 0.0) for s in range(n)], [0.0] * n
     return Costs(f=f, b=b, w=w, comm=comm)

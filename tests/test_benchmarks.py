@@ -91,6 +91,19 @@ def test_vs_simulated(pool: Pool) -> None:
     assert row["ratio"] == row["ratio_runs"][best] and row["iqr"] == row["iqr_runs"][best]
 
 
+def test_in_step_costs_keep_whole_backwards_of_mixed_programs() -> None:
+    """DualPipeV mixes whole B's with I and W: the simulator gets each stage's executed B as its
+    full backward (not I + W, which in-step costs more), as costs_for gives it measured ones."""
+    program = C.program_for("dualpipev", ranks=2, microbatches=4)
+    n = program.n_stages
+    durations = {f"F {s}": 1.0 for s in range(n)}
+    durations |= {f"I {s}": 1.5 for s in range(n)} | {f"W {s}": 1.0 for s in range(n)}
+    durations |= {f"B {s}": 2.0 for s in range(n - 1)}  # the last stage: no whole B seen
+    costs = vs_simulated.in_step_costs(program, durations, 0.0)
+    assert costs.full == (2.0,) * (n - 1) + (2.5,)
+    assert list(costs.b) == [1.5] * n and list(costs.w) == [1.0] * n
+
+
 def test_vs_simulated_refuses_repeat_0(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):  # before any process starts
         vs_simulated.main(["--repeat", "0"])
