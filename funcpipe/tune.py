@@ -25,9 +25,9 @@ carry: e.g. how many activations each rank may keep for batched weight gradients
     best = fastest(pipes, lambda pipe: pipe.step(params, x, y)).choice
 
 Under ``torch.distributed`` every process of the default group must call :func:`fastest` with
-the same programs in the same order: each step starts after a barrier, a step's time is the
+the same candidates in the same order: each step starts after a barrier, a step's time is the
 slowest rank's (one all-reduce of the times at the end), so every process picks the same
-program.
+candidate.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def fastest(
     warmup: int = 1,
     halving: bool = False,
 ) -> Tuned:
-    """Run ``step(program)`` for every candidate and return the fastest.
+    """Run ``step(candidate)`` for every candidate and return the fastest.
 
     Args:
         programs: the candidates (at least one): programs, e.g. from ``auto_candidates``, or
