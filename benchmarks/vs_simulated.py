@@ -133,9 +133,8 @@ def in_step_costs(program: Any, durations: dict[str, float], comm: float) -> Any
         w = [durations.get(f"W {s}", 0.0) for s in range(n)]
         full = [durations.get(f"B {s}", b[s] + w[s]) for s in range(n)]
         return Costs(f=f, b=b, w=w, full=full, comm=comm)
-    else:
-        b, w = [durations.get(f"B {s}", 0.0) for s in range(n)], [0.0] * n
-    return Costs(f=f, b=b, w=w, comm=comm)
+    b = [durations.get(f"B {s}", 0.0) for s in range(n)]
+    return Costs(f=f, b=b, w=[0.0] * n, comm=comm)
 
 
 def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
@@ -181,7 +180,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 "steps": args.steps,
                 "traced": args.traced,
             }
-            runs = []  # (IQR/median of the ratios, ratio, result, info, executed, sim)
+            runs = []  # (IQR/median of the ratios, ratio, result, info, executed, costs, sim)
             for _ in range(args.repeat):
                 res, info = C.measured_cell(
                     lambda pool=pool, cfg=cfg: pool.run(
@@ -195,13 +194,12 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 costs = C.StageCosts(**res[0]["costs"])  # rank 0's, timed between the steps
                 sim = simulate(lowered, C.costs_for(program, costs, comm=comm))
                 ratios = [t / sim.makespan for t in executed]
-                runs.append((C.spread(ratios), C.median(ratios), res, info, executed, sim))
+                runs.append((C.spread(ratios), C.median(ratios), res, info, executed, costs, sim))
             # the least noisy run (by IQR/median, not by its ratio); every run's ratio is kept
-            _, _, res, info, executed, sim = min(
+            _, _, res, info, executed, costs, sim = min(
                 runs,
                 key=lambda r: r[0] if r[0] == r[0] else math.inf,  # (NaN: < 4 steps)
             )
-            costs = C.StageCosts(**res[0]["costs"])
             busy = res[0]["busy"]
             sim_step = None
             if res[0]["durations"]:
