@@ -183,8 +183,9 @@ class Pipeline:
             activations more than the program's peak waiting for a batched weight-gradient sum
             (default 0: never above the program's peak). A waiting B keeps each Linear's input
             and incoming gradient, about one activation of an MLP stage; in exchange 1F1B's
-            steady state sums its weight gradients over up to ``k + 1`` microbatches at once
-            instead of one by one. ``step(...).peak_activations`` reports what was kept.
+            steady state sums its weight gradients over up to ``batch_weights_extra + 1``
+            microbatches at once instead of one by one. ``step(...).peak_activations`` reports
+            what was kept.
         reuse_grads: write a step's gradient sums into the memory of gradients this pipeline
             returned in its last two steps, where nothing outside funcpipe refers to that
             memory any more (no reference to the tensor, no view, storage handle or NumPy

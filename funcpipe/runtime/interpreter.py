@@ -712,17 +712,18 @@ def _deferral_plan(
     waiting ones are summed.
 
     A waiting B still counts as alive (its products' inputs and incoming gradients are kept),
-    so the rank may not exceed the program's own peak plus ``extra``: before an F that would,
-    everything waiting is summed; also before a REDUCE (it reads the gradients) and after the
-    last instruction. A B that would be summed alone is summed at once instead (waiting gains
-    one microbatch nothing). GPipe: all of a rank's B's are summed at once; 1F1B: the drain's,
-    and with ``extra`` = k the steady state's in groups of up to k + 1.
+    so the rank may not exceed the program's own peak plus ``extra``. Waiting products are
+    summed before a REDUCE (it reads the gradients) and after the last instruction; with
+    ``extra`` > 0 also before an F that would exceed that limit. Without ``extra`` a B that
+    would have to be summed before such an F does not wait at all: that sum would hold up the
+    F, which may be on the step's critical path, while each B on its own sums its products
+    after its sends, off that path. A B that would be summed alone is summed at once too
+    (waiting gains one microbatch nothing). GPipe: all of a rank's B's are summed at once;
+    1F1B: the drain's, and with ``extra`` = k the steady state's in groups of up to k + 1.
 
-    Without ``extra``, no batch is summed before an F (only before a REDUCE or at the end): such
-    a sum holds up that F, which may be on the step's critical path, while each B on its own
-    sums its products after its sends, off that path. (Among the built-in programs only
-    DualPipeV's ranks had such mid-step batches, 2 B's each: measured 0.974-0.987x the step
-    time without them on the large benchmark model, 2 ranks; no change on the small one.)
+    (Among the built-in programs only DualPipeV's ranks had batches summed before an F at
+    ``extra`` = 0, 2 B's each: without them its large benchmark step on 2 ranks took
+    0.974-0.987x the time in three paired runs; within noise on the small model.)
     """
     keeps = [(i.op is Op.F and i.stage not in recompute) or i.op is Op.R for i in instrs]
     live = peak = 0
