@@ -20,6 +20,7 @@ from benchmarks import (
     backward_split,
     chart,
     cpu_use,
+    kernels,
     memory,
     overhead,
     profile_step,
@@ -160,6 +161,48 @@ def test_cpu_use_runs_and_gradients_agree(pool: Pool) -> None:
                 r[f"{lib}_cpu_ms"] > 0 and r[f"{lib}_bound_ms"] == r[f"{lib}_cpu_ms"] / r["cores"]
             )
         assert r["raw_cpu_ms"] > 0 and r["raw_cpu_ratio"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_kernels_runs_replays_every_kernel_and_gradients_agree(pool: Pool) -> None:
+    argv = ["--sizes", "tiny", "--ranks", "2", "--schedules", "1f1b", "zbv", "--steps", "2"]
+    rows, extras = kernels.main(
+        [*argv, "--warmup", "1", "--hot-reps", "3", "--sweep", "1", "2"], pool=pool
+    )
+    assert [(r["schedule"], r["lib"]) for r in rows] == [
+        ("1f1b", "funcpipe"),
+        ("1f1b", "peer"),
+        ("zbv", "funcpipe"),
+        ("zbv", "peer"),
+    ]
+    for r in rows:
+        assert r["grad_diff"] < 1e-12
+        seen = {k["kernel"] for k in r["kernels"]}
+        assert {"aten::addmm", "aten::mm", "aten::gelu", "aten::gelu_backward"} <= seen
+        # every kernel the step ran was replayed hot with its recorded shapes
+        assert r["not_replayed_ms"] == 0 and all(k["hot_us"] > 0 for k in r["kernels"])
+        assert r["kernels_ms"] > 0 and r["hot_ms"] > 0 and r["cpu_ms"] > 0
+    assert "aten::addmm_" in {k["kernel"] for k in rows[0]["kernels"]}  # funcpipe's W sums
+    assert rows[0]["kernels_vs_peer_cpu"] == rows[0]["kernels_ms"] / rows[1]["cpu_ms"]
+    assert [s["mib"] for s in extras["sweep"]] == [1, 2] and extras["sweep"][0]["vs_smallest"] == 1
+
+
+def test_kernels_replays_the_recorded_shapes() -> None:
+    import torch
+
+    cases = {
+        "aten::addmm": ([[5], [3, 4], [4, 5], [], []], (3, 5)),
+        "aten::addmm_": ([[5, 4], [5, 3], [3, 4], [], []], (5, 4)),
+        "aten::mm": ([[3, 5], [5, 4]], (3, 4)),
+        "aten::gelu": ([[3, 4], []], (3, 4)),
+        "aten::gelu_backward": ([[3, 4], [3, 4], []], (3, 4)),
+    }
+    for name, (shapes, want) in cases.items():
+        ops = kernels._operands(name, shapes, torch.float32)
+        assert ops is not None, name
+        assert tuple(kernels._call(name)(*ops).shape) == want, name
+    assert kernels._operands("aten::addmm", [[5], [3, 4]], torch.float32) is None
+    assert kernels.hot_us("aten::bmm", [[2, 3, 4]], torch.float32, 3) is None
 
 
 def test_weight_memory_refuses_n_0(capsys: pytest.CaptureFixture[str]) -> None:

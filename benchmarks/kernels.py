@@ -1,0 +1,395 @@
+"""The arithmetic inside a step: each kernel's time in the step against the same kernel hot.
+
+    python benchmarks/kernels.py [--sizes small] [--ranks 2] [--schedules 1f1b zbv] [--steps 20]
+
+A step's CPU time splits into the kernels that do the model's arithmetic and everything around
+them (autograd's bookkeeping, the runtime, messages). And a kernel inside a step can take longer
+than the same kernel run again and again on the same tensors ("hot"): between two uses of a
+weight, the step touches the other layers' weights, gradients and activations, so its operands
+come from further away in the memory hierarchy.
+
+Per (size, ranks, schedule), on one gloo pool: funcpipe (``Pipeline(transport="dist")``) and
+torch.distributed.pipelining run the same model and schedule. For each library every rank
+times a block of ``--steps`` steps (CPU time, ``time.process_time``), then runs another block
+under a dispatch mode that reads the thread's CPU time (``time.thread_time``) around every
+kernel of the arithmetic (``KERNELS``: the Linear products and GELU with its derivative,
+autograd's backward included) and sums it by kernel and input shapes. After both libraries'
+blocks every rank replays each (kernel, shapes) hot: fresh operands of the recorded shapes (a
+Linear's weight transposed as ``nn.Linear`` passes it, the runtime's weight product ``addmm_``
+with a transposed gradient), ``--hot-reps`` calls in a row, the median CPU time of one.
+Reported per library, per step and summed over the ranks: CPU, the kernels' CPU time in the
+step, the same calls hot, and the rest (CPU minus the kernels in the step); on funcpipe's row
+``kernels / peer CPU``: its kernels' time in the step against the peer's whole CPU per step, the
+CPU ratio funcpipe / peer a step would reach with nothing but those kernels. CPU time, not wall
+time: a rank that loses its core in the middle of a kernel (4 ranks on 2 cores, gloo's threads)
+is not charged for the wait. The dispatch mode's Python runs between the kernels of the clocked
+block, never inside the timed calls; the block's CPU is measured without it.
+
+``--sweep``: in this process, one thread, the microbatch's Linear product (``x @ w.T`` with
+``x`` of the model's microbatch rows, ``w`` one width x width weight) over N weights in turn,
+for working sets of N weights from 1 MiB up: microseconds per product. Where the step's
+working set no longer fits the caches, each product waits for its weight.
+
+Before the timed steps both libraries make one float64 step from the same weights and their
+gradients are compared (``grads fp vs peer``: max |difference| / max |gradient|).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import _common as C
+
+DEFAULT_SCHEDULES = ["1f1b", "zbv"]
+LIBS = ("funcpipe", "peer")
+# the kernels of the benchmark MLP's arithmetic: Linear forward (addmm), input and weight
+# gradients (mm; funcpipe sums weight gradients in place with addmm_), GELU and its derivative
+KERNELS = ("aten::addmm", "aten::mm", "aten::addmm_", "aten::gelu", "aten::gelu_backward")
+
+COLUMNS: list[C.Column] = [
+    ("size", "size", ""),
+    ("ranks", "ranks", "d"),
+    ("schedule", "schedule", ""),
+    ("lib", "library", ""),
+    ("step_ms", "step ms", ".2f"),
+    ("cpu_ms", "CPU ms (all ranks)", ".1f"),
+    ("kernels_ms", "kernels in step ms", ".1f"),
+    ("hot_ms", "same kernels hot ms", ".1f"),
+    ("in_step_vs_hot", "in step / hot", ".2f"),
+    ("rest_ms", "rest ms", ".1f"),
+    ("kernels_vs_peer_cpu", "kernels / peer CPU", ".2f"),
+    ("grad_diff", "grads fp vs peer", ".1e"),
+    ("runnable", "runnable (mean)", ".1f"),
+    ("attempts", "runs", "d"),
+]
+
+SWEEP_COLUMNS: list[C.Column] = [
+    ("mib", "working set MiB", "d"),
+    ("weights", "weights", "d"),
+    ("us_per_product", "us per product", ".1f"),
+    ("vs_smallest", "vs 1 weight", ".2f"),
+]
+
+
+def _operands(name: str, shapes: Sequence[Sequence[int]], dtype: Any) -> list[Any] | None:
+    """Fresh operands of the recorded shapes for a hot replay (``None``: not replayable)."""
+    import torch
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=dtype)
+
+    dims = [list(s) for s in shapes]
+    if name == "aten::addmm" and len(dims) >= 3 and len(dims[2]) == 2:
+        n, k = dims[2][1], dims[2][0]
+        return [r(*dims[0]), r(*dims[1]), r(n, k).t()]  # bias, input, Linear weight transposed
+    if name == "aten::addmm_" and len(dims) >= 3 and len(dims[1]) == 2:
+        a, b = dims[1]
+        return [r(*dims[0]), r(b, a).t(), r(*dims[2])]  # gradient sum += g.t() @ x
+    if name == "aten::mm" and len(dims) >= 2:
+        return [r(*dims[0]), r(*dims[1])]
+    tensors = [d for d in dims if d]  # (the approximation argument records no shape)
+    if name == "aten::gelu" and len(tensors) == 1:
+        return [r(*tensors[0])]
+    if name == "aten::gelu_backward" and len(tensors) == 2:
+        return [r(*tensors[0]), r(*tensors[1])]
+    return None
+
+
+_CALLS: dict[str, Callable[..., Any]] = {}
+
+
+def _call(name: str) -> Callable[..., Any]:
+    import torch
+
+    if not _CALLS:
+        _CALLS.update(
+            {
+                "aten::addmm": torch.addmm,
+                "aten::addmm_": lambda out, a, b: out.addmm_(a, b),
+                "aten::mm": torch.mm,
+                "aten::gelu": torch.nn.functional.gelu,
+                "aten::gelu_backward": torch.ops.aten.gelu_backward,
+            }
+        )
+    return _CALLS[name]
+
+
+def hot_us(name: str, shapes: Sequence[Sequence[int]], dtype: Any, reps: int) -> float | None:
+    """Median CPU microseconds of the kernel called ``reps`` times in a row on the same
+    operands (``None``: not replayable)."""
+    ops = _operands(name, shapes, dtype)
+    if ops is None or reps < 1:
+        return None
+    f = _call(name)
+    for _ in range(3):
+        f(*ops)
+    times = []
+    clock = time.thread_time
+    for _ in range(reps):
+        t0 = clock()
+        f(*ops)
+        times.append(clock() - t0)
+    return statistics.median(times) * 1e6
+
+
+def kernel_clock() -> Any:
+    """A dispatch mode that sums the CPU time (``time.thread_time``) and counts the calls of
+    each kernel of ``KERNELS`` by the shapes of its positional arguments (``[]``: not a
+    tensor), in ``.got``: (kernel, shapes) -> {shapes, calls, us}. It sees the kernels of
+    autograd's backward too (on CPU the engine runs them on the calling thread)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class KernelClock(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.got: dict[tuple[str, str], dict[str, Any]] = {}
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            name = func._schema.name
+            if name not in KERNELS:
+                return func(*args, **(kwargs or {}))
+            t0 = time.thread_time()
+            out = func(*args, **(kwargs or {}))
+            dt = time.thread_time() - t0
+            shapes = [list(t.shape) if isinstance(t, torch.Tensor) else [] for t in args]
+            got = self.got.setdefault(
+                (name, str(shapes)), {"shapes": shapes, "calls": 0, "us": 0.0}
+            )
+            got["calls"] += 1
+            got["us"] += dt * 1e6
+            return out
+
+    return KernelClock()
+
+
+def clocked(step: Callable[[], Any], steps: int) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (kernel, shapes): calls and CPU microseconds over ``steps`` steps."""
+    clock = kernel_clock()
+    with clock:
+        for _ in range(steps):
+            step()
+    return clock.got
+
+
+def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import funcpipe as fp
+    from benchmarks import vs_peer
+
+    size = C.Size(**cfg["size"])
+    spec = C.SCHEDULES[cfg["schedule"]]
+    program = C.program_for(spec.name, ranks=dist.get_world_size(), microbatches=size.microbatches)
+    n = program.n_stages
+    mine = sorted(program.stages_on(rank))
+
+    def build(dtype: torch.dtype) -> tuple[Any, Any, list[Any], Any, Any, Any]:
+        model = C.mlp(size.width, layers=size.layers, dtype=dtype, seed=cfg["seed"])
+        stages, params = C.funcpipe_stages(model, n, kind="module")
+        pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
+        peer = vs_peer._Peer(spec, model, mine, n, size.microbatches)
+        x, y = C.data(size, dtype=dtype, seed=cfg["seed"] + 1)
+        return pipe, peer, params, x, y, model
+
+    pipe, peer, params, x, y, model = build(torch.float64)
+    names = vs_peer._stage_names(model, n, mine)
+    mine_fp = vs_peer._fp_grads(pipe.step(params, x, y).grads, names, model, mine, n)
+    peer.step(x, y)
+    diff = C.max_rel_diff(mine_fp, peer.grads(names))
+    del pipe, peer
+
+    pipe, peer, params, x, y, _ = build(torch.float32)
+    steps = {"funcpipe": lambda: pipe.step(params, x, y), "peer": lambda: peer.step(x, y)}
+    out: dict[str, Any] = {"rank": rank, "grad_diff": diff}
+    for lib in LIBS:
+        for _ in range(cfg["warmup"]):
+            steps[lib]()
+        dist.barrier()
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(cfg["steps"]):
+            steps[lib]()
+        dist.barrier()  # the block ends when the slowest rank is done
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        dist.barrier()
+        kernels = clocked(steps[lib], cfg["steps"])
+        dist.barrier()
+        out[lib] = {"wall": wall, "cpu": cpu, "kernels": kernels}
+    # hot replays after every block, all ranks at once (as the steps ran)
+    for lib in LIBS:
+        for (name, _), k in out[lib]["kernels"].items():
+            k["hot_us"] = hot_us(name, k["shapes"], torch.float32, cfg["hot_reps"])
+    for lib in LIBS:  # tuple keys do not cross the process boundary as JSON later
+        out[lib]["kernels"] = [
+            {"kernel": name, **k} for (name, _), k in out[lib]["kernels"].items()
+        ]
+    return out
+
+
+def summarize(per_rank: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
+    """One row per library: per step, summed over the ranks."""
+    rows = []
+    for lib in LIBS:
+        wall = per_rank[0][lib]["wall"] / steps
+        cpu = sum(r[lib]["cpu"] for r in per_rank) / steps
+        kernels: dict[tuple[str, str], dict[str, Any]] = {}
+        for r in per_rank:
+            for k in r[lib]["kernels"]:
+                got = kernels.setdefault(
+                    (k["kernel"], str(k["shapes"])),
+                    {
+                        "kernel": k["kernel"],
+                        "shapes": k["shapes"],
+                        "calls": 0,
+                        "us": 0.0,
+                        "hot": [],
+                    },
+                )
+                got["calls"] += k["calls"]
+                got["us"] += k["us"]
+                got["hot"].append((k["hot_us"], k["calls"]))
+        for k in kernels.values():  # hot: (mean us, calls) per rank; None: not replayable
+            k["replayed"] = all(h is not None for h, _ in k["hot"])
+        replayed = [k for k in kernels.values() if k["replayed"]]
+        in_step = sum(k["us"] for k in kernels.values()) / steps / 1e3
+        in_step_replayed = sum(k["us"] for k in replayed) / steps / 1e3
+        hot = sum(h * n for k in replayed for h, n in k["hot"]) / steps / 1e3
+        detail = [
+            {
+                "kernel": k["kernel"],
+                "shapes": k["shapes"],
+                "calls_per_step": k["calls"] / steps,
+                "in_step_us": k["us"] / k["calls"],
+                "hot_us": (sum(h * n for h, n in k["hot"]) / k["calls"] if k["replayed"] else None),
+            }
+            for k in sorted(kernels.values(), key=lambda k: -k["us"])
+            if k["calls"]
+        ]
+        rows.append(
+            {
+                "lib": lib,
+                "step_ms": wall * 1e3,
+                "cpu_ms": cpu * 1e3,
+                "kernels_ms": in_step,
+                "hot_ms": hot,
+                # over the kernels replayed hot (all of KERNELS' shapes in the benchmark MLP)
+                "in_step_vs_hot": in_step_replayed / hot if hot > 0 else None,
+                "not_replayed_ms": in_step - in_step_replayed,
+                "rest_ms": cpu * 1e3 - in_step,
+                "grad_diff": max(r["grad_diff"] for r in per_rank),
+                "kernels": detail,
+            }
+        )
+    return rows
+
+
+def sweep(width: int, rows: int, mib: Sequence[int], reps: int) -> list[dict[str, Any]]:
+    """Microseconds per ``x @ w.T`` (``x``: rows x width) cycling over enough width x width
+    weights to fill each working set in ``mib``."""
+    import torch
+
+    x = torch.randn(rows, width)
+    per_weight = width * width * 4
+    out = []
+    for size in mib:
+        n = max(1, (size << 20) // per_weight)
+        ws = [torch.randn(width, width) for _ in range(n)]
+        calls = max(reps, n)
+        for w in ws:  # touch every weight once
+            torch.mm(x, w.t())
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for c in range(calls):
+                torch.mm(x, ws[c % n].t())
+            samples.append((time.perf_counter() - t0) / calls * 1e6)
+        out.append({"mib": size, "weights": n, "us_per_product": statistics.median(samples)})
+    base = out[0]["us_per_product"] if out else 1.0
+    for r in out:
+        r["vs_smallest"] = r["us_per_product"] / base
+    return out
+
+
+def run(args: argparse.Namespace, pools: C.Pools) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    from benchmarks import kernels
+
+    rows = []
+    for size_name in args.sizes:
+        size = C.SIZES[size_name]
+        for ranks in args.ranks:
+            for sched in args.schedules:
+                cfg = {
+                    "size": vars(size),
+                    "schedule": sched,
+                    "seed": args.seed,
+                    "steps": args.steps,
+                    "warmup": args.warmup,
+                    "hot_reps": args.hot_reps,
+                }
+                pool = pools.get(ranks)
+                per_rank, info = C.measured_cell(
+                    lambda pool=pool, cfg=cfg: pool.run(kernels.job, cfg, timeout=args.job_timeout),
+                    ranks=ranks,
+                    quiet=args.quiet,
+                    retries=args.retries,
+                )
+                lib_rows = summarize(per_rank, args.steps)
+                fp_row, peer_row = lib_rows  # (LIBS order)
+                fp_row["kernels_vs_peer_cpu"] = fp_row["kernels_ms"] / peer_row["cpu_ms"]
+                for lib_row in lib_rows:
+                    row = {"size": size.name, "ranks": ranks, "schedule": sched, **lib_row, **info}
+                    rows.append(row)
+                    print(C.table([row], COLUMNS).splitlines()[-1], flush=True)
+    extras: dict[str, Any] = {}
+    if args.sweep:
+        size = C.SIZES[args.sizes[0]]
+        got = sweep(size.width, size.batch // size.microbatches, args.sweep, args.sweep_reps)
+        extras["sweep"] = got
+        print()
+        print(f"one product of {size.batch // size.microbatches} x {size.width} rows by a weight:")
+        print(C.table(got, SWEEP_COLUMNS))
+    return rows, extras
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="kernels.py",
+        description="The arithmetic's kernels inside a step against the same kernels hot, "
+        "funcpipe and torch.distributed.pipelining.",
+    )
+    ap.add_argument("--sizes", nargs="+", default=["small"], choices=sorted(C.SIZES))
+    ap.add_argument("--ranks", nargs="+", type=int, default=[2])
+    ap.add_argument("--schedules", nargs="+", default=DEFAULT_SCHEDULES, choices=C.PEER_SCHEDULES)
+    ap.add_argument("--steps", type=int, default=20, help="steps per block (timed, then clocked)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
+    ap.add_argument("--hot-reps", type=int, default=200, help="calls per hot kernel replay")
+    ap.add_argument(
+        "--sweep",
+        nargs="*",
+        type=int,
+        default=[],
+        metavar="MIB",
+        help="working sets (MiB) for the product-time sweep, e.g. 1 2 4 8 16 32 64",
+    )
+    ap.add_argument("--sweep-reps", type=int, default=256, help="products per sweep sample")
+    C.pool_options(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None, *, pool: C.PoolFactory | None = None) -> Any:
+    return C.run_main("kernels.py", argv, pool, parser, COLUMNS, run)
+
+
+if __name__ == "__main__":
+    main()
