@@ -11,19 +11,24 @@ come from further away in the memory hierarchy.
 Per (size, ranks, schedule), on one gloo pool: funcpipe (``Pipeline(transport="dist")``) and
 torch.distributed.pipelining run the same model and schedule. For each library every rank
 times a block of ``--steps`` steps (CPU time, ``time.process_time``), then runs another block
-under a dispatch mode that reads the thread's CPU time (``time.thread_time``) around every
-kernel of the arithmetic (``KERNELS``: the Linear products and GELU with its derivative,
-autograd's backward included) and sums it by kernel and input shapes. After both libraries'
+under a dispatch mode that reads the thread's CPU time (``time.thread_time``) around every aten
+op (autograd's backward included) and sums it: for the kernels of the arithmetic (``KERNELS``:
+the Linear products and GELU with its derivative) by kernel and input shapes, for every other
+op by name. After both libraries'
 blocks every rank replays each (kernel, shapes) hot: fresh operands of the recorded shapes (a
 Linear's weight transposed as ``nn.Linear`` passes it, the runtime's weight product ``addmm_``
 with a transposed gradient), ``--hot-reps`` calls in a row, the median CPU time of one.
 Reported per library, per step and summed over the ranks: CPU, the kernels' CPU time in the
-step, the same calls hot, and the rest (CPU minus the kernels in the step); on funcpipe's row
+step, the same calls hot, and the rest (CPU minus the kernels in the step), split into the
+other aten ops (bias sums, transposes, views, the loss, collectives...) and what runs outside
+any op (Python, autograd's engine, system calls); on funcpipe's row
 ``kernels / peer CPU``: its kernels' time in the step against the peer's whole CPU per step, the
 CPU ratio funcpipe / peer a step would reach with nothing but those kernels. CPU time, not wall
 time: a rank that loses its core in the middle of a kernel (4 ranks on 2 cores, gloo's threads)
-is not charged for the wait. The dispatch mode's Python runs between the kernels of the clocked
-block, never inside the timed calls; the block's CPU is measured without it.
+is not charged for the wait. The dispatch mode's Python runs between the ops of the clocked
+block, never inside the timed calls; the block's CPU is measured without it (so "outside ops",
+the block's CPU minus the clocked ops, leans low: the clocked block's ops meet caches its
+Python has disturbed).
 
 ``--sweep``: in this process, one thread, the microbatch's Linear product (``x @ w.T`` with
 ``x`` of the model's microbatch rows, ``w`` one width x width weight) over N weights in turn,
@@ -65,6 +70,8 @@ COLUMNS: list[C.Column] = [
     ("hot_ms", "same kernels hot ms", ".1f"),
     ("in_step_vs_hot", "in step / hot", ".2f"),
     ("rest_ms", "rest ms", ".1f"),
+    ("others_ms", "other ops ms", ".1f"),
+    ("outside_ms", "outside ops ms", ".1f"),
     ("kernels_vs_peer_cpu", "kernels / peer CPU", ".2f"),
     ("grad_diff", "grads fp vs peer", ".1e"),
     ("runnable", "runnable (mean)", ".1f"),
@@ -142,9 +149,10 @@ def hot_us(name: str, shapes: Sequence[Sequence[int]], dtype: Any, reps: int) ->
 
 def kernel_clock() -> Any:
     """A dispatch mode that sums the CPU time (``time.thread_time``) and counts the calls of
-    each kernel of ``KERNELS`` by the shapes of its positional arguments (``[]``: not a
-    tensor), in ``.got``: (kernel, shapes) -> {shapes, calls, us}. It sees the kernels of
-    autograd's backward too (on CPU the engine runs them on the calling thread)."""
+    every aten op: each kernel of ``KERNELS`` by the shapes of its positional arguments
+    (``[]``: not a tensor) in ``.got`` ((kernel, shapes) -> {shapes, calls, us}), every other
+    op by name in ``.others`` (name -> {calls, us}). It sees the ops of autograd's backward too
+    (on CPU the engine runs them on the calling thread)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -152,20 +160,22 @@ def kernel_clock() -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.got: dict[tuple[str, str], dict[str, Any]] = {}
+            self.others: dict[str, dict[str, Any]] = {}
 
         def __torch_dispatch__(
             self, func: Any, types: Any, args: Any = (), kwargs: Any = None
         ) -> Any:
-            name = func._schema.name
-            if name not in KERNELS:
-                return func(*args, **(kwargs or {}))
             t0 = time.thread_time()
             out = func(*args, **(kwargs or {}))
             dt = time.thread_time() - t0
-            shapes = [list(t.shape) if isinstance(t, torch.Tensor) else [] for t in args]
-            got = self.got.setdefault(
-                (name, str(shapes)), {"shapes": shapes, "calls": 0, "us": 0.0}
-            )
+            name = func._schema.name
+            if name in KERNELS:
+                shapes = [list(t.shape) if isinstance(t, torch.Tensor) else [] for t in args]
+                got = self.got.setdefault(
+                    (name, str(shapes)), {"shapes": shapes, "calls": 0, "us": 0.0}
+                )
+            else:
+                got = self.others.setdefault(name, {"calls": 0, "us": 0.0})
             got["calls"] += 1
             got["us"] += dt * 1e6
             return out
@@ -173,13 +183,13 @@ def kernel_clock() -> Any:
     return KernelClock()
 
 
-def clocked(step: Callable[[], Any], steps: int) -> dict[tuple[str, str], dict[str, Any]]:
-    """Per (kernel, shapes): calls and CPU microseconds over ``steps`` steps."""
+def clocked(step: Callable[[], Any], steps: int) -> Any:
+    """The :func:`kernel_clock` of ``steps`` steps."""
     clock = kernel_clock()
     with clock:
         for _ in range(steps):
             step()
-    return clock.got
+    return clock
 
 
 def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -223,9 +233,9 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         dist.barrier()  # the block ends when the slowest rank is done
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         dist.barrier()
-        kernels = clocked(steps[lib], cfg["steps"])
+        clock = clocked(steps[lib], cfg["steps"])
         dist.barrier()
-        out[lib] = {"wall": wall, "cpu": cpu, "kernels": kernels}
+        out[lib] = {"wall": wall, "cpu": cpu, "kernels": clock.got, "others": clock.others}
     # hot replays after every block, all ranks at once (as the steps ran)
     for lib in LIBS:
         for (name, _), k in out[lib]["kernels"].items():
@@ -262,6 +272,13 @@ def summarize(per_rank: list[dict[str, Any]], steps: int) -> list[dict[str, Any]
         for k in kernels.values():  # hot: (mean us, calls) per rank; None: not replayable
             k["replayed"] = all(h is not None for h, _ in k["hot"])
         replayed = [k for k in kernels.values() if k["replayed"]]
+        others: dict[str, dict[str, float]] = {}
+        for r in per_rank:
+            for name, o in r[lib]["others"].items():
+                got_o = others.setdefault(name, {"calls": 0, "us": 0.0})
+                got_o["calls"] += o["calls"]
+                got_o["us"] += o["us"]
+        others_ms = sum(o["us"] for o in others.values()) / steps / 1e3
         in_step = sum(k["us"] for k in kernels.values()) / steps / 1e3
         in_step_replayed = sum(k["us"] for k in replayed) / steps / 1e3
         hot = sum(h * n for k in replayed for h, n in k["hot"]) / steps / 1e3
@@ -287,6 +304,15 @@ def summarize(per_rank: list[dict[str, Any]], steps: int) -> list[dict[str, Any]
                 "in_step_vs_hot": in_step_replayed / hot if hot > 0 else None,
                 "not_replayed_ms": in_step - in_step_replayed,
                 "rest_ms": cpu * 1e3 - in_step,
+                "others_ms": others_ms,
+                "outside_ms": cpu * 1e3 - in_step - others_ms,
+                "other_ops": {
+                    name: {
+                        "calls_per_step": o["calls"] / steps,
+                        "ms_per_step": o["us"] / steps / 1e3,
+                    }
+                    for name, o in sorted(others.items(), key=lambda kv: -kv[1]["us"])
+                },
                 "grad_diff": max(r["grad_diff"] for r in per_rank),
                 "kernels": detail,
             }

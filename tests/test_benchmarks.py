@@ -182,6 +182,8 @@ def test_kernels_runs_replays_every_kernel_and_gradients_agree(pool: Pool) -> No
         # every kernel the step ran was replayed hot with its recorded shapes
         assert r["not_replayed_ms"] == 0 and all(k["hot_us"] > 0 for k in r["kernels"])
         assert r["kernels_ms"] > 0 and r["hot_ms"] > 0 and r["cpu_ms"] > 0
+        assert r["others_ms"] > 0 and "aten::t" in r["other_ops"]
+        assert r["outside_ms"] == pytest.approx(r["rest_ms"] - r["others_ms"])
     assert "aten::addmm_" in {k["kernel"] for k in rows[0]["kernels"]}  # funcpipe's W sums
     assert rows[0]["kernels_vs_peer_cpu"] == rows[0]["kernels_ms"] / rows[1]["cpu_ms"]
     assert [s["mib"] for s in extras["sweep"]] == [1, 2] and extras["sweep"][0]["vs_smallest"] == 1
