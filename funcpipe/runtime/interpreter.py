@@ -139,7 +139,9 @@ class _Rank:
         # _deferral_plan); owner -> what waits
         self.defer: set[int] = set()
         self.flush_at: set[int] = set()
-        if x.batch_weights and p.training and not x.check_finite:  # checks name a microbatch
+        # (checks name a microbatch; a traced step keeps each B whole, the B its timeline
+        # shows and the simulator models)
+        if x.batch_weights and p.training and not x.check_finite and not x.trace:
             self.defer, self.flush_at = _deferral_plan(
                 p.ranks[x.rank], x.recompute, extra=x.batch_weights_extra
             )

@@ -395,6 +395,37 @@ def test_a_backward_sends_its_input_gradient_before_its_weight_products(
     assert follows == [["W", "send grad"]] * 8, events
 
 
+def test_a_traced_step_leaves_no_weight_products_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPipe's B's leave their Linear weight products waiting for one batched sum per rank (and
+    batch_weights_extra lets more wait); a traced step sums each B's inside that B, so every B
+    event of its timeline is the whole backward. Same gradients either way."""
+    from funcpipe.runtime import linear
+    from funcpipe.schedule.ir import Op
+
+    sizes: list[int] = []
+    real = linear.weight_batch
+
+    def weight_batch(deferred, params):  # type: ignore[no-untyped-def]
+        sizes.append(len(deferred))
+        return real(deferred, params)
+
+    monkeypatch.setattr(linear, "weight_batch", weight_batch)
+    stages, params = toy(2)
+    x, y = data(8)
+    pipe = Pipeline(
+        stages, generate("gpipe", ranks=2, microbatches=4), loss_fn=mse, batch_weights_extra=2
+    )
+    _, ref_grads = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
+    assert_trees_close(pipe.step(params, x, y).grads, ref_grads)
+    assert sizes == [4, 4]  # one batched sum per rank
+    sizes.clear()
+    traced = pipe.step(params, x, y, trace=True)
+    assert_trees_close(traced.grads, ref_grads)
+    assert sizes == [1] * 8  # each B its own, inside it
+    backwards = [e for events in traced.timeline.events for e in events if e.instr.op is Op.B]
+    assert len(backwards) == 8
+
+
 def test_nan_in_a_postponed_weight_gradient_is_reported() -> None:
     """A parameter gradient summed after the B's sends is still checked, and named."""
     from funcpipe.errors import NonFiniteError
