@@ -73,35 +73,15 @@ def machine_idle() -> tuple[int, int] | None:
 
 
 def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    import torch
     import torch.distributed as dist
 
-    import funcpipe as fp
     from benchmarks import vs_peer
 
     size = C.Size(**cfg["size"])
-    spec = C.SCHEDULES[cfg["schedule"]]
-    program = C.program_for(spec.name, ranks=dist.get_world_size(), microbatches=size.microbatches)
-    n = program.n_stages
-    mine = sorted(program.stages_on(rank))
-
-    def build(dtype: torch.dtype) -> tuple[Any, Any, list[Any], Any, Any, Any]:
-        model = C.mlp(size.width, layers=size.layers, dtype=dtype, seed=cfg["seed"])
-        stages, params = C.funcpipe_stages(model, n, kind="module")
-        pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
-        peer = vs_peer._Peer(spec, model, mine, n, size.microbatches)
-        x, y = C.data(size, dtype=dtype, seed=cfg["seed"] + 1)
-        return pipe, peer, params, x, y, model
-
-    pipe, peer, params, x, y, model = build(torch.float64)
-    names = vs_peer._stage_names(model, n, mine)
-    mine_fp = vs_peer._fp_grads(pipe.step(params, x, y).grads, names, model, mine, n)
-    peer.step(x, y)
-    diff = C.max_rel_diff(mine_fp, peer.grads(names))
-    del pipe, peer
-
-    pipe, peer, params, x, y, _ = build(torch.float32)
-    steps = {"funcpipe": lambda: pipe.step(params, x, y), "peer": lambda: peer.step(x, y)}
+    program = C.program_for(
+        cfg["schedule"], ranks=dist.get_world_size(), microbatches=size.microbatches
+    )
+    steps, diff = vs_peer.both_steps(rank, cfg)
     for _ in range(cfg["warmup"]):
         for lib in LIBS:
             steps[lib]()
@@ -123,8 +103,8 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         from benchmarks import _raw
 
         dist.barrier()
-        raw = _raw.measure(size, n, reps=cfg["raw_reps"], seed=cfg["seed"])
-        raw_work = size.microbatches * sum(raw.f[s] + raw.b[s] for s in mine)
+        raw = _raw.measure(size, program.n_stages, reps=cfg["raw_reps"], seed=cfg["seed"])
+        raw_work = size.microbatches * sum(raw.f[s] + raw.b[s] for s in program.stages_on(rank))
     return {"rank": rank, "blocks": blocks, "grad_diff": diff, "raw_work": raw_work}
 
 

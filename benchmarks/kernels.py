@@ -49,6 +49,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _common as C
@@ -88,7 +90,6 @@ SWEEP_COLUMNS: list[C.Column] = [
 
 def _operands(name: str, shapes: Sequence[Sequence[int]], dtype: Any) -> list[Any] | None:
     """Fresh operands of the recorded shapes for a hot replay (``None``: not replayable)."""
-    import torch
 
     def r(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, dtype=dtype)
@@ -110,23 +111,13 @@ def _operands(name: str, shapes: Sequence[Sequence[int]], dtype: Any) -> list[An
     return None
 
 
-_CALLS: dict[str, Callable[..., Any]] = {}
-
-
-def _call(name: str) -> Callable[..., Any]:
-    import torch
-
-    if not _CALLS:
-        _CALLS.update(
-            {
-                "aten::addmm": torch.addmm,
-                "aten::addmm_": lambda out, a, b: out.addmm_(a, b),
-                "aten::mm": torch.mm,
-                "aten::gelu": torch.nn.functional.gelu,
-                "aten::gelu_backward": torch.ops.aten.gelu_backward,
-            }
-        )
-    return _CALLS[name]
+_CALLS: dict[str, Callable[..., Any]] = {
+    "aten::addmm": torch.addmm,
+    "aten::addmm_": lambda out, a, b: out.addmm_(a, b),
+    "aten::mm": torch.mm,
+    "aten::gelu": torch.nn.functional.gelu,
+    "aten::gelu_backward": torch.ops.aten.gelu_backward,
+}
 
 
 def hot_us(name: str, shapes: Sequence[Sequence[int]], dtype: Any, reps: int) -> float | None:
@@ -135,7 +126,7 @@ def hot_us(name: str, shapes: Sequence[Sequence[int]], dtype: Any, reps: int) ->
     ops = _operands(name, shapes, dtype)
     if ops is None or reps < 1:
         return None
-    f = _call(name)
+    f = _CALLS[name]
     for _ in range(3):
         f(*ops)
     times = []
@@ -153,7 +144,6 @@ def kernel_clock() -> Any:
     (``[]``: not a tensor) in ``.got`` ((kernel, shapes) -> {shapes, calls, us}), every other
     op by name in ``.others`` (name -> {calls, us}). It sees the ops of autograd's backward too
     (on CPU the engine runs them on the calling thread)."""
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class KernelClock(TorchDispatchMode):
@@ -193,35 +183,11 @@ def clocked(step: Callable[[], Any], steps: int) -> Any:
 
 
 def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    import torch
     import torch.distributed as dist
 
-    import funcpipe as fp
     from benchmarks import vs_peer
 
-    size = C.Size(**cfg["size"])
-    spec = C.SCHEDULES[cfg["schedule"]]
-    program = C.program_for(spec.name, ranks=dist.get_world_size(), microbatches=size.microbatches)
-    n = program.n_stages
-    mine = sorted(program.stages_on(rank))
-
-    def build(dtype: torch.dtype) -> tuple[Any, Any, list[Any], Any, Any, Any]:
-        model = C.mlp(size.width, layers=size.layers, dtype=dtype, seed=cfg["seed"])
-        stages, params = C.funcpipe_stages(model, n, kind="module")
-        pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
-        peer = vs_peer._Peer(spec, model, mine, n, size.microbatches)
-        x, y = C.data(size, dtype=dtype, seed=cfg["seed"] + 1)
-        return pipe, peer, params, x, y, model
-
-    pipe, peer, params, x, y, model = build(torch.float64)
-    names = vs_peer._stage_names(model, n, mine)
-    mine_fp = vs_peer._fp_grads(pipe.step(params, x, y).grads, names, model, mine, n)
-    peer.step(x, y)
-    diff = C.max_rel_diff(mine_fp, peer.grads(names))
-    del pipe, peer
-
-    pipe, peer, params, x, y, _ = build(torch.float32)
-    steps = {"funcpipe": lambda: pipe.step(params, x, y), "peer": lambda: peer.step(x, y)}
+    steps, diff = vs_peer.both_steps(rank, cfg)
     out: dict[str, Any] = {"rank": rank, "grad_diff": diff}
     for lib in LIBS:
         for _ in range(cfg["warmup"]):
@@ -236,13 +202,16 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         clock = clocked(steps[lib], cfg["steps"])
         dist.barrier()
         out[lib] = {"wall": wall, "cpu": cpu, "kernels": clock.got, "others": clock.others}
-    # hot replays after every block, all ranks at once (as the steps ran)
+    # hot replays after both blocks, all ranks at once (as the steps ran); rows keyed by
+    # name, not by tuple, for the JSON
     for lib in LIBS:
-        for (name, _), k in out[lib]["kernels"].items():
-            k["hot_us"] = hot_us(name, k["shapes"], torch.float32, cfg["hot_reps"])
-    for lib in LIBS:  # tuple keys do not cross the process boundary as JSON later
         out[lib]["kernels"] = [
-            {"kernel": name, **k} for (name, _), k in out[lib]["kernels"].items()
+            {
+                "kernel": name,
+                **k,
+                "hot_us": hot_us(name, k["shapes"], torch.float32, cfg["hot_reps"]),
+            }
+            for (name, _), k in out[lib]["kernels"].items()
         ]
     return out
 
@@ -323,8 +292,6 @@ def summarize(per_rank: list[dict[str, Any]], steps: int) -> list[dict[str, Any]
 def sweep(width: int, rows: int, mib: Sequence[int], reps: int) -> list[dict[str, Any]]:
     """Microseconds per ``x @ w.T`` (``x``: rows x width) cycling over enough width x width
     weights to fill each working set in ``mib``."""
-    import torch
-
     x = torch.randn(rows, width)
     per_weight = width * width * 4
     out = []

@@ -148,6 +148,40 @@ def _fp_grads(
     return out
 
 
+def both_steps(rank: int, cfg: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """funcpipe's and the peer's float32 steps of ``cfg``'s (size, schedule, seed) on this rank,
+    as ``{"funcpipe": step, "peer": step}``, and how far their float64 gradients from the same
+    weights are apart (max |difference| / max |gradient| over this rank's stages)."""
+    import torch.distributed as dist
+
+    import funcpipe as fp
+
+    size = C.Size(**cfg["size"])
+    spec = C.SCHEDULES[cfg["schedule"]]
+    program = C.program_for(spec.name, ranks=dist.get_world_size(), microbatches=size.microbatches)
+    n = program.n_stages
+    mine = sorted(program.stages_on(rank))
+
+    def build(dtype: torch.dtype) -> tuple[Any, _Peer, list[Any], Any, Any, Any]:
+        model = C.mlp(size.width, layers=size.layers, dtype=dtype, seed=cfg["seed"])
+        stages, params = C.funcpipe_stages(model, n, kind="module")
+        pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
+        peer = _Peer(spec, model, mine, n, size.microbatches)
+        x, y = C.data(size, dtype=dtype, seed=cfg["seed"] + 1)
+        return pipe, peer, params, x, y, model
+
+    pipe, peer, params, x, y, model = build(torch.float64)
+    names = _stage_names(model, n, mine)
+    mine_fp = _fp_grads(pipe.step(params, x, y).grads, names, model, mine, n)
+    peer.step(x, y)
+    diff = C.max_rel_diff(mine_fp, peer.grads(names))
+    del pipe, peer
+
+    pipe, peer, params, x, y, _ = build(torch.float32)
+    steps = {"funcpipe": lambda: pipe.step(params, x, y), "peer": lambda: peer.step(x, y)}
+    return steps, diff
+
+
 def _any(flag: bool) -> bool:
     """True on every rank when it is true on some rank."""
     import torch.distributed as dist
