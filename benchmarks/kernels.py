@@ -14,10 +14,10 @@ times a block of ``--steps`` steps (CPU time, ``time.process_time``), then runs 
 under a dispatch mode that reads the thread's CPU time (``time.thread_time``) around every aten
 op (autograd's backward included) and sums it: for the kernels of the arithmetic (``KERNELS``:
 the Linear products and GELU with its derivative) by kernel and input shapes, for every other
-op by name. After both libraries'
-blocks every rank replays each (kernel, shapes) hot: fresh operands of the recorded shapes (a
-Linear's weight transposed as ``nn.Linear`` passes it, the runtime's weight product ``addmm_``
-with a transposed gradient), ``--hot-reps`` calls in a row, the median CPU time of one.
+op by name. After both libraries' blocks every rank replays each (kernel, shapes) hot: fresh
+operands of the recorded shapes (a Linear's weight transposed as ``nn.Linear`` passes it, the
+runtime's weight product ``addmm_`` with a transposed gradient), ``--hot-reps`` calls in a
+row, the median CPU time of one.
 Reported per library, per step and summed over the ranks: CPU, the kernels' CPU time in the
 step, the same calls hot, and the rest (CPU minus the kernels in the step), split into the
 other aten ops (bias sums, transposes, views, the loss, collectives...) and what runs outside
@@ -103,7 +103,7 @@ def _operands(name: str, shapes: Sequence[Sequence[int]], dtype: Any) -> list[An
         return [r(*dims[0]), r(b, a).t(), r(*dims[2])]  # gradient sum += g.t() @ x
     if name == "aten::mm" and len(dims) >= 2:
         return [r(*dims[0]), r(*dims[1])]
-    tensors = [d for d in dims if d]  # (the approximation argument records no shape)
+    tensors = [d for d in dims if d]  # (a non-tensor argument records [])
     if name == "aten::gelu" and len(tensors) == 1:
         return [r(*tensors[0])]
     if name == "aten::gelu_backward" and len(tensors) == 2:
@@ -216,6 +216,14 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _tally(into: dict[Any, dict[str, Any]], key: Any, got: dict[str, Any]) -> dict[str, Any]:
+    """Add ``got``'s calls and us into ``into[key]`` (created at zero); returns that entry."""
+    entry = into.setdefault(key, {"calls": 0, "us": 0.0})
+    entry["calls"] += got["calls"]
+    entry["us"] += got["us"]
+    return entry
+
+
 def summarize(per_rank: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
     """One row per library: per step, summed over the ranks."""
     rows = []
@@ -223,41 +231,31 @@ def summarize(per_rank: list[dict[str, Any]], steps: int) -> list[dict[str, Any]
         wall = per_rank[0][lib]["wall"] / steps
         cpu = sum(r[lib]["cpu"] for r in per_rank) / steps
         kernels: dict[tuple[str, str], dict[str, Any]] = {}
+        others: dict[str, dict[str, Any]] = {}
         for r in per_rank:
             for k in r[lib]["kernels"]:
-                got = kernels.setdefault(
-                    (k["kernel"], str(k["shapes"])),
-                    {
-                        "kernel": k["kernel"],
-                        "shapes": k["shapes"],
-                        "calls": 0,
-                        "us": 0.0,
-                        "hot": [],
-                    },
+                got = _tally(kernels, (k["kernel"], str(k["shapes"])), k)
+                got.setdefault("kernel", k["kernel"])
+                got.setdefault("shapes", k["shapes"])
+                # the same calls hot, in us (None: some rank could not replay them)
+                prev = got.get("hot", 0.0)
+                got["hot"] = (
+                    None if prev is None or k["hot_us"] is None else prev + k["hot_us"] * k["calls"]
                 )
-                got["calls"] += k["calls"]
-                got["us"] += k["us"]
-                got["hot"].append((k["hot_us"], k["calls"]))
-        for k in kernels.values():  # hot: (mean us, calls) per rank; None: not replayable
-            k["replayed"] = all(h is not None for h, _ in k["hot"])
-        replayed = [k for k in kernels.values() if k["replayed"]]
-        others: dict[str, dict[str, float]] = {}
-        for r in per_rank:
             for name, o in r[lib]["others"].items():
-                got_o = others.setdefault(name, {"calls": 0, "us": 0.0})
-                got_o["calls"] += o["calls"]
-                got_o["us"] += o["us"]
+                _tally(others, name, o)
+        replayed = [k for k in kernels.values() if k["hot"] is not None]
         others_ms = sum(o["us"] for o in others.values()) / steps / 1e3
         in_step = sum(k["us"] for k in kernels.values()) / steps / 1e3
         in_step_replayed = sum(k["us"] for k in replayed) / steps / 1e3
-        hot = sum(h * n for k in replayed for h, n in k["hot"]) / steps / 1e3
+        hot = sum(k["hot"] for k in replayed) / steps / 1e3
         detail = [
             {
                 "kernel": k["kernel"],
                 "shapes": k["shapes"],
                 "calls_per_step": k["calls"] / steps,
                 "in_step_us": k["us"] / k["calls"],
-                "hot_us": (sum(h * n for h, n in k["hot"]) / k["calls"] if k["replayed"] else None),
+                "hot_us": None if k["hot"] is None else k["hot"] / k["calls"],
             }
             for k in sorted(kernels.values(), key=lambda k: -k["us"])
             if k["calls"]

@@ -207,6 +207,42 @@ def test_kernels_replays_the_recorded_shapes() -> None:
     assert kernels.hot_us("aten::bmm", [[2, 3, 4]], torch.float32, 3) is None
 
 
+def test_kernels_summary_keeps_unreplayed_kernels_out_of_the_ratio() -> None:
+    def rank(hot: float | None) -> dict[str, Any]:
+        lib = {
+            "wall": 0.1,
+            "cpu": 0.05,
+            "kernels": [
+                {
+                    "kernel": "aten::mm",
+                    "shapes": [[2, 2], [2, 2]],
+                    "calls": 4,
+                    "us": 800.0,
+                    "hot_us": 100.0,
+                },
+                {
+                    "kernel": "aten::gelu",
+                    "shapes": [[2, 2]],
+                    "calls": 2,
+                    "us": 200.0,
+                    "hot_us": hot,
+                },
+            ],
+            "others": {"aten::t": {"calls": 10, "us": 1000.0}},
+        }
+        return {"rank": 0, "grad_diff": 0.0, "funcpipe": lib, "peer": lib}
+
+    fp_row, _ = kernels.summarize([rank(50.0), rank(None)], steps=2)
+    # per step over both ranks: mm 800 us in step, 400 hot; gelu 200, rank 1 could not replay it
+    assert fp_row["kernels_ms"] == pytest.approx(1.0) and fp_row["hot_ms"] == pytest.approx(0.4)
+    assert fp_row["not_replayed_ms"] == pytest.approx(0.2)
+    assert fp_row["in_step_vs_hot"] == pytest.approx(2.0)
+    assert fp_row["cpu_ms"] == pytest.approx(50.0) and fp_row["others_ms"] == pytest.approx(1.0)
+    assert fp_row["outside_ms"] == pytest.approx(48.0)
+    gelu = next(k for k in fp_row["kernels"] if k["kernel"] == "aten::gelu")
+    assert gelu["hot_us"] is None and gelu["calls_per_step"] == 2
+
+
 def test_weight_memory_refuses_n_0(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):  # before any process starts
         weight_memory.main(["--extra", "0"])
