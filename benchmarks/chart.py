@@ -74,12 +74,14 @@ def draw(rows: list[dict[str, Any]], out: str, *, title: str = "") -> None:
         ax.set_xticks(list(xs), names, fontsize=9)
         ax.set_ylabel("step time, ms (median)")
         ax.set_ylim(0, ymax)
-        ax.legend(fontsize=8, loc="upper left")
     for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
+    # one legend for the figure, above the panels, so it never covers a bar's ratio
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=2, fontsize=9, bbox_to_anchor=(0.5, 0.955))
     if title:
         fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
