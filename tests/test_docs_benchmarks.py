@@ -29,12 +29,13 @@ class _Parsed(Exception):
 def _commands(text: str) -> list[list[str]]:
     """The ``python benchmarks/<name>.py ...`` lines of the doc's ``sh`` blocks, as argv lists."""
     out = []
-    for block in re.findall(r"^```sh\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL):
+    blocks = re.findall(r"^[ \t]*```sh\n(.*?)^[ \t]*```", text, flags=re.MULTILINE | re.DOTALL)
+    for block in blocks:  # (a block may be indented under a list item)
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             while words and "=" in words[0] and not words[0].startswith("-"):
                 words = words[1:]  # environment assignments before the command
-            if words[:1] == ["python"] and words[1].startswith("benchmarks/"):
+            if len(words) > 1 and words[0] == "python" and words[1].startswith("benchmarks/"):
                 out.append(words[1:])
     return out
 
