@@ -7,6 +7,7 @@ error against a random target. ``small`` is the anchor's toy model (width 512, b
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import json
@@ -326,6 +327,21 @@ def write_json(path: str | None, payload: Mapping[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump({"machine": machine(), **payload}, f, indent=2, default=str)
         f.write("\n")
+
+
+def int_at_least(least: int, why: str = "") -> Callable[[str], int]:
+    """An argparse ``type``: a whole number >= ``least``; ``why`` is added to the refusal."""
+
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < least:
+            raise argparse.ArgumentTypeError(
+                f"{n}: must be >= {least}" + (f" ({why})" if why else "")
+            )
+        return n
+
+    parse.__name__ = "int"  # argparse names the type in its refusal of "x": invalid int value
+    return parse
 
 
 def pool_options(

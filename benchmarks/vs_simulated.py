@@ -257,7 +257,7 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--repeat",
-        type=_at_least_one,
+        type=C.int_at_least(1),
         default=1,
         help="run each schedule this many times and report the least noisy run (smallest "
         "IQR/median of its step ratios); every run's ratio is listed",
@@ -268,13 +268,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--stage-kind", default="module", choices=["module", "function"])
     C.pool_options(ap)
     return ap
-
-
-def _at_least_one(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n}: pass a whole number >= 1")
-    return n
 
 
 def main(

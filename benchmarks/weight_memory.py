@@ -155,20 +155,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sizes", nargs="+", default=["small", "large"], choices=sorted(C.SIZES))
     ap.add_argument("--ranks", nargs="+", type=int, default=[2])
     ap.add_argument("--schedules", nargs="+", default=DEFAULT_SCHEDULES, choices=list(C.SCHEDULES))
-    ap.add_argument("--extra", nargs="+", type=_positive, default=[1, 2], help="values of N >= 1")
+    ap.add_argument(
+        "--extra",
+        nargs="+",
+        type=C.int_at_least(1, "N = 0 is the default this benchmark compares against"),
+        default=[1, 2],
+        help="values of N >= 1",
+    )
     ap.add_argument("--pairs", type=int, default=30, help="timed A B pairs per cell")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
     C.pool_options(ap)
     return ap
-
-
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(
-            f"{n}: N must be >= 1 (0 is the default this benchmark compares against)"
-        )
-    return n
 
 
 def main(argv: list[str] | None = None, *, pool: C.PoolFactory | None = None) -> Any:

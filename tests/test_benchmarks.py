@@ -246,7 +246,7 @@ def test_kernels_summary_keeps_unreplayed_kernels_out_of_the_ratio() -> None:
 def test_weight_memory_refuses_n_0(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):  # before any process starts
         weight_memory.main(["--extra", "0"])
-    assert "N must be >= 1" in capsys.readouterr().err
+    assert "0: must be >= 1 (N = 0 is the default" in capsys.readouterr().err
 
 
 def test_memory_with_extra_weight_memory(pool: Pool) -> None:
