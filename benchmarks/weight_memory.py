@@ -1,13 +1,16 @@
-"""Memory for speed: ``Pipeline(batch_weights_extra=N)`` against the default, paired.
+"""Weight-gradient options against the default, paired: ``Pipeline(batch_weights_extra=N)``
+(memory for speed), or with ``--unstaged`` ``Pipeline(stage_weights=False)`` (what summing each
+Linear weight gradient once per step, its rows waiting in its own memory, buys).
 
     python benchmarks/weight_memory.py [--sizes small large] [--ranks 2] [--extra 1 2] [--pairs 30]
+    python benchmarks/weight_memory.py --unstaged [--schedules 1f1b zbv ...]
 
 By default a rank never keeps more activations than the program's peak, so 1F1B sums each
 steady-state backward's Linear weight gradients on its own (an 8-row product that reads and
 writes the whole weight-sized gradient). ``batch_weights_extra=N`` lets up to N more
 activations' worth wait, and the waiting products are summed over up to N + 1 microbatches in
 one product. Per (size, ranks, schedule, N): two pipelines on the same gloo pool, one with the
-default and one with N, stepped alternately A B A B after a barrier each (a step's time = its
+default and one with N (or ``stage_weights=False``), stepped alternately A B A B after a barrier each (a step's time = its
 slowest rank's); ``extra/default`` is the median of the paired ratios. Also reported: each
 side's peak activation count per rank (``step(...).peak_activations``) and that both give the
 same gradients (float64, before the timed float32 steps).
@@ -31,14 +34,14 @@ COLUMNS: list[C.Column] = [
     ("size", "size", ""),
     ("ranks", "ranks", "d"),
     ("schedule", "schedule", ""),
-    ("extra", "extra", "d"),
+    ("variant", "variant", ""),
     ("default_ms", "default ms", ".2f"),
-    ("extra_ms", "with extra ms", ".2f"),
-    ("ratio", "extra/default", ".3f"),
+    ("extra_ms", "variant ms", ".2f"),
+    ("ratio", "variant/default", ".3f"),
     ("ci", "95% CI", ""),
     ("peaks_default", "peak acts (default)", ""),
-    ("peaks_extra", "peak acts (extra)", ""),
-    ("grad_diff", "grads extra vs default", ".1e"),
+    ("peaks_extra", "peak acts (variant)", ""),
+    ("grad_diff", "grads variant vs default", ".1e"),
     ("runnable", "runnable (mean)", ".1f"),
     ("attempts", "runs", "d"),
 ]
@@ -60,23 +63,23 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         stages, params = C.funcpipe_stages(model, program.n_stages, kind="module")
         x, y = C.data(size, dtype=dtype, seed=cfg["seed"] + 1)
         made = {
-            e: fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist", batch_weights_extra=e)
-            for e in (0, cfg["extra"])
+            side: fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist", **kwargs)
+            for side, kwargs in (("default", {}), ("extra", cfg["variant"]))
         }
         return made, params, x, y
 
     made, params, x, y = pipes(torch.float64)
     results = {e: p.step(params, x, y) for e, p in made.items()}
     # this rank's gradients (None for the stages it does not hold, in both)
-    ga, gb = (C.flat_grads(results[e].grads) for e in (0, cfg["extra"]))
+    ga, gb = (C.flat_grads(results[e].grads) for e in ("default", "extra"))
     if [g is None for g in ga] != [g is None for g in gb]:
         diff = float("inf")
     else:
         held = [k for k, g in enumerate(ga) if g is not None]
         diff = C.max_rel_diff([gb[k] for k in held], [ga[k] for k in held])
     made, params, x, y = pipes(torch.float32)
-    times: dict[int, list[float]] = {0: [], cfg["extra"]: []}
-    peaks: dict[int, int] = {}
+    times: dict[str, list[float]] = {"default": [], "extra": []}
+    peaks: dict[str, int] = {}
     for k in range(cfg["warmup"] + cfg["pairs"]):
         for e, pipe in made.items():
             dist.barrier()
@@ -88,10 +91,10 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
             peaks[e] = res.peak_activations[rank]
     return {
         "rank": rank,
-        "default": times[0],
-        "extra": times[cfg["extra"]],
-        "peak_default": peaks[0],
-        "peak_extra": peaks[cfg["extra"]],
+        "default": times["default"],
+        "extra": times["extra"],
+        "peak_default": peaks["default"],
+        "peak_extra": peaks["extra"],
         "grad_diff": diff,
     }
 
@@ -104,11 +107,17 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
         size = C.SIZES[size_name]
         for ranks in args.ranks:
             for sched in args.schedules:
-                for extra in args.extra:
+                variants: list[dict[str, Any]] = (
+                    [{"stage_weights": False}]
+                    if args.unstaged
+                    else [{"batch_weights_extra": n} for n in args.extra]
+                )
+                for variant in variants:
+                    extra = variant.get("batch_weights_extra", 0)
                     cfg = {
                         "size": vars(size),
                         "schedule": sched,
-                        "extra": extra,
+                        "variant": variant,
                         "seed": args.seed,
                         "pairs": args.pairs,
                         "warmup": args.warmup,
@@ -131,6 +140,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                         "ranks": ranks,
                         "schedule": sched,
                         "extra": extra,
+                        "variant": ", ".join(f"{k}={v}" for k, v in variant.items()),
                         "default_ms": C.median(a) * 1e3,
                         "extra_ms": C.median(b) * 1e3,
                         "ratio": C.median(ratios),
@@ -150,7 +160,8 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="weight_memory.py",
-        description="Pipeline(batch_weights_extra=N) against the default, paired steps.",
+        description="Pipeline(batch_weights_extra=N), or Pipeline(stage_weights=False), "
+        "against the default, paired steps.",
     )
     ap.add_argument("--sizes", nargs="+", default=["small", "large"], choices=sorted(C.SIZES))
     ap.add_argument("--ranks", nargs="+", type=int, default=[2])
@@ -161,6 +172,11 @@ def parser() -> argparse.ArgumentParser:
         type=C.int_at_least(1, "N = 0 is the default this benchmark compares against"),
         default=[1, 2],
         help="values of N >= 1",
+    )
+    ap.add_argument(
+        "--unstaged",
+        action="store_true",
+        help="compare Pipeline(stage_weights=False) with the default instead (--extra unused)",
     )
     ap.add_argument("--pairs", type=int, default=30, help="timed A B pairs per cell")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")

@@ -185,7 +185,20 @@ class Pipeline:
             and incoming gradient, about one activation of an MLP stage; in exchange 1F1B's
             steady state sums its weight gradients over up to ``batch_weights_extra + 1``
             microbatches at once instead of one by one. ``step(...).peak_activations`` reports
-            what was kept.
+            what was kept. Where ``stage_weights`` applies it already sums once per step, at no
+            memory cost: this then matters only for products whose rows do not fit.
+        stage_weights: with ``batch_weights``, sum each such weight gradient once per step:
+            each B or W only copies its rows (the Linear's input and incoming gradient) into
+            the gradient's own memory, which holds nothing else until that sum is computed in
+            place, when the gradient is first read (a REDUCE, the end of the step)
+            (:mod:`funcpipe.runtime.staging`). No activation is kept longer and nothing
+            weight-sized is allocated. It applies while a rank's rows for that weight in one
+            step fit in half the gradient's memory (``rows * (in + out) <= in * out / 2``,
+            e.g. 128 rows for a 512 x 512 Linear); the rest is summed as without it. On CPU
+            8-row products are bound by memory traffic: the small benchmark's steps take
+            0.75-0.82x the time on the non-GPipe schedules (docs/benchmarks.md). ``False``:
+            W instructions compute their products where the schedule placed them. Off in a
+            traced step and with ``check_finite``, as the batching is.
         reuse_grads: write a step's gradient sums into the memory of gradients this pipeline
             returned in its last two steps, where nothing outside funcpipe refers to that
             memory any more (no reference to the tensor, no view, storage handle or NumPy
@@ -218,6 +231,7 @@ class Pipeline:
         batch_weights: bool = True,
         reuse_grads: bool = True,
         batch_weights_extra: int = 0,
+        stage_weights: bool = True,
     ) -> None:
         if p2p not in ("auto", "torch"):
             raise InvalidArgument(
@@ -322,6 +336,9 @@ class Pipeline:
                 "more weight products to wait for a batched sum)"
             )
         self.batch_weights_extra = batch_weights_extra
+        if not isinstance(stage_weights, bool):
+            raise InvalidArgument(f"stage_weights={stage_weights!r}: pass True or False")
+        self.stage_weights = stage_weights
         if not isinstance(reuse_grads, bool):
             raise InvalidArgument(f"reuse_grads={reuse_grads!r}: pass True or False")
         self.grad_memory = GradMemory() if reuse_grads else None
@@ -745,6 +762,7 @@ class Pipeline:
             check_finite=self.check_finite,
             batch_weights=self.batch_weights,
             batch_weights_extra=self.batch_weights_extra,
+            stage_weights=self.stage_weights,
             ties=ties,
             data_size=self.data,
         )

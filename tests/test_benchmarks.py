@@ -145,6 +145,12 @@ def test_weight_memory_runs_and_gradients_agree(pool: Pool) -> None:
     (row,) = weight_memory.main([*argv, "--warmup", "1"], pool=pool)
     assert row["grad_diff"] < 1e-12 and len(row["extra_times"]) == len(row["default_times"]) == 2
     assert row["peaks_default"] == "2,1" and row["peaks_extra"] == "4,3"  # 1F1B's last rank: 1 + 2
+    assert row["variant"] == "batch_weights_extra=2"
+    argv = ["--sizes", "tiny", "--schedules", "1f1b", "zbv", "--unstaged", "--pairs", "2"]
+    rows = weight_memory.main([*argv, "--warmup", "1"], pool=pool)
+    assert [r["variant"] for r in rows] == ["stage_weights=False"] * 2
+    for r in rows:  # the same peaks: staging keeps nothing alive
+        assert r["grad_diff"] < 1e-12 and r["peaks_default"] == r["peaks_extra"]
 
 
 @pytest.mark.timeout(120)

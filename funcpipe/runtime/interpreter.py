@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from funcpipe.errors import InvalidArgument, NonFiniteError
-from funcpipe.runtime import autodiff, linear, reuse
+from funcpipe.runtime import autodiff, linear, reuse, staging
 from funcpipe.runtime.plan import Layout, OutputSpec, rebuild
 from funcpipe.runtime.transport import Handle, Transport
 from funcpipe.schedule.check import in_program
@@ -75,6 +75,9 @@ class RankInputs:
     # ... or at most this many activations more than the program's peak (Pipeline's
     # batch_weights_extra: memory traded for fewer, larger weight products)
     batch_weights_extra: int = 0
+    # ... and each Linear weight gradient summed once per step, its rows waiting in the
+    # gradient's own memory (Pipeline's stage_weights; funcpipe.runtime.staging)
+    stage_weights: bool = True
 
 
 @dataclass
@@ -145,7 +148,17 @@ class _Rank:
             self.defer, self.flush_at = _deferral_plan(
                 p.ranks[x.rank], x.recompute, extra=x.batch_weights_extra
             )
+            # and Linear weight gradients summed once per step, their rows waiting in the
+            # gradient's own memory (funcpipe.runtime.staging; settled before .grad is read)
+            for leaves in self.leaves.values() if x.stage_weights else ():
+                for leaf in leaves:
+                    staging.allow(leaf)
         self.waiting: dict[int, list[linear.Deferred]] = {}
+        self.backwards: dict[int, int] = {}  # owner -> its B and W instructions on this rank
+        for i in p.ranks[x.rank]:
+            if i.op in (Op.B, Op.W):
+                o = self.owner[i.stage]
+                self.backwards[o] = self.backwards.get(o, 0) + 1
         # a B's Linear weight products summed right after the B's sends (see backward)
         self.after_sends: tuple[linear.Deferred, list[Tensor], int, int] | None = None
         # owners whose graphs (as first seen this step) have no Linear-shaped product, or some
@@ -320,11 +333,14 @@ class _Rank:
     def _unshare_owner(self, o: int) -> None:
         for key in [key for key in self.shared if key[0] == o]:
             leaf = self.leaves[o][key[1]]
+            staging.settle(leaf)
             if leaf.grad is not None:
                 leaf.grad = leaf.grad.clone()
             self.shared.discard(key)
 
     def _param_grads(self, s: int) -> list[Tensor | None]:
+        for t in self._params(s):
+            staging.settle(t)
         return [t.grad for t in self._params(s)]
 
     def _finite(
@@ -481,6 +497,9 @@ class _Rank:
         for o in owners:
             waiting = self.waiting.pop(o)
             self._unshare_owner(o)
+            if len(waiting) == self.backwards[o]:  # the step's every row at once: nothing to
+                for leaf in self.leaves[o]:  # stage (GPipe), one product as it is
+                    staging.skip(leaf)
             linear.weight_batch(waiting, self.x.params[o][0])
             self._alive(-len(waiting))
 
@@ -576,6 +595,7 @@ class _Rank:
         into it)."""
         o, k = key
         leaf = self.leaves[o][k]
+        staging.settle(leaf)
         g = leaf.grad
         if g is None:
             g = leaf.grad = _zeros(leaf)
@@ -679,6 +699,7 @@ class _Rank:
 def _take_grad(leaf: Tensor) -> Tensor:
     """The gradient sum of a parameter leaf as a value (zeros if it got none); the leaf lets go
     of it."""
+    staging.settle(leaf)
     g = leaf.grad
     if g is None:
         return _zeros(leaf)

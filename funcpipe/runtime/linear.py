@@ -10,7 +10,10 @@ than letting the engine run the product's weight branch, buys two things:
   weight-sized tensor per microbatch (:func:`funcpipe.runtime.autodiff.backward_weight`);
 - the products of several microbatches can be summed as *one* product over all their rows
   (:func:`backward_deferred` keeps ``(x, g)``, :func:`weight_batch` does the sum): on CPU a
-  weight gradient over 8 rows is a skinny, memory-bound product, over 64 rows a real one.
+  weight gradient over 8 rows is a skinny, memory-bound product, over 64 rows a real one;
+- where the interpreter allows it, a product's rows are only copied into the gradient's own
+  memory and summed once per step (:mod:`funcpipe.runtime.staging`): the same one product
+  over all rows, with nothing kept alive for it.
 
 A product qualifies when its weight edge leads (directly or through one transpose) to a
 parameter leaf, its bias edge (if any) to another, and no other use of those parameters exists
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from funcpipe.runtime import engine, reuse
+from funcpipe.runtime import engine, reuse, staging
 
 __all__ = ["Deferred", "Linear", "backward_deferred", "match", "weight_batch"]
 
@@ -114,8 +117,9 @@ def add_product(
     (``accumulate``) or to ``result[k]``; in place where a gradient exists."""
     a, b = (g.t(), x) if lin.transposed else (x.t(), g)
     with torch.no_grad():  # x requires grad when it is on the input path: record nothing
-        prev = params[lin.weight].grad if accumulate else result[lin.weight]
-        if prev is not None:
+        if accumulate and staging.add(params[lin.weight], lin.transposed, x, g):
+            pass  # its rows wait in the gradient's own memory for one product per step
+        elif (prev := params[lin.weight].grad if accumulate else result[lin.weight]) is not None:
             prev.addmm_(a, b)
         else:  # the step's first: into memory an earlier step's gradient left, if offered
             spare = reuse.take(params[lin.weight]) if accumulate else None

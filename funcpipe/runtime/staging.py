@@ -1,0 +1,155 @@
+"""Linear weight gradients summed once per step, with their rows kept in the gradient's memory.
+
+A Linear's weight gradient over one microbatch is the product ``G = A @ B`` of the incoming
+gradient's and the input's rows (``g.T @ x`` for ``nn.Linear``). At 8 rows such a product is
+skinny: it reads and writes the whole weight-sized ``G`` to add 4 MFLOP, so summing microbatch by
+microbatch is bound by memory traffic. Summed once over all the step's rows it is one real
+product, but the rows have to wait somewhere until then.
+
+They wait in ``G``'s own memory. That memory is taken at the step's first product anyway (the
+default writes the first microbatch's product into it), and until the sum is computed it holds
+nothing else. While the step's rows fit in half of it, each product only copies its rows in
+(:meth:`Staged.add`); :meth:`Staged.finish` computes ``G`` in place over them. So no activation
+is kept longer than without it and no weight-sized tensor is allocated: the rank's memory is the
+same, its weight products are one per step instead of one per microbatch.
+
+Layout, for ``G`` of ``P x Q`` elements (row-major) and room for ``cap`` rows
+(``cap * (P + Q) <= P * Q / 2``):
+
+- ``A`` (``P x cap``, row-major) at the front: microbatch rows are appended as columns;
+- ``B`` (``cap x Q``) at the back, so its row ``r`` is exactly ``G``'s row ``P - cap + r``.
+
+:meth:`Staged.finish` computes ``G``'s rows ``[0, P - cap)`` from the bottom up, in blocks that
+only overwrite ``A`` rows already used (each block writes ``Q`` elements per row over ``A`` rows
+of ``cap`` elements: the blocks grow geometrically), then the last ``cap`` rows, which overlay
+``B``, one column block at a time, each block first copied out of ``B``. The workspace is
+``2 * cap * rows`` elements at most (``A``'s last ``cap`` rows and one column block of ``B``),
+a fraction of ``G``.
+
+The state rides on the step's own parameter leaf (like :mod:`funcpipe.runtime.reuse`'s offered
+memory): :func:`allow` lets a leaf stage, :func:`add` stages one product or declines,
+:func:`skip` withdraws the permission (a leaf whose products come all at once),
+:func:`settle` computes the sum into the leaf's ``.grad`` (adding to anything the engine put
+there meanwhile). Whatever reads a leaf's ``.grad`` settles it first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from funcpipe.runtime import reuse
+
+__all__ = ["Staged", "add", "allow", "capacity", "settle", "skip"]
+
+Tensor = torch.Tensor
+_ATTR = "_funcpipe_staged"  # True: may stage; a Staged: staging
+
+
+def capacity(p: int, q: int) -> int:
+    """Rows a ``p x q`` gradient's memory stages: its ``A`` and ``B`` fill at most half of it."""
+    return (p * q) // (2 * (p + q))
+
+
+class Staged:
+    """The rows of one weight gradient's products, kept in that gradient's memory."""
+
+    def __init__(self, buf: Tensor, transposed: bool) -> None:
+        p, q = buf.shape
+        cap = capacity(p, q)
+        flat = buf.view(-1)
+        self.g, self.transposed, self.cap, self.rows = buf, transposed, cap, 0
+        self.a = flat[: p * cap].view(p, cap)
+        self.b = flat[(p - cap) * q :].view(cap, q)
+
+    def add(self, x: Tensor, g: Tensor) -> bool:
+        """Copy in one product's rows (``x``: the input rows, ``g``: the incoming gradient's);
+        ``False`` (nothing copied) if they do not fit."""
+        n = x.shape[0]
+        if self.rows + n > self.cap:
+            return False
+        left, right = (g, x) if self.transposed else (x, g)
+        self.a[:, self.rows : self.rows + n].copy_(left.t())
+        self.b[self.rows : self.rows + n].copy_(right)
+        self.rows += n
+        return True
+
+    def finish(self) -> Tensor:
+        """``G`` = the sum of every added product, computed in place; returns ``G``."""
+        g, cap, u = self.g, self.cap, self.rows
+        p, q = g.shape
+        if u == 0:
+            return g.zero_()
+        a, b = self.a[:, :u], self.b[:u]
+        tail = a[p - cap :].clone()  # A's rows for G's last rows (they overlay B)
+        top = p - cap
+        while top > 0:  # G[low:top] overwrites A rows [0, ceil(top * cap / q)): all used
+            low = -(-top * cap // q)
+            if low >= top:  # (only when top == 1: that row is written over its own A row)
+                torch.mm(a[:top].clone(), b, out=g[:top])
+                break
+            torch.mm(a[low:top], b, out=g[low:top])
+            top = low
+        for c in range(0, q, cap):  # G's last rows overlay B: one column block at a time
+            block = b[:, c : c + cap].clone()
+            torch.mm(tail, block, out=g[p - cap :, c : c + cap])
+        return g
+
+
+def allow(leaf: Tensor) -> None:
+    """Let ``leaf``'s weight gradient this step be staged (:func:`add`)."""
+    leaf.__dict__[_ATTR] = True
+
+
+def skip(leaf: Tensor) -> None:
+    """``leaf``'s gradient is summed directly this step (its products come all at once):
+    withdraw :func:`allow` unless rows are staged already."""
+    if leaf.__dict__.get(_ATTR) is True:
+        del leaf.__dict__[_ATTR]
+
+
+def add(leaf: Tensor, transposed: bool, x: Tensor, g: Tensor) -> bool:
+    """Stage one product's rows for ``leaf``'s gradient; ``False``: the caller sums it itself
+    (staging not allowed, a gradient already there, a shape, layout or form that does not fit;
+    anything staged before is then settled into ``leaf.grad`` first)."""
+    state = leaf.__dict__.get(_ATTR)
+    if state is None:
+        return False
+    if state is True:
+        if leaf.grad is not None or not _fits(leaf, x, g):
+            del leaf.__dict__[_ATTR]
+            return False
+        buf = reuse.take(leaf)
+        if buf is None or not buf.is_contiguous():
+            buf = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
+        state = leaf.__dict__[_ATTR] = Staged(buf, transposed)
+    usable = leaf.grad is None and state.transposed == transposed and _same(state.g, x, g)
+    if usable and state.add(x, g):
+        return True
+    settle(leaf)
+    return False
+
+
+def _fits(leaf: Tensor, x: Tensor, g: Tensor) -> bool:
+    return leaf.dim() == 2 and capacity(*leaf.shape) >= x.shape[0] and _same(leaf, x, g)
+
+
+def _same(w: Tensor, x: Tensor, g: Tensor) -> bool:
+    return (
+        x.dim() == 2
+        and g.dim() == 2
+        and x.dtype == g.dtype == w.dtype
+        and x.device == g.device == w.device
+    )
+
+
+def settle(leaf: Tensor) -> None:
+    """Compute ``leaf``'s staged sum into its ``.grad`` (added to what is there); staging ends
+    for this step."""
+    state = leaf.__dict__.pop(_ATTR, None)
+    if not isinstance(state, Staged):
+        return
+    total = state.finish()
+    if leaf.grad is None:
+        leaf.grad = total
+    else:
+        leaf.grad.add_(total)

@@ -1,0 +1,210 @@
+"""Linear weight gradients staged in their own memory and summed once per step
+(funcpipe.runtime.staging): the in-place sum equals the products' sum, nothing is refused
+silently, and a pipeline step stages where it may and gives the reference's gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import funcpipe as fp
+from funcpipe.runtime import reuse, staging
+from funcpipe.schedule import generate
+
+F64 = torch.float64
+
+
+@given(
+    p=st.integers(2, 70),
+    q=st.integers(2, 70),
+    transposed=st.booleans(),
+    rows=st.lists(st.integers(1, 12), min_size=0, max_size=8),
+    seed=st.integers(0, 2**16),
+)
+def test_the_in_place_sum_equals_the_sum_of_the_products(
+    p: int, q: int, transposed: bool, rows: list[int], seed: int
+) -> None:
+    """Any shape, any row counts: finish() gives the sum of the accepted products, in the
+    gradient's own memory; a product that does not fit is refused whole and changes nothing."""
+    gen = torch.Generator().manual_seed(seed)
+    buf = torch.full((p, q), float("nan"), dtype=F64)  # stale memory: all of it is written
+    staged = staging.Staged(buf, transposed)
+    want = torch.zeros(p, q, dtype=F64)
+    used = 0
+    for n in rows:
+        n_in, n_out = (q, p) if transposed else (p, q)
+        x = torch.randn(n, n_in, generator=gen, dtype=F64)
+        g = torch.randn(n, n_out, generator=gen, dtype=F64)
+        fits = used + n <= staging.capacity(p, q)
+        assert staged.add(x, g) is fits
+        if fits:
+            used += n
+            want += g.t() @ x if transposed else x.t() @ g
+    got = staged.finish()
+    assert got.data_ptr() == buf.data_ptr()
+    assert staged.rows == used
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_staging_area_is_half_the_gradient_at_most() -> None:
+    for p, q in [(512, 512), (1024, 4096), (4096, 1024), (3, 1000), (2, 2)]:
+        cap = staging.capacity(p, q)
+        assert cap * (p + q) <= p * q / 2
+        assert cap < p and cap <= q / 2
+
+
+def _leaf(p: int, q: int) -> torch.Tensor:
+    return torch.zeros(p, q, dtype=F64, requires_grad=True)
+
+
+def test_a_leaf_stages_only_when_allowed_and_settles_into_its_grad() -> None:
+    gen = torch.Generator().manual_seed(0)
+    leaf = _leaf(16, 12)
+    x, g = (
+        torch.randn(2, 12, generator=gen, dtype=F64),
+        torch.randn(2, 16, generator=gen, dtype=F64),
+    )
+    assert not staging.add(leaf, True, x, g)  # not allowed: the caller sums it
+    staging.allow(leaf)
+    assert staging.add(leaf, True, x, g)
+    assert leaf.grad is None  # nothing to read until settled
+    staging.settle(leaf)
+    torch.testing.assert_close(leaf.grad, g.t() @ x)
+    assert not staging.add(leaf, True, x, g)  # settled: staging is over for this step
+    staging.settle(leaf)  # settling twice changes nothing
+    torch.testing.assert_close(leaf.grad, g.t() @ x)
+
+
+def test_settle_adds_to_what_the_engine_put_in_meanwhile() -> None:
+    gen = torch.Generator().manual_seed(1)
+    leaf = _leaf(16, 12)
+    staging.allow(leaf)
+    x, g = (
+        torch.randn(2, 12, generator=gen, dtype=F64),
+        torch.randn(2, 16, generator=gen, dtype=F64),
+    )
+    assert staging.add(leaf, True, x, g)
+    other = torch.randn(16, 12, generator=gen, dtype=F64)
+    leaf.grad = other.clone()  # as autograd's AccumulateGrad would for another use
+    x2 = torch.randn(1, 12, generator=gen, dtype=F64)
+    g2 = torch.randn(1, 16, generator=gen, dtype=F64)
+    assert not staging.add(leaf, True, x2, g2)  # a gradient is there: settled, caller adds
+    torch.testing.assert_close(leaf.grad, other + g.t() @ x)
+
+
+def test_overflow_settles_and_the_caller_takes_over() -> None:
+    gen = torch.Generator().manual_seed(2)
+    leaf = _leaf(8, 8)  # room for 2 rows
+    staging.allow(leaf)
+    assert staging.capacity(8, 8) == 2
+    x, g = torch.randn(2, 8, generator=gen, dtype=F64), torch.randn(2, 8, generator=gen, dtype=F64)
+    assert staging.add(leaf, False, x, g)
+    assert not staging.add(leaf, False, x[:1], g[:1])
+    torch.testing.assert_close(leaf.grad, x.t() @ g)
+    big = _leaf(8, 8)
+    staging.allow(big)
+    assert not staging.add(big, False, torch.zeros(3, 8, dtype=F64), torch.zeros(3, 8, dtype=F64))
+    assert big.grad is None  # declined before anything: the default path sums it
+
+
+def test_a_mismatched_form_or_dtype_is_declined() -> None:
+    leaf = _leaf(6, 6)
+    staging.allow(leaf)
+    x = torch.ones(1, 6, dtype=F64)
+    assert not staging.add(leaf, True, x.float(), x)  # a cast between: the engine's case
+    vec = torch.zeros(6, dtype=F64, requires_grad=True)
+    staging.allow(vec)
+    assert not staging.add(vec, True, x, x)
+    leaf = _leaf(6, 6)
+    staging.allow(leaf)
+    assert staging.add(leaf, True, x, 2 * x)
+    assert not staging.add(leaf, False, x, x)  # the other form of product: settled first
+    torch.testing.assert_close(leaf.grad, (2 * x).t() @ x)
+
+
+def test_staging_writes_into_the_memory_offered_for_the_gradient() -> None:
+    leaf = _leaf(8, 6)
+    spare = torch.empty(8, 6, dtype=F64)
+    reuse.offer_to(leaf, spare)
+    staging.allow(leaf)
+    assert staging.add(leaf, True, torch.ones(1, 6, dtype=F64), torch.ones(1, 8, dtype=F64))
+    staging.settle(leaf)
+    assert leaf.grad is not None and leaf.grad.data_ptr() == spare.data_ptr()
+
+
+def _mlp(width: int = 64, layers: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[m for _ in range(layers) for m in (nn.Linear(width, width), nn.GELU())]
+    ).double()
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def _count_finishes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    count = [0]
+    finish = staging.Staged.finish
+
+    def counted(self: staging.Staged) -> torch.Tensor:
+        count[0] += 1
+        return finish(self)
+
+    monkeypatch.setattr(staging.Staged, "finish", counted)
+    return count
+
+
+@pytest.mark.parametrize("width", [64, 32], ids=["fits", "overflows"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"])
+def test_a_step_sums_each_linear_weight_once_and_matches_the_reference(
+    name: str, width: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Width 64: a 64 x 64 gradient stages 16 rows, the whole batch; each Linear weight is
+    summed once per step, whatever the schedule (GPipe's deferral plan hands all 4 microbatches
+    over at once: that one product is not staged). Width 32: room for 8 of the 16 rows; the rest
+    is summed microbatch by microbatch (or, batched by the deferral plan, not staged at all)."""
+    model = _mlp(width)
+    prog = generate(name, ranks=2, microbatches=4)
+    part = fp.partition(model, stages=prog.n_stages)
+    x, y = torch.randn(16, width, dtype=F64), torch.randn(16, width, dtype=F64)
+    count = _count_finishes(monkeypatch)
+    _, grads = fp.Pipeline(part.stages, prog, loss_fn=_mse).step(part.params, x, y)
+    if width == 64:  # GPipe sums each weight's 4 microbatches as one batch, not staged
+        assert count[0] == (0 if name == "gpipe" else 4)
+    ref = torch.func.grad(lambda p: _mse(torch.func.functional_call(model, p, (x,)), y))(
+        dict(model.named_parameters())
+    )
+    got = torch.cat([g.flatten() for d in grads for g in d.values()])
+    want = torch.cat([g.flatten() for g in ref.values()])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"stage_weights": False}, {"batch_weights": False}, {"check_finite": True}],
+    ids=["off", "unbatched", "checked"],
+)
+def test_steps_that_need_per_microbatch_sums_do_not_stage(
+    options: dict[str, bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    part = fp.partition(_mlp(), stages=2)
+    x, y = torch.randn(16, 64, dtype=F64), torch.randn(16, 64, dtype=F64)
+    count = _count_finishes(monkeypatch)
+    pipe = fp.Pipeline(
+        part.stages, generate("1f1b", ranks=2, microbatches=4), loss_fn=_mse, **options
+    )
+    _, grads = pipe.step(part.params, x, y)
+    assert count[0] == 0
+    pipe = fp.Pipeline(part.stages, generate("1f1b", ranks=2, microbatches=4), loss_fn=_mse)
+    traced = pipe.step(part.params, x, y, trace=True)  # shows the B the simulator models
+    assert count[0] == 0
+    _, staged = pipe.step(part.params, x, y)
+    assert count[0] == 4
+    for want in (traced.grads, staged):  # the same sums, up to their order
+        for a, b in zip(grads, want, strict=True):
+            for k in a:
+                torch.testing.assert_close(a[k], b[k], rtol=1e-12, atol=1e-14)
