@@ -195,10 +195,11 @@ class Pipeline:
             weight-sized is allocated. It applies while a rank's rows for that weight in one
             step fit in half the gradient's memory (``rows * (in + out) <= in * out / 2``,
             e.g. 128 rows for a 512 x 512 Linear); the rest is summed as without it. On CPU
-            8-row products are bound by memory traffic: the small benchmark's steps take
-            0.75-0.82x the time on the non-GPipe schedules (docs/benchmarks.md). ``False``:
-            W instructions compute their products where the schedule placed them. Off in a
-            traced step and with ``check_finite``, as the batching is.
+            8-row products are bound by memory traffic: the small benchmark's steps took
+            0.83-0.87x the time on 2 ranks for the non-GPipe schedules, the large one's
+            0.97-1.03x (docs/benchmarks.md). ``False``: B and W compute their products where
+            the schedule placed them. Off in a traced step and with ``check_finite``, as the
+            batching is.
         reuse_grads: write a step's gradient sums into the memory of gradients this pipeline
             returned in its last two steps, where nothing outside funcpipe refers to that
             memory any more (no reference to the tensor, no view, storage handle or NumPy
