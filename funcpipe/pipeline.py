@@ -519,9 +519,10 @@ class Pipeline:
         ranks run one after the other, so its timeline shows the interleaving, not parallelism.
         A traced step keeps each B's Linear weight products inside the B (an untraced one sums
         them after the sends that follow it, so the gradient leaves first, or, where memory
-        allows, leaves them waiting to be summed with later microbatches' in one product;
-        ``batch_weights_extra`` has no effect on a traced step): each B's event is then the
-        whole backward, as the simulator and ``costs_from_timelines`` expect.
+        allows, leaves them waiting to be summed with later microbatches' in one product, or
+        stages their rows to be summed once per step; ``batch_weights_extra`` and
+        ``stage_weights`` have no effect on a traced step): each B's event is then the whole
+        backward, as the simulator and ``costs_from_timelines`` expect.
 
         ``params[k]`` is stage k's params pytree; with ``transport="dist"`` the stages this rank
         does not hold may be meta tensors (only their shapes are read). ``grads`` has the same

@@ -142,6 +142,9 @@ class _Rank:
         # _deferral_plan); owner -> what waits
         self.defer: set[int] = set()
         self.flush_at: set[int] = set()
+        # with staging: owner -> its B and W instructions on this rank (a batch of all of them
+        # is one product already: not staged)
+        self.backwards: dict[int, int] = {}
         # (checks name a microbatch; a traced step keeps each B whole, the B its timeline
         # shows and the simulator models)
         if x.batch_weights and p.training and not x.check_finite and not x.trace:
@@ -153,12 +156,11 @@ class _Rank:
             for leaves in self.leaves.values() if x.stage_weights else ():
                 for leaf in leaves:
                     staging.allow(leaf)
+            for i in p.ranks[x.rank] if x.stage_weights else ():
+                if i.op in (Op.B, Op.W):
+                    o = self.owner[i.stage]
+                    self.backwards[o] = self.backwards.get(o, 0) + 1
         self.waiting: dict[int, list[linear.Deferred]] = {}
-        self.backwards: dict[int, int] = {}  # owner -> its B and W instructions on this rank
-        for i in p.ranks[x.rank]:
-            if i.op in (Op.B, Op.W):
-                o = self.owner[i.stage]
-                self.backwards[o] = self.backwards.get(o, 0) + 1
         # a B's Linear weight products summed right after the B's sends (see backward)
         self.after_sends: tuple[linear.Deferred, list[Tensor], int, int] | None = None
         # owners whose graphs (as first seen this step) have no Linear-shaped product, or some
@@ -497,8 +499,8 @@ class _Rank:
         for o in owners:
             waiting = self.waiting.pop(o)
             self._unshare_owner(o)
-            if len(waiting) == self.backwards[o]:  # the step's every row at once: nothing to
-                for leaf in self.leaves[o]:  # stage (GPipe), one product as it is
+            if len(waiting) == self.backwards.get(o):  # the step's every row at once: one
+                for leaf in self.leaves[o]:  # product as it is, nothing to stage (GPipe)
                     staging.skip(leaf)
             linear.weight_batch(waiting, self.x.params[o][0])
             self._alive(-len(waiting))

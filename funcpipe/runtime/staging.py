@@ -21,7 +21,7 @@ Layout, for ``G`` of ``P x Q`` elements (row-major) and room for ``cap`` rows
 
 :meth:`Staged.finish` computes ``G``'s rows ``[0, P - cap)`` from the bottom up, in blocks that
 only overwrite ``A`` rows already used (each block writes ``Q`` elements per row over ``A`` rows
-of ``cap`` elements: the blocks grow geometrically), then the last ``cap`` rows, which overlay
+of ``cap`` elements, so the blocks shrink geometrically towards row 0), then the last ``cap`` rows, which overlay
 ``B``, one column block at a time, each block first copied out of ``B``. The workspace is
 ``2 * cap * rows`` elements at most (``A``'s last ``cap`` rows and one column block of ``B``),
 a fraction of ``G``.
@@ -82,7 +82,7 @@ class Staged:
         a, b = self.a[:, :u], self.b[:u]
         tail = a[p - cap :].clone()  # A's rows for G's last rows (they overlay B)
         top = p - cap
-        while top > 0:  # G[low:top] overwrites A rows [0, ceil(top * cap / q)): all used
+        while top > 0:  # G[low:top] lies over A's rows >= top, all used (low*q >= top*cap)
             low = -(-top * cap // q)
             if low >= top:  # (only when top == 1: that row is written over its own A row)
                 torch.mm(a[:top].clone(), b, out=g[:top])
