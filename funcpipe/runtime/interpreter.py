@@ -151,15 +151,15 @@ class _Rank:
             self.defer, self.flush_at = _deferral_plan(
                 p.ranks[x.rank], x.recompute, extra=x.batch_weights_extra
             )
-            # and Linear weight gradients summed once per step, their rows waiting in the
-            # gradient's own memory (funcpipe.runtime.staging; settled before .grad is read)
-            for leaves in self.leaves.values() if x.stage_weights else ():
-                for leaf in leaves:
+            if x.stage_weights:  # and Linear weight gradients summed once per step, their
+                # rows waiting in the gradient's own memory (funcpipe.runtime.staging;
+                # settled before .grad is read)
+                for leaf in (t for leaves in self.leaves.values() for t in leaves):
                     staging.allow(leaf)
-            for i in p.ranks[x.rank] if x.stage_weights else ():
-                if i.op in (Op.B, Op.W):
-                    o = self.owner[i.stage]
-                    self.backwards[o] = self.backwards.get(o, 0) + 1
+                for i in p.ranks[x.rank]:
+                    if i.op in (Op.B, Op.W):
+                        o = self.owner[i.stage]
+                        self.backwards[o] = self.backwards.get(o, 0) + 1
         self.waiting: dict[int, list[linear.Deferred]] = {}
         # a B's Linear weight products summed right after the B's sends (see backward)
         self.after_sends: tuple[linear.Deferred, list[Tensor], int, int] | None = None
