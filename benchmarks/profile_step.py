@@ -61,6 +61,11 @@ TIMED = [
         "funcpipe.runtime.interpreter:_Rank",
         "weights_after_sends",
     ),
+    ("    linear.weight_batch", "funcpipe.runtime.linear", "weight_batch"),
+    ("      linear.add_product", "funcpipe.runtime.linear", "add_product"),
+    ("        staging.add", "funcpipe.runtime.staging", "add"),
+    ("  staging.settle (staged sums, wherever run)", "funcpipe.runtime.staging", "settle"),
+    ("  sums while waiting (_Rank.idle)", "funcpipe.runtime.interpreter:_Rank", "idle"),
     (
         "  batched weight sums (flush_weights)",
         "funcpipe.runtime.interpreter:_Rank",

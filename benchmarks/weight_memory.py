@@ -1,9 +1,12 @@
 """Weight-gradient options against the default, paired: ``Pipeline(batch_weights_extra=N)``
-(memory for speed), or with ``--unstaged`` ``Pipeline(stage_weights=False)`` (what summing each
-Linear weight gradient once per step, its rows waiting in its own memory, buys).
+(memory for speed), with ``--unstaged`` ``Pipeline(stage_weights=False)`` (what summing each
+Linear weight gradient once per step, its rows waiting in its own memory, buys), or with
+``--idle on|off`` ``Pipeline(idle_weights=True|False)`` (what computing those sums while a rank
+waits, instead of at the end of the step, buys).
 
     python benchmarks/weight_memory.py [--sizes small large] [--ranks 2] [--extra 1 2] [--pairs 30]
     python benchmarks/weight_memory.py --unstaged [--schedules 1f1b zbv ...]
+    python benchmarks/weight_memory.py --idle off [--ranks 2]   # (4 ranks on 2 cores: --idle on)
 
 By default a rank never keeps more activations than the program's peak, so 1F1B sums each
 steady-state backward's Linear weight gradients on its own (an 8-row product that reads and
@@ -110,6 +113,8 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 variants: list[dict[str, Any]] = (
                     [{"stage_weights": False}]
                     if args.unstaged
+                    else [{"idle_weights": args.idle == "on"}]
+                    if args.idle
                     else [{"batch_weights_extra": n} for n in args.extra]
                 )
                 for variant in variants:
@@ -177,6 +182,12 @@ def parser() -> argparse.ArgumentParser:
         "--unstaged",
         action="store_true",
         help="compare Pipeline(stage_weights=False) with the default instead (--extra unused)",
+    )
+    ap.add_argument(
+        "--idle",
+        choices=["on", "off"],
+        help="compare Pipeline(idle_weights=True or False) with the default instead (whose "
+        "idle_weights=None turns it on where each process's threads have cores of their own)",
     )
     ap.add_argument("--pairs", type=int, default=30, help="timed A B pairs per cell")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")

@@ -285,3 +285,18 @@ def auto_bytes_step(rank: int) -> tuple[int, float, float]:
         pipe.step(params, x, y)
     figure = peak_memory(program, mem.activation, mem.for_w)[rank]
     return counter.peak, figure, caps[rank]
+
+
+def idle_weights_default(rank: int) -> tuple[int, bool, bool]:
+    """This host's processes as the pipeline counts them, and its idle_weights default against
+    the rule (the host's processes times their threads fit in this process's cores)."""
+    from funcpipe import pipeline
+
+    stages, _ = toy(2)
+    pipe = Pipeline(stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=mse)
+    here = pipeline._processes_here()
+    rule = here * torch.get_num_threads() <= pipeline._cores()
+    forced = Pipeline(
+        stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=mse, idle_weights=not rule
+    )
+    return here, pipe.idle_weights == rule, forced.idle_weights == (not rule)

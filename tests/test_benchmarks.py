@@ -151,6 +151,10 @@ def test_weight_memory_runs_and_gradients_agree(pool: Pool) -> None:
     assert [r["variant"] for r in rows] == ["stage_weights=False"] * 2
     for r in rows:  # the same peaks: staging keeps nothing alive
         assert r["grad_diff"] < 1e-12 and r["peaks_default"] == r["peaks_extra"]
+    argv = ["--sizes", "tiny", "--schedules", "interleaved", "--idle", "off", "--pairs", "2"]
+    (row,) = weight_memory.main([*argv, "--warmup", "1"], pool=pool)
+    assert row["variant"] == "idle_weights=False"
+    assert row["grad_diff"] < 1e-12 and row["peaks_default"] == row["peaks_extra"]
 
 
 @pytest.mark.timeout(120)

@@ -78,6 +78,10 @@ class RankInputs:
     # ... and each Linear weight gradient summed once per step, its rows waiting in the
     # gradient's own memory (Pipeline's stage_weights; funcpipe.runtime.staging)
     stage_weights: bool = True
+    # ... and a receive's wait computes the staged sums of the stages with at most one B or W
+    # left on this rank instead of leaving them for the end of the step (Pipeline's
+    # idle_weights; _Rank.idle)
+    idle_weights: bool = True
 
 
 @dataclass
@@ -90,6 +94,26 @@ class RankResult:
     times: list[float] = field(default_factory=list)  # with trace: start, end of each instruction
     # with RankInputs.scalars_group: (float64 [loss sum, metric sum, has loss], its reduction)
     scalars: tuple[Tensor, Handle] | None = None
+
+
+def _idle_plan(
+    instrs: Sequence[Instr], owner: Sequence[int], owners: Sequence[int]
+) -> dict[int, list[int]]:
+    """Where a receive's wait may sum weight gradients early (:meth:`_Rank.idle`): receive
+    index -> the owners with at most one B or W after it. Their sums would otherwise wait for
+    the end of the step, where the last rank to finish pays for them; summed while the rank
+    waits anyway they cost at most one extra in-place product per Linear (that B or W)."""
+    left = dict.fromkeys(owners, 0)
+    plan: dict[int, list[int]] = {}
+    for t in range(len(instrs) - 1, -1, -1):
+        i = instrs[t]
+        if i.op is Op.RECV:
+            ready = [o for o in owners if left[o] <= 1]
+            if ready:
+                plan[t] = ready
+        elif i.op in (Op.B, Op.W):
+            left[owner[i.stage]] += 1
+    return plan
 
 
 def _wait(handle: Handle) -> Generator[Handle, None, None]:
@@ -145,6 +169,8 @@ class _Rank:
         # with staging: owner -> its B and W instructions on this rank (a batch of all of them
         # is one product already: not staged)
         self.backwards: dict[int, int] = {}
+        # receive -> owners whose weight sums may fill its wait (see _idle_plan)
+        self.idle_at: dict[int, list[int]] = {}
         # (checks name a microbatch; a traced step keeps each B whole, the B its timeline
         # shows and the simulator models)
         if x.batch_weights and p.training and not x.check_finite and not x.trace:
@@ -160,6 +186,8 @@ class _Rank:
                     if i.op in (Op.B, Op.W):
                         o = self.owner[i.stage]
                         self.backwards[o] = self.backwards.get(o, 0) + 1
+                if x.idle_weights:
+                    self.idle_at = _idle_plan(p.ranks[x.rank], self.owner, list(self.leaves))
         self.waiting: dict[int, list[linear.Deferred]] = {}
         # a B's Linear weight products summed right after the B's sends (see backward)
         self.after_sends: tuple[linear.Deferred, list[Tensor], int, int] | None = None
@@ -505,6 +533,21 @@ class _Rank:
             linear.weight_batch(waiting, self.x.params[o][0])
             self._alive(-len(waiting))
 
+    def idle(self, h: Handle, owners: Sequence[int]) -> None:
+        """While ``h``'s data is not in, compute ``owners``' staged weight sums, which would
+        otherwise wait for the end of the step, one Linear at a time, checking for the data
+        between them. What is left when it arrives is summed as before; the B or W still to
+        come of these owners (at most one each, see :func:`_idle_plan`) adds its rows to the
+        sum in place."""
+        for o in owners:
+            if o in self.inflight:  # a reduction reads these gradients: not before it is done
+                continue
+            for leaf in self.leaves[o]:
+                if staging.staged(leaf):
+                    if h.ready():
+                        return
+                    staging.settle(leaf)
+
     def send(self, i: Instr) -> None:
         a, b = i.edge
         self.t.send(self.to_send.pop((i.kind, a, b, i.microbatch)), i.peer)
@@ -672,6 +715,8 @@ class _Rank:
                     self.weights_after_sends()
             elif op is Op.RECV:
                 h, then = posted.pop(t) if t in posted else self.recv(i)
+                if t in self.idle_at:
+                    self.idle(h, self.idle_at[t])
                 yield from _wait(h)
                 if then is not None:
                     then()

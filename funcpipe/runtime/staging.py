@@ -39,7 +39,7 @@ import torch
 
 from funcpipe.runtime import reuse
 
-__all__ = ["Staged", "add", "allow", "capacity", "settle", "skip"]
+__all__ = ["Staged", "add", "allow", "capacity", "settle", "skip", "staged"]
 
 Tensor = torch.Tensor
 _ATTR = "_funcpipe_staged"  # True: may stage; a Staged: staging
@@ -105,6 +105,11 @@ def skip(leaf: Tensor) -> None:
     withdraw :func:`allow` unless rows are staged already."""
     if leaf.__dict__.get(_ATTR) is True:
         del leaf.__dict__[_ATTR]
+
+
+def staged(leaf: Tensor) -> bool:
+    """``leaf`` has rows waiting (:func:`settle` would compute something)."""
+    return isinstance(leaf.__dict__.get(_ATTR), Staged)
 
 
 def add(leaf: Tensor, transposed: bool, x: Tensor, g: Tensor) -> bool:

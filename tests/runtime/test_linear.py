@@ -259,6 +259,7 @@ def test_pipeline_with_extra_memory_for_batched_weights(name: str, extra: int) -
         ({"batch_weights": 1}, "batch_weights"),  # the switches take True/False
         ({"reuse_grads": "yes"}, "reuse_grads"),  # (funcpipe.runtime.reuse)
         ({"stage_weights": None}, "stage_weights"),  # (funcpipe.runtime.staging)
+        ({"idle_weights": 1}, "idle_weights"),  # (True, False or None)
         ({"batch_weights_extra": -1}, "whole number >= 0"),
         ({"batch_weights_extra": 1.5}, "whole number >= 0"),
         ({"batch_weights_extra": True}, "whole number >= 0"),

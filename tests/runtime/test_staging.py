@@ -208,3 +208,118 @@ def test_steps_that_need_per_microbatch_sums_do_not_stage(
         for a, b in zip(grads, want, strict=True):
             for k in a:
                 torch.testing.assert_close(a[k], b[k], rtol=1e-12, atol=1e-14)
+
+
+# ------------------------------------------------------------------ sums while a rank waits
+def _count_idle_finishes(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Finishes in all, and those run inside _Rank.idle (a receive's wait)."""
+    from funcpipe.runtime import interpreter
+
+    counts = {"all": 0, "idle": 0}
+    inside = [False]
+    finish, idle = staging.Staged.finish, interpreter._Rank.idle
+
+    def counted(self: staging.Staged) -> torch.Tensor:
+        counts["all"] += 1
+        counts["idle"] += inside[0]
+        return finish(self)
+
+    def watched(self: object, *args: object) -> None:
+        inside[0] = True
+        try:
+            idle(self, *args)  # type: ignore[arg-type]
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(staging.Staged, "finish", counted)
+    monkeypatch.setattr(interpreter._Rank, "idle", watched)
+    return counts
+
+
+@pytest.mark.parametrize(("name", "early"), [("interleaved", 4), ("zbv", 1), ("dualpipev", 1)])
+def test_a_waiting_rank_sums_early_and_the_gradients_are_the_same(
+    name: str, early: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In one process a rank's receive is not ready until the driver runs its peer, so every
+    sum the idle plan allows is computed in the wait (deterministically); the stage's last B or
+    W then adds its rows in place. idle_weights=False computes them all at the end. Both give
+    the reference's gradients, each Linear finished once."""
+    model = _mlp()
+    prog = generate(name, ranks=2, microbatches=4)
+    part = fp.partition(model, stages=prog.n_stages)
+    x, y = torch.randn(16, 64, dtype=F64), torch.randn(16, 64, dtype=F64)
+    ref = torch.func.grad(lambda p: _mse(torch.func.functional_call(model, p, (x,)), y))(
+        dict(model.named_parameters())
+    )
+    want = torch.cat([g.flatten() for g in ref.values()])
+    for idle, in_wait in ((True, early), (False, 0)):
+        counts = _count_idle_finishes(monkeypatch)
+        pipe = fp.Pipeline(part.stages, prog, loss_fn=_mse, idle_weights=idle)
+        _, grads = pipe.step(part.params, x, y)
+        assert counts == {"all": 4, "idle": in_wait}, idle
+        got = torch.cat([g.flatten() for d in grads for g in d.values()])
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_the_idle_plan_names_the_waits_before_a_stages_last_backward() -> None:
+    """A receive may fill its wait with an owner's sums once at most one B or W of that owner
+    follows it on the rank; 1F1B: only each rank's last receive."""
+    from funcpipe.runtime.interpreter import _idle_plan
+    from funcpipe.schedule.ir import Op
+
+    for name in ["1f1b", "interleaved", "zb-h1", "zbv", "dualpipev", "gpipe"]:
+        prog = fp.Pipeline(
+            fp.partition(
+                _mlp(), stages=4 if name in ("interleaved", "zbv", "dualpipev") else 2
+            ).stages,
+            generate(name, ranks=2, microbatches=4),
+            loss_fn=_mse,
+        ).program
+        for r, instrs in enumerate(prog.ranks):
+            owners = sorted({i.stage for i in instrs if i.stage is not None})
+            plan = _idle_plan(instrs, range(prog.n_stages), owners)
+            for t, i in enumerate(instrs):
+                later = [j.stage for j in instrs[t + 1 :] if j.op in (Op.B, Op.W)]
+                allowed = [o for o in owners if later.count(o) <= 1]
+                if i.op is Op.RECV and allowed:
+                    assert plan[t] == allowed, (name, r, t)
+                else:
+                    assert t not in plan, (name, r, t)
+            if name == "1f1b":
+                recvs = [t for t, i in enumerate(instrs) if i.op is Op.RECV]
+                assert list(plan) == [recvs[-1]]
+
+
+class _Ready:
+    """A receive that is not in for the first ``n`` checks."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def ready(self) -> bool:
+        self.n -= 1
+        return self.n < 0
+
+
+def test_idle_stops_when_the_data_is_in_and_skips_gradients_being_reduced() -> None:
+    from types import SimpleNamespace
+
+    from funcpipe.runtime.interpreter import _Rank
+
+    gen = torch.Generator().manual_seed(0)
+
+    def staged_leaf() -> torch.Tensor:
+        leaf = _leaf(16, 12)
+        staging.allow(leaf)
+        x = torch.randn(2, 12, generator=gen, dtype=F64)
+        assert staging.add(leaf, True, x, torch.randn(2, 16, generator=gen, dtype=F64))
+        return leaf
+
+    leaves = {0: [staged_leaf(), staged_leaf()], 1: [staged_leaf()], 2: [staged_leaf()]}
+    rank = SimpleNamespace(inflight={1: ["a reduction"]}, leaves=leaves)
+    _Rank.idle(rank, _Ready(1), [0, 1, 2])  # type: ignore[arg-type]
+    assert [staging.staged(t) for t in leaves[0]] == [False, True]  # one sum, then the data
+    _Rank.idle(rank, _Ready(5), [0, 1, 2])  # type: ignore[arg-type]
+    assert not staging.staged(leaves[0][1]) and not staging.staged(leaves[2][0])
+    assert staging.staged(leaves[1][0])  # its owner's gradients are being reduced: untouched
+    assert leaves[2][0].grad is not None and leaves[1][0].grad is None
