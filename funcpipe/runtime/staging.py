@@ -9,22 +9,18 @@ product, but the rows have to wait somewhere until then.
 They wait in ``G``'s own memory. That memory is taken at the step's first product anyway (the
 default writes the first microbatch's product into it), and until the sum is computed it holds
 nothing else. While the step's rows fit in half of it, each product only copies its rows in
-(:meth:`Staged.add`); :meth:`Staged.finish` computes ``G`` in place over them. So no activation
-is kept longer than without it and no weight-sized tensor is allocated: the rank's memory is the
-same, its weight products are one per step instead of one per microbatch.
+(:meth:`Staged.add`); :meth:`Staged.finish` computes ``G`` over them. So no activation is kept
+longer and the rank's memory between products is the same; its weight products are one per
+step instead of one per microbatch.
 
-Layout, for ``G`` of ``P x Q`` elements (row-major) and room for ``cap`` rows
-(``cap * (P + Q) <= P * Q / 2``):
-
-- ``A`` (``P x cap``, row-major) at the front: microbatch rows are appended as columns;
-- ``B`` (``cap x Q``) at the back, so its row ``r`` is exactly ``G``'s row ``P - cap + r``.
-
-:meth:`Staged.finish` computes ``G``'s rows ``[0, P - cap)`` from the bottom up, in blocks that
-only overwrite ``A`` rows already used (each block writes ``Q`` elements per row over ``A`` rows
-of ``cap`` elements, so the blocks shrink geometrically towards row 0), then the last ``cap`` rows, which overlay
-``B``, one column block at a time, each block first copied out of ``B``. The workspace is
-``2 * cap * rows`` elements at most (``A``'s last ``cap`` rows and one column block of ``B``),
-a fraction of ``G``.
+Layout, for ``G`` of ``P x Q`` elements and room for ``cap`` rows (``cap * (P + Q) <= P * Q / 2``):
+the left operand's rows (``cap x P``) at the front of ``G``'s memory, the right operand's
+(``cap x Q``) right after them, each product's rows appended as contiguous rows.
+:meth:`Staged.finish` copies the used rows out (``rows * (P + Q)`` numbers, at most half of
+``G``, freed when it returns) and writes ``G`` over them as one product. Keeping the product
+whole is what makes it fast: computing ``G`` in place, in blocks that only overwrite rows
+already used, needs a quarter of that workspace, but its split products took 1.18x as long
+(Linear(512), 64 rows; 1.04x for Linear(1024), 256 rows).
 
 The state rides on the step's own parameter leaf (like :mod:`funcpipe.runtime.reuse`'s offered
 memory): :func:`allow` lets a leaf stage, :func:`add` stages one product or declines,
@@ -58,8 +54,8 @@ class Staged:
         cap = capacity(p, q)
         flat = buf.view(-1)
         self.g, self.transposed, self.cap, self.rows = buf, transposed, cap, 0
-        self.a = flat[: p * cap].view(p, cap)
-        self.b = flat[(p - cap) * q :].view(cap, q)
+        self.a = flat[: cap * p].view(cap, p)  # rows of G's left operand, transposed
+        self.b = flat[cap * p : cap * (p + q)].view(cap, q)
 
     def add(self, x: Tensor, g: Tensor) -> bool:
         """Copy in one product's rows (``x``: the input rows, ``g``: the incoming gradient's);
@@ -68,31 +64,17 @@ class Staged:
         if self.rows + n > self.cap:
             return False
         left, right = (g, x) if self.transposed else (x, g)
-        self.a[:, self.rows : self.rows + n].copy_(left.t())
+        self.a[self.rows : self.rows + n].copy_(left)
         self.b[self.rows : self.rows + n].copy_(right)
         self.rows += n
         return True
 
     def finish(self) -> Tensor:
-        """``G`` = the sum of every added product, computed in place; returns ``G``."""
-        g, cap, u = self.g, self.cap, self.rows
-        p, q = g.shape
-        if u == 0:
-            return g.zero_()
-        a, b = self.a[:, :u], self.b[:u]
-        tail = a[p - cap :].clone()  # A's rows for G's last rows (they overlay B)
-        top = p - cap
-        while top > 0:  # G[low:top] lies over A's rows >= top, all used (low*q >= top*cap)
-            low = -(-top * cap // q)
-            if low >= top:  # (only when top == 1: that row is written over its own A row)
-                torch.mm(a[:top].clone(), b, out=g[:top])
-                break
-            torch.mm(a[low:top], b, out=g[low:top])
-            top = low
-        for c in range(0, q, cap):  # G's last rows overlay B: one column block at a time
-            block = b[:, c : c + cap].clone()
-            torch.mm(tail, block, out=g[p - cap :, c : c + cap])
-        return g
+        """``G`` = the sum of every added product, written over the rows; returns ``G``."""
+        if self.rows == 0:
+            return self.g.zero_()
+        a, b = self.a[: self.rows].clone(), self.b[: self.rows].clone()
+        return torch.mm(a.t(), b, out=self.g)
 
 
 def allow(leaf: Tensor) -> None:
