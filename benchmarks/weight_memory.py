@@ -165,8 +165,8 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="weight_memory.py",
-        description="Pipeline(batch_weights_extra=N), or Pipeline(stage_weights=False), "
-        "against the default, paired steps.",
+        description="Pipeline(batch_weights_extra=N), Pipeline(stage_weights=False) or "
+        "Pipeline(idle_weights=True|False) against the default, paired steps.",
     )
     ap.add_argument("--sizes", nargs="+", default=["small", "large"], choices=sorted(C.SIZES))
     ap.add_argument("--ranks", nargs="+", type=int, default=[2])
