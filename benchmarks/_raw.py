@@ -10,8 +10,15 @@ step's loss is). Each weight's product reads the whole weight once, as the autog
 the same products in the same sizes, so these times are what a runtime that computes every
 microbatch's gradients one microbatch at a time cannot go below on this machine.
 
-Used by ``vs_peer.py`` for its ``raw floor`` column; :func:`check` compares the gradients with
-autograd's (the test suite runs it).
+The staged arithmetic (``backward_staged``, ``weight_staged``, ``settle``) is what
+``Pipeline(stage_weights=True)`` computes: each B or W copies its Linears' rows (input and
+incoming gradient) aside and adds the bias gradient; once per step each weight gradient is one
+product over all the step's rows. Here the rows wait in buffers of their own (a runtime that
+cost nothing could afford them), so the step's sum reads them without funcpipe's copy out of
+the gradient's memory.
+
+Used by ``vs_peer.py`` for its ``raw floor`` and ``staged raw floor`` columns; :func:`check`
+compares the gradients with autograd's (the test suite runs it).
 """
 
 from __future__ import annotations
@@ -75,6 +82,42 @@ class RawStage:
             self.gw[k].addmm_(g.t(), h)
             self.gb[k].add_(g.sum(0))
 
+    def begin_step(self, rows: int) -> None:
+        """Room for ``rows`` staged rows per Linear (a step's, for the staged arithmetic)."""
+        self.staged = 0
+        self.sg = [torch.empty(rows, w.shape[0], dtype=w.dtype) for w in self.w]
+        self.sh = [torch.empty(rows, w.shape[1], dtype=w.dtype) for w in self.w]
+
+    def _stage(self, k: int, g: Tensor, h: Tensor) -> None:
+        n = self.staged
+        self.sg[k][n : n + g.shape[0]].copy_(g)
+        self.sh[k][n : n + h.shape[0]].copy_(h)
+        self.gb[k].add_(g.sum(0))
+
+    def backward_staged(self, saved: list[tuple[Tensor, Tensor]], gy: Tensor | None) -> Tensor:
+        """B with the weight products' rows staged (:meth:`settle` sums them)."""
+        g = self._top(saved, gy)
+        for k in reversed(range(len(self.w))):
+            h, a = saved[k]
+            g = torch.ops.aten.gelu_backward(g, a)
+            self._stage(k, g, h)
+            g = torch.mm(g, self.w[k])
+        self.staged += g.shape[0]
+        return g
+
+    def weight_staged(self, later: list[tuple[int, Tensor, Tensor]]) -> None:
+        """W with the weight products' rows staged."""
+        for k, g, h in later:
+            self._stage(k, g, h)
+        self.staged += later[0][1].shape[0]
+
+    def settle(self) -> None:
+        """Each weight gradient = one product over every staged row (overwrites ``gw``)."""
+        n = self.staged
+        for k in range(len(self.w)):
+            torch.mm(self.sg[k][:n].t(), self.sh[k][:n], out=self.gw[k])
+        self.staged = 0
+
     def backward(self, saved: list[tuple[Tensor, Tensor]], gy: Tensor | None) -> Tensor:
         g = self._top(saved, gy)
         for k in reversed(range(len(self.w))):
@@ -105,15 +148,27 @@ def stages(size: C.Size, n_stages: int, *, seed: int = 0, dtype: Any = None) -> 
 
 def measure(size: C.Size, n_stages: int, *, reps: int = 20, seed: int = 0) -> C.StageCosts:
     """Median seconds of each raw stage's F, B, I and W on one microbatch (2 warm-ups)."""
+    return measure_all(size, n_stages, reps=reps, seed=seed)["plain"]
+
+
+def measure_all(
+    size: C.Size, n_stages: int, *, reps: int = 20, seed: int = 0
+) -> dict[str, C.StageCosts]:
+    """Median seconds per raw stage: ``plain``, F, B, I and W on one microbatch; ``staged``, F,
+    the staged B, I and the staged W; ``sums``, the step's weight sums (one product per Linear
+    over all microbatches' rows), in its ``f`` (the other fields 0)."""
     raw = stages(size, n_stages, seed=seed)
-    mb = size.batch // size.microbatches
+    m = size.microbatches
+    mb = size.batch // m
     g = torch.Generator().manual_seed(seed + 7)
     x = torch.randn(mb, size.width, generator=g)
     y = torch.randn(mb, size.width, generator=g)
     gy = torch.randn(mb, size.width, generator=g)
-    times: dict[str, list[list[float]]] = {k: [[] for _ in raw] for k in "fbiw"}
+    keys = ("f", "b", "i", "w", "bs", "ws", "sum")
+    times: dict[str, list[list[float]]] = {k: [[] for _ in raw] for k in keys}
     for rep in range(reps + 2):
         for s, st in enumerate(raw):
+            got: dict[str, list[float]] = {k: [] for k in keys}
             t0 = time.perf_counter()
             _, saved = st.forward(x, y)
             t1 = time.perf_counter()
@@ -125,12 +180,33 @@ def measure(size: C.Size, n_stages: int, *, reps: int = 20, seed: int = 0) -> C.
             t4 = time.perf_counter()
             st.backward_weight(later)
             t5 = time.perf_counter()
+            got["f"] += [t1 - t0, t3 - t2]
+            got["b"].append(t2 - t1)
+            got["i"].append(t4 - t3)
+            got["w"].append(t5 - t4)
+            st.begin_step(m * mb)  # a step's rows: m staged B's of this microbatch, one sum
+            for _ in range(m):
+                t6 = time.perf_counter()
+                st.backward_staged(saved, gy)
+                got["bs"].append(time.perf_counter() - t6)
+            t7 = time.perf_counter()
+            st.settle()
+            got["sum"].append(time.perf_counter() - t7)
+            st.begin_step(m * mb)
+            for _ in range(m):
+                t8 = time.perf_counter()
+                st.weight_staged(later)
+                got["ws"].append(time.perf_counter() - t8)
             if rep >= 2:
-                times["f"][s] += [t1 - t0, t3 - t2]
-                times["b"][s].append(t2 - t1)
-                times["i"][s].append(t4 - t3)
-                times["w"][s].append(t5 - t4)
-    return C.StageCosts(*[[C.median(t) for t in times[k]] for k in "fbiw"])
+                for k in keys:
+                    times[k][s] += got[k]
+    med = {k: [C.median(t) for t in times[k]] for k in keys}
+    zeros = [0.0] * len(raw)
+    return {
+        "plain": C.StageCosts(med["f"], med["b"], med["i"], med["w"]),
+        "staged": C.StageCosts(med["f"], med["bs"], med["i"], med["ws"]),
+        "sums": C.StageCosts(med["sum"], zeros, zeros, zeros),
+    }
 
 
 def check(size: C.Size, n_stages: int, *, seed: int = 0) -> float:
@@ -156,5 +232,35 @@ def check(size: C.Size, n_stages: int, *, seed: int = 0) -> float:
             else:
                 gh, later = st.backward_input(saved, gh)
                 st.backward_weight(later)
+    got = [t for st in raw for w, b in zip(st.gw, st.gb, strict=True) for t in (w, b)]
+    return C.max_rel_diff(got, want)
+
+
+def check_staged(size: C.Size, n_stages: int, *, seed: int = 0) -> float:
+    """:func:`check` for the staged arithmetic: each microbatch's rows staged by a staged B
+    (even microbatches) or I then a staged W (odd ones), one sum per weight at the end."""
+    f64 = torch.float64
+    model = C.mlp(size.width, layers=size.layers, seed=seed, dtype=f64)
+    x, y = C.data(size, dtype=f64, seed=seed + 1)
+    want = C.reference_grads(model, x, y, microbatches=size.microbatches)
+    raw = stages(size, n_stages, seed=seed, dtype=f64)
+    for st in raw:
+        st.begin_step(size.batch)
+    for m, (xm, ym) in enumerate(
+        zip(x.chunk(size.microbatches), y.chunk(size.microbatches), strict=True)
+    ):
+        h, saved_all = xm, []
+        for st in raw:
+            h, saved = st.forward(h, ym)
+            saved_all.append(saved)
+        gh: Tensor | None = None
+        for st, saved in zip(reversed(raw), reversed(saved_all), strict=True):
+            if m % 2 == 0:
+                gh = st.backward_staged(saved, gh)
+            else:
+                gh, later = st.backward_input(saved, gh)
+                st.weight_staged(later)
+    for st in raw:
+        st.settle()
     got = [t for st in raw for w, b in zip(st.gw, st.gb, strict=True) for t in (w, b)]
     return C.max_rel_diff(got, want)

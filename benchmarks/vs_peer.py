@@ -30,6 +30,13 @@ same gradients), timed on every rank at once right after the floor's costs. It i
 time of the arithmetic itself, one microbatch at a time: ``raw floor/peer`` is the lowest
 funcpipe/peer a runtime could reach in that cell without changing what is computed (GPipe
 excepted: funcpipe sums its weight gradients over all microbatches in one product).
+
+``staged raw floor``: the same bare kernels doing what ``Pipeline(stage_weights=True)`` does
+(``_raw``'s staged B and W copy their Linears' rows aside; once per step each weight gradient
+is one product over all the rows): the schedule simulated with the staged B and W, then each
+rank's step sums added after its last instruction. Sums computed while a rank waits
+(``idle_weights``) can take a step below it; otherwise it is the step of funcpipe's arithmetic
+with a runtime that cost nothing.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ COLUMNS: list[C.Column] = [
     ("floor_ratio", "floor/peer", ".3f"),
     ("raw_floor_ms", "raw floor ms", ".2f"),
     ("raw_floor_ratio", "raw floor/peer", ".3f"),
+    ("staged_floor_ms", "staged raw floor ms", ".2f"),
+    ("staged_floor_ratio", "staged raw/peer", ".3f"),
     ("grad_diff", "grads fp vs peer", ".1e"),
     ("grad_ref", "fp vs 1-proc", ".1e"),
     ("peer_ref", "peer vs 1-proc", ".1e"),
@@ -298,12 +307,16 @@ def raw_costs_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from benchmarks import _raw
 
     size = C.Size(**cfg["size"])
-    return _raw.measure(size, cfg["n_stages"], reps=cfg["reps"], seed=cfg["seed"]).as_dict()
+    got = _raw.measure_all(size, cfg["n_stages"], reps=cfg["reps"], seed=cfg["seed"])
+    return {k: v.as_dict() for k, v in got.items()}
 
 
-def floor(pool: Any, program: Any, size: C.Size, args: argparse.Namespace) -> tuple[float, float]:
+def floor(
+    pool: Any, program: Any, size: C.Size, args: argparse.Namespace
+) -> tuple[float, float, float]:
     """The schedule's compute-only makespans (s) from stage costs measured now on every rank:
-    with funcpipe's autodiff, and with bare kernels (``_raw``)."""
+    with funcpipe's autodiff, with bare kernels (``_raw``), and with the bare kernels' staged
+    arithmetic (each rank's step-end weight sums after its last instruction)."""
     from benchmarks import vs_simulated
     from funcpipe.schedule import add_communication, simulate
 
@@ -332,16 +345,26 @@ def floor(pool: Any, program: Any, size: C.Size, args: argparse.Namespace) -> tu
     n = program.n_stages
     mine = {s: program.placement[s] for s in range(n)}
     lowered = add_communication(program)
+
+    def own(costs: list[C.StageCosts]) -> C.StageCosts:  # each stage's, from its own rank
+        return C.StageCosts(
+            *[[getattr(costs[mine[s]], k)[s] for s in range(n)] for k in ("f", "b", "i", "w")]
+        )
+
     spans = []
     for costs in (
         [C.StageCosts(**m["costs"][str(n)]) for m in measured],
-        [C.StageCosts(**r) for r in raw],
+        [C.StageCosts(**r["plain"]) for r in raw],
     ):
-        per_stage = C.StageCosts(  # each stage's costs as measured on the rank that runs it
-            *[[getattr(costs[mine[s]], k)[s] for s in range(n)] for k in ("f", "b", "i", "w")]
-        )
-        spans.append(simulate(lowered, C.costs_for(program, per_stage)).makespan)
-    return spans[0], spans[1]
+        spans.append(simulate(lowered, C.costs_for(program, own(costs))).makespan)
+    timeline = simulate(
+        lowered, C.costs_for(program, own([C.StageCosts(**r["staged"]) for r in raw]))
+    )
+    sums = own([C.StageCosts(**r["sums"]) for r in raw]).f
+    ends = [max((e.end for e in events), default=0.0) for events in timeline.events]
+    for s in range(n):
+        ends[mine[s]] += sums[s]
+    return spans[0], spans[1], max(ends)
 
 
 def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
@@ -390,7 +413,9 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 if args.floor_reps > 0 and ranks <= (os.cpu_count() or 1):
                     # (with more ranks than cores the simulator's one-core-per-rank is wrong)
                     spans = floor(pool, program, size, args)
-                    row["floor_ms"], row["raw_floor_ms"] = spans[0] * 1e3, spans[1] * 1e3
+                    row["floor_ms"], row["raw_floor_ms"], row["staged_floor_ms"] = (
+                        t * 1e3 for t in spans
+                    )
                 try:
                     results, info = C.measured_cell(
                         lambda pool=pool, cfg=cfg: pool.run(
@@ -442,7 +467,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                         row["peer_times"] = peer_t
                         row["ratio"] = C.median(ratios)
                         row["ratio_iqr"] = C.spread(ratios)
-                        for k in ("floor", "raw_floor"):
+                        for k in ("floor", "raw_floor", "staged_floor"):
                             if row.get(f"{k}_ms"):
                                 row[f"{k}_ratio"] = row[f"{k}_ms"] / row["peer_ms"]
                 row["note"] = "; ".join(f"{k} failed ({v})" for k, v in errors.items()) or ""

@@ -46,6 +46,7 @@ def test_vs_peer_gradients_agree(pool: Pool, tmp_path: Any) -> None:
         assert r["grad_diff"] < 1e-10 and r["grad_ref"] < 1e-10 and r["peer_ref"] < 1e-10
         assert len(r["funcpipe_times"]) == len(r["peer_times"]) == 2
         assert r["floor_ms"] > 0 and r["raw_floor_ms"] > 0 and r["raw_floor_ratio"] > 0
+        assert r["staged_floor_ms"] > 0 and r["staged_floor_ratio"] > 0
     pytest.importorskip("matplotlib")
     chart.main([str(out), "--out", str(tmp_path / "peer.png")])
     assert (tmp_path / "peer.png").stat().st_size > 0
@@ -62,12 +63,15 @@ def test_vs_peer_with_kept_peer_gradients_and_extra_weight_memory(pool: Pool) ->
 
 @pytest.mark.parametrize("n_stages", [1, 2, 4])
 def test_raw_stages_compute_the_models_gradients(n_stages: int) -> None:
-    """The raw floor times the same arithmetic: its kernels give autograd's gradients (B and the
-    I/W split alike, the loss included)."""
+    """The raw floors time the same arithmetic: their kernels give autograd's gradients (B and
+    the I/W split alike, the loss included; staged or not)."""
     for size in ("tiny", "small"):
         assert _raw.check(C.SIZES[size], n_stages) < 1e-12
-    costs = _raw.measure(C.SIZES["tiny"], n_stages, reps=1)
-    assert all(len(v) == n_stages and min(v) > 0 for v in costs.as_dict().values())
+        assert _raw.check_staged(C.SIZES[size], n_stages) < 1e-12
+    costs = _raw.measure_all(C.SIZES["tiny"], n_stages, reps=1)
+    for kind in ("plain", "staged"):
+        assert all(len(v) == n_stages and min(v) > 0 for v in costs[kind].as_dict().values())
+    assert len(costs["sums"].f) == n_stages and min(costs["sums"].f) > 0
 
 
 @pytest.mark.timeout(120)
