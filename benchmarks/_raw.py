@@ -209,42 +209,17 @@ def measure_all(
     }
 
 
-def check(size: C.Size, n_stages: int, *, seed: int = 0) -> float:
+def check(size: C.Size, n_stages: int, *, seed: int = 0, staged: bool = False) -> float:
     """Largest relative difference (float64) between the raw stages' gradients over a whole batch
     of microbatches (B for even microbatches, I then W for odd ones) and autograd's on the
-    model: 0 up to rounding, or the floor would time other arithmetic."""
+    model: 0 up to rounding, or the floor would time other arithmetic. ``staged``: the staged
+    B and W, each weight summed once at the end (:meth:`RawStage.settle`)."""
     f64 = torch.float64
     model = C.mlp(size.width, layers=size.layers, seed=seed, dtype=f64)
     x, y = C.data(size, dtype=f64, seed=seed + 1)
     want = C.reference_grads(model, x, y, microbatches=size.microbatches)
     raw = stages(size, n_stages, seed=seed, dtype=f64)
-    for m, (xm, ym) in enumerate(
-        zip(x.chunk(size.microbatches), y.chunk(size.microbatches), strict=True)
-    ):
-        h, saved_all = xm, []
-        for st in raw:
-            h, saved = st.forward(h, ym)
-            saved_all.append(saved)
-        gh: Tensor | None = None
-        for st, saved in zip(reversed(raw), reversed(saved_all), strict=True):
-            if m % 2 == 0:
-                gh = st.backward(saved, gh)
-            else:
-                gh, later = st.backward_input(saved, gh)
-                st.backward_weight(later)
-    got = [t for st in raw for w, b in zip(st.gw, st.gb, strict=True) for t in (w, b)]
-    return C.max_rel_diff(got, want)
-
-
-def check_staged(size: C.Size, n_stages: int, *, seed: int = 0) -> float:
-    """:func:`check` for the staged arithmetic: each microbatch's rows staged by a staged B
-    (even microbatches) or I then a staged W (odd ones), one sum per weight at the end."""
-    f64 = torch.float64
-    model = C.mlp(size.width, layers=size.layers, seed=seed, dtype=f64)
-    x, y = C.data(size, dtype=f64, seed=seed + 1)
-    want = C.reference_grads(model, x, y, microbatches=size.microbatches)
-    raw = stages(size, n_stages, seed=seed, dtype=f64)
-    for st in raw:
+    for st in raw if staged else ():
         st.begin_step(size.batch)
     for m, (xm, ym) in enumerate(
         zip(x.chunk(size.microbatches), y.chunk(size.microbatches), strict=True)
@@ -256,11 +231,11 @@ def check_staged(size: C.Size, n_stages: int, *, seed: int = 0) -> float:
         gh: Tensor | None = None
         for st, saved in zip(reversed(raw), reversed(saved_all), strict=True):
             if m % 2 == 0:
-                gh = st.backward_staged(saved, gh)
+                gh = (st.backward_staged if staged else st.backward)(saved, gh)
             else:
                 gh, later = st.backward_input(saved, gh)
-                st.weight_staged(later)
-    for st in raw:
+                (st.weight_staged if staged else st.backward_weight)(later)
+    for st in raw if staged else ():
         st.settle()
     got = [t for st in raw for w, b in zip(st.gw, st.gb, strict=True) for t in (w, b)]
     return C.max_rel_diff(got, want)

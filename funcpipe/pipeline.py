@@ -208,8 +208,9 @@ class Pipeline:
             processes when this host's processes of the group times their threads
             (``torch.get_num_threads()``) outnumber the cores this process may use: a waiting
             rank's core then runs another rank, and its wait is not idle time. Measured on 2
-            cores (docs/benchmarks.md): 1F1B on 2 ranks 0.955-0.972x the step time without it
-            (small model) and 0.956x (large). ``True`` / ``False``: always / never.
+            cores (docs/benchmarks.md): 1F1B and ZB-H1 on 2 ranks 0.952x the step time without
+            it (small model) and 0.962-0.963x (large), other schedules within noise; on 4 ranks
+            (2 per core) no gain. ``True`` / ``False``: always / never.
         reuse_grads: write a step's gradient sums into the memory of gradients this pipeline
             returned in its last two steps, where nothing outside funcpipe refers to that
             memory any more (no reference to the tensor, no view, storage handle or NumPy
@@ -507,7 +508,6 @@ class Pipeline:
 
         from funcpipe.runtime import sockets
 
-        global _CHANNELS_MADE
         if self.p2p != "auto" or not sockets.supported():
             return None
         device = self.device
@@ -515,11 +515,7 @@ class Pipeline:
             return None
         if dist.get_backend() != "gloo":
             return None
-        store = dist.distributed_c10d._get_default_store()
-        _CHANNELS_MADE += 1
-        key = f"funcpipe/p2p/{_CHANNELS_MADE}"
-        host = _host_id()
-        store.set(f"{key}/host/{me}", host)
+        store, key, host = _publish_host("p2p", me)
         peers = {
             self.pipe_ranks[i.peer]
             for i in self.program.ranks[self.rank]
@@ -868,8 +864,21 @@ class Pipeline:
         )
 
 
-_CHANNELS_MADE = 0  # socket set-ups by this process (their store keys; same order everywhere)
-_HOSTS_GATHERED = 0  # host counts by this process (their store keys; same order everywhere)
+_EXCHANGES: dict[str, int] = {}  # host exchanges by this process, per kind (their store keys)
+
+
+def _publish_host(kind: str, me: int) -> tuple[Any, str, str]:
+    """Publish this process's host id under a fresh store key of ``kind``; every process of the
+    default group calls this at the same point, so the keys agree. Returns the group's store,
+    the key (rank ``r``'s id is at ``{key}/host/{r}``) and this host's id."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    n = _EXCHANGES[kind] = _EXCHANGES.get(kind, 0) + 1
+    key = f"funcpipe/{kind}/{n}"
+    host = _host_id()
+    store.set(f"{key}/host/{me}", host)
+    return store, key, host
 
 
 def _processes_here() -> int:
@@ -877,13 +886,9 @@ def _processes_here() -> int:
     group calls this at the same point: they exchange host ids through the group's store)."""
     import torch.distributed as dist
 
-    global _HOSTS_GATHERED
-    store = dist.distributed_c10d._get_default_store()
-    _HOSTS_GATHERED += 1
-    key = f"funcpipe/hosts/{_HOSTS_GATHERED}"
-    host = _host_id()
-    store.set(f"{key}/{dist.get_rank()}", host)
-    return sum(store.get(f"{key}/{r}").decode() == host for r in range(dist.get_world_size()))
+    store, key, host = _publish_host("hosts", dist.get_rank())
+    world = range(dist.get_world_size())
+    return sum(store.get(f"{key}/host/{r}").decode() == host for r in world)
 
 
 def _cores() -> int:

@@ -67,7 +67,7 @@ def test_raw_stages_compute_the_models_gradients(n_stages: int) -> None:
     the I/W split alike, the loss included; staged or not)."""
     for size in ("tiny", "small"):
         assert _raw.check(C.SIZES[size], n_stages) < 1e-12
-        assert _raw.check_staged(C.SIZES[size], n_stages) < 1e-12
+        assert _raw.check(C.SIZES[size], n_stages, staged=True) < 1e-12
     costs = _raw.measure_all(C.SIZES["tiny"], n_stages, reps=1)
     for kind in ("plain", "staged"):
         assert all(len(v) == n_stages and min(v) > 0 for v in costs[kind].as_dict().values())

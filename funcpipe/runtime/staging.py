@@ -54,7 +54,7 @@ class Staged:
         cap = capacity(p, q)
         flat = buf.view(-1)
         self.g, self.transposed, self.cap, self.rows = buf, transposed, cap, 0
-        self.a = flat[: cap * p].view(cap, p)  # rows of G's left operand, transposed
+        self.a = flat[: cap * p].view(cap, p)  # G's left operand, transposed (a row per row)
         self.b = flat[cap * p : cap * (p + q)].view(cap, q)
 
     def add(self, x: Tensor, g: Tensor) -> bool:
