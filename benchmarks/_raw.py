@@ -146,29 +146,21 @@ def stages(size: C.Size, n_stages: int, *, seed: int = 0, dtype: Any = None) -> 
     return out
 
 
+def _one_microbatch(size: C.Size, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """An input, a target and an incoming gradient of one microbatch's shape."""
+    mb = size.batch // size.microbatches
+    g = torch.Generator().manual_seed(seed + 7)
+    x, y, gy = (torch.randn(mb, size.width, generator=g) for _ in range(3))
+    return x, y, gy
+
+
 def measure(size: C.Size, n_stages: int, *, reps: int = 20, seed: int = 0) -> C.StageCosts:
     """Median seconds of each raw stage's F, B, I and W on one microbatch (2 warm-ups)."""
-    return measure_all(size, n_stages, reps=reps, seed=seed)["plain"]
-
-
-def measure_all(
-    size: C.Size, n_stages: int, *, reps: int = 20, seed: int = 0
-) -> dict[str, C.StageCosts]:
-    """Median seconds per raw stage: ``plain``, F, B, I and W on one microbatch; ``staged``, F,
-    the staged B, I and the staged W; ``sums``, the step's weight sums (one product per Linear
-    over all microbatches' rows), in its ``f`` (the other fields 0)."""
     raw = stages(size, n_stages, seed=seed)
-    m = size.microbatches
-    mb = size.batch // m
-    g = torch.Generator().manual_seed(seed + 7)
-    x = torch.randn(mb, size.width, generator=g)
-    y = torch.randn(mb, size.width, generator=g)
-    gy = torch.randn(mb, size.width, generator=g)
-    keys = ("f", "b", "i", "w", "bs", "ws", "sum")
-    times: dict[str, list[list[float]]] = {k: [[] for _ in raw] for k in keys}
+    x, y, gy = _one_microbatch(size, seed)
+    times: dict[str, list[list[float]]] = {k: [[] for _ in raw] for k in "fbiw"}
     for rep in range(reps + 2):
         for s, st in enumerate(raw):
-            got: dict[str, list[float]] = {k: [] for k in keys}
             t0 = time.perf_counter()
             _, saved = st.forward(x, y)
             t1 = time.perf_counter()
@@ -180,33 +172,51 @@ def measure_all(
             t4 = time.perf_counter()
             st.backward_weight(later)
             t5 = time.perf_counter()
-            got["f"] += [t1 - t0, t3 - t2]
-            got["b"].append(t2 - t1)
-            got["i"].append(t4 - t3)
-            got["w"].append(t5 - t4)
-            st.begin_step(m * mb)  # a step's rows: m staged B's of this microbatch, one sum
-            for _ in range(m):
-                t6 = time.perf_counter()
-                st.backward_staged(saved, gy)
-                got["bs"].append(time.perf_counter() - t6)
-            t7 = time.perf_counter()
-            st.settle()
-            got["sum"].append(time.perf_counter() - t7)
-            st.begin_step(m * mb)
-            for _ in range(m):
-                t8 = time.perf_counter()
-                st.weight_staged(later)
-                got["ws"].append(time.perf_counter() - t8)
             if rep >= 2:
-                for k in keys:
-                    times[k][s] += got[k]
-    med = {k: [C.median(t) for t in times[k]] for k in keys}
-    zeros = [0.0] * len(raw)
-    return {
-        "plain": C.StageCosts(med["f"], med["b"], med["i"], med["w"]),
-        "staged": C.StageCosts(med["f"], med["bs"], med["i"], med["ws"]),
-        "sums": C.StageCosts(med["sum"], zeros, zeros, zeros),
-    }
+                times["f"][s] += [t1 - t0, t3 - t2]
+                times["b"][s].append(t2 - t1)
+                times["i"][s].append(t4 - t3)
+                times["w"][s].append(t5 - t4)
+    return C.StageCosts(*[[C.median(t) for t in times[k]] for k in "fbiw"])
+
+
+def measure_staged(
+    size: C.Size, n_stages: int, *, reps: int = 20, seed: int = 0
+) -> tuple[C.StageCosts, list[float]]:
+    """Median seconds of each raw stage's staged arithmetic (2 warm-ups): F, the staged B, I
+    and the staged W on one microbatch; and the step's weight sums (one product per Linear over
+    all the microbatches' rows)."""
+    raw = stages(size, n_stages, seed=seed)
+    x, y, gy = _one_microbatch(size, seed)
+    m = size.microbatches
+    times: dict[str, list[list[float]]] = {k: [[] for _ in raw] for k in ("f", "b", "i", "w", "s")}
+    for rep in range(reps + 2):
+        for s, st in enumerate(raw):
+            got: dict[str, list[float]] = {k: [] for k in times}
+            st.begin_step(m * len(x))  # a step's rows: m staged B's, one sum
+            for _ in range(m):
+                t0 = time.perf_counter()
+                _, saved = st.forward(x, y)
+                t1 = time.perf_counter()
+                st.backward_staged(saved, gy)
+                got["f"].append(t1 - t0)
+                got["b"].append(time.perf_counter() - t1)
+            t2 = time.perf_counter()
+            st.settle()
+            got["s"].append(time.perf_counter() - t2)
+            st.begin_step(m * len(x))  # m I's and staged W's (the sum is timed above)
+            for _ in range(m):
+                t3 = time.perf_counter()
+                _, later = st.backward_input(saved, gy)
+                t4 = time.perf_counter()
+                st.weight_staged(later)
+                got["i"].append(t4 - t3)
+                got["w"].append(time.perf_counter() - t4)
+            if rep >= 2:
+                for k, v in got.items():
+                    times[k][s] += v
+    med = {k: [C.median(t) for t in v] for k, v in times.items()}
+    return C.StageCosts(med["f"], med["b"], med["i"], med["w"]), med["s"]
 
 
 def check(size: C.Size, n_stages: int, *, seed: int = 0, staged: bool = False) -> float:

@@ -307,8 +307,10 @@ def raw_costs_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from benchmarks import _raw
 
     size = C.Size(**cfg["size"])
-    got = _raw.measure_all(size, cfg["n_stages"], reps=cfg["reps"], seed=cfg["seed"])
-    return {k: v.as_dict() for k, v in got.items()}
+    n, reps, seed = cfg["n_stages"], cfg["reps"], cfg["seed"]
+    staged, sums = _raw.measure_staged(size, n, reps=reps, seed=seed)
+    plain = _raw.measure(size, n, reps=reps, seed=seed)
+    return {"plain": plain.as_dict(), "staged": staged.as_dict(), "sums": sums}
 
 
 def floor(
@@ -360,7 +362,7 @@ def floor(
     timeline = simulate(
         lowered, C.costs_for(program, own([C.StageCosts(**r["staged"]) for r in raw]))
     )
-    sums = own([C.StageCosts(**r["sums"]) for r in raw]).f
+    sums = [raw[mine[s]]["sums"][s] for s in range(n)]
     ends = [max((e.end for e in events), default=0.0) for events in timeline.events]
     for s in range(n):
         ends[mine[s]] += sums[s]
