@@ -176,15 +176,16 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         for obj, attr, orig in reversed(saved):
             setattr(obj, attr, orig)
 
-    prof = cProfile.Profile()
-    for _ in range(cfg["cprofile_steps"]):
-        dist.barrier()
-        prof.enable()
-        pipe.step(params, x, y)
-        prof.disable()
     buf = io.StringIO()
-    stats = pstats.Stats(prof, stream=buf)
-    stats.sort_stats("tottime").print_stats(cfg["top"])
+    if cfg["cprofile_steps"]:
+        prof = cProfile.Profile()
+        for _ in range(cfg["cprofile_steps"]):
+            dist.barrier()
+            prof.enable()
+            pipe.step(params, x, y)
+            prof.disable()
+        stats = pstats.Stats(prof, stream=buf)
+        stats.sort_stats("tottime").print_stats(cfg["top"])
     n = cfg["steps"]
     return {
         "rank": rank,
@@ -207,11 +208,13 @@ def main(
     )
     ap.add_argument("--size", default="small", choices=sorted(C.SIZES))
     ap.add_argument("--schedule", default="1f1b", choices=list(C.SCHEDULES))
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--cprofile-steps", type=int, default=10)
-    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--ranks", type=C.int_at_least(2, "a pipeline over gloo"), default=2)
+    ap.add_argument("--steps", type=C.int_at_least(1), default=30)
+    ap.add_argument("--warmup", type=C.int_at_least(0), default=5)
+    ap.add_argument(
+        "--cprofile-steps", type=C.int_at_least(0), default=10, help="0: no cProfile run"
+    )
+    ap.add_argument("--top", type=C.int_at_least(1), default=25)
     ap.add_argument("--stage-kind", default="module", choices=["module", "function"])
     ap.add_argument("--no-cprofile", action="store_true", help="print only the timed phases")
     ap.add_argument("--json", default=None)
@@ -252,7 +255,7 @@ def main(
     print(C.table(rows, cols))
     if res[0]["missing"]:
         print(f"(not found in this funcpipe, so not timed: {', '.join(res[0]['missing'])})")
-    if not args.no_cprofile:
+    if not args.no_cprofile and args.cprofile_steps:
         for r in res:
             print(f"\n=== cProfile, rank {r['rank']}, {args.cprofile_steps} steps ===")
             print(r["cprofile"])

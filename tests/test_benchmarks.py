@@ -294,9 +294,10 @@ def test_overhead(pool: Pool) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_profile_step(pool: Pool) -> None:
-    argv = ["--size", "tiny", "--steps", "2", "--warmup", "1", "--cprofile-steps", "1"]
-    rows = profile_step.main([*argv, "--no-cprofile"], pool=pool)
+@pytest.mark.parametrize("cprofile_steps", ["0", "1"])
+def test_profile_step(pool: Pool, cprofile_steps: str) -> None:
+    argv = ["--size", "tiny", "--steps", "2", "--warmup", "1", "--cprofile-steps", cprofile_steps]
+    rows = profile_step.main(argv, pool=pool)
     step = next(r for r in rows if r["phase"] == "step")
     assert step["calls0"] == 1 and step["ms0"] > 0
     # the interpreter's loop is a generator: timed while running, not while suspended
