@@ -2,11 +2,14 @@
 (memory for speed), with ``--unstaged`` ``Pipeline(stage_weights=False)`` (what summing each
 Linear weight gradient once per step, its rows waiting in its own memory, buys), or with
 ``--idle on|off`` ``Pipeline(idle_weights=True|False)`` (what computing those sums while a rank
-waits, instead of at the end of the step, buys).
+waits, instead of at the end of the step, buys), or with ``--no-chains``
+``Pipeline(chains=False)`` (what running Linear + activation stages as one node with their
+derivatives written out, :mod:`funcpipe.runtime.chain`, buys).
 
     python benchmarks/weight_memory.py [--sizes small large] [--ranks 2] [--extra 1 2] [--pairs 30]
     python benchmarks/weight_memory.py --unstaged [--schedules 1f1b zbv ...]
     python benchmarks/weight_memory.py --idle off [--ranks 2]   # (4 ranks on 2 cores: --idle on)
+    python benchmarks/weight_memory.py --no-chains [--schedules gpipe 1f1b ...]
 
 By default a rank never keeps more activations than the program's peak, so 1F1B sums each
 steady-state backward's Linear weight gradients on its own (an 8-row product that reads and
@@ -113,6 +116,8 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 variants: list[dict[str, Any]] = (
                     [{"stage_weights": False}]
                     if args.unstaged
+                    else [{"chains": False}]
+                    if args.no_chains
                     else [{"idle_weights": args.idle == "on"}]
                     if args.idle
                     else [{"batch_weights_extra": n} for n in args.extra]
@@ -165,8 +170,9 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="weight_memory.py",
-        description="Pipeline(batch_weights_extra=N), Pipeline(stage_weights=False) or "
-        "Pipeline(idle_weights=True|False) against the default, paired steps.",
+        description="Pipeline(batch_weights_extra=N), Pipeline(stage_weights=False), "
+        "Pipeline(idle_weights=True|False) or Pipeline(chains=False) against the default, "
+        "paired steps.",
     )
     ap.add_argument("--sizes", nargs="+", default=["small", "large"], choices=sorted(C.SIZES))
     ap.add_argument("--ranks", nargs="+", type=int, default=[2])
@@ -188,6 +194,11 @@ def parser() -> argparse.ArgumentParser:
         choices=["on", "off"],
         help="compare Pipeline(idle_weights=True or False) with the default instead (whose "
         "idle_weights=None turns it on where each process's threads have cores of their own)",
+    )
+    ap.add_argument(
+        "--no-chains",
+        action="store_true",
+        help="compare Pipeline(chains=False) with the default instead (--extra unused)",
     )
     ap.add_argument("--pairs", type=int, default=30, help="timed A B pairs per cell")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")

@@ -211,6 +211,13 @@ class Pipeline:
             cores (docs/benchmarks.md): 1F1B and ZB-H1 on 2 ranks 0.952x the step time without
             it (small model) and 0.962-0.963x (large), other schedules within noise; on 4 ranks
             (2 per core) no gain. ``True`` / ``False``: always / never.
+        chains: run a module stage that is an ``nn.Sequential`` of ``nn.Linear`` and
+            elementwise activations (GELU, ReLU, Tanh, Sigmoid, SiLU, Identity; no hooks) as
+            one autograd node that calls the same kernels and their derivatives written out
+            (:mod:`funcpipe.runtime.chain`): the same outputs and gradients without autograd
+            recording and walking each op. Other stages, and calls it cannot take (side
+            inputs, other dtypes, autocast), run as before. ``False``: every stage through
+            autograd op by op.
         reuse_grads: write a step's gradient sums into the memory of gradients this pipeline
             returned in its last two steps, where nothing outside funcpipe refers to that
             memory any more (no reference to the tensor, no view, storage handle or NumPy
@@ -245,6 +252,7 @@ class Pipeline:
         batch_weights_extra: int = 0,
         stage_weights: bool = True,
         idle_weights: bool | None = None,
+        chains: bool = True,
     ) -> None:
         if p2p not in ("auto", "torch"):
             raise InvalidArgument(
@@ -358,6 +366,9 @@ class Pipeline:
                 "host's ranks outnumber its cores)"
             )
         self.idle_weights = True if idle_weights is None else idle_weights
+        if not isinstance(chains, bool):
+            raise InvalidArgument(f"chains={chains!r}: pass True or False")
+        self.chains = chains
         if not isinstance(reuse_grads, bool):
             raise InvalidArgument(f"reuse_grads={reuse_grads!r}: pass True or False")
         self.grad_memory = GradMemory() if reuse_grads else None
@@ -789,6 +800,7 @@ class Pipeline:
             batch_weights_extra=self.batch_weights_extra,
             stage_weights=self.stage_weights,
             idle_weights=self.idle_weights,
+            chains=self.chains,
             ties=ties,
             data_size=self.data,
         )

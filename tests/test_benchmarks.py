@@ -159,6 +159,10 @@ def test_weight_memory_runs_and_gradients_agree(pool: Pool) -> None:
     (row,) = weight_memory.main([*argv, "--warmup", "1"], pool=pool)
     assert row["variant"] == "idle_weights=False"
     assert row["grad_diff"] < 1e-12 and row["peaks_default"] == row["peaks_extra"]
+    argv = ["--sizes", "tiny", "--schedules", "zbv", "--no-chains", "--pairs", "2"]
+    (row,) = weight_memory.main([*argv, "--warmup", "1"], pool=pool)
+    assert row["variant"] == "chains=False"
+    assert row["grad_diff"] < 1e-12 and row["peaks_default"] == row["peaks_extra"]
 
 
 @pytest.mark.timeout(120)

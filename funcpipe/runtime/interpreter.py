@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from funcpipe.errors import InvalidArgument, NonFiniteError
-from funcpipe.runtime import autodiff, linear, reuse, staging
+from funcpipe.runtime import autodiff, chain, linear, reuse, staging
 from funcpipe.runtime.plan import Layout, OutputSpec, rebuild
 from funcpipe.runtime.transport import Handle, Transport
 from funcpipe.schedule.check import in_program
@@ -82,6 +82,9 @@ class RankInputs:
     # left on this rank instead of leaving them for the end of the step (Pipeline's
     # idle_weights; _Rank.idle)
     idle_weights: bool = True
+    # a module stage of Linear and elementwise layers runs as one autograd node with its
+    # derivatives written out (Pipeline's chains; funcpipe.runtime.chain)
+    chains: bool = True
 
 
 @dataclass
@@ -195,6 +198,7 @@ class _Rank:
         # parameter outside one: B / I skip the search for them (a graph search per microbatch)
         self.no_products: set[int] = set()
         self.no_products_only: set[int] = set()
+        self.chains: dict[int, chain.Chain | None] = {}  # stage -> its chain form (_chain)
 
     # ------------------------------------------------------------------ helpers
     def spec(self, s: int, m: int) -> OutputSpec:
@@ -212,9 +216,9 @@ class _Rank:
         want = self.spec(s, m)
         target = x.targets[m] if (sink and x.targets is not None) else None
         entry_tree = tree_flatten(x.entry[m])[1] if not producers else None
+        ch = self._chain(s) if not kwargs else None
 
         def fn(params: Sequence[Tensor], leaves: Sequence[Tensor]) -> list[Tensor]:
-            ptree_value = tree_unflatten(ptree, list(params))
             if entry_tree is not None:
                 args = tree_unflatten(entry_tree, list(leaves))
             else:
@@ -225,7 +229,10 @@ class _Rank:
                     k += n
                 args = tuple(args)
             try:
-                out = stage(ptree_value, *args, **kwargs)
+                if ch is not None and len(args) == 1 and ch.accepts(params, args[0]):
+                    out = ch(params, args[0])  # one node, the same kernels (runtime.chain)
+                else:
+                    out = stage(tree_unflatten(ptree, list(params)), *args, **kwargs)
             except Exception as e:
                 _note(
                     e, f"stage {s} ({stage.name!r}), microbatch {m}, rank {x.rank}; inputs", leaves
@@ -276,6 +283,15 @@ class _Rank:
             return list(flat)
 
         return fn
+
+    def _chain(self, s: int) -> chain.Chain | None:
+        """Stage ``s`` as a :class:`funcpipe.runtime.chain.Chain`, if it is one (and allowed)."""
+        if s not in self.chains:
+            leaves, ptree = self.x.params[self.owner[s]]
+            self.chains[s] = (
+                chain.of(self.x.stages[s].fn, ptree, len(leaves)) if self.x.chains else None
+            )
+        return self.chains[s]
 
     def _inputs(self, s: int, m: int) -> list[Tensor]:
         producers = self.p.producers(s)

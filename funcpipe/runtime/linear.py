@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from funcpipe.runtime import engine, reuse, staging
+from funcpipe.runtime import chain, engine, reuse, staging
 
 __all__ = ["Deferred", "Linear", "backward_deferred", "match", "weight_batch"]
 
@@ -166,19 +166,26 @@ def _product_type(node: Node) -> bool:
     return got
 
 
-def _find(outputs: Sequence[Tensor], param_nodes: dict[Node, int]) -> list[tuple[Node, Linear]]:
-    """The stage's direct products whose parameters nothing else in the graph uses."""
+def _find(
+    outputs: Sequence[Tensor], param_nodes: dict[Node, int]
+) -> tuple[list[tuple[Node, Linear]], list[tuple[Node, list[int]]]]:
+    """The stage's direct products whose parameters nothing else in the graph uses, and its
+    chain nodes (:mod:`funcpipe.runtime.chain`) with the parameters they hand over as rows,
+    likewise used nowhere else."""
     roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
     seen: set[Node] = set(roots)
     stack = list(roots)
     incoming: dict[Node, int] = {}
     found: list[tuple[Node, Linear, Node | None]] = []
+    chains: list[tuple[Node, list[int]]] = []
     while stack:
         node = stack.pop()
         if _product_type(node):
             m = match(node, param_nodes)
             if m is not None:
                 found.append((node, m[0], m[1]))
+        elif chain.is_chain_node(node):
+            chains.append((node, chain.chain_params(node)))
         for child, _ in node.next_functions:
             if child is None:
                 continue
@@ -187,6 +194,11 @@ def _find(outputs: Sequence[Tensor], param_nodes: dict[Node, int]) -> list[tuple
                 seen.add(child)
                 stack.append(child)
     by_index = {i: n for n, i in param_nodes.items()}
+    chains = [
+        (node, ks)
+        for node, ks in chains
+        if all(k in by_index and incoming.get(by_index[k], 0) == 1 for k in ks)
+    ]
     while True:  # drop products sharing a parameter with any other use, until none is left
         refs: dict[Node, int] = {}
         for _, lin, _t in found:
@@ -203,7 +215,7 @@ def _find(outputs: Sequence[Tensor], param_nodes: dict[Node, int]) -> list[tuple
             )
         ]
         if len(keep) == len(found):
-            return [(node, lin) for node, lin, _ in keep]
+            return [(node, lin) for node, lin, _ in keep], chains
         found = keep
 
 
@@ -226,10 +238,11 @@ def backward_deferred(
     ``linear_only``: also ``None`` (nothing run) unless every parameter that needs a gradient
     sits in a direct product: then this is an I whose W needs no graph (the split's cheap case).
     """
-    found = _find(outputs, param_nodes)
-    if not found:
+    found, chains = _find(outputs, param_nodes)
+    if not found and not chains:
         return None
     fast = {lin.weight for _, lin in found} | {lin.bias for _, lin in found if lin.bias is not None}
+    fast |= {k for _, ks in chains for k in ks}
     xs = [getattr(node, lin.saved) for node, lin in found]  # before the engine frees them
     if any(
         x.dtype != params[lin.weight].dtype or x.dim() != 2
@@ -243,7 +256,9 @@ def backward_deferred(
     targets: list[Any] = [inputs[k] for k in want_in]  # tensors and gradient edges
     targets += [params[k] for k in others]
     targets += [GradientEdge(node, 0) for node, _ in found]
-    got = engine.run(outputs, grad_outputs, targets)
+    targets += [params[ks[0]] for _, ks in chains]  # runs each chain's backward (rows below)
+    with chain.collecting() as rows:
+        got = engine.run(outputs, grad_outputs, targets)
     grads_in: list[Tensor | None] = [None] * len(inputs)
     n = len(want_in)
     for k, g in zip(want_in, got[:n], strict=True):
@@ -253,9 +268,12 @@ def backward_deferred(
             p = params[k]  # gradient itself): own a copy before summing into it in place
             p.grad = g.clone() if p.grad is None else p.grad.add_(g)
     items = []
-    for x, (_, lin), g in zip(xs, found, got[n + len(others) :], strict=True):
+    for x, (_, lin), g in zip(
+        xs, found, got[n + len(others) : n + len(others) + len(found)], strict=True
+    ):
         if g is not None:
             items.append((lin, x.detach(), g))
+    items += rows
     return grads_in, Deferred(items)
 
 
