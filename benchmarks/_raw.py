@@ -1,7 +1,8 @@
 """The benchmark MLP's stages as bare kernels: the least arithmetic any runtime can do.
 
 A stage of ``k`` x (Linear + GELU) on one microbatch, computed with the aten kernels alone: no
-autograd graph, no engine, no runtime. F: per layer ``addmm`` and ``gelu`` (keeping each
+autograd graph, no engine, no runtime. F: per layer ``addmm`` and ``gelu`` (the kernel
+funcpipe's chain stages pick by size, :func:`funcpipe.runtime.chain.gelu`; keeping each
 layer's input and pre-activation, what autograd keeps too). I: per layer, last first,
 ``gelu_backward`` and ``mm`` with the weight. W: per layer ``addmm_`` into the weight's
 gradient and a column sum into the bias's. B: I and W per layer in one pass. The last stage
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from benchmarks import _common as C
+from funcpipe.runtime import chain
 
 Tensor = torch.Tensor
 
@@ -50,7 +52,7 @@ class RawStage:
         for w, b in zip(self.w, self.b, strict=True):
             a = torch.addmm(b, h, w.t())
             saved.append((h, a))
-            h = torch.nn.functional.gelu(a)
+            h = chain.gelu(a)
         if self.sink:
             assert y is not None
             diff = h - y
@@ -72,7 +74,7 @@ class RawStage:
         later = []
         for k in reversed(range(len(self.w))):
             h, a = saved[k]
-            g = torch.ops.aten.gelu_backward(g, a)
+            g = chain.gelu_backward(g, a)
             later.append((k, g, h))
             g = torch.mm(g, self.w[k])
         return g, later
@@ -99,7 +101,7 @@ class RawStage:
         g = self._top(saved, gy)
         for k in reversed(range(len(self.w))):
             h, a = saved[k]
-            g = torch.ops.aten.gelu_backward(g, a)
+            g = chain.gelu_backward(g, a)
             self._stage(k, g, h)
             g = torch.mm(g, self.w[k])
         self.staged += g.shape[0]
@@ -122,7 +124,7 @@ class RawStage:
         g = self._top(saved, gy)
         for k in reversed(range(len(self.w))):
             h, a = saved[k]
-            g = torch.ops.aten.gelu_backward(g, a)
+            g = chain.gelu_backward(g, a)
             self.gw[k].addmm_(g.t(), h)
             self.gb[k].add_(g.sum(0))
             g = torch.mm(g, self.w[k])

@@ -120,36 +120,40 @@ _CALLS: dict[str, Callable[..., Any]] = {
 }
 
 
-def hot_us(name: str, shapes: Sequence[Sequence[int]], dtype: Any, reps: int) -> float | None:
+def hot_us(
+    name: str, shapes: Sequence[Sequence[int]], dtype: Any, reps: int, onednn: bool = True
+) -> float | None:
     """Median CPU microseconds of the kernel called ``reps`` times in a row on the same
-    operands (``None``: not replayable)."""
+    operands (``None``: not replayable); ``onednn``: with oneDNN on, as the step called it
+    (funcpipe's chain stages turn it off for small GELUs)."""
     ops = _operands(name, shapes, dtype)
     if ops is None or reps < 1:
         return None
     f = _CALLS[name]
-    for _ in range(3):
-        f(*ops)
     times = []
     clock = time.thread_time
-    for _ in range(reps):
-        t0 = clock()
-        f(*ops)
-        times.append(clock() - t0)
+    with torch.backends.mkldnn.flags(enabled=onednn):
+        for _ in range(3):
+            f(*ops)
+        for _ in range(reps):
+            t0 = clock()
+            f(*ops)
+            times.append(clock() - t0)
     return statistics.median(times) * 1e6
 
 
 def kernel_clock() -> Any:
     """A dispatch mode that sums the CPU time (``time.thread_time``) and counts the calls of
     every aten op: each kernel of ``KERNELS`` by the shapes of its positional arguments
-    (``[]``: not a tensor) in ``.got`` ((kernel, shapes) -> {shapes, calls, us}), every other
-    op by name in ``.others`` (name -> {calls, us}). It sees the ops of autograd's backward too
+    (``[]``: not a tensor) and whether oneDNN was on in ``.got`` ((kernel, shapes, oneDNN) ->
+    {shapes, onednn, calls, us}), every other op by name in ``.others`` (name -> {calls, us}). It sees the ops of autograd's backward too
     (on CPU the engine runs them on the calling thread)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class KernelClock(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
-            self.got: dict[tuple[str, str], dict[str, Any]] = {}
+            self.got: dict[tuple[str, str, bool], dict[str, Any]] = {}
             self.others: dict[str, dict[str, Any]] = {}
 
         def __torch_dispatch__(
@@ -161,8 +165,10 @@ def kernel_clock() -> Any:
             name = func._schema.name
             if name in KERNELS:
                 shapes = [list(t.shape) if isinstance(t, torch.Tensor) else [] for t in args]
+                onednn = torch._C._get_mkldnn_enabled()
                 got = self.got.setdefault(
-                    (name, str(shapes)), {"shapes": shapes, "calls": 0, "us": 0.0}
+                    (name, str(shapes), onednn),
+                    {"shapes": shapes, "onednn": onednn, "calls": 0, "us": 0.0},
                 )
             else:
                 got = self.others.setdefault(name, {"calls": 0, "us": 0.0})
@@ -209,9 +215,11 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
             {
                 "kernel": name,
                 **k,
-                "hot_us": hot_us(name, k["shapes"], torch.float32, cfg["hot_reps"]),
+                "hot_us": hot_us(
+                    name, k["shapes"], torch.float32, cfg["hot_reps"], onednn=k["onednn"]
+                ),
             }
-            for (name, _), k in out[lib]["kernels"].items()
+            for (name, _, _), k in out[lib]["kernels"].items()
         ]
     return out
 

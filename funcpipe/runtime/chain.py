@@ -79,18 +79,28 @@ def _aten_kernels(t: Tensor) -> Iterator[None]:
         torch._C._set_mkldnn_enabled(True)
 
 
-def _gelu_fwd(layer: _Layer, a: Tensor) -> Tensor:
-    if layer.approximate != "none":  # (the tanh form never goes to oneDNN)
-        return torch.nn.functional.gelu(a, approximate=layer.approximate)
+def gelu(a: Tensor, approximate: str = "none") -> Tensor:
+    """``F.gelu`` as a chain computes it (the kernel chosen by size, see :data:`SMALL_GELU`)."""
+    if approximate != "none":  # (the tanh form never goes to oneDNN)
+        return torch.nn.functional.gelu(a, approximate=approximate)
     with _aten_kernels(a):
         return torch.nn.functional.gelu(a)
 
 
-def _gelu_bwd(layer: _Layer, g: Tensor, a: Tensor) -> Tensor:
-    if layer.approximate != "none":
-        return _aten.gelu_backward(g, a, approximate=layer.approximate)
+def gelu_backward(g: Tensor, a: Tensor, approximate: str = "none") -> Tensor:
+    """GELU's derivative kernel as a chain calls it."""
+    if approximate != "none":
+        return _aten.gelu_backward(g, a, approximate=approximate)
     with _aten_kernels(a):
         return _aten.gelu_backward(g, a)
+
+
+def _gelu_fwd(layer: _Layer, a: Tensor) -> Tensor:
+    return gelu(a, layer.approximate)
+
+
+def _gelu_bwd(layer: _Layer, g: Tensor, a: Tensor) -> Tensor:
+    return gelu_backward(g, a, layer.approximate)
 
 
 def _silu_bwd(layer: _Layer, g: Tensor, a: Tensor) -> Tensor:
