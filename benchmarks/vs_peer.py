@@ -14,6 +14,8 @@ For every (size, ranks, schedule) cell, one job on a pool of gloo processes (one
    peer), every step started after a barrier; a step's time is its slowest rank's. Between its
    steps the peer clears its gradients with ``zero_grad(set_to_none=True)``, torch's default,
    so its backward allocates new ones; ``--peer-grads zeros`` keeps and zeroes them instead.
+   ``--peer-onednn off`` times the peer with oneDNN switched off process-wide (its small GELUs
+   then take the kernel funcpipe's chain stages pick).
 
 Reported: the median step time of each, the median of the paired ratios funcpipe / peer, and the
 interquartile spread of those ratios. A peer schedule that fails records its error in the table.
@@ -108,10 +110,11 @@ class _Peer:
         m: int,
         *,
         set_to_none: bool = True,
+        onednn: bool = True,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage
 
-        self.set_to_none = set_to_none
+        self.set_to_none, self.onednn = set_to_none, onednn
 
         self.model = copy.deepcopy(model)
         self.modules = C.stage_modules(self.model, n)
@@ -124,7 +127,11 @@ class _Peer:
             self.modules[s].zero_grad(set_to_none=self.set_to_none)
         args = (x,) if 0 in self.mine else ()
         target = y if self.n - 1 in self.mine else None
-        self.schedule.step(*args, target=target, return_outputs=False)
+        if self.onednn:
+            self.schedule.step(*args, target=target, return_outputs=False)
+            return
+        with torch.backends.mkldnn.flags(enabled=False):  # (--peer-onednn off)
+            self.schedule.step(*args, target=target, return_outputs=False)
 
     def grads(self, names: list[str]) -> list[torch.Tensor]:
         by_name = dict(self.model.named_parameters())
@@ -272,7 +279,15 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     # ---- time, float32, A B A B
     pipe, model, params, x, y = build(torch.float32)
     peer32 = (
-        _Peer(spec, model, mine, n, size.microbatches, set_to_none=cfg["peer_grads"] == "none")
+        _Peer(
+            spec,
+            model,
+            mine,
+            n,
+            size.microbatches,
+            set_to_none=cfg["peer_grads"] == "none",
+            onednn=cfg.get("peer_onednn", "on") == "on",
+        )
         if peer_ok
         else None
     )
@@ -396,6 +411,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                     "pairs": args.pairs,
                     "p2p": args.p2p,
                     "peer_grads": args.peer_grads,
+                    "peer_onednn": args.peer_onednn,
                     "batch_weights_extra": args.batch_weights_extra,
                 }
                 cfg = {
@@ -408,6 +424,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                     "peer": not args.no_peer,
                     "p2p": args.p2p,
                     "peer_grads": args.peer_grads,
+                    "peer_onednn": args.peer_onednn,
                     "batch_weights_extra": args.batch_weights_extra,
                 }
                 pool = pools.get(ranks)
@@ -524,6 +541,15 @@ def parser() -> argparse.ArgumentParser:
         choices=["none", "zeros"],
         help="between the peer's steps: zero_grad(set_to_none=True), torch's default (none: "
         "every step allocates new gradients), or set_to_none=False (zeros: they are reused)",
+    )
+    ap.add_argument(
+        "--peer-onednn",
+        default="on",
+        choices=["on", "off"],
+        help="off: the peer's timed steps run with oneDNN switched off process-wide "
+        "(torch.backends.mkldnn.flags(enabled=False)), as a user could run it: its small "
+        "GELUs then take ATen's kernel, the one funcpipe's chain stages pick (default on: "
+        "PyTorch's default)",
     )
     ap.add_argument(
         "--batch-weights-extra",

@@ -55,9 +55,10 @@ def test_vs_peer_gradients_agree(pool: Pool, tmp_path: Any) -> None:
 @pytest.mark.timeout(120)
 def test_vs_peer_with_kept_peer_gradients_and_extra_weight_memory(pool: Pool) -> None:
     argv = ["--sizes", "tiny", "--ranks", "2", "--schedules", "1f1b", "--peer-grads", "zeros"]
-    argv += ["--batch-weights-extra", "2"]
+    argv += ["--batch-weights-extra", "2", "--peer-onednn", "off"]
     (row,) = vs_peer.main([*argv, "--pairs", "2", "--warmup", "1", "--floor-reps", "0"], pool=pool)
     assert row["note"] == "" and row["peer_grads"] == "zeros" and row["batch_weights_extra"] == 2
+    assert row["peer_onednn"] == "off"
     assert row["grad_diff"] < 1e-10 and len(row["peer_times"]) == 2
 
 
