@@ -197,7 +197,7 @@ def _find(
     chains = [
         (node, ks)
         for node, ks in chains
-        if all(k in by_index and incoming.get(by_index[k], 0) == 1 for k in ks)
+        if ks and all(k in by_index and incoming.get(by_index[k], 0) == 1 for k in ks)
     ]
     while True:  # drop products sharing a parameter with any other use, until none is left
         refs: dict[Node, int] = {}

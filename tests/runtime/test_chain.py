@@ -182,6 +182,12 @@ def test_calls_a_chain_cannot_take_are_declined() -> None:
     assert not ch.accepts(leaves, torch.zeros(2, 3, dtype=F64))  # the module's error, not ours
     assert not ch.accepts(leaves, torch.zeros((), dtype=F64))
     assert not ch.accepts(leaves, (torch.zeros(2, 4, dtype=F64),))
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
+    try:  # a hook every module runs: the modules must run
+        assert not ch.accepts(leaves, torch.zeros(2, 4, dtype=F64))
+    finally:
+        handle.remove()
+    assert ch.accepts(leaves, torch.zeros(2, 4, dtype=F64))
     only_acts = nn.Sequential(nn.ReLU())
     ch2, leaves2, _, _ = _chain_of(only_acts)
     assert ch2 is not None and not ch2.accepts(leaves2, torch.zeros(2, 4))
@@ -219,15 +225,24 @@ def test_a_pipeline_of_chain_stages_matches_the_reference(
 
     ref = fp.reference_step(part.stages, part.params, x, mse, targets=y, microbatches=4)
     calls = []
-    real = chain.Chain.forward
+    collected = []  # per chain backward: were its rows collected (not returned as gradients)?
+    real, real_backward = chain.Chain.forward, chain.Chain.backward
 
     def counted(self: chain.Chain, *a: Any) -> Any:
         calls.append(1)
         return real(self, *a)
 
+    def seen(self: chain.Chain, *a: Any) -> Any:
+        collected.append(chain._items is not None)
+        return real_backward(self, *a)
+
     monkeypatch.setattr(chain.Chain, "forward", counted)
+    monkeypatch.setattr(chain.Chain, "backward", seen)
     got = fp.Pipeline(part.stages, program, loss_fn=mse, **options).step(part.params, x, y)
     assert len(calls) >= 4 * program.n_stages  # every F ran as a chain (recompute: twice)
+    assert len(collected) == 4 * program.n_stages
+    # rows go to the runtime's in-place sums (batch_weights=False: autograd's gradients)
+    assert all(collected) if options.get("batch_weights", True) else not any(collected)
     fp.testing.assert_trees_close((got.loss, got.grads), ref)
     calls.clear()
     off = fp.Pipeline(part.stages, program, loss_fn=mse, chains=False, **options)
