@@ -64,34 +64,32 @@ class _Layer:
 SMALL_GELU = 65536
 
 
-@contextmanager
-def _aten_kernels(t: Tensor) -> Iterator[None]:
-    """oneDNN off for this call if ``t`` is a small CPU tensor (the switch is process-wide:
-    set and restored around one kernel)."""
-    if t.device.type != "cpu" or t.numel() > SMALL_GELU or not torch._C._get_mkldnn_enabled():
-        yield
-        return
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(True)
+def _small(t: Tensor) -> bool:
+    """Whether a GELU on ``t`` should run ATen's kernel: a small CPU tensor while oneDNN is on
+    (the switch is process-wide: the callers set and restore it around one kernel)."""
+    return t.device.type == "cpu" and t.numel() <= SMALL_GELU and torch._C._get_mkldnn_enabled()
 
 
 def gelu(a: Tensor, approximate: str = "none") -> Tensor:
     """``F.gelu`` as a chain computes it (the kernel chosen by size, see :data:`SMALL_GELU`)."""
-    if approximate != "none":  # (the tanh form never goes to oneDNN)
+    if approximate != "none" or not _small(a):  # (the tanh form never goes to oneDNN)
         return torch.nn.functional.gelu(a, approximate=approximate)
-    with _aten_kernels(a):
+    torch._C._set_mkldnn_enabled(False)
+    try:
         return torch.nn.functional.gelu(a)
+    finally:
+        torch._C._set_mkldnn_enabled(True)
 
 
 def gelu_backward(g: Tensor, a: Tensor, approximate: str = "none") -> Tensor:
     """GELU's derivative kernel as a chain calls it."""
-    if approximate != "none":
+    if approximate != "none" or not _small(a):
         return _aten.gelu_backward(g, a, approximate=approximate)
-    with _aten_kernels(a):
+    torch._C._set_mkldnn_enabled(False)
+    try:
         return _aten.gelu_backward(g, a)
+    finally:
+        torch._C._set_mkldnn_enabled(True)
 
 
 def _gelu_fwd(layer: _Layer, a: Tensor) -> Tensor:
