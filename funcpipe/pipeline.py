@@ -218,8 +218,8 @@ class Pipeline:
             recording and walking each op, and exact GELU on at most 65,536 elements computed
             by ATen's own kernel rather than oneDNN's, whose fixed cost per call dominates
             small CPU inputs (results agree to float32 rounding). Measured on 2 cores
-            (docs/benchmarks.md): small model 0.925-0.950x the step time on 2 ranks,
-            0.946-1.031x on 4, large 0.969-0.998x. Other stages, and calls it cannot take
+            (docs/benchmarks.md): small model 0.896-0.944x the step time on 2 ranks,
+            0.920-0.967x on 4, large 0.968-1.006x. Other stages, and calls it cannot take
             (side inputs, other dtypes, autocast), run as before. ``False``: every stage
             through autograd op by op.
         reuse_grads: write a step's gradient sums into the memory of gradients this pipeline
