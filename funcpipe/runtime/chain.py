@@ -64,16 +64,21 @@ class _Layer:
 SMALL_GELU = 65536
 
 
-def _small(t: Tensor) -> bool:
-    """Whether a GELU on ``t`` should run ATen's kernel: a small CPU tensor while oneDNN is on
-    (the switch is process-wide: the callers set and restore it around one kernel)."""
-    return t.device.type == "cpu" and t.numel() <= SMALL_GELU and torch._C._get_mkldnn_enabled()
+def _aten_gelu(t: Tensor) -> bool:
+    """Whether small exact GELUs on tensors like ``t`` should switch oneDNN off around their
+    kernel (CPU, while oneDNN is on; the switch is process-wide: set and restored around one
+    kernel). Asked once per chain call, then only the size is checked per layer."""
+    return t.is_cpu and torch._C._get_mkldnn_enabled()
 
 
 def gelu(a: Tensor, approximate: str = "none") -> Tensor:
     """``F.gelu`` as a chain computes it (the kernel chosen by size, see :data:`SMALL_GELU`)."""
-    if approximate != "none" or not _small(a):  # (the tanh form never goes to oneDNN)
+    if approximate != "none" or a.numel() > SMALL_GELU or not _aten_gelu(a):
         return torch.nn.functional.gelu(a, approximate=approximate)
+    return _gelu_aten(a)  # (the tanh form never goes to oneDNN)
+
+
+def _gelu_aten(a: Tensor) -> Tensor:
     torch._C._set_mkldnn_enabled(False)
     try:
         return torch.nn.functional.gelu(a)
@@ -83,8 +88,12 @@ def gelu(a: Tensor, approximate: str = "none") -> Tensor:
 
 def gelu_backward(g: Tensor, a: Tensor, approximate: str = "none") -> Tensor:
     """GELU's derivative kernel as a chain calls it."""
-    if approximate != "none" or not _small(a):
+    if approximate != "none" or a.numel() > SMALL_GELU or not _aten_gelu(a):
         return _aten.gelu_backward(g, a, approximate=approximate)
+    return _gelu_backward_aten(g, a)
+
+
+def _gelu_backward_aten(g: Tensor, a: Tensor) -> Tensor:
     torch._C._set_mkldnn_enabled(False)
     try:
         return _aten.gelu_backward(g, a)
@@ -227,6 +236,7 @@ class Chain:
             for x in (layer.weight, layer.bias)
             if x is not None
         ]
+        self._linears: dict[int, linear.Linear] | None = None  # see _records
 
     def accepts(self, params: Sequence[Tensor], x: Any) -> bool:
         """Whether this call can run as a chain (else: the module, through autograd)."""
@@ -253,13 +263,21 @@ class Chain:
         """The output and, per layer, the tensor its derivative reads."""
         saved: list[Tensor] = []
         h = x
+        aten_gelu = _aten_gelu(x)
         for layer in self.layers:
-            if layer.kind == "linear":
+            kind = layer.kind
+            if kind == "linear":
                 saved.append(h)
                 b = None if layer.bias is None else params[layer.bias]
                 h = torch.nn.functional.linear(h, params[layer.weight], b)
+            elif kind == "gelu" and layer.approximate == "none":  # (inline: per-call cost)
+                saved.append(h)
+                if aten_gelu and h.numel() <= SMALL_GELU:
+                    h = _gelu_aten(h)
+                else:
+                    h = torch.nn.functional.gelu(h)
             else:
-                fwd, reads_out, _ = _ACTS[layer.kind]
+                fwd, reads_out, _ = _ACTS[kind]
                 y = fwd(layer, h)
                 saved.append(y if reads_out else h)
                 h = y
@@ -276,18 +294,39 @@ class Chain:
         (2-D), last layer first."""
         items: Items = []
         stop = 0 if need_input else (self.first or 0)
+        records = self._records()
+        aten_gelu = _aten_gelu(g)
+        rows = g.dim() == 2  # (every tensor of a chain call has the input's leading dims)
         for k in range(len(self.layers) - 1, -1, -1):
             layer, t = self.layers[k], saved[k]
-            if layer.kind != "linear":
-                g = _ACTS[layer.kind][2](layer, g, t)
-                continue
-            w = params[layer.weight]
-            x2, g2 = t.reshape(-1, t.shape[-1]), g.reshape(-1, g.shape[-1])
-            items.append((linear.Linear(layer.weight, True, layer.bias, ""), x2, g2))
-            if k == stop and not need_input:
-                return None, items
-            g = g2.mm(w).view(*g.shape[:-1], w.shape[1])
+            kind = layer.kind
+            if kind == "linear":
+                w = params[layer.weight]
+                x2, g2 = (
+                    (t, g) if rows else (t.reshape(-1, t.shape[-1]), g.reshape(-1, g.shape[-1]))
+                )
+                items.append((records[k], x2, g2))
+                if k == stop and not need_input:
+                    return None, items
+                g = g2.mm(w) if rows else g2.mm(w).view(*g.shape[:-1], w.shape[1])
+            elif kind == "gelu" and layer.approximate == "none":
+                if aten_gelu and t.numel() <= SMALL_GELU:
+                    g = _gelu_backward_aten(g, t)
+                else:
+                    g = _aten.gelu_backward(g, t)
+            else:
+                g = _ACTS[kind][2](layer, g, t)
         return (g if need_input else None), items
+
+    def _records(self) -> dict[int, linear.Linear]:
+        """Per Linear layer, the record its rows are handed over with (made once)."""
+        if self._linears is None:
+            self._linears = {
+                k: linear.Linear(layer.weight, True, layer.bias, "")
+                for k, layer in enumerate(self.layers)
+                if layer.kind == "linear"
+            }
+        return self._linears
 
 
 class _ChainFn(torch.autograd.Function):

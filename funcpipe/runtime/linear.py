@@ -115,16 +115,19 @@ def add_product(
     """Add the product's weight (and bias) gradient for input ``x`` and incoming gradient ``g``
     (their rows may be several microbatches' concatenated) to ``params[k].grad``
     (``accumulate``) or to ``result[k]``; in place where a gradient exists."""
-    a, b = (g.t(), x) if lin.transposed else (x.t(), g)
     with torch.no_grad():  # x requires grad when it is on the input path: record nothing
-        if accumulate and staging.add(params[lin.weight], lin.transposed, x, g):
-            pass  # its rows wait in the gradient's own memory for one product per step
-        elif (prev := params[lin.weight].grad if accumulate else result[lin.weight]) is not None:
-            prev.addmm_(a, b)
-        else:  # the step's first: into memory an earlier step's gradient left, if offered
-            spare = reuse.take(params[lin.weight]) if accumulate else None
-            _put(params, lin.weight, torch.mm(a, b, out=spare), accumulate, result)
-        if lin.bias is not None:
+        staged = staging.NONE
+        if accumulate:  # its rows (and its bias's) wait in the gradient's own memory for one
+            bias = None if lin.bias is None else params[lin.bias]  # product per step
+            staged = staging.add(params[lin.weight], lin.transposed, x, g, bias)
+        if staged == staging.NONE:
+            a, b = (g.t(), x) if lin.transposed else (x.t(), g)
+            if (prev := params[lin.weight].grad if accumulate else result[lin.weight]) is not None:
+                prev.addmm_(a, b)
+            else:  # the step's first: into memory an earlier step's gradient left, if offered
+                spare = reuse.take(params[lin.weight]) if accumulate else None
+                _put(params, lin.weight, torch.mm(a, b, out=spare), accumulate, result)
+        if lin.bias is not None and staged != staging.BOTH:
             gb = g.sum_to_size(params[lin.bias].shape)
             prev = params[lin.bias].grad if accumulate else result[lin.bias]
             if prev is not None:

@@ -135,6 +135,79 @@ def test_staging_writes_into_the_memory_offered_for_the_gradient() -> None:
     assert leaf.grad is not None and leaf.grad.data_ptr() == spare.data_ptr()
 
 
+def test_a_bias_waits_with_its_weights_rows_and_settles_with_it() -> None:
+    gen = torch.Generator().manual_seed(5)
+    weight, bias = _leaf(16, 12), torch.zeros(16, dtype=F64, requires_grad=True)
+    staging.allow(weight)
+    xs = [torch.randn(n, 12, generator=gen, dtype=F64) for n in (2, 1)]  # 3 rows fit
+    gs = [torch.randn(n, 16, generator=gen, dtype=F64) for n in (2, 1)]
+    for x, g in zip(xs, gs, strict=True):
+        assert staging.add(weight, True, x, g, bias) == staging.BOTH
+    assert bias.grad is None and weight.grad is None  # both wait
+    assert not staging.staged(bias)  # the weight is what idle waits settle
+    staging.settle(bias)  # reading the bias settles its weight
+    x, g = torch.cat(xs), torch.cat(gs)
+    torch.testing.assert_close(bias.grad, g.sum(0))
+    torch.testing.assert_close(weight.grad, g.t() @ x)
+    staging.settle(weight)  # nothing left: unchanged
+    staging.settle(bias)
+    torch.testing.assert_close(bias.grad, g.sum(0))
+    torch.testing.assert_close(weight.grad, g.t() @ x)
+
+
+def test_a_bias_follows_in_the_untransposed_form_and_into_offered_memory() -> None:
+    gen = torch.Generator().manual_seed(6)
+    weight, bias = _leaf(12, 16), torch.zeros(16, dtype=F64, requires_grad=True)
+    spare = torch.empty(16, dtype=F64)
+    reuse.offer_to(bias, spare)
+    staging.allow(weight)
+    x, g = (
+        torch.randn(3, 12, generator=gen, dtype=F64),
+        torch.randn(3, 16, generator=gen, dtype=F64),
+    )
+    assert staging.add(weight, False, x, g, bias) == staging.BOTH
+    staging.settle(weight)
+    torch.testing.assert_close(weight.grad, x.t() @ g)
+    torch.testing.assert_close(bias.grad, g.sum(0))
+    assert bias.grad is not None and bias.grad.data_ptr() == spare.data_ptr()
+
+
+def test_a_bias_that_cannot_follow_is_left_to_the_caller() -> None:
+    gen = torch.Generator().manual_seed(7)
+    x, g = (
+        torch.randn(2, 12, generator=gen, dtype=F64),
+        torch.randn(2, 16, generator=gen, dtype=F64),
+    )
+    for bias in (
+        torch.zeros(1, 16, dtype=F64, requires_grad=True),  # broadcast: not a column sum
+        torch.zeros(16, dtype=torch.float32, requires_grad=True),  # another dtype
+    ):
+        weight = _leaf(16, 12)
+        staging.allow(weight)
+        assert staging.add(weight, True, x, g, bias) == staging.WEIGHT
+        staging.settle(weight)
+        assert bias.grad is None
+    weight, bias = _leaf(16, 12), torch.zeros(16, dtype=F64, requires_grad=True)
+    bias.grad = torch.ones(16, dtype=F64)  # a gradient there already
+    staging.allow(weight)
+    assert staging.add(weight, True, x, g, bias) == staging.WEIGHT
+    staging.settle(bias)
+    torch.testing.assert_close(bias.grad, torch.ones(16, dtype=F64))
+
+
+def test_an_overflow_settles_the_bias_too_and_the_caller_takes_over() -> None:
+    gen = torch.Generator().manual_seed(8)
+    weight, bias = _leaf(8, 8), torch.zeros(8, dtype=F64, requires_grad=True)  # room for 2 rows
+    staging.allow(weight)
+    x, g = torch.randn(2, 8, generator=gen, dtype=F64), torch.randn(2, 8, generator=gen, dtype=F64)
+    assert staging.add(weight, True, x, g, bias) == staging.BOTH
+    assert staging.add(weight, True, x[:1], g[:1], bias) == staging.NONE
+    torch.testing.assert_close(weight.grad, g.t() @ x)
+    torch.testing.assert_close(
+        bias.grad, g.sum(0)
+    )  # the staged rows' part, for the caller to add to
+
+
 def _mlp(width: int = 64, layers: int = 4) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
