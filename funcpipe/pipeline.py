@@ -390,6 +390,7 @@ class Pipeline:
         # shape inference per microbatch signature, most recently used last (bounded: a batch
         # whose length changes every step must not grow it without end)
         self._layouts: OrderedDict[Any, Layout] = OrderedDict()
+        self._memo: dict[int, dict[Any, Any]] = {}  # per rank: plans kept across steps
         if transport == "dist":
             self._setup_dist()
             if idle_weights is None:
@@ -807,6 +808,7 @@ class Pipeline:
             chains=self.chains,
             ties=ties,
             data_size=self.data,
+            memo=self._memo.setdefault(rank, {}),  # the rank's plans, made once
         )
 
     def _offer(self, x: RankInputs) -> None:

@@ -85,6 +85,9 @@ class RankInputs:
     # a module stage of Linear and elementwise layers runs as one autograd node with its
     # derivatives written out (Pipeline's chains; funcpipe.runtime.chain)
     chains: bool = True
+    # values that depend on the program and these settings only (the rank's plans), kept by
+    # the caller across steps (a Pipeline keeps one dict per rank); never mutated once made
+    memo: dict[Any, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -97,6 +100,43 @@ class RankResult:
     times: list[float] = field(default_factory=list)  # with trace: start, end of each instruction
     # with RankInputs.scalars_group: (float64 [loss sum, metric sum, has loss], its reduction)
     scalars: tuple[Tensor, Handle] | None = None
+
+
+_Plans = tuple[set[int], set[int], dict[int, int], dict[int, list[int]]]
+
+
+def _memo(x: RankInputs) -> dict[Any, Any]:
+    """``x.memo``, emptied first if it was kept for another program or rank."""
+    memo = x.memo
+    if memo.get("program") is not x.program or memo.get("rank") != x.rank:
+        memo.clear()
+        memo["program"], memo["rank"] = x.program, x.rank
+    return memo
+
+
+def _plans(x: RankInputs, owner: Sequence[int], owners: Sequence[int]) -> _Plans:
+    """The rank's weight plans: the deferred B's and where they are summed
+    (:func:`_deferral_plan`), with staging each owner's count of B and W instructions (a batch
+    of all of them is one product already: not staged) and the waits that may sum early
+    (:func:`_idle_plan`). They depend on the program and the settings only, so they are made
+    once and kept in ``x.memo`` (the Pipeline's, across steps; read-only once made)."""
+    instrs = x.program.ranks[x.rank]
+    key = ("weight plans", x.recompute, x.batch_weights_extra, x.stage_weights, x.idle_weights)
+    memo = _memo(x)
+    got: _Plans | None = memo.get(key)
+    if got is not None:
+        return got
+    defer, flush_at = _deferral_plan(instrs, x.recompute, extra=x.batch_weights_extra)
+    backwards: dict[int, int] = {}
+    idle_at: dict[int, list[int]] = {}
+    if x.stage_weights:
+        for i in instrs:
+            if i.op in (Op.B, Op.W):
+                backwards[owner[i.stage]] = backwards.get(owner[i.stage], 0) + 1
+        if x.idle_weights:
+            idle_at = _idle_plan(instrs, owner, owners)
+    got = memo[key] = (defer, flush_at, backwards, idle_at)
+    return got
 
 
 def _idle_plan(
@@ -177,20 +217,13 @@ class _Rank:
         # (checks name a microbatch; a traced step keeps each B whole, the B its timeline
         # shows and the simulator models)
         if x.batch_weights and p.training and not x.check_finite and not x.trace:
-            self.defer, self.flush_at = _deferral_plan(
-                p.ranks[x.rank], x.recompute, extra=x.batch_weights_extra
-            )
+            plans = _plans(x, self.owner, list(self.leaves))
+            self.defer, self.flush_at, self.backwards, self.idle_at = plans
             if x.stage_weights:  # and Linear weight gradients summed once per step, their
                 # rows waiting in the gradient's own memory (funcpipe.runtime.staging;
                 # settled before .grad is read)
                 for leaf in (t for leaves in self.leaves.values() for t in leaves):
                     staging.allow(leaf)
-                for i in p.ranks[x.rank]:
-                    if i.op in (Op.B, Op.W):
-                        o = self.owner[i.stage]
-                        self.backwards[o] = self.backwards.get(o, 0) + 1
-                if x.idle_weights:
-                    self.idle_at = _idle_plan(p.ranks[x.rank], self.owner, list(self.leaves))
         self.waiting: dict[int, list[linear.Deferred]] = {}
         # a B's Linear weight products summed right after the B's sends (see backward)
         self.after_sends: tuple[linear.Deferred, list[Tensor], int, int] | None = None
@@ -685,7 +718,12 @@ class _Rank:
         trace = self.result.times if x.trace else None
         clock = time.perf_counter
         instrs = self.p.ranks[x.rank]
-        early = _prefetch_plan(instrs) if x.prefetch else {}
+        early: dict[int, list[int]] = {}
+        if x.prefetch:
+            memo = _memo(x)
+            if "prefetch" not in memo:
+                memo["prefetch"] = _prefetch_plan(instrs)
+            early = memo["prefetch"]
         posted: dict[int, tuple[Handle, Callable[[], None] | None]] = {}
         scalars_after = -1
         scalars = x.scalars_group
