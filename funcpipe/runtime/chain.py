@@ -341,11 +341,7 @@ class _ChainFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        tensors = ctx.saved_tensors
-        params, saved = tensors[: ctx.n], tensors[ctx.n :]
-        chain: Chain = ctx.chain
-        need = bool(ctx.needs_input_grad[1]) and ctx.x.requires_grad
-        gx, items = chain.backward(params, saved, g, need)
+        gx, items = run_node(ctx, g)
         grads: list[Tensor | None] = [None] * ctx.n
         if _items is not None:
             _items.extend(items)
@@ -355,6 +351,25 @@ class _ChainFn(torch.autograd.Function):
                 if lin.bias is not None:
                     grads[lin.bias] = g2.sum(0)
         return (None, gx, *grads)
+
+
+def run_node(node: Any, g: Tensor) -> tuple[Tensor | None, Items]:
+    """A chain node's backward for the gradient ``g`` of its output: the input gradient (``None``
+    if its input needs none) and its Linears' rows. What the engine runs through
+    :class:`_ChainFn`; the runtime calls it directly where the node is all that lies between a
+    stage's outputs (or the gradient arriving at it) and its input
+    (:func:`funcpipe.runtime.linear.backward_deferred`)."""
+    tensors = node.saved_tensors
+    params, saved = tensors[: node.n], tensors[node.n :]
+    chain: Chain = node.chain
+    need = bool(node.needs_input_grad[1]) and node.x.requires_grad
+    return chain.backward(params, saved, g, need)
+
+
+def chain_input(node: Any) -> Tensor:
+    """The tensor a chain node was called on."""
+    x: Tensor = node.x
+    return x
 
 
 def is_chain_node(node: Any) -> bool:

@@ -171,10 +171,10 @@ def _product_type(node: Node) -> bool:
 
 def _find(
     outputs: Sequence[Tensor], param_nodes: dict[Node, int]
-) -> tuple[list[tuple[Node, Linear]], list[tuple[Node, list[int]]]]:
+) -> tuple[list[tuple[Node, Linear]], list[tuple[Node, list[int]]], dict[Node, int]]:
     """The stage's direct products whose parameters nothing else in the graph uses, and its
     chain nodes (:mod:`funcpipe.runtime.chain`) with the parameters they hand over as rows,
-    likewise used nowhere else."""
+    likewise used nowhere else; and how many edges lead to each node."""
     roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
     seen: set[Node] = set(roots)
     stack = list(roots)
@@ -218,7 +218,7 @@ def _find(
             )
         ]
         if len(keep) == len(found):
-            return [(node, lin) for node, lin, _ in keep], chains
+            return [(node, lin) for node, lin, _ in keep], chains, incoming
         found = keep
 
 
@@ -241,9 +241,17 @@ def backward_deferred(
     ``linear_only``: also ``None`` (nothing run) unless every parameter that needs a gradient
     sits in a direct product: then this is an I whose W needs no graph (the split's cheap case).
     """
-    found, chains = _find(outputs, param_nodes)
+    if len(outputs) == 1 and chain.is_chain_node(outputs[0].grad_fn):
+        alone = _chain_alone(outputs[0], grad_outputs[0], inputs)
+        if alone is not None:
+            return alone
+    found, chains, incoming = _find(outputs, param_nodes)
     if not found and not chains:
         return None
+    if not found and len(chains) == 1:
+        after = _chain_after(outputs, grad_outputs, inputs, params, chains[0], incoming)
+        if after is not None:
+            return after
     fast = {lin.weight for _, lin in found} | {lin.bias for _, lin in found if lin.bias is not None}
     fast |= {k for _, ks in chains for k in ks}
     xs = [getattr(node, lin.saved) for node, lin in found]  # before the engine frees them
@@ -278,6 +286,71 @@ def backward_deferred(
             items.append((lin, x.detach(), g))
     items += rows
     return grads_in, Deferred(items)
+
+
+def _chain_input_index(node: Node, inputs: Sequence[Tensor]) -> int | None:
+    """Which stage input a chain node was called on: its index, -1 if the chain's input needs
+    no gradient, ``None`` if it is not a stage input (something lies between: the engine's)."""
+    x = chain.chain_input(node)
+    for k, t in enumerate(inputs):
+        if t is x:
+            return k
+    return -1 if not x.requires_grad else None
+
+
+def _chain_alone(
+    y: Tensor, g: Tensor | None, inputs: Sequence[Tensor]
+) -> tuple[list[Tensor | None], Deferred] | None:
+    """B of a stage that is one chain call on one of its inputs (a chain stage's graph is that
+    one node): the chain's backward called directly, with no engine walk and no graph search (its
+    parameters are used once, :func:`funcpipe.runtime.chain.of` checks it). ``None`` where the
+    engine must do it."""
+    node = y.grad_fn
+    assert node is not None
+    k = _chain_input_index(node, inputs)
+    if k is None or g is None or g.shape != y.shape or g.dtype != y.dtype or g.device != y.device:
+        return None
+    gx, rows = chain.run_node(node, g)
+    grads_in: list[Tensor | None] = [None] * len(inputs)
+    if k >= 0:
+        grads_in[k] = gx
+    return grads_in, Deferred(rows)
+
+
+def _chain_after(
+    outputs: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor],
+    inputs: Sequence[Tensor],
+    params: Sequence[Tensor],
+    found: tuple[Node, list[int]],
+    incoming: dict[Node, int],
+) -> tuple[list[Tensor | None], Deferred] | None:
+    """B of a stage whose graph ends in one chain call on one of its inputs, with more after
+    it (the last stage's loss): the engine runs only the part after the chain, up to the
+    gradient arriving at its output, and the chain's backward is called directly. ``None`` if
+    anything else needs a gradient (another parameter, another input, another path to the
+    chain's input)."""
+    node, ks = found
+    k = _chain_input_index(node, inputs)
+    if k is None or not ks:
+        return None
+    fast = set(ks)
+    if any(p.requires_grad and j not in fast for j, p in enumerate(params)):
+        return None
+    if any(t.requires_grad and j != k for j, t in enumerate(inputs)):
+        return None
+    if k >= 0:
+        x_node = node.next_functions[0][0]  # (edges for tensor arguments only: x first)
+        if x_node is None or incoming.get(x_node, 0) != 1:
+            return None
+    (g,) = engine.run(outputs, grad_outputs, [GradientEdge(node, 0)])
+    grads_in: list[Tensor | None] = [None] * len(inputs)
+    if g is None:  # nothing reached the chain: no gradient for its input or parameters
+        return grads_in, Deferred([])
+    gx, rows = chain.run_node(node, g)
+    if k >= 0:
+        grads_in[k] = gx
+    return grads_in, Deferred(rows)
 
 
 def weight_batch(deferred: Sequence[Deferred], params: Sequence[Tensor]) -> None:

@@ -225,24 +225,42 @@ def test_a_pipeline_of_chain_stages_matches_the_reference(
 
     ref = fp.reference_step(part.stages, part.params, x, mse, targets=y, microbatches=4)
     calls = []
-    collected = []  # per chain backward: were its rows collected (not returned as gradients)?
+    # per chain backward: were its rows handed to the runtime (run by the engine while the
+    # runtime collects, or called by the runtime directly), not returned as gradients?
+    collected = []
+    direct = []  # per chain backward: called by the runtime directly (no engine around it)?
+    in_engine = [False]
     real, real_backward = chain.Chain.forward, chain.Chain.backward
+    real_node = chain._ChainFn.backward
 
     def counted(self: chain.Chain, *a: Any) -> Any:
         calls.append(1)
         return real(self, *a)
 
     def seen(self: chain.Chain, *a: Any) -> Any:
-        collected.append(chain._items is not None)
+        collected.append(chain._items is not None or not in_engine[0])
+        direct.append(not in_engine[0])
         return real_backward(self, *a)
+
+    def engine_runs(ctx: Any, g: torch.Tensor) -> Any:
+        in_engine[0] = True
+        try:
+            return real_node(ctx, g)
+        finally:
+            in_engine[0] = False
 
     monkeypatch.setattr(chain.Chain, "forward", counted)
     monkeypatch.setattr(chain.Chain, "backward", seen)
+    monkeypatch.setattr(chain._ChainFn, "backward", staticmethod(engine_runs))
     got = fp.Pipeline(part.stages, program, loss_fn=mse, **options).step(part.params, x, y)
     assert len(calls) >= 4 * program.n_stages  # every F ran as a chain (recompute: twice)
     assert len(collected) == 4 * program.n_stages
     # rows go to the runtime's in-place sums (batch_weights=False: autograd's gradients)
     assert all(collected) if options.get("batch_weights", True) else not any(collected)
+    # the runtime calls a B's (or I's) chain directly, the last stage's after the engine ran
+    # its loss back to the chain's output
+    if options.get("batch_weights", True):
+        assert all(direct)
     fp.testing.assert_trees_close((got.loss, got.grads), ref)
     calls.clear()
     off = fp.Pipeline(part.stages, program, loss_fn=mse, chains=False, **options)
@@ -259,3 +277,104 @@ def test_the_option_is_checked() -> None:
             loss_fn=torch.nn.functional.mse_loss,
             chains=1,  # type: ignore[arg-type]
         )
+
+
+def _direct_case(
+    monkeypatch: pytest.MonkeyPatch, build: Any, extra: bool = False
+) -> tuple[list[Any], int]:
+    """Run ``linear.backward_deferred`` on ``build(chain_fn, x, ps, extra_param)`` (outputs) and
+    compare its input gradient and rows with autograd's; returns (engine calls' targets, how
+    many chain backwards the runtime called directly)."""
+    from funcpipe.runtime import autodiff, linear
+
+    torch.manual_seed(3)
+    model = _model([5, 6, 4], ["gelu", "relu"], [True, True], F64)
+    ch, leaves, params, stage = _chain_of(model)
+    assert ch is not None
+    ps = [t.detach().requires_grad_() for t in leaves]
+    e = torch.randn(4, dtype=F64, requires_grad=True)
+    x = torch.randn(3, 5, dtype=F64, requires_grad=True)
+    targets: list[Any] = []
+    real_run = engine.run
+
+    def run(outputs: Any, grads: Any, tgts: Any, **k: Any) -> Any:
+        targets.append(list(tgts))
+        return real_run(outputs, grads, tgts, **k)
+
+    monkeypatch.setattr(engine, "run", run)
+    direct = [0]
+    real_node = chain.run_node
+
+    def node(n: Any, g: torch.Tensor) -> Any:
+        direct[0] += not in_engine[0]
+        return real_node(n, g)
+
+    in_engine = [False]
+    real_fn = chain._ChainFn.backward
+
+    def fn(ctx: Any, g: torch.Tensor) -> Any:
+        in_engine[0] = True
+        try:
+            return real_fn(ctx, g)
+        finally:
+            in_engine[0] = False
+
+    monkeypatch.setattr(chain, "run_node", node)
+    monkeypatch.setattr(chain._ChainFn, "backward", staticmethod(fn))
+    allp = [*ps, e] if extra else ps
+    outs = build(lambda h: ch(ps, h), x, e)
+    gouts = [torch.ones_like(o) for o in outs]
+    with chain.collecting():
+        got = linear.backward_deferred(outs, gouts, [x], allp, autodiff.param_nodes(allp))
+    assert got is not None
+    gin, deferred = got
+    # the reference: the same graph through the modules, autograd's gradients
+    xr = x.detach().requires_grad_()
+    rps = [t.detach().requires_grad_() for t in leaves]
+    er = e.detach().requires_grad_()
+
+    def mod(h: torch.Tensor) -> torch.Tensor:
+        return stage(dict(zip(sorted(params), rps, strict=True)), h)
+
+    routs = build(mod, xr, er)
+    want = torch.autograd.grad(routs, [xr, *rps], [torch.ones_like(o) for o in routs])
+    torch.testing.assert_close(gin[0], want[0], rtol=1e-12, atol=1e-12)
+    rows = {lin.weight: (lin, x2, g2) for lin, x2, g2 in deferred.items}
+    assert len(rows) == 2
+    for lin, x2, g2 in rows.values():
+        torch.testing.assert_close(g2.t() @ x2, want[1 + lin.weight], rtol=1e-12, atol=1e-12)
+    return targets, direct[0]
+
+
+def test_a_chain_stage_backward_runs_without_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    targets, direct = _direct_case(monkeypatch, lambda f, x, e: [f(x)])
+    assert targets == [] and direct == 1
+
+
+def test_a_loss_after_the_chain_runs_the_engine_only_up_to_the_chain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    targets, direct = _direct_case(monkeypatch, lambda f, x, e: [(f(x) ** 2).mean()])
+    assert direct == 1 and len(targets) == 1
+    assert [type(t).__name__ for t in targets[0]] == ["GradientEdge"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "input used twice",  # another path to the chain's input: the engine sums both
+        "input computed",  # the chain's input is not the stage's input
+        "another parameter",  # a parameter outside the chain needs a gradient
+    ],
+)
+def test_anything_else_in_the_graph_leaves_the_chain_to_the_engine(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    builds = {
+        "input used twice": lambda f, x, e: [(f(x) ** 2).mean() + (x**3).sum()],
+        "input computed": lambda f, x, e: [(f(torch.sin(x)) ** 2).mean()],
+        "another parameter": lambda f, x, e: [(f(x) * e).sum()],
+    }
+    targets, direct = _direct_case(monkeypatch, builds[case], extra=case == "another parameter")
+    assert direct == 0  # (the engine ran the chain, collecting its rows)
+    assert len(targets) == 1
