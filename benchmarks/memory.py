@@ -61,13 +61,19 @@ def _count_waiting(counter: C.SavedBytes) -> Iterator[None]:
     from funcpipe.runtime import autodiff, linear
 
     held: dict[int, list[Any]] = {}
-    real_deferred, real_batch = linear.backward_deferred, linear.weight_batch
+    real_deferred, real_batch = autodiff.backward_deferred, linear.weight_batch
     real_input, real_weight = autodiff.backward_input, autodiff.backward_weight
 
+    def hold_rows(d: Any) -> None:
+        held[id(d)] = [counter.hold(t) for _, x, g in d.items for t in (x, g)]
+
+    # (held once the B or I returns, its graph let go: a chain stage's rows come from a
+    # backward called outside the engine, whose graph outlives the call by a few lines; the
+    # engine's own overlap of rows and graph inside the call is not counted either)
     def deferred(*args: Any, **kwargs: Any) -> Any:
         got = real_deferred(*args, **kwargs)
-        if got is not None:
-            held[id(got[1])] = [counter.hold(t) for _, x, g in got[1].items for t in (x, g)]
+        if got[1] is not None:
+            hold_rows(got[1])
         return got
 
     def batch(waiting: Any, params: Any) -> None:
@@ -79,6 +85,8 @@ def _count_waiting(counter: C.SavedBytes) -> Iterator[None]:
 
     def input_(saved: Any, *args: Any, **kwargs: Any) -> Any:
         got = real_input(saved, *args, **kwargs)
+        if saved.products is not None:
+            hold_rows(saved.products)
         recorded = [g for group in saved.roots for r in group for _, g in r.edges]
         recorded += [g for _, g in saved.direct]
         held[id(saved)] = [counter.hold(g) for g in recorded if g is not None]
@@ -93,13 +101,13 @@ def _count_waiting(counter: C.SavedBytes) -> Iterator[None]:
             counter.release(key, t)
         return got
 
-    linear.backward_deferred, linear.weight_batch = deferred, batch  # type: ignore[assignment]
+    autodiff.backward_deferred, linear.weight_batch = deferred, batch  # type: ignore[assignment]
     autodiff.backward_input = input_  # type: ignore[assignment]
     autodiff.backward_weight = weight  # type: ignore[assignment]
     try:
         yield
     finally:
-        linear.backward_deferred, linear.weight_batch = real_deferred, real_batch
+        autodiff.backward_deferred, linear.weight_batch = real_deferred, real_batch
         autodiff.backward_input = real_input  # type: ignore[assignment]
         autodiff.backward_weight = real_weight  # type: ignore[assignment]
 

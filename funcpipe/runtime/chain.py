@@ -363,7 +363,8 @@ def run_node(node: Any, g: Tensor) -> tuple[Tensor | None, Items]:
     params, saved = tensors[: node.n], tensors[node.n :]
     chain: Chain = node.chain
     need = bool(node.needs_input_grad[1]) and node.x.requires_grad
-    return chain.backward(params, saved, g, need)
+    with torch.no_grad():  # (the engine runs it so; called directly, nothing may be recorded)
+        return chain.backward(params, saved, g, need)
 
 
 def chain_input(node: Any) -> Tensor:

@@ -328,6 +328,8 @@ def _direct_case(
         got = linear.backward_deferred(outs, gouts, [x], allp, autodiff.param_nodes(allp))
     assert got is not None
     gin, deferred = got
+    assert gin[0] is not None and not gin[0].requires_grad  # nothing recorded on the way
+    assert not any(g2.requires_grad for _, _, g2 in deferred.items)
     # the reference: the same graph through the modules, autograd's gradients
     xr = x.detach().requires_grad_()
     rps = [t.detach().requires_grad_() for t in leaves]
