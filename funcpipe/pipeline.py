@@ -215,7 +215,8 @@ class Pipeline:
             elementwise activations (GELU, ReLU, Tanh, Sigmoid, SiLU, Identity; no hooks) as
             one autograd node that calls the same kernels and their derivatives written out
             (:mod:`funcpipe.runtime.chain`): the same outputs and gradients without autograd
-            recording and walking each op, and exact GELU on at most 65,536 elements computed
+            recording and walking each op (a chain stage's backward is called by the runtime
+            directly, with no engine call), and exact GELU on at most 65,536 elements computed
             by ATen's own kernel rather than oneDNN's, whose fixed cost per call dominates
             small CPU inputs (results agree to float32 rounding). Measured on 2 cores
             (docs/benchmarks.md): small model 0.896-0.944x the step time on 2 ranks,

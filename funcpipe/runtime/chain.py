@@ -16,8 +16,11 @@ per layer measured neither faster nor slower on its own (docs/benchmarks.md).
 
 The backward hands each Linear's weight gradient to the runtime as rows, the same
 ``(Linear, x, g)`` items :func:`funcpipe.runtime.linear.backward_deferred` finds for recorded
-products, when the runtime collects them (:func:`collecting`): so they are summed in place,
-batched over microbatches or staged exactly like those. Outside a collection (a plain
+products: so they are summed in place, batched over microbatches or staged exactly like those.
+Where the chain node is all there is between a stage's outputs (or the gradient arriving at
+the chain's output) and its input, the runtime calls that backward itself (:func:`run_node`),
+with no engine call and no graph search; elsewhere the engine runs it while the runtime
+collects the rows (:func:`collecting`). Outside a collection (a plain
 ``torch.autograd.backward``) it returns every gradient, as any autograd function does.
 
 Admitted: an ``nn.Sequential`` (or :func:`funcpipe.partition`'s) of exact ``nn.Linear``,

@@ -306,9 +306,15 @@ def _chain_alone(
     parameters are used once, :func:`funcpipe.runtime.chain.of` checks it). ``None`` where the
     engine must do it."""
     node = y.grad_fn
-    assert node is not None
-    k = _chain_input_index(node, inputs)
-    if k is None or g is None or g.shape != y.shape or g.dtype != y.dtype or g.device != y.device:
+    k = None if node is None else _chain_input_index(node, inputs)
+    if (
+        node is None
+        or k is None
+        or g is None
+        or g.shape != y.shape
+        or g.dtype != y.dtype
+        or g.device != y.device
+    ):
         return None
     gx, rows = chain.run_node(node, g)
     grads_in: list[Tensor | None] = [None] * len(inputs)

@@ -154,11 +154,10 @@ def add(leaf: Tensor, transposed: bool, x: Tensor, g: Tensor, bias: Tensor | Non
         buf = reuse.take(leaf)
         if buf is None or not buf.is_contiguous():
             buf = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
-        follows = bias is not None and _bias_fits(bias, g)
-        state = leaf.__dict__[_ATTR] = Staged(buf, transposed, bias if follows else None)
-        if follows:
-            assert bias is not None
-            bias.__dict__[_ATTR] = _Follows(leaf)
+        follows = bias if bias is not None and _bias_fits(bias, g) else None
+        state = leaf.__dict__[_ATTR] = Staged(buf, transposed, follows)
+        if follows is not None:
+            follows.__dict__[_ATTR] = _Follows(leaf)
     usable = leaf.grad is None and state.transposed == transposed and _same(state.g, x, g)
     if usable and state.add(x, g):
         return BOTH if bias is not None and state.bias is bias else WEIGHT
@@ -197,9 +196,9 @@ def settle(leaf: Tensor) -> None:
     for this step. A bias leaf following a weight's staging settles that weight (and so
     itself)."""
     state = leaf.__dict__.pop(_ATTR, None)
-    if isinstance(state, _Follows):
-        settle(state.weight)
-        return
+    if isinstance(state, _Follows):  # (its weight's staging computes both)
+        leaf = state.weight
+        state = leaf.__dict__.pop(_ATTR, None)
     if not isinstance(state, Staged):
         return
     total = state.finish()

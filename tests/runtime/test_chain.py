@@ -229,9 +229,8 @@ def test_a_pipeline_of_chain_stages_matches_the_reference(
     # runtime collects, or called by the runtime directly), not returned as gradients?
     collected = []
     direct = []  # per chain backward: called by the runtime directly (no engine around it)?
-    in_engine = [False]
+    in_engine = _track_engine(monkeypatch)
     real, real_backward = chain.Chain.forward, chain.Chain.backward
-    real_node = chain._ChainFn.backward
 
     def counted(self: chain.Chain, *a: Any) -> Any:
         calls.append(1)
@@ -242,16 +241,8 @@ def test_a_pipeline_of_chain_stages_matches_the_reference(
         direct.append(not in_engine[0])
         return real_backward(self, *a)
 
-    def engine_runs(ctx: Any, g: torch.Tensor) -> Any:
-        in_engine[0] = True
-        try:
-            return real_node(ctx, g)
-        finally:
-            in_engine[0] = False
-
     monkeypatch.setattr(chain.Chain, "forward", counted)
     monkeypatch.setattr(chain.Chain, "backward", seen)
-    monkeypatch.setattr(chain._ChainFn, "backward", staticmethod(engine_runs))
     got = fp.Pipeline(part.stages, program, loss_fn=mse, **options).step(part.params, x, y)
     assert len(calls) >= 4 * program.n_stages  # every F ran as a chain (recompute: twice)
     assert len(collected) == 4 * program.n_stages
@@ -279,6 +270,22 @@ def test_the_option_is_checked() -> None:
         )
 
 
+def _track_engine(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """A flag that is true while the autograd engine runs a chain node's backward."""
+    in_engine = [False]
+    real = chain._ChainFn.backward
+
+    def engine_runs(ctx: Any, g: torch.Tensor) -> Any:
+        in_engine[0] = True
+        try:
+            return real(ctx, g)
+        finally:
+            in_engine[0] = False
+
+    monkeypatch.setattr(chain._ChainFn, "backward", staticmethod(engine_runs))
+    return in_engine
+
+
 def _direct_case(
     monkeypatch: pytest.MonkeyPatch, build: Any, extra: bool = False
 ) -> tuple[list[Any], int]:
@@ -304,23 +311,13 @@ def _direct_case(
     monkeypatch.setattr(engine, "run", run)
     direct = [0]
     real_node = chain.run_node
+    in_engine = _track_engine(monkeypatch)
 
     def node(n: Any, g: torch.Tensor) -> Any:
         direct[0] += not in_engine[0]
         return real_node(n, g)
 
-    in_engine = [False]
-    real_fn = chain._ChainFn.backward
-
-    def fn(ctx: Any, g: torch.Tensor) -> Any:
-        in_engine[0] = True
-        try:
-            return real_fn(ctx, g)
-        finally:
-            in_engine[0] = False
-
     monkeypatch.setattr(chain, "run_node", node)
-    monkeypatch.setattr(chain._ChainFn, "backward", staticmethod(fn))
     allp = [*ps, e] if extra else ps
     outs = build(lambda h: ch(ps, h), x, e)
     gouts = [torch.ones_like(o) for o in outs]
