@@ -338,9 +338,9 @@ def _chain_after(
     chain's input)."""
     node, ks = found
     k = _chain_input_index(node, inputs)
-    if k is None or not ks:
+    if k is None:
         return None
-    fast = set(ks)
+    fast = set(ks)  # (never empty: _find keeps only chains handing over parameters)
     if any(p.requires_grad and j not in fast for j, p in enumerate(params)):
         return None
     if any(t.requires_grad and j != k for j, t in enumerate(inputs)):
