@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import _common as C
 from funcpipe.schedule import generate, peak_memory, simulate
 from funcpipe.schedule.auto import auto
-from funcpipe.schedule.profile import StageMemory
+from funcpipe.schedule.costs import StageMemory
 
 COLUMNS: list[C.Column] = [
     ("ranks", "ranks", "d"),

@@ -116,7 +116,8 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     import funcpipe as fp
-    from funcpipe.schedule import measure_memory, peak_activations, peak_memory
+    from funcpipe.profile import measure_memory
+    from funcpipe.schedule import peak_activations, peak_memory
 
     size = C.Size(**cfg["size"])
     program = C.program_for(

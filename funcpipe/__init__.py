@@ -4,7 +4,7 @@ Stages are pure functions ``stage(params, *inputs) -> outputs`` over explicit pa
 parameters, gradients and optimizer state are values that go in and come out.
 """
 
-from funcpipe import data, optim, schedule, testing, tune
+from funcpipe import data, optim, profile, schedule, testing, tune
 from funcpipe.errors import (
     CommunicationError,
     FuncpipeError,
@@ -19,6 +19,7 @@ from funcpipe.launcher import Pool, launch
 from funcpipe.microbatch import merge, microbatch_sizes, split
 from funcpipe.partition import Partition, partition
 from funcpipe.pipeline import Pipeline, StepResult
+from funcpipe.profile import measure_memory, measure_stages, profile_stages
 from funcpipe.reference import reference_step
 from funcpipe.shapes import StageSpec, TensorSpec, infer_specs
 from funcpipe.stage import Stage, as_inputs, compose, from_module
@@ -48,10 +49,14 @@ __all__ = [
     "from_module",
     "infer_specs",
     "launch",
+    "measure_memory",
+    "measure_stages",
     "merge",
     "microbatch_sizes",
     "optim",
     "partition",
+    "profile",
+    "profile_stages",
     "reference_step",
     "schedule",
     "split",

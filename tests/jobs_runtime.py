@@ -265,8 +265,9 @@ def auto_bytes_step(rank: int) -> tuple[int, float, float]:
     single-device reference, one with every saved byte counted (as ``benchmarks/memory.py``
     does): (measured peak, peak_memory's figure, limit)."""
     from benchmarks import memory as bench
+    from funcpipe.profile import measure_memory
     from funcpipe.runtime.saved import SavedBytes
-    from funcpipe.schedule import auto, measure_memory, peak_memory
+    from funcpipe.schedule import auto, peak_memory
 
     stages, params = toy(4)
     x, y = data(16)

@@ -1,11 +1,15 @@
 """Schedules as data: instructions, programs, generators, passes, checker, simulator, pictures.
 
-Nothing here touches ``torch.distributed``: a schedule can be generated, checked, simulated and
-drawn without a process group.
+Nothing here touches ``torch.distributed`` or :mod:`funcpipe.runtime`: a schedule can be
+generated, checked, simulated and drawn without a process group. Measuring real stages
+(``profile_stages``, ``measure_stages``, ``measure_memory``) runs the runtime, so it lives above
+this package, in :mod:`funcpipe.profile`; what it returns (``StageTimes``, ``StageMemory``,
+``Costs``) is data defined here.
 """
 
 from funcpipe.schedule.auto import auto, auto_candidates
 from funcpipe.schedule.check import check
+from funcpipe.schedule.costs import StageMemory, StageTimes, costs_from_timelines
 from funcpipe.schedule.generators import (
     CONSTRAINTS,
     GENERATORS,
@@ -49,11 +53,6 @@ from funcpipe.schedule.passes import (
     split_backward,
     strip_communication,
 )
-from funcpipe.schedule.profile import (
-    costs_from_timelines,
-    measure_memory,
-    profile_stages,
-)
 from funcpipe.schedule.render import ascii_timeline, chrome_trace, draw_timeline, write_chrome_trace
 from funcpipe.schedule.simulate import (
     Costs,
@@ -72,6 +71,8 @@ __all__ = [
     "Instr",
     "Op",
     "Program",
+    "StageMemory",
+    "StageTimes",
     "Timeline",
     "add_communication",
     "add_recompute",
@@ -95,7 +96,6 @@ __all__ = [
     "interleaved_1f1b",
     "looped_bfs",
     "lower",
-    "measure_memory",
     "merge_backward",
     "one_f_one_b",
     "parse_instr",
@@ -104,7 +104,6 @@ __all__ = [
     "peak_memory",
     "placement_loop",
     "placement_v",
-    "profile_stages",
     "read_csv",
     "recompute",
     "recv",

@@ -514,7 +514,7 @@ def _problem(
     if not isinstance(costs, Costs):
         raise InvalidArgument(
             f"auto: costs={costs!r}; pass a funcpipe.schedule.Costs (e.g. Costs(f=1, b=2, w=1), "
-            "or the result of funcpipe.schedule.profile.profile_stages)"
+            "or the result of funcpipe.profile_stages)"
         )
     per: dict[str, tuple[float, ...]] = {}
     for name in ("f", "b", "w", "full"):
@@ -584,7 +584,7 @@ def _memory_limit(
     if memory is None:
         raise InvalidArgument(
             "auto: max_memory needs memory=, each stage's activation bytes in model order (e.g. "
-            "funcpipe.schedule.measure_memory(stages, params, example))"
+            "funcpipe.measure_memory(stages, params, example))"
         )
     if max_memory is None:
         raise InvalidArgument(
@@ -597,7 +597,7 @@ def _memory_limit(
         act = kept = list(memory)
     else:
         raise InvalidArgument(
-            f"auto: memory={memory!r}; pass a StageMemory (funcpipe.schedule.measure_memory) or "
+            f"auto: memory={memory!r}; pass a StageMemory (funcpipe.measure_memory) or "
             "one number of bytes per stage"
         )
     for name, values in (("activation", act), ("for_w", kept)):
@@ -685,7 +685,7 @@ def auto(
             stages ``r`` and ``2p - 1 - r``, as ZB-V).
         costs: per-stage :class:`~funcpipe.schedule.simulate.Costs` (``f``, ``b`` the input
             gradient, ``w`` the weight gradient, ``comm`` the message latency): numbers, or one
-            value per stage in model order (as :func:`~funcpipe.schedule.profile.profile_stages`
+            value per stage in model order (as :func:`~funcpipe.profile.profile_stages`
             returns them). Default F = B = W = 1, comm = 0.
         max_activations: the most (stage, microbatch) activations a rank may keep at once,
             counted as :func:`~funcpipe.schedule.simulate.peak_activations` does (a chunk
@@ -698,8 +698,8 @@ def auto(
             Default None: the heuristic alone.
         max_memory, memory: a limit in bytes instead of a count: ``memory`` gives each
             stage's activation bytes for one microbatch (a
-            :class:`~funcpipe.schedule.profile.StageMemory` from
-            :func:`~funcpipe.schedule.profile.measure_memory`, or one number per stage), and
+            :class:`~funcpipe.schedule.costs.StageMemory` from
+            :func:`~funcpipe.profile.measure_memory`, or one number per stage), and
             ``max_memory`` the most a rank may keep (one number, or one per rank). Each F
             holds its stage's ``max(activation, for_w)`` until its I, then ``for_w`` until its
             W (a B frees it all), so the program keeps ``peak_memory(program, activation,

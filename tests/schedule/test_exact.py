@@ -166,7 +166,7 @@ def test_the_solver_reaches_the_brute_force_optimum_with_a_limit_in_bytes() -> N
 def test_the_solver_reaches_the_brute_force_optimum_when_i_frees_memory() -> None:
     """Split backwards whose W needs less than the F kept: the memory rows count each I's
     release (one chunk, 2 ranks, 3 microbatches, activation 3, W needs 1, 5 per rank)."""
-    from funcpipe.schedule.profile import StageMemory
+    from funcpipe.schedule.costs import StageMemory
 
     costs = Costs(f=[1, 2], b=[2, 1], w=[1, 2], comm=0.5)
     memory = StageMemory((3, 3), (1, 1))

@@ -10,15 +10,15 @@ from hypothesis import strategies as st
 
 import funcpipe as fp
 from funcpipe.errors import InvalidArgument
+from funcpipe.profile import measure_memory
 from funcpipe.schedule import (
     GENERATORS,
+    StageMemory,
     generate,
-    measure_memory,
     parse_program,
     peak_activations,
     peak_memory,
 )
-from funcpipe.schedule.profile import StageMemory
 
 TEXT = """
 placement 0 1

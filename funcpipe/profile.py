@@ -1,19 +1,18 @@
-"""Profiling: measure what each stage costs, for :func:`funcpipe.schedule.auto.auto`.
+"""Profiling: measure what each stage costs, for :func:`funcpipe.schedule.auto` and the simulator.
 
 :func:`profile_stages` runs the real stages on a real microbatch through
 :mod:`funcpipe.runtime.autodiff`, the functions the interpreter runs (forward, backward_input,
 backward_weight, backward on flat tensor lists), chaining each stage's outputs into the next
 stage's inputs (:func:`funcpipe.stage.as_inputs`), and returns the medians as a
 :class:`~funcpipe.schedule.simulate.Costs`. :func:`measure_stages` returns every number it took,
-the full backward ``B`` included.
+the full backward ``B`` included (a :class:`~funcpipe.schedule.costs.StageTimes`).
+:func:`measure_memory` counts the bytes each stage keeps for its backward (a
+:class:`~funcpipe.schedule.costs.StageMemory`).
 
-:func:`costs_from_timelines` reads the same costs off executed steps instead
-(``Pipeline.step(..., trace=True).timeline``): what each instruction took inside a real step,
-next to the other ranks and stages, which can differ from a stage timed alone (caches, memory
-bandwidth shared by the ranks).
-
-The only schedule module that touches torch, and only inside its functions: importing it (and
-``funcpipe.schedule``) stays free of torch and of ``torch.distributed``.
+These run stages, so they live above both :mod:`funcpipe.schedule` (which never imports the
+runtime) and :mod:`funcpipe.runtime`; what they return is plain schedule data
+(:mod:`funcpipe.schedule.costs`, where :func:`~funcpipe.schedule.costs.costs_from_timelines`
+reads the same costs off executed steps).
 """
 
 from __future__ import annotations
@@ -21,40 +20,20 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from funcpipe.errors import InvalidArgument
+from funcpipe.runtime import autodiff
+from funcpipe.runtime.saved import SavedBytes
+from funcpipe.schedule.costs import StageMemory, StageTimes
 from funcpipe.schedule.simulate import Costs
+from funcpipe.stage import Stage, as_inputs
+from funcpipe.tree import tree_flatten, tree_unflatten
 
-__all__ = [
-    "StageMemory",
-    "StageTimes",
-    "costs_from_timelines",
-    "measure_memory",
-    "measure_stages",
-    "profile_stages",
-]
-
-
-@dataclass(frozen=True)
-class StageTimes:
-    """Median seconds per stage: ``f`` forward, ``i`` input gradient, ``w`` weight gradient,
-    ``b`` one full backward (input and weight gradients at once), and ``comm`` the latency of
-    one point-to-point message of the largest activation (0 when not measured)."""
-
-    f: tuple[float, ...]
-    i: tuple[float, ...]
-    w: tuple[float, ...]
-    b: tuple[float, ...]
-    comm: float = 0.0
-
-    def costs(self) -> Costs:
-        """The simulator's costs: ``f``, ``b`` = the input-gradient part (I), ``w``, ``full`` =
-        the full backward (B), ``comm``."""
-        return Costs(
-            f=list(self.f), b=list(self.i), w=list(self.w), full=list(self.b), comm=self.comm
-        )
+__all__ = ["measure_memory", "measure_stages", "profile_stages"]
 
 
 def profile_stages(
@@ -100,11 +79,6 @@ def measure_stages(
     comm: float | None = None,
 ) -> StageTimes:
     """What :func:`profile_stages` measures, with the full backward ``B`` too (see there)."""
-    import torch
-
-    from funcpipe.stage import as_inputs
-    from funcpipe.tree import tree_flatten
-
     _check_stages("profile_stages", stages, params)
     for name, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -138,16 +112,6 @@ def measure_stages(
     return StageTimes(tuple(f_t), tuple(i_t), tuple(w_t), tuple(b_t), latency)
 
 
-@dataclass(frozen=True)
-class StageMemory:
-    """Bytes per stage, for :func:`funcpipe.schedule.simulate.peak_memory`: ``activation``
-    what one F on one microbatch keeps for its backward (autograd's saved tensors, parameters
-    excluded), ``for_w`` what an I of it leaves for its W (the rest is freed at I)."""
-
-    activation: tuple[int, ...]
-    for_w: tuple[int, ...]
-
-
 def measure_memory(
     stages: Sequence[Any],
     params: Sequence[Any],
@@ -166,11 +130,6 @@ def measure_memory(
     target), as a pipeline's last stage does, and its saved tensors count as that stage's.
     Deterministic: one run per stage, no timing.
     """
-    from funcpipe.runtime import autodiff
-    from funcpipe.runtime.saved import SavedBytes
-    from funcpipe.stage import as_inputs
-    from funcpipe.tree import tree_unflatten
-
     _check_stages("measure_memory", stages, params)
     if loss_fn is not None and not callable(loss_fn):
         raise InvalidArgument(
@@ -205,11 +164,9 @@ def measure_memory(
 
 
 def _left_for_w(saved: Any) -> list[Any]:
-    """The tensors an I keeps outside autograd's graph for its W: each Linear-shaped product's
-    input and incoming gradient, and the gradients recorded where W's branches start."""
+    """The tensors an I keeps outside autograd's graph for its W: the gradients recorded where
+    W's branches start."""
     out: list[Any] = []
-    if saved.products is not None:
-        out += [t for _, x, g in saved.products.items for t in (x, g)]
     for group in saved.roots:
         out += [g for r in group for _, g in r.edges if g is not None]
     out += [g for _, g in saved.direct if g is not None]
@@ -217,8 +174,6 @@ def _left_for_w(saved: Any) -> list[Any]:
 
 
 def _check_stages(who: str, stages: Any, params: Any) -> None:
-    from funcpipe.stage import Stage
-
     if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or not stages:
         raise InvalidArgument(
             f"{who}: stages={stages!r}; pass a non-empty list of funcpipe.Stage "
@@ -253,10 +208,6 @@ def _flat_stage(
     """``stage`` as the interpreter runs it: ``fn(flat params, flat inputs) -> flat outputs``
     (through ``loss`` when given), the params as fresh leaves requiring grad, the flat inputs,
     and a list that gets the outputs' tree structure at the first call."""
-    import torch
-
-    from funcpipe.tree import tree_flatten, tree_unflatten
-
     p_leaves, p_tree = tree_flatten(params)
     for t in p_leaves:
         if not isinstance(t, torch.Tensor):
@@ -283,8 +234,6 @@ def _flat_stage(
 
 def _seeds(outs: Sequence[Any]) -> list[Any]:
     """The gradient arriving from the next stage (or the loss): ones, shaped as each output."""
-    import torch
-
     return [torch.ones_like(o) if (o.is_floating_point() or o.is_complex()) else None for o in outs]
 
 
@@ -292,11 +241,6 @@ def _time_stage(
     stage: Any, params: Any, inputs: tuple[Any, ...], k: int, *, repeats: int, warmup: int
 ) -> tuple[float, float, float, float, Any]:
     """Median F, I, W, B seconds of one stage, and its outputs (detached) for the next stage."""
-    import torch
-
-    from funcpipe.runtime import autodiff
-    from funcpipe.tree import tree_unflatten
-
     fn, flat_params, in_leaves, out_tree = _flat_stage(
         "profile_stages", stage, params, inputs, k, None
     )
@@ -329,7 +273,7 @@ def _time_stage(
         t3 = clock()
         _, saved = forward()
         t4 = clock()
-        autodiff.backward_direct(saved, flat_params, _seeds(outputs))  # the runtime's B
+        autodiff.backward(saved, flat_params, _seeds(outputs), accumulate=True)  # the runtime's B
         t5 = clock()
         if run >= warmup:
             times["f"] += [t1 - t0, t4 - t3]
@@ -343,9 +287,6 @@ def _time_stage(
 def _measure_comm(payload: Sequence[Any], *, rounds: int = 10) -> float:
     """Half the median round trip of ``payload`` between ranks 0 and 1 over torch.distributed
     (0 without a process group of two or more ranks); every rank gets rank 0's number."""
-    import torch
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return 0.0
     rank = dist.get_rank()
@@ -370,53 +311,3 @@ def _measure_comm(payload: Sequence[Any], *, rounds: int = 10) -> float:
         result = result.cuda()
     dist.broadcast(result, 0)
     return float(result.item())
-
-
-def costs_from_timelines(timelines: Sequence[Any], *, comm: float = 0.0) -> Costs:
-    """Per-stage costs measured inside executed steps, for the simulator and ``auto``.
-
-    ``timelines`` are executed :class:`~funcpipe.schedule.simulate.Timeline` s of one program
-    (``Pipeline.step(..., trace=True).timeline``, one per step; run a few and pass them all).
-    Each stage's ``f``, ``b`` (input gradient), ``w`` (weight gradient) and ``full`` (a whole
-    backward B) are the medians of its F, I, W and B instructions over all the steps: pass steps
-    of a program that splits its backwards (ZB-H1, ZB-H2, ZB-V, DualPipeV, or
-    ``passes.split_backward``) and, for ``full``, steps of one that does not (1F1B, GPipe) with
-    the same stages. A stage seen only with B gets ``b = w = B / 2``; one never seen with B gets
-    ``full = b + w``. ``comm`` is passed through.
-    """
-    if not timelines:
-        raise InvalidArgument("costs_from_timelines needs at least one executed timeline")
-    n = timelines[0].program.n_stages
-    seen: dict[tuple[str, int], list[float]] = {}
-    for tl in timelines:
-        if tl.program.n_stages != n:
-            raise InvalidArgument(
-                "costs_from_timelines: the timelines come from programs with different stages "
-                f"({n} and {tl.program.n_stages}); pass steps of one program"
-            )
-        for events in tl.events:
-            for e in events:
-                if e.instr.op.name in ("F", "B", "I", "W"):
-                    seen.setdefault((e.instr.op.name, e.instr.stage), []).append(e.end - e.start)
-
-    def med(op: str, stage: int) -> float | None:
-        got = seen.get((op, stage))
-        return statistics.median(got) if got else None
-
-    f, b, w, fulls = [], [], [], []
-    for s in range(n):
-        fs, i, wt, full = med("F", s), med("I", s), med("W", s), med("B", s)
-        if fs is None or ((i is None or wt is None) and full is None):
-            raise InvalidArgument(
-                f"costs_from_timelines: stage {s} has no forward or no backward in these "
-                "timelines; pass training steps (step(..., trace=True)) of the program"
-            )
-        f.append(fs)
-        if i is not None and wt is not None:
-            b.append(i)
-            w.append(wt)
-        elif full is not None:
-            b.append(full / 2)
-            w.append(full / 2)
-        fulls.append(full if full is not None else b[-1] + w[-1])
-    return Costs(f=f, b=b, w=w, full=fulls, comm=comm)
