@@ -18,10 +18,9 @@ that fit the memory limit)::
     best = fastest(candidates, lambda p: pipes[p].step(params, x, y)).program
 
 The candidates may also be :class:`funcpipe.Pipeline` objects, for choices a program does not
-carry: e.g. how many activations each rank may keep for batched weight gradients
-(``batch_weights_extra``, a trade of memory for speed)::
+carry: e.g. which stages to recompute (a trade of compute for memory)::
 
-    pipes = [Pipeline(stages, program, loss_fn=loss, batch_weights_extra=n) for n in (0, 1, 2)]
+    pipes = [Pipeline(stages, program, loss_fn=loss, recompute=r) for r in (False, [0], True)]
     best = fastest(pipes, lambda pipe: pipe.step(params, x, y)).choice
 
 Under ``torch.distributed`` every process of the default group must call :func:`fastest` with
@@ -88,7 +87,7 @@ def _label(c: Any) -> str:
     if isinstance(c, Program):
         return repr(c.name or "unnamed")
     name = c.program.name or "unnamed"
-    return f"Pipeline({name!r}, batch_weights_extra={c.batch_weights_extra})"
+    return f"Pipeline({name!r}, recompute={sorted(c.recompute)})"
 
 
 def fastest(
@@ -104,7 +103,7 @@ def fastest(
     Args:
         programs: the candidates (at least one): programs, e.g. from ``auto_candidates``, or
             :class:`funcpipe.Pipeline` objects (to choose among options such as
-            ``batch_weights_extra``; a program may appear in several).
+            ``recompute``; a program may appear in several).
         step: runs one training step with the given candidate (for a program, typically with
             a ``Pipeline`` built for it, created once outside: its first steps infer shapes and
             fill caches).

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -151,8 +153,12 @@ def run_pipeline_vs_reference(
     n = len(set(program.replica_of or ()))
     stages, params = toy(n, tied=tied)
     ties = {"E": [(0, "E"), (n - 1, "E")]} if tied and n > 1 else None
-    kw = {"p2p": p2p} if p2p != "auto" else {}
-    pipe = Pipeline(stages, program, loss_fn=mse, ties=ties, recompute=recompute, **kw)
+    if p2p == "torch":  # gloo's send/recv instead of the same-host sockets
+        os.environ["FUNCPIPE_P2P"] = "torch"
+    try:
+        pipe = Pipeline(stages, program, loss_fn=mse, ties=ties, recompute=recompute)
+    finally:
+        os.environ.pop("FUNCPIPE_P2P", None)
     worst = 0.0
     for b, size in enumerate(batches):
         x, y = data(size, seed=b + 1)
@@ -259,12 +265,38 @@ def tune_agrees_across_ranks(rank: int) -> tuple[int, list[float]]:
     return (got.index * 10 + pair.index, list(got.medians))
 
 
+@contextmanager
+def count_left_for_w(counter: Any) -> Iterator[None]:
+    """Count in ``counter`` what each I keeps outside autograd's graph for its W (the gradients
+    recorded where W starts), from the I until the W, as ``measure_memory`` counts it."""
+    from funcpipe.profile import _left_for_w
+    from funcpipe.runtime import autodiff
+
+    real_i, real_w = autodiff.backward_input, autodiff.backward_weight
+    held: dict[int, list[Any]] = {}
+
+    def backward_input(saved: Any, *args: Any, **kw: Any) -> Any:
+        got = real_i(saved, *args, **kw)
+        held[id(saved)] = [counter.hold(t) for t in _left_for_w(saved)]
+        return got
+
+    def backward_weight(saved: Any, *args: Any, **kw: Any) -> Any:
+        for key, t in held.pop(id(saved), []):
+            counter.release(key, t)
+        return real_w(saved, *args, **kw)
+
+    autodiff.backward_input, autodiff.backward_weight = backward_input, backward_weight
+    try:
+        yield
+    finally:
+        autodiff.backward_input, autodiff.backward_weight = real_i, real_w
+
+
 def auto_bytes_step(rank: int) -> tuple[int, float, float]:
     """An ``auto`` program searched under a limit in bytes (``measure_memory`` of the real
     stages; the last also keeps the loss's inputs), one step over gloo checked against the
     single-device reference, one with every saved byte counted (as ``benchmarks/memory.py``
     does): (measured peak, peak_memory's figure, limit)."""
-    from benchmarks import memory as bench
     from funcpipe.profile import measure_memory
     from funcpipe.runtime.saved import SavedBytes
     from funcpipe.schedule import auto, peak_memory
@@ -282,22 +314,7 @@ def auto_bytes_step(rank: int) -> tuple[int, float, float]:
     mine = [s for s in range(4) if program.placement[s] == rank]
     assert_trees_close((got.loss, [got.grads[s] for s in mine]), (loss, [grads[s] for s in mine]))
     flat = [t for p in params for t in p.values()]
-    with SavedBytes(flat) as counter, bench._count_waiting(counter):
+    with SavedBytes(flat) as counter, count_left_for_w(counter):
         pipe.step(params, x, y)
     figure = peak_memory(program, mem.activation, mem.for_w)[rank]
     return counter.peak, figure, caps[rank]
-
-
-def idle_weights_default(rank: int) -> tuple[int, bool, bool]:
-    """This host's processes as the pipeline counts them, and its idle_weights default against
-    the rule (the host's processes times their threads fit in this process's cores)."""
-    from funcpipe import pipeline
-
-    stages, _ = toy(2)
-    pipe = Pipeline(stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=mse)
-    here = pipeline._processes_here()
-    rule = here * torch.get_num_threads() <= pipeline._cores()
-    forced = Pipeline(
-        stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=mse, idle_weights=not rule
-    )
-    return here, pipe.idle_weights == rule, forced.idle_weights == (not rule)

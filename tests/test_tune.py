@@ -116,18 +116,19 @@ def test_auto_candidates_tuned_on_a_real_pipeline_match_the_reference() -> None:
 
 
 def test_pipelines_are_candidates_too() -> None:
-    """Options a program does not carry (here batch_weights_extra) are chosen the same way:
+    """Options a program does not carry (here recompute) are chosen the same way:
     the winner comes back as ``choice``, its lowered program as ``program``, and its step
     gives the one-process gradients."""
     stages, params = toy(2)
     x, y = data(8)
     program = generate("1f1b", ranks=2, microbatches=4)
-    pipes = [Pipeline(stages, program, loss_fn=mse, batch_weights_extra=n) for n in (0, 1, 2)]
+    options: list[bool | list[int]] = [False, [0], True]
+    pipes = [Pipeline(stages, program, loss_fn=mse, recompute=r) for r in options]
     delay = {0: 0.2, 1: 0.0, 2: 0.1}  # margins far above scheduling noise
 
     def step(pipe: Pipeline) -> None:
         pipe.step(params, x, y)
-        time.sleep(delay[pipe.batch_weights_extra])
+        time.sleep(delay[len(pipe.recompute)])
 
     got = fastest(pipes, step, rounds=2, warmup=0)
     assert got.index == 1 and got.choice is pipes[1] and got.program is pipes[1].program
@@ -164,10 +165,10 @@ def test_a_failing_candidate_is_named() -> None:
         fastest([prog], step)
     assert any("'1f1b'" in note for note in info.value.__notes__)
     stages, _ = toy(2)
-    pipes = [Pipeline(stages, prog, loss_fn=mse, batch_weights_extra=n) for n in (0, 1)]
+    pipes = [Pipeline(stages, prog, loss_fn=mse, recompute=r) for r in (False, True)]
     with pytest.raises(ValueError, match="boom") as info:
         fastest(pipes, step, warmup=1)
-    assert any("#0" in n and "batch_weights_extra=0" in n for n in info.value.__notes__)
+    assert any("#0" in n and "recompute=[]" in n for n in info.value.__notes__)
 
 
 @pytest.mark.timeout(120)

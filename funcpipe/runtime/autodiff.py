@@ -20,18 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from funcpipe.runtime import engine, linear
-from funcpipe.runtime.linear import Linear
-
 __all__ = [
     "Saved",
     "backward",
-    "backward_deferred",
-    "backward_direct",
     "backward_input",
     "backward_weight",
     "forward",
@@ -57,8 +53,6 @@ class Saved:
     # filled by backward_input for backward_weight: groups of roots, one backward call each
     roots: list[list[_Root]] = field(default_factory=list)
     direct: list[tuple[int, Tensor]] = field(default_factory=list)  # outputs that are params
-    # or, when every parameter sits in a direct product: what W sums, without any graph
-    products: linear.Deferred | None = None
 
 
 def _rng_state(device: torch.device) -> tuple[Tensor, ...]:
@@ -138,7 +132,9 @@ def _grad(
     result: list[Tensor | None] = [None] * len(wrt)
     if not outputs or not need:
         return result
-    got = engine.run(outputs, grads, [wrt[i] for i in need], retain=retain)
+    got = torch.autograd.grad(
+        list(outputs), [wrt[i] for i in need], list(grads), retain_graph=retain, allow_unused=True
+    )
     for i, g in zip(need, got, strict=True):
         result[i] = g
     return result
@@ -154,7 +150,8 @@ def _into(
     """Backward from ``outputs``, summing into the ``.grad`` of the leaves ``wrt`` only."""
     targets = [t for t in wrt if t.requires_grad]
     if outputs and targets:
-        engine.run(outputs, grads, targets, retain=retain, accumulate=True)
+        outs: Any = list(outputs)  # tensors or gradient edges (torch accepts either)
+        torch.autograd.backward(outs, list(grads), retain_graph=retain, inputs=targets)
 
 
 def _take(leaves: Sequence[Tensor]) -> list[Tensor | None]:
@@ -199,49 +196,6 @@ def _kids(node: Node, kids: Kids) -> tuple[Node, ...]:
     if got is None:
         got = kids[node] = tuple(n for n, _ in node.next_functions if n is not None)
     return got
-
-
-def backward_deferred(
-    saved: Saved,
-    params: Sequence[Tensor],
-    grad_outputs: Sequence[Tensor | None],
-    *,
-    nodes: dict[Node, int] | None = None,
-) -> tuple[list[Tensor | None], linear.Deferred | None]:
-    """B with the direct products' weight gradients left for :func:`linear.weight_batch`.
-
-    Returns ``(input_grads, deferred)``; every other parameter gradient is added into
-    ``.grad`` as with ``backward(..., accumulate=True)``. ``deferred`` is ``None`` when the
-    stage has no direct product: then this was an ordinary accumulating B. Frees the graph.
-    """
-    if saved.outputs is None:
-        raise RuntimeError("backward before recompute: the forward kept no graph")
-    outs, gs = _pairs(saved.outputs, grad_outputs)
-    got = None
-    if outs:
-        got = linear.backward_deferred(
-            outs, gs, saved.inputs, params, param_nodes(params) if nodes is None else nodes
-        )
-    if got is None:
-        return backward(saved, params, grad_outputs, accumulate=True)[0], None
-    saved.outputs = None
-    return got[0], got[1]
-
-
-def backward_direct(
-    saved: Saved,
-    params: Sequence[Tensor],
-    grad_outputs: Sequence[Tensor | None],
-    *,
-    nodes: dict[Node, int] | None = None,
-) -> list[Tensor | None]:
-    """B as the runtime runs it by default (``Pipeline(batch_weights=True)``) when its weight
-    products are not left waiting: :func:`backward_deferred`, then the Linear weight gradients
-    added in place at once. Returns the input gradients; parameter gradients go into ``.grad``."""
-    grads_in, later = backward_deferred(saved, params, grad_outputs, nodes=nodes)
-    if later is not None:
-        linear.weight_batch([later], params)
-    return grads_in
 
 
 def _input_closure(outputs: Sequence[Tensor], inputs: Sequence[Tensor], kids: Kids) -> set[Node]:
@@ -301,26 +255,15 @@ def backward_input(
     grad_outputs: Sequence[Tensor | None],
     *,
     nodes: dict[Node, int] | None = None,
-    products: bool = True,
 ) -> list[Tensor | None]:
     """I: input gradients only; records what :func:`backward_weight` starts from.
 
     ``nodes``: :func:`param_nodes` of ``params``, if the caller keeps it across microbatches.
-    ``products``: first try the case where every parameter sits in a Linear-shaped product
-    (then ``saved.products`` is set); ``False`` skips that graph search for a caller that
-    already saw this stage's graph fail it.
     """
     if saved.outputs is None:
         raise RuntimeError("backward_input before recompute: the forward kept no graph")
     outs, gs = _pairs(saved.outputs, grad_outputs)
     param_nodes_ = param_nodes(params) if nodes is None else nodes
-    if outs and products:  # every parameter in a direct product: one call, W needs no graph
-        got = linear.backward_deferred(
-            outs, gs, saved.inputs, params, param_nodes_, linear_only=True
-        )
-        if got is not None:
-            saved.products, saved.outputs = got[1], None
-            return got[0]
     kids: Kids = {}
     closure = _input_closure(outs, saved.inputs, kids)
     # join nodes: on the input path, with a branch leaving it towards parameters
@@ -343,7 +286,7 @@ def backward_input(
     for node, node_grads in captured.items():
         edges = [(GradientEdge(node, k), g) for k, g in enumerate(node_grads) if g is not None]
         if edges:
-            roots.append(_Root(node, edges, joins[node], _as_linear(node, param_nodes_, closure)))
+            roots.append(_Root(node, edges, joins[node]))
     for o, g in zip(outs, gs, strict=True):  # outputs that depend on parameters only
         if o.grad_fn is not None and o.grad_fn not in closure:
             reach = _param_reach(o.grad_fn, closure, param_nodes_, kids)
@@ -365,34 +308,6 @@ class _Root:
     node: Node | None
     edges: list[tuple[GradientEdge, Tensor]]
     params: set[int]
-    linear: Linear | None = None  # W computes this root's parameter gradients directly
-
-
-def _as_linear(node: Node, param_nodes: dict[Node, int], closure: set[Node]) -> Linear | None:
-    """The direct form of a join (see :mod:`funcpipe.runtime.linear`), if it has one and its
-    x side is on the input path (done by I); else ``None`` (the engine runs its W)."""
-    got = linear.match(node, param_nodes)
-    if got is None:
-        return None
-    x_node = linear.input_child(node)
-    if x_node is not None and x_node not in closure:
-        return None  # the left operand's gradient would be W's to compute: not this form
-    return got[0]
-
-
-def _linear_grads(
-    root: _Root, params: Sequence[Tensor], accumulate: bool, result: list[Tensor | None]
-) -> bool:
-    """W of a direct-form root without the engine; ``False`` if its tensors do not allow it."""
-    lin = root.linear
-    if lin is None or len(root.edges) != 1 or root.node is None:
-        return False
-    ((_, g),) = root.edges
-    x = getattr(root.node, lin.saved)
-    if not linear.usable(x, g, params[lin.weight]):
-        return False
-    linear.add_product(params, lin, x, g, accumulate, result)
-    return True
 
 
 def _group(roots: list[_Root]) -> list[list[_Root]]:
@@ -436,13 +351,7 @@ def backward_weight(
     a pre-hook pins each join's incoming gradient to what I recorded, so nothing counts twice.
     """
     result: list[Tensor | None] = [None] * len(params)
-    if saved.products is not None:
-        for lin, x, g in saved.products.items:
-            linear.add_product(params, lin, x, g, accumulate, result)
-        saved.products = None
     for group in saved.roots:
-        if len(group) == 1 and _linear_grads(group[0], params, accumulate, result):
-            continue
         idx = sorted(set().union(*(r.params for r in group)))
         outs = [e for r in group for e, _ in r.edges]
         gs = [g for r in group for _, g in r.edges]
@@ -460,7 +369,9 @@ def backward_weight(
             if accumulate:
                 _into(outs, gs, [params[i] for i in idx], retain=True)
                 continue
-            got = engine.run(outs, gs, [params[i] for i in idx], retain=True)
+            got = torch.autograd.grad(
+                outs, [params[i] for i in idx], gs, retain_graph=True, allow_unused=True
+            )
         finally:
             for h in handles:
                 h.remove()

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from funcpipe.errors import InvalidArgument, NonFiniteError
-from funcpipe.runtime import autodiff, chain, linear, reuse, staging
+from funcpipe.runtime import autodiff
 from funcpipe.runtime.plan import Layout, OutputSpec, rebuild
 from funcpipe.runtime.transport import Handle, Transport
 from funcpipe.schedule.check import in_program
@@ -30,10 +30,6 @@ from funcpipe.schedule.ir import ACT, Instr, Op, Program
 from funcpipe.shapes import TensorSpec
 from funcpipe.stage import Stage, as_inputs
 from funcpipe.tree import PyTreeSpec, tree_flatten, tree_unflatten
-
-# A B followed by sends sums its Linear weight products after them (the input gradient leaves
-# first; see _Rank.backward). False: before, as autograd's B does (benchmarks compare the two).
-WEIGHTS_AFTER_SENDS = True
 
 __all__ = ["RankInputs", "RankResult", "run_rank"]
 
@@ -67,27 +63,6 @@ class RankInputs:
     # reduce (loss sum, metric sum, has loss) over this transport group as soon as this rank's
     # last sink forward is done (at the start on ranks without one); None: the caller does it
     scalars_group: str | None = None
-    # a B computes its Linear-shaped weight gradients directly, in place
-    # (funcpipe.runtime.linear), and lets them wait to be summed for several microbatches at
-    # once as long as the rank keeps at most the program's own peak of activations
-    # (see _deferral_plan)
-    batch_weights: bool = True
-    # ... or at most this many activations more than the program's peak (Pipeline's
-    # batch_weights_extra: memory traded for fewer, larger weight products)
-    batch_weights_extra: int = 0
-    # ... and each Linear weight gradient summed once per step, its rows waiting in the
-    # gradient's own memory (Pipeline's stage_weights; funcpipe.runtime.staging)
-    stage_weights: bool = True
-    # ... and a receive's wait computes the staged sums of the stages with at most one B or W
-    # left on this rank instead of leaving them for the end of the step (Pipeline's
-    # idle_weights; _Rank.idle)
-    idle_weights: bool = True
-    # a module stage of Linear and elementwise layers runs as one autograd node with its
-    # derivatives written out (Pipeline's chains; funcpipe.runtime.chain)
-    chains: bool = True
-    # values that depend on the program and these settings only (the rank's plans), kept by
-    # the caller across steps (a Pipeline keeps one dict per rank); never mutated once made
-    memo: dict[Any, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -100,63 +75,6 @@ class RankResult:
     times: list[float] = field(default_factory=list)  # with trace: start, end of each instruction
     # with RankInputs.scalars_group: (float64 [loss sum, metric sum, has loss], its reduction)
     scalars: tuple[Tensor, Handle] | None = None
-
-
-_Plans = tuple[set[int], set[int], dict[int, int], dict[int, list[int]]]
-
-
-def _memo(x: RankInputs) -> dict[Any, Any]:
-    """``x.memo``, emptied first if it was kept for another program or rank."""
-    memo = x.memo
-    if memo.get("program") is not x.program or memo.get("rank") != x.rank:
-        memo.clear()
-        memo["program"], memo["rank"] = x.program, x.rank
-    return memo
-
-
-def _plans(x: RankInputs, owner: Sequence[int], owners: Sequence[int]) -> _Plans:
-    """The rank's weight plans: the deferred B's and where they are summed
-    (:func:`_deferral_plan`), with staging each owner's count of B and W instructions (a batch
-    of all of them is one product already: not staged) and the waits that may sum early
-    (:func:`_idle_plan`). They depend on the program and the settings only, so they are made
-    once and kept in ``x.memo`` (the Pipeline's, across steps; read-only once made)."""
-    instrs = x.program.ranks[x.rank]
-    key = ("weight plans", x.recompute, x.batch_weights_extra, x.stage_weights, x.idle_weights)
-    memo = _memo(x)
-    got: _Plans | None = memo.get(key)
-    if got is not None:
-        return got
-    defer, flush_at = _deferral_plan(instrs, x.recompute, extra=x.batch_weights_extra)
-    backwards: dict[int, int] = {}
-    idle_at: dict[int, list[int]] = {}
-    if x.stage_weights:
-        for i in instrs:
-            if i.op in (Op.B, Op.W):
-                backwards[owner[i.stage]] = backwards.get(owner[i.stage], 0) + 1
-        if x.idle_weights:
-            idle_at = _idle_plan(instrs, owner, owners)
-    got = memo[key] = (defer, flush_at, backwards, idle_at)
-    return got
-
-
-def _idle_plan(
-    instrs: Sequence[Instr], owner: Sequence[int], owners: Sequence[int]
-) -> dict[int, list[int]]:
-    """Where a receive's wait may sum weight gradients early (:meth:`_Rank.idle`): receive
-    index -> the owners with at most one B or W after it. Their sums would otherwise wait for
-    the end of the step, where the last rank to finish pays for them; summed while the rank
-    waits anyway they cost at most one extra in-place product per Linear (that B or W)."""
-    left = dict.fromkeys(owners, 0)
-    plan: dict[int, list[int]] = {}
-    for t in range(len(instrs) - 1, -1, -1):
-        i = instrs[t]
-        if i.op is Op.RECV:
-            ready = [o for o in owners if left[o] <= 1]
-            if ready:
-                plan[t] = ready
-        elif i.op in (Op.B, Op.W):
-            left[owner[i.stage]] += 1
-    return plan
 
 
 def _wait(handle: Handle) -> Generator[Handle, None, None]:
@@ -205,33 +123,6 @@ class _Rank:
             self.leaves.setdefault(o, x.params[o][0])
         self.shared: set[tuple[int, int]] = set()
         self.nodes: dict[int, dict[Any, int]] = {}  # owner -> autodiff.param_nodes (for I)
-        # B's whose weight products wait, and where the waiting ones are summed (see
-        # _deferral_plan); owner -> what waits
-        self.defer: set[int] = set()
-        self.flush_at: set[int] = set()
-        # with staging: owner -> its B and W instructions on this rank (a batch of all of them
-        # is one product already: not staged)
-        self.backwards: dict[int, int] = {}
-        # receive -> owners whose weight sums may fill its wait (see _idle_plan)
-        self.idle_at: dict[int, list[int]] = {}
-        # (checks name a microbatch; a traced step keeps each B whole, the B its timeline
-        # shows and the simulator models)
-        if x.batch_weights and p.training and not x.check_finite and not x.trace:
-            plans = _plans(x, self.owner, list(self.leaves))
-            self.defer, self.flush_at, self.backwards, self.idle_at = plans
-            if x.stage_weights:  # and Linear weight gradients summed once per step, their
-                # rows waiting in the gradient's own memory (funcpipe.runtime.staging;
-                # settled before .grad is read)
-                for leaf in (t for leaves in self.leaves.values() for t in leaves):
-                    staging.allow(leaf)
-        self.waiting: dict[int, list[linear.Deferred]] = {}
-        # a B's Linear weight products summed right after the B's sends (see backward)
-        self.after_sends: tuple[linear.Deferred, list[Tensor], int, int] | None = None
-        # owners whose graphs (as first seen this step) have no Linear-shaped product, or some
-        # parameter outside one: B / I skip the search for them (a graph search per microbatch)
-        self.no_products: set[int] = set()
-        self.no_products_only: set[int] = set()
-        self.chains: dict[int, chain.Chain | None] = {}  # stage -> its chain form (_chain)
 
     # ------------------------------------------------------------------ helpers
     def spec(self, s: int, m: int) -> OutputSpec:
@@ -249,7 +140,6 @@ class _Rank:
         want = self.spec(s, m)
         target = x.targets[m] if (sink and x.targets is not None) else None
         entry_tree = tree_flatten(x.entry[m])[1] if not producers else None
-        ch = self._chain(s) if not kwargs else None
 
         def fn(params: Sequence[Tensor], leaves: Sequence[Tensor]) -> list[Tensor]:
             if entry_tree is not None:
@@ -262,10 +152,7 @@ class _Rank:
                     k += n
                 args = tuple(args)
             try:
-                if ch is not None and len(args) == 1 and ch.accepts(params, args[0]):
-                    out = ch(params, args[0])  # one node, the same kernels (runtime.chain)
-                else:
-                    out = stage(tree_unflatten(ptree, list(params)), *args, **kwargs)
+                out = stage(tree_unflatten(ptree, list(params)), *args, **kwargs)
             except Exception as e:
                 _note(
                     e, f"stage {s} ({stage.name!r}), microbatch {m}, rank {x.rank}; inputs", leaves
@@ -316,15 +203,6 @@ class _Rank:
             return list(flat)
 
         return fn
-
-    def _chain(self, s: int) -> chain.Chain | None:
-        """Stage ``s`` as a :class:`funcpipe.runtime.chain.Chain`, if it is one (and allowed)."""
-        if s not in self.chains:
-            leaves, ptree = self.x.params[self.owner[s]]
-            self.chains[s] = (
-                chain.of(self.x.stages[s].fn, ptree, len(leaves)) if self.x.chains else None
-            )
-        return self.chains[s]
 
     def _inputs(self, s: int, m: int) -> list[Tensor]:
         producers = self.p.producers(s)
@@ -407,19 +285,14 @@ class _Rank:
 
     def _unshare(self, s: int) -> None:
         """Before autograd adds into stage ``s``'s sums: give shared ones their own copy."""
-        self._unshare_owner(self.owner[s])
-
-    def _unshare_owner(self, o: int) -> None:
+        o = self.owner[s]
         for key in [key for key in self.shared if key[0] == o]:
             leaf = self.leaves[o][key[1]]
-            staging.settle(leaf)
             if leaf.grad is not None:
                 leaf.grad = leaf.grad.clone()
             self.shared.discard(key)
 
     def _param_grads(self, s: int) -> list[Tensor | None]:
-        for t in self._params(s):
-            staging.settle(t)
         return [t.grad for t in self._params(s)]
 
     def _finite(
@@ -483,51 +356,19 @@ class _Rank:
             nodes = self.nodes[o] = autodiff.param_nodes(self._params(s))
         return nodes
 
-    def backward(self, i: Instr, defer: bool = False, postpone: bool = False) -> None:
-        """B. ``defer``: its Linear weight products wait for a batched sum (the deferral plan).
-        ``postpone``: they are summed right after the sends that follow this B (see
-        :meth:`weights_after_sends`), so the input gradient leaves before that work."""
+    def backward(self, i: Instr) -> None:
+        """B: input and weight gradients of one (stage, microbatch) in one backward."""
         s, m = i.stage, i.microbatch
         grad_outputs = self._grad_outputs(s, m)
         saved, _ = self.saved.pop((s, m))
         if self.shared:
             self._unshare(s)
-        o, params, later = self.owner[s], self._params(s), None
-        if self.x.batch_weights and o not in self.no_products:
-            gin, later = autodiff.backward_deferred(
-                saved, params, grad_outputs, nodes=self._param_nodes(s)
-            )
-            if later is None:  # no Linear-shaped product here: do not search the next graphs
-                self.no_products.add(o)
-        else:
-            gin, _ = autodiff.backward(saved, params, grad_outputs, accumulate=True)
-        if later is not None and defer:  # still alive (as the deferral plan counts) until summed
-            self.waiting.setdefault(o, []).append(later)
-        elif later is not None and postpone:  # alive until summed after the sends
-            self.after_sends = (later, params, s, m)
-        else:
-            if later is not None:  # summed now, in place (no weight-sized tensor per microbatch)
-                linear.weight_batch([later], params)
-            self._alive(-1)
-        if self.x.check_finite:
-            self._finite(s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], "backward")
-            if self.after_sends is None:
-                self._check_param_grads(s, m)
-        self._route_input_grads(s, m, gin)
-
-    def weights_after_sends(self) -> None:
-        """The postponed weight products of the last B, summed in place now that its input
-        gradients are sent: the previous stage starts its backward while this rank does this
-        work, instead of after it. Nothing new is allocated in between (only sends ran), so the
-        rank's peak memory is unchanged."""
-        if self.after_sends is None:
-            return
-        later, params, s, m = self.after_sends
-        self.after_sends = None
-        linear.weight_batch([later], params)
+        gin, _ = autodiff.backward(saved, self._params(s), grad_outputs, accumulate=True)
         self._alive(-1)
         if self.x.check_finite:
+            self._finite(s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], "backward")
             self._check_param_grads(s, m)
+        self._route_input_grads(s, m, gin)
 
     def _check_param_grads(self, s: int, m: int) -> None:
         gp = self._param_grads(s)
@@ -536,16 +377,9 @@ class _Rank:
     def backward_input(self, i: Instr) -> None:
         s, m = i.stage, i.microbatch
         saved, _ = self.saved[(s, m)]
-        o = self.owner[s]
         gin = autodiff.backward_input(
-            saved,
-            self._params(s),
-            self._grad_outputs(s, m),
-            nodes=self._param_nodes(s),
-            products=o not in self.no_products_only,
+            saved, self._params(s), self._grad_outputs(s, m), nodes=self._param_nodes(s)
         )
-        if saved.products is None:  # some parameter outside products: skip that search next time
-            self.no_products_only.add(o)
         if self.x.check_finite:
             self._finite(
                 s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], "backward (I)"
@@ -564,38 +398,6 @@ class _Rank:
                 s, m, gw, [f"parameter gradient #{k}" for k in range(len(gw))], "backward (W)"
             )
         self._alive(-1)
-
-    def flush_weights(self) -> Generator[Handle, None, None]:
-        """Sum every waiting weight product (one product per layer over all waiting
-        microbatches' rows) into the owners' gradients."""
-        owners = [o for o, w in self.waiting.items() if w]
-        if not owners:
-            return
-        if self.inflight:
-            yield from self._settle(owners)
-        for o in owners:
-            waiting = self.waiting.pop(o)
-            self._unshare_owner(o)
-            if len(waiting) == self.backwards.get(o):  # the step's every row at once: one
-                for leaf in self.leaves[o]:  # product as it is, nothing to stage (GPipe)
-                    staging.skip(leaf)
-            linear.weight_batch(waiting, self.x.params[o][0])
-            self._alive(-len(waiting))
-
-    def idle(self, h: Handle, owners: Sequence[int]) -> None:
-        """While ``h``'s data is not in, compute ``owners``' staged weight sums, which would
-        otherwise wait for the end of the step, one Linear at a time, checking for the data
-        between them. What is left when it arrives is summed as before; the B or W still to
-        come of these owners (at most one each, see :func:`_idle_plan`) adds its rows to the
-        sum in place."""
-        for o in owners:
-            if o in self.inflight:  # a reduction reads these gradients: not before it is done
-                continue
-            for leaf in self.leaves[o]:
-                if staging.staged(leaf):
-                    if h.ready():
-                        return
-                    staging.settle(leaf)
 
     def send(self, i: Instr) -> None:
         a, b = i.edge
@@ -689,7 +491,6 @@ class _Rank:
         into it)."""
         o, k = key
         leaf = self.leaves[o][k]
-        staging.settle(leaf)
         g = leaf.grad
         if g is None:
             g = leaf.grad = _zeros(leaf)
@@ -718,12 +519,7 @@ class _Rank:
         trace = self.result.times if x.trace else None
         clock = time.perf_counter
         instrs = self.p.ranks[x.rank]
-        early: dict[int, list[int]] = {}
-        if x.prefetch:
-            memo = _memo(x)
-            if "prefetch" not in memo:
-                memo["prefetch"] = _prefetch_plan(instrs)
-            early = memo["prefetch"]
+        early = _prefetch_plan(instrs) if x.prefetch else {}
         posted: dict[int, tuple[Handle, Callable[[], None] | None]] = {}
         scalars_after = -1
         scalars = x.scalars_group
@@ -734,29 +530,18 @@ class _Rank:
             scalars_after = sinks[-1] if sinks else -1
             if not sinks:
                 self._post_scalars(scalars)
-        last = len(instrs) - 1
         for t, i in enumerate(instrs):
             if trace is not None:
                 trace.append(clock())
             for j in early.get(t, ()):
                 posted[j] = self.recv(instrs[j])
-            if t in self.flush_at:
-                yield from self.flush_weights()
             op = i.op
             if op is Op.F:
                 self.forward(i)
             elif op is Op.B:
                 if self.inflight:
                     yield from self._settle([self.owner[i.stage]])
-                # (not when tracing: a timeline shows each B whole, the B the simulator and
-                # costs_from_timelines know, instead of booking its products to a SEND)
-                after = (
-                    WEIGHTS_AFTER_SENDS
-                    and trace is None
-                    and t < last
-                    and instrs[t + 1].op is Op.SEND
-                )
-                self.backward(i, defer=t in self.defer, postpone=after)
+                self.backward(i)
             elif op is Op.I:
                 self.backward_input(i)
             elif op is Op.W:
@@ -765,12 +550,8 @@ class _Rank:
                 self.backward_weight(i)
             elif op is Op.SEND:
                 self.send(i)
-                if t == last or instrs[t + 1].op is not Op.SEND:
-                    self.weights_after_sends()
             elif op is Op.RECV:
                 h, then = posted.pop(t) if t in posted else self.recv(i)
-                if t in self.idle_at:
-                    self.idle(h, self.idle_at[t])
                 yield from _wait(h)
                 if then is not None:
                     then()
@@ -782,12 +563,8 @@ class _Rank:
                 self.reduce(i)
             if t == scalars_after and scalars is not None:
                 self._post_scalars(scalars)
-            if t == last:  # timed as part of the rank's last instruction
-                yield from self.flush_weights()
             if trace is not None:
                 trace.append(clock())
-        self.weights_after_sends()  # (a safety net: the SEND after a B has summed them)
-        yield from self.flush_weights()  # (no instructions at all)
         for pending in self.reductions:
             yield from pending.finish()
         self.reductions, self.inflight = [], {}  # their callbacks are done: let them go
@@ -800,7 +577,6 @@ class _Rank:
 def _take_grad(leaf: Tensor) -> Tensor:
     """The gradient sum of a parameter leaf as a value (zeros if it got none); the leaf lets go
     of it."""
-    staging.settle(leaf)
     g = leaf.grad
     if g is None:
         return _zeros(leaf)
@@ -809,9 +585,7 @@ def _take_grad(leaf: Tensor) -> Tensor:
 
 
 def _zeros(leaf: Tensor) -> Tensor:
-    """Zeros like ``leaf``, in memory an earlier step's gradient left if it was offered."""
-    spare = reuse.take(leaf)
-    return torch.zeros_like(leaf) if spare is None else spare.zero_()
+    return torch.zeros_like(leaf)
 
 
 def _note(e: BaseException, where: str, inputs: Sequence[Any], targets: Sequence[Any] = ()) -> None:
@@ -827,61 +601,6 @@ def _note(e: BaseException, where: str, inputs: Sequence[Any], targets: Sequence
     if targets:
         text += f"; targets {specs(targets)}"
     e.add_note(text)
-
-
-def _deferral_plan(
-    instrs: Sequence[Instr], recompute: frozenset[int], extra: int = 0
-) -> tuple[set[int], set[int]]:
-    """Which B's leave their weight products waiting, and before which instructions the
-    waiting ones are summed.
-
-    A waiting B still counts as alive (its products' inputs and incoming gradients are kept),
-    so the rank may not exceed the program's own peak plus ``extra``. Waiting products are
-    summed before a REDUCE (it reads the gradients) and after the last instruction; with
-    ``extra`` > 0 also before an F that would exceed that limit. Without ``extra`` a B that
-    would have to be summed before such an F does not wait at all: that sum would hold up the
-    F, which may be on the step's critical path, while each B on its own sums its products
-    after its sends, off that path. A B that would be summed alone is summed at once too
-    (waiting gains one microbatch nothing). GPipe: all of a rank's B's are summed at once;
-    1F1B: the drain's, and with ``extra`` = k the steady state's in groups of up to k + 1.
-
-    (Among the built-in programs only DualPipeV's ranks had batches summed before an F at
-    ``extra`` = 0, 2 B's each: without them its large benchmark step on 2 ranks took
-    0.974-0.987x the time in three paired runs; within noise on the small model.)
-    """
-    keeps = [(i.op is Op.F and i.stage not in recompute) or i.op is Op.R for i in instrs]
-    live = peak = 0
-    for i, keep in zip(instrs, keeps, strict=True):
-        live += 1 if keep else -1 if i.op in (Op.B, Op.W) else 0
-        peak = max(peak, live)
-    peak += extra
-    defer = {t for t, i in enumerate(instrs) if i.op is Op.B and i.stage not in recompute}
-    while True:
-        live = 0
-        waiting: list[int] = []
-        flush_at: set[int] = set()
-        batches: list[list[int]] = []
-        drop: set[int] = set()  # B's that must not wait after all
-        for t, (i, keep) in enumerate(zip(instrs, keeps, strict=True)):
-            if waiting and ((keep and live + 1 > peak) or i.op is Op.REDUCE):
-                if extra == 0 and i.op is not Op.REDUCE:
-                    drop.update(waiting)  # a sum before an F: see the docstring
-                flush_at.add(t)
-                batches.append(waiting)
-                live -= len(waiting)
-                waiting = []
-            if keep:
-                live += 1
-            elif i.op is Op.B and t in defer:
-                waiting.append(t)
-            elif i.op in (Op.B, Op.W):
-                live -= 1
-        if waiting:
-            batches.append(waiting)
-        drop.update(b[0] for b in batches if len(b) == 1)
-        if not drop:
-            return defer, flush_at
-        defer -= drop
 
 
 def _prefetch_plan(instrs: Sequence[Instr]) -> dict[int, list[int]]:

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from funcpipe.runtime import autodiff, engine
+from funcpipe.runtime import autodiff
 from funcpipe.testing import assert_trees_close
 
 F64 = torch.float64
@@ -17,7 +17,7 @@ def _stage(  # type: ignore[no-untyped-def]
     depth: int, *, reuse: bool, param_output: bool, bias: bool, linear: str = "matmul"
 ):
     """``linear``: how a layer multiplies: "matmul" (``h @ w.T`` then ``+ b``), "linear"
-    (``F.linear``: addmm with the bias, the form W computes without the engine) or "right"
+    (``F.linear``: addmm with the bias) or "right"
     (``h @ w`` with ``w`` untransposed)."""
 
     def fn(params, inputs):  # type: ignore[no-untyped-def]
@@ -149,56 +149,9 @@ def test_backward_without_a_graph_is_an_error() -> None:
         autodiff.backward(saved, [w], [None])
 
 
-def _count_engine_calls(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """Every call into the autograd engine the runtime makes (all go through ``engine.run``)."""
-    calls: list[object] = []
-    real = engine.run
-
-    def counted(*a, **k):  # type: ignore[no-untyped-def]
-        calls.append(a)
-        return real(*a, **k)
-
-    monkeypatch.setattr(engine, "run", counted)
-    return calls
-
-
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_weight_of_linear_layers_runs_no_engine_call(
-    monkeypatch: pytest.MonkeyPatch, accumulate: bool
-) -> None:
-    """W of nn.Linear-shaped joins (addmm / mm with a transposed weight) is computed directly:
-    no engine call, nothing allocated per microbatch once ``.grad`` exists, same gradients."""
-    g = torch.Generator().manual_seed(3)
-    d, depth = 6, 3
-    params = [torch.randn(d, d, generator=g, dtype=F64) for _ in range(depth)]
-    params += [torch.randn(d, generator=g, dtype=F64) for _ in range(depth)]
-    params += [torch.zeros(d, dtype=F64)]
-    fn = _stage(depth, reuse=False, param_output=False, bias=True, linear="linear")
-    x = torch.randn(2, 4, d, generator=g, dtype=F64)
-    gy = [torch.randn(2, 4, d, generator=g, dtype=F64)]
-    whole = [p.clone().requires_grad_() for p in params]
-    split = [p.clone().requires_grad_() for p in params]
-    for _ in range(2):  # two microbatches: the second adds into existing gradients
-        _, saved = autodiff.forward(fn, whole, [x])
-        want_in, want_w = autodiff.backward(saved, whole, gy, accumulate=accumulate)
-        _, saved = autodiff.forward(fn, split, [x])
-        got_in = autodiff.backward_input(saved, split, gy)
-        calls = _count_engine_calls(monkeypatch)
-        got_w = autodiff.backward_weight(saved, split, accumulate=accumulate)
-        monkeypatch.undo()
-        # the layers' weights and biases went direct; only the parameter added to the input
-        # (params[-1], its join is an add) needs the engine
-        assert len(calls) == 1
-        assert_trees_close(got_in, want_in, rtol=1e-13, atol=1e-13)
-        if not accumulate:
-            assert_trees_close(got_w, want_w, rtol=1e-13, atol=1e-13)
-    if accumulate:
-        assert_trees_close([p.grad for p in split], [p.grad for p in whole], rtol=1e-13, atol=1e-13)
-
-
-def test_weight_of_a_linear_with_mixed_dtypes_goes_through_the_engine() -> None:
-    """A product whose operands' dtype differs from its parameter's (a cast between them) is
-    not the direct form: W falls back to the engine and the gradients stay right."""
+def test_weight_of_a_linear_with_mixed_dtypes() -> None:
+    """A product whose operands' dtype differs from its parameter's (a cast between them): W's
+    gradient has the parameter's dtype and equals B's."""
     w = torch.randn(4, 4, dtype=F64).requires_grad_()
 
     def fn(params, inputs):  # type: ignore[no-untyped-def]
@@ -215,9 +168,9 @@ def test_weight_of_a_linear_with_mixed_dtypes_goes_through_the_engine() -> None:
     assert_trees_close([got], [want])
 
 
-def test_direct_weight_gradients_record_no_graph() -> None:
-    """The direct W reads the product's saved input, which requires grad: its gradients must
-    still be plain values (no graph attached, nothing kept alive)."""
+def test_weight_gradients_record_no_graph() -> None:
+    """W starts from nodes whose saved inputs require grad: its gradients must still be plain
+    values (no graph attached, nothing kept alive)."""
     w = torch.randn(4, 4, dtype=F64).requires_grad_()
     b = torch.randn(4, dtype=F64).requires_grad_()
 

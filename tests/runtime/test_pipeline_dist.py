@@ -47,7 +47,7 @@ def test_main_schedules_on_four_gloo_ranks(pool, name: str) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", ["1f1b", "zbv"])
 def test_gloo_point_to_point_still_works(pool, name: str) -> None:
-    """p2p="torch": messages over gloo's send/recv instead of the same-host sockets."""
+    """FUNCPIPE_P2P=torch: messages over gloo's send/recv instead of the same-host sockets."""
     worst = pool(2).run(
         jobs_runtime.run_pipeline_vs_reference, name, 2, 5, [11, 6], tied=True, p2p="torch"
     )
@@ -85,12 +85,3 @@ def test_an_auto_program_under_a_byte_limit_keeps_to_it(pool) -> None:
     rank's saved bytes in the step are what peak_memory says, within the limit."""
     for measured, figure, cap in pool(2).run(jobs_runtime.auto_bytes_step):
         assert 0 < measured == figure <= cap
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("size", [2, 4])
-def test_idle_weights_default_counts_the_processes_on_the_host(pool, size: int) -> None:
-    """Pipeline(idle_weights=None) counts this host's processes through the store (all of the
-    pool's) and turns the early sums on only where each of their threads has a core."""
-    got = pool(size).run(jobs_runtime.idle_weights_default)
-    assert got == [(size, True, True)] * size

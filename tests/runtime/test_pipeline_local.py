@@ -11,7 +11,7 @@ import funcpipe as fp
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline import Pipeline
 from funcpipe.schedule.generators import forward_only, generate, to_eval
-from funcpipe.schedule.ir import chain
+from funcpipe.schedule.ir import Op, chain
 from funcpipe.stage import Stage
 from funcpipe.testing import assert_trees_close
 from tests.jobs_runtime import (
@@ -332,102 +332,63 @@ def test_check_finite_is_on_in_debug_mode(monkeypatch: pytest.MonkeyPatch) -> No
     assert not Pipeline(stages, program, loss_fn=mse).check_finite
 
 
-@pytest.mark.parametrize("after", [True, False], ids=["after-sends", "before-sends"])
-def test_a_backward_sends_its_input_gradient_before_its_weight_products(
-    monkeypatch: pytest.MonkeyPatch, after: bool
+def _record_instructions(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[str]]:
+    """Patch the interpreter's per-instruction methods to record, per rank, every instruction
+    it executes (a receive when it is posted)."""
+    from funcpipe.runtime import interpreter
+
+    ran: dict[int, list[str]] = {}
+    for name in (
+        "forward",
+        "backward",
+        "backward_input",
+        "backward_weight",
+        "recompute",
+        "send",
+        "recv",
+        "reduce",
+    ):
+        real = getattr(interpreter._Rank, name)
+
+        def patched(self, i, _real=real):  # type: ignore[no-untyped-def]
+            ran.setdefault(self.x.rank, []).append(str(i))
+            return _real(self, i)
+
+        monkeypatch.setattr(interpreter._Rank, name, patched)
+    return ran
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zbv", "dualpipev", "chimera"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+def test_what_runs_is_what_the_program_says(
+    monkeypatch: pytest.MonkeyPatch, name: str, recompute: bool
 ) -> None:
-    """A B followed by a send sums its Linear weight products after that send (the previous
-    stage starts its backward meanwhile); the gradients and the peak are the same either way."""
-    from funcpipe.runtime import interpreter, linear
-    from funcpipe.schedule.simulate import peak_activations
-
-    monkeypatch.setattr(interpreter, "WEIGHTS_AFTER_SENDS", after)
-    events: list[tuple[str, int]] = []
-    real_b, real_send = interpreter._Rank.backward, interpreter._Rank.send
-    real_sum = linear.weight_batch
-
-    def backward(self, i, defer=False, postpone=False):  # type: ignore[no-untyped-def]
-        events.append(("B", self.x.rank))
-        return real_b(self, i, defer=defer, postpone=postpone)
-
-    def send(self, i):  # type: ignore[no-untyped-def]
-        events.append((f"send {i.kind}", self.x.rank))
-        return real_send(self, i)
-
-    def weight_batch(deferred, params):  # type: ignore[no-untyped-def]
-        events.append(("W", -1))
-        return real_sum(deferred, params)
-
-    monkeypatch.setattr(interpreter._Rank, "backward", backward)
-    monkeypatch.setattr(interpreter._Rank, "send", send)
-    monkeypatch.setattr(linear, "weight_batch", weight_batch)
-    program = generate("1f1b", ranks=3, microbatches=4)
-    stages, params = toy(3)
+    """Every rank executes exactly its instruction list, in order (no weight gradient moved,
+    no instruction added or dropped), and a traced step runs the same sequence as an untraced
+    one; both give the reference gradients. (Receives are the one thing posted ahead of their
+    place, in their own order, so that data can arrive during the compute before them.)"""
+    ran = _record_instructions(monkeypatch)
+    program = generate(name, ranks=2, microbatches=4)
+    stages, params = toy(len(set(program.replica_of or range(program.n_stages))))
     x, y = data(8)
-    # check_finite: no B's weight products wait for a batched sum (the deferral plan is off),
-    # so every B sums its own
-    pipe = Pipeline(stages, program, loss_fn=mse, check_finite=True)
-    loss, grads = pipe.step(params, x, y)
-    ref_loss, ref_grads = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
-    assert_trees_close(grads, ref_grads)
-    assert_trees_close(loss, ref_loss)
-    # each B of ranks 1 and 2 (their input gradient goes to the rank before) is followed, in
-    # this one thread, by its send and its weight sum: in this order or the other
-    want = ["send grad", "W"] if after else ["W", "send grad"]
-    follows = [
-        [e[0] for e in events[k + 1 : k + 3]]
-        for k, (what, rank) in enumerate(events)
-        if what == "B" and rank > 0
-    ]
-    assert follows == [want] * 8, events
-    res = pipe.step(params, x, y)
-    assert tuple(res.peak_activations[r] for r in range(3)) == peak_activations(pipe.program)
-    # a traced step keeps each B whole (its products inside it), so the timeline's B is the
-    # simulator's B; same gradients
-    events.clear()
+    pipe = Pipeline(stages, program, loss_fn=mse, recompute=recompute)
+    ref = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
+    plain = pipe.step(params, x, y)
+    untraced = {r: list(v) for r, v in ran.items()}
+    ran.clear()
     traced = pipe.step(params, x, y, trace=True)
-    assert_trees_close(traced.grads, ref_grads)
-    follows = [
-        [e[0] for e in events[k + 1 : k + 3]]
-        for k, (what, rank) in enumerate(events)
-        if what == "B" and rank > 0
-    ]
-    assert follows == [["W", "send grad"]] * 8, events
+    assert untraced == ran
+    for r, instrs in enumerate(pipe.program.ranks):
+        for recv in (True, False):  # the receives in order, and everything else in order
+            got = [t for t in untraced.get(r, []) if t.startswith("RECV") == recv]
+            assert got == [str(i) for i in instrs if (i.op is Op.RECV) == recv]
+    assert_trees_close((plain.loss, plain.grads), ref)
+    assert_trees_close((traced.loss, traced.grads), ref)
+    assert [len(r) for r in traced.timeline.events] == [len(r) for r in pipe.program.ranks]
 
 
-def test_a_traced_step_leaves_no_weight_products_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GPipe's B's leave their Linear weight products waiting for one batched sum per rank (and
-    batch_weights_extra lets more wait); a traced step sums each B's inside that B, so every B
-    event of its timeline is the whole backward. Same gradients either way."""
-    from funcpipe.runtime import linear
-    from funcpipe.schedule.ir import Op
-
-    sizes: list[int] = []
-    real = linear.weight_batch
-
-    def weight_batch(deferred, params):  # type: ignore[no-untyped-def]
-        sizes.append(len(deferred))
-        return real(deferred, params)
-
-    monkeypatch.setattr(linear, "weight_batch", weight_batch)
-    stages, params = toy(2)
-    x, y = data(8)
-    pipe = Pipeline(
-        stages, generate("gpipe", ranks=2, microbatches=4), loss_fn=mse, batch_weights_extra=2
-    )
-    _, ref_grads = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
-    assert_trees_close(pipe.step(params, x, y).grads, ref_grads)
-    assert sizes == [4, 4]  # one batched sum per rank
-    sizes.clear()
-    traced = pipe.step(params, x, y, trace=True)
-    assert_trees_close(traced.grads, ref_grads)
-    assert sizes == [1] * 8  # each B its own, inside it
-    backwards = [e for events in traced.timeline.events for e in events if e.instr.op is Op.B]
-    assert len(backwards) == 8
-
-
-def test_nan_in_a_postponed_weight_gradient_is_reported() -> None:
-    """A parameter gradient summed after the B's sends is still checked, and named."""
+def test_nan_in_a_parameter_gradient_is_reported() -> None:
+    """A NaN that appears only in a parameter gradient is found and named."""
     from funcpipe.errors import NonFiniteError
 
     stages, params = toy(3)

@@ -18,12 +18,10 @@ from funcpipe.tree import tree_flatten
 CFG = gpt.GPTConfig(vocab=32, context=8, d_model=8, heads=2, layers=2, mlp=16)
 
 
-@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "reuse"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
-def test_a_step_leaves_no_cyclic_garbage(name: str, tied: bool, reuse: bool) -> None:
-    """With ``reuse_grads`` the pipeline keeps the returned gradients on purpose (to write
-    later steps' sums into them once dropped): forgetting them must free them."""
+def test_a_step_leaves_no_cyclic_garbage(name: str, tied: bool) -> None:
+    """Forgetting a step's result frees its gradients and the ranks' state at once."""
     program = generate(name, ranks=2, microbatches=4)
     axis = gpt.single_axis()
     params = gpt.split(gpt.init(CFG, seed=0, dtype=torch.float64), CFG, program.n_stages)
@@ -32,7 +30,6 @@ def test_a_step_leaves_no_cyclic_garbage(name: str, tied: bool, reuse: bool) -> 
         program,
         loss_fn=gpt.loss_fn(axis=axis),
         ties=gpt.tie_spec(program.n_stages) if tied else None,
-        reuse_grads=reuse,
     )
     tokens = torch.randint(
         0, CFG.vocab, (8, CFG.context + 1), generator=torch.Generator().manual_seed(0)
@@ -44,8 +41,6 @@ def test_a_step_leaves_no_cyclic_garbage(name: str, tied: bool, reuse: bool) -> 
         loss, grads = pipe.step(params, tokens[:, :-1], tokens[:, 1:])
         refs = [weakref.ref(g) for tree in grads if tree is not None for g in tree_flatten(tree)[0]]
         del loss, grads
-        if pipe.grad_memory is not None:
-            pipe.grad_memory.clear()
         alive = sum(r() is not None for r in refs)
         ranks = [o for o in gc.get_objects() if type(o).__name__ == "_Rank"]
     finally:

@@ -1,0 +1,243 @@
+"""The processes a :class:`funcpipe.Pipeline` runs on over ``torch.distributed``.
+
+A world of ``ranks x data x tensor`` processes: world rank ``g = (r * data + d) * tensor + c``
+runs program rank ``r`` in data-parallel copy ``d`` with tensor-parallel coordinate ``c`` (the
+layout of :class:`funcpipe.parallel.ParallelConfig`: pipe outermost, tensor innermost). Messages
+go between equal ``(d, c)``; ``data`` reductions between equal ``(r, c)``. :func:`join` creates
+the process groups (every process creates every group, as torch requires, so all of them must
+build the same Pipeline) and the transport.
+
+Between CPU processes of one host, activations and gradients go over Unix-domain sockets
+(:mod:`funcpipe.runtime.sockets`) rather than gloo; ``FUNCPIPE_P2P=torch`` in the environment
+turns that off (every process must see the same value).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from funcpipe.errors import InvalidArgument
+from funcpipe.runtime.transport import DistTransport
+from funcpipe.schedule.check import in_program
+from funcpipe.schedule.ir import Op, Program
+
+__all__ = ["SCALARS", "DistWorld", "gather_times", "join", "sizes"]
+
+SCALARS = "<loss>"  # the transport group of the step's loss and metric reduction
+
+
+@dataclass
+class DistWorld:
+    """This process's place in the world and its transport."""
+
+    rank: int  # program rank
+    pipe_ranks: list[int]  # world rank of each program rank (this copy and coordinate)
+    data: int  # data-parallel copies
+    tensor: int  # tensor-parallel size
+    transport: DistTransport
+
+
+def initialised() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def sizes(n_ranks: int, mesh: Any) -> tuple[int, int]:
+    """(data-parallel copies, tensor-parallel size) of the world for a program of ``n_ranks``."""
+    if mesh is not None:
+        return mesh.config.data, mesh.config.tensor
+    import torch.distributed as dist
+
+    return max(1, dist.get_world_size() // n_ranks), 1
+
+
+def join(
+    program: Program, *, mesh: Any = None, scatter_gather: bool = False, device: Any = None
+) -> DistWorld:
+    """Create this program's process groups and transport (every process calls this)."""
+    import torch.distributed as dist
+
+    if not initialised():
+        raise InvalidArgument(
+            "transport='dist' needs torch.distributed initialised (use funcpipe.launch, "
+            "or torchrun and dist.init_process_group)"
+        )
+    world, me = dist.get_world_size(), dist.get_rank()
+    n = program.n_ranks
+    if mesh is not None and mesh.config.pipeline != n:
+        raise InvalidArgument(
+            f"mesh has pipeline={mesh.config.pipeline} but the program has {n} ranks; "
+            "generate the schedule with ranks equal to the mesh's pipeline size"
+        )
+    if world % n:
+        raise InvalidArgument(
+            f"the world has {world} processes but the program has {n} ranks; the world size "
+            f"must be a multiple of {n} (ranks x data x tensor)"
+        )
+    copies, tp = sizes(n, mesh)
+    if n * copies * tp != world:
+        raise InvalidArgument(
+            f"ranks ({n}) x data ({copies}) x tensor ({tp}) != world size {world}"
+        )
+
+    def g(r: int, d: int, c: int) -> int:
+        return (r * copies + d) * tp + c
+
+    rank, rest = divmod(me, copies * tp)
+    copy, coord = divmod(rest, tp)
+    pipe_ranks = [g(r, copy, coord) for r in range(n)]
+    everywhere = [(d, c) for d in range(copies) for c in range(tp)]
+
+    def subgroups(lists: list[list[int]]) -> Any:
+        mine, _ = dist.new_subgroups_by_enumeration(lists)
+        return mine
+
+    # the loss and metric sums: every process of the world, a group of their own so the ranks
+    # can start it mid-step (as soon as their loss is final) whatever else is in flight
+    groups: dict[str, Any] = {SCALARS: _scalars_group()}
+    names = sorted({i.group for r in program.ranks for i in r if i.op is Op.REDUCE})
+    for name in names:
+        if not in_program(name):  # over the data-parallel copies of this rank and coord
+            lists = [[g(r, d, c) for d in range(copies)] for r in range(n) for c in range(tp)]
+            groups[name] = subgroups(lists)
+            continue
+        members = sorted(
+            {r for r, instrs in enumerate(program.ranks) for i in instrs if i.group == name}
+        )
+        pg = subgroups([[g(r, d, c) for r in members] for d, c in everywhere])
+        if rank in members and len(members) > 1:
+            groups[name] = pg
+    from funcpipe.launcher import failure_handler
+
+    split = None
+    if scatter_gather and tp > 1 and mesh is not None:
+        tensor_axis = mesh["tensor"]
+        split = (tensor_axis.group, tp, tensor_axis.coord)
+    on_error = failure_handler()
+    channels = _channels(program, rank, pipe_ranks, me, device, on_error)
+    transport = DistTransport(
+        rank, pipe_ranks, groups=groups, on_error=on_error, split=split, channels=channels
+    )
+    return DistWorld(rank, pipe_ranks, copies, tp, transport)
+
+
+def _channels(
+    program: Program,
+    rank: int,
+    pipe_ranks: Sequence[int],
+    me: int,
+    device: Any,
+    on_error: Callable[[BaseException, str], BaseException],
+) -> Any:
+    """Sockets to this rank's same-host message peers (every process calls this)."""
+    import torch.distributed as dist
+
+    from funcpipe.runtime import sockets
+
+    if os.environ.get("FUNCPIPE_P2P", "auto") == "torch" or not sockets.supported():
+        return None
+    if device is not None and torch.device(device).type != "cpu":
+        return None
+    if dist.get_backend() != "gloo":
+        return None
+    store, key, host = _publish_host("p2p", me)
+    peers = {
+        pipe_ranks[i.peer]
+        for i in program.ranks[rank]
+        if i.op in (Op.SEND, Op.RECV) and i.peer is not None
+    }
+    near = [p for p in peers if store.get(f"{key}/host/{p}").decode() == host]
+    return sockets.Channels(me, near, store, key=key, timeout=_pg_timeout(), on_error=on_error)
+
+
+def transport_device(device: torch.device | None) -> torch.device:
+    """Where collectives of this world's backend take their tensors."""
+    import torch.distributed as dist
+
+    if device is not None:
+        return device
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def gather_times(
+    program: Program, world: DistWorld, times: list[float], device: torch.device | None
+) -> list[list[float]]:
+    """Every program rank's instruction times (of this rank's copy and coordinate)."""
+    import torch.distributed as dist
+
+    longest = 2 * max(len(r) for r in program.ranks)
+    mine = torch.full((longest,), float("nan"), dtype=torch.float64)
+    mine[: len(times)] = torch.tensor(times, dtype=torch.float64)
+    dev = transport_device(device)
+    everyone = [torch.empty_like(mine, device=dev) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine.to(dev))
+    return [
+        everyone[g].cpu()[: 2 * len(program.ranks[r])].tolist()
+        for r, g in enumerate(world.pipe_ranks)
+    ]
+
+
+_EXCHANGES: dict[str, int] = {}  # host exchanges by this process, per kind (their store keys)
+
+
+def _publish_host(kind: str, me: int) -> tuple[Any, str, str]:
+    """Publish this process's host id under a fresh store key of ``kind``; every process of the
+    default group calls this at the same point, so the keys agree. Returns the group's store,
+    the key (rank ``r``'s id is at ``{key}/host/{r}``) and this host's id."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    n = _EXCHANGES[kind] = _EXCHANGES.get(kind, 0) + 1
+    key = f"funcpipe/{kind}/{n}"
+    host = _host_id()
+    store.set(f"{key}/host/{me}", host)
+    return store, key, host
+
+
+def _host_id() -> str:
+    """This machine (and boot): ranks with equal ids can talk over Unix-domain sockets."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _pg_timeout() -> float:
+    """The default process group's timeout in seconds (socket waits give up after it too)."""
+    import torch.distributed as dist
+
+    try:
+        opts = dist.group.WORLD._get_backend(torch.device("cpu")).options  # type: ignore[union-attr]
+        return float(opts._timeout.total_seconds())
+    except (AttributeError, RuntimeError):
+        return 1800.0
+
+
+_SCALAR_GROUPS: dict[int, tuple[Any, Any]] = {}  # id(default group) -> (it, loss group)
+
+
+def _scalars_group() -> Any:
+    """One process group over the whole world for every Pipeline's loss reduction (steps run
+    one after another, so they can share it; a group per Pipeline would open new connections
+    for each). Every process creates it with its first Pipeline, in the same order."""
+    import torch.distributed as dist
+
+    default = dist.group.WORLD
+    found = _SCALAR_GROUPS.get(id(default))
+    if found is None or found[0] is not default:
+        found = _SCALAR_GROUPS[id(default)] = (
+            default,
+            dist.new_group(list(range(dist.get_world_size()))),
+        )
+    return found[1]
