@@ -51,9 +51,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from funcpipe.errors import InvalidArgument, ScheduleError
+from funcpipe.schedule import exact as solver
 from funcpipe.schedule.gen_common import check_int, placement_loop, placement_v
 from funcpipe.schedule.generators import generate
-from funcpipe.schedule.ir import Instr, Op, Program
+from funcpipe.schedule.ir import Instr, Program
+from funcpipe.schedule.problem import OP_B, OP_F, OP_I, OP_W, OPS, Order, Problem
 from funcpipe.schedule.simulate import Costs, simulate
 
 __all__ = ["BUILTINS", "auto", "auto_candidates", "minimum_activations"]
@@ -77,53 +79,6 @@ def minimum_activations(*, chunks: int) -> int:
     alive at once on every rank.
     """
     return check_int("minimum_activations", "chunks", chunks)
-
-
-# ------------------------------------------------------------------------------ the problem
-# Internally an instruction is a tuple (op, stage, microbatch) with these op codes.
-_F, _I, _W, _B = 0, 1, 2, 3
-_OPS = (Op.F, Op.I, Op.W, Op.B)
-Order = list[list[tuple[int, int, int]]]  # per rank, the instructions in order
-
-
-@dataclass(frozen=True)
-class _Problem:
-    p: int
-    m: int
-    v: int
-    kind: str  # "loop" or "v"
-    placement: tuple[int, ...]
-    f: tuple[float, ...]
-    b: tuple[float, ...]
-    w: tuple[float, ...]
-    comm: float
-    cap: tuple[float, ...]  # per rank: activations (weight 1 each) or bytes (``weights``)
-    full: tuple[float, ...] = ()  # a full backward B per stage (b + w unless measured)
-    # what one F of each stage holds until its I (1 each: peak_activations' unit; bytes with
-    # auto(max_memory=...): max(activation, for_w)), and what stays from its I to its W
-    # (1 each; bytes: for_w). A B frees the weight.
-    weights: tuple[float, ...] = ()
-    kept: tuple[float, ...] = ()
-
-    def weight(self, s: int) -> float:
-        return self.weights[s] if self.weights else 1.0
-
-    def after_i(self, s: int) -> float:
-        return self.kept[s] if self.kept else 1.0
-
-    @property
-    def n(self) -> int:
-        return len(self.placement)
-
-    def local(self, r: int) -> tuple[int, ...]:
-        return tuple(s for s, q in enumerate(self.placement) if q == r)
-
-    def hops(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """Latency of stage s's output to s + 1, and of its input gradient to s - 1."""
-        place, n, c = self.placement, self.n, self.comm
-        down = tuple(c if s + 1 < n and place[s] != place[s + 1] else 0.0 for s in range(n))
-        up = tuple(c if s > 0 and place[s] != place[s - 1] else 0.0 for s in range(n))
-        return down, up
 
 
 @dataclass(frozen=True)
@@ -164,7 +119,7 @@ def _policies(v: int) -> list[_Policy]:
 class _Rank:
     """Per-rank state of the list scheduler."""
 
-    def __init__(self, problem: _Problem, r: int) -> None:
+    def __init__(self, problem: Problem, r: int) -> None:
         self.stages = problem.local(r)
         self.entry = self.stages[0]
         self.free = 0.0
@@ -179,7 +134,7 @@ class _Rank:
         # run here, activations alive + forwards to run (to know when it is done)]
         self.admitted: dict[int, list[float]] = {}
         self.out: list[tuple[int, int, int]] = []
-        self.last = _W  # the last F or I run (for the alternating policy)
+        self.last = OP_W  # the last F or I run (for the alternating policy)
 
     def fits(self, s: int, k: int) -> bool:
         """Whether the activation of stage ``s``, microbatch ``k`` leaves every admitted
@@ -228,7 +183,7 @@ class _Rank:
             del self.admitted[k]
 
 
-def _list_schedule(problem: _Problem, policy: _Policy) -> Order:
+def _list_schedule(problem: Problem, policy: _Policy) -> Order:
     p, m, n = problem.p, problem.m, problem.n
     f, b, w, place = problem.f, problem.b, problem.w, problem.placement
     down, up = problem.hops()
@@ -243,7 +198,7 @@ def _list_schedule(problem: _Problem, policy: _Policy) -> Order:
 
     def run(r: int, t: float, op: int, s: int, k: int) -> None:
         st = ranks[r]
-        if op == _F:
+        if op == OP_F:
             end = t + f[s]
             st.next_f[s] += 1
             st.admit(s, k)
@@ -253,7 +208,7 @@ def _list_schedule(problem: _Problem, policy: _Policy) -> Order:
                     heapq.heappush(events, (end + down[s], place[s + 1]))
             else:
                 g_in[s][k] = end  # the loss: the sink's backward may start right away
-        elif op == _I:
+        elif op == OP_I:
             end = t + b[s]
             st.next_i[s] += 1
             st.swap(s, k)
@@ -266,7 +221,7 @@ def _list_schedule(problem: _Problem, policy: _Policy) -> Order:
             end = t + w[s]
             st.release(s, k)
         st.out.append((op, s, k))
-        if op != _W:
+        if op != OP_W:
             st.last = op
         st.free = end
         heapq.heappush(events, (end, r))
@@ -294,24 +249,24 @@ def _list_schedule(problem: _Problem, policy: _Policy) -> Order:
                         f_now.append(((-s, k) if policy.f_order == "deep" else (s, k), s, k))
                     else:
                         f_next = min(f_next, a)
-        i_first = st.last != _I if policy.first == "alt" else policy.first == "I"
+        i_first = st.last != OP_I if policy.first == "alt" else policy.first == "I"
         if i_now and (i_first or not f_now):
             _, s, k = min(i_now)
-            run(r, t, _I, s, k)
+            run(r, t, OP_I, s, k)
             return True
         if only_i:
             return False
         if f_now:
             _, s, k = min(f_now)
             if not (policy.wait_i and i_next < t + f[s]):
-                run(r, t, _F, s, k)
+                run(r, t, OP_F, s, k)
                 return True
         if st.weights:
             s, k = st.weights[0]
             gap = min(i_next, f_next) - t
             if gap == inf or gap >= policy.alpha * w[s]:
                 st.weights.popleft()
-                run(r, t, _W, s, k)
+                run(r, t, OP_W, s, k)
                 return True
         return False  # idle: an arrival (already queued) wakes the rank
 
@@ -348,7 +303,7 @@ class _Timing:
     total: float  # sum of the ranks' finish times: breaks ties between equal makespans
 
 
-def _timing(problem: _Problem, order: Order) -> _Timing | None:
+def _timing(problem: Problem, order: Order) -> _Timing | None:
     """ASAP timing of per-rank orders, as ``simulate`` computes it (None on deadlock)."""
     n, m = problem.n, problem.m
     f, b, w = problem.f, problem.b, problem.w
@@ -367,34 +322,34 @@ def _timing(problem: _Problem, order: Order) -> _Timing | None:
         t, now = pc[r], clock[r]
         while t < len(instrs):
             op, s, k = instrs[t]
-            if op == _F:
+            if op == OP_F:
                 if s > 0:
                     q, u = f_at[s - 1][k]
                     if q < 0:
-                        waiting[(_F, s - 1, k)] = r
+                        waiting[(OP_F, s - 1, k)] = r
                         break
                     a = end[q][u] + down[s - 1]
                     if a > now:
                         now = a
                 now += f[s]
                 f_at[s][k] = (r, t)
-                if waiting and (_F, s, k) in waiting:
-                    todo.append(waiting.pop((_F, s, k)))
-            elif op == _W:
+                if waiting and (OP_F, s, k) in waiting:
+                    todo.append(waiting.pop((OP_F, s, k)))
+            elif op == OP_W:
                 now += w[s]
             else:
                 if s + 1 < n:
                     q, u = i_at[s + 1][k]
                     if q < 0:
-                        waiting[(_I, s + 1, k)] = r
+                        waiting[(OP_I, s + 1, k)] = r
                         break
                     a = end[q][u] + up[s + 1]
                     if a > now:
                         now = a
-                now += problem.full[s] if op == _B else b[s]
+                now += problem.full[s] if op == OP_B else b[s]
                 i_at[s][k] = (r, t)
-                if waiting and (_I, s, k) in waiting:
-                    todo.append(waiting.pop((_I, s, k)))
+                if waiting and (OP_I, s, k) in waiting:
+                    todo.append(waiting.pop((OP_I, s, k)))
             ends[t] = now
             t += 1
         pc[r], clock[r] = t, now
@@ -403,18 +358,18 @@ def _timing(problem: _Problem, order: Order) -> _Timing | None:
     return _Timing(end, f_at, i_at, max(clock), sum(clock))
 
 
-def _peak(instrs: Sequence[tuple[int, int, int]], problem: _Problem | None = None) -> float:
+def _peak(instrs: Sequence[tuple[int, int, int]], problem: Problem | None = None) -> float:
     """A rank's peak memory: each F adds its stage's weight (1 without ``problem``), an I
     keeps of it what the W needs, a W or B frees the rest."""
     live = peak = 0.0
     for op, s, _ in instrs:
         if problem is None:
-            live += 1.0 if op == _F else 0.0 if op == _I else -1.0
-        elif op == _F:
+            live += 1.0 if op == OP_F else 0.0 if op == OP_I else -1.0
+        elif op == OP_F:
             live += problem.weight(s)
-        elif op == _I:
+        elif op == OP_I:
             live -= problem.weight(s) - problem.after_i(s)
-        elif op == _W:
+        elif op == OP_W:
             live -= problem.after_i(s)
         else:
             live -= problem.weight(s)
@@ -422,11 +377,11 @@ def _peak(instrs: Sequence[tuple[int, int, int]], problem: _Problem | None = Non
     return peak
 
 
-def _fits(problem: _Problem, order: Order) -> bool:
+def _fits(problem: Problem, order: Order) -> bool:
     return all(_peak(x, problem) <= c + 1e-9 for x, c in zip(order, problem.cap, strict=True))
 
 
-def _critical_swaps(problem: _Problem, order: Order, tm: _Timing) -> list[tuple[int, int]]:
+def _critical_swaps(problem: Problem, order: Order, tm: _Timing) -> list[tuple[int, int]]:
     """Neighbours (rank, t), (rank, t + 1) on a critical path where t delays t + 1: swapping
     them is the only kind of move that can shorten that path."""
     f, b, w = problem.f, problem.b, problem.w
@@ -440,10 +395,10 @@ def _critical_swaps(problem: _Problem, order: Order, tm: _Timing) -> list[tuple[
         cost = (f[s], b[s], w[s], problem.full[s])[op]
         start = tm.end[r][t] - cost
         arrive, source = 0.0, None
-        if op == _F and s > 0:
+        if op == OP_F and s > 0:
             source = tm.f_at[s - 1][k]
             arrive = tm.end[source[0]][source[1]] + down[s - 1]
-        elif op in (_I, _B) and s + 1 < problem.n:
+        elif op in (OP_I, OP_B) and s + 1 < problem.n:
             source = tm.i_at[s + 1][k]
             arrive = tm.end[source[0]][source[1]] + up[s + 1]
         before = tm.end[r][t - 1] if t > 0 else 0.0
@@ -457,7 +412,7 @@ def _critical_swaps(problem: _Problem, order: Order, tm: _Timing) -> list[tuple[
             return out
 
 
-def _improve(problem: _Problem, order: Order, *, budget: int) -> None:
+def _improve(problem: Problem, order: Order, *, budget: int) -> None:
     """Hill-climb on critical swaps while (makespan, sum of the ranks' finish times)
     decreases and every rank stays within its limit; changes ``order`` in place."""
     tm = _timing(problem, order)
@@ -488,7 +443,7 @@ def _problem(
     max_activations: object,
     max_memory: object = None,
     memory: object = None,
-) -> _Problem:
+) -> Problem:
     p = check_int("auto", "ranks", ranks)
     m = check_int("auto", "microbatches", microbatches)
     kind = placement.lower() if isinstance(placement, str) else None
@@ -557,7 +512,7 @@ def _problem(
                 "memory=), not both"
             )
         weights, kept, caps = _memory_limit(max_memory, memory, p, stage_rank)
-    return _Problem(
+    return Problem(
         p,
         m,
         v,
@@ -650,7 +605,7 @@ def _limit(value: object, least: int, name: str) -> int:
     return value
 
 
-def _builtins(problem: _Problem) -> list[Program]:
+def _builtins(problem: Problem) -> list[Program]:
     p, m, v = problem.p, problem.m, problem.v
     if problem.kind == "v":
         return [generate(name, ranks=p, microbatches=m) for name in BUILTINS[("v", 2)]]
@@ -736,16 +691,12 @@ def _seconds(exact: object) -> float | None:
             f"auto: exact={exact!r}; give the exact solver's time budget in seconds (a number "
             "> 0), or None for the heuristic alone"
         )
-    from funcpipe.schedule import exact as solver
-
     solver.require("auto")
     return float(exact)
 
 
-def _refined(problem: _Problem, best: Scored, seconds: float) -> Scored:
+def _refined(problem: Problem, best: Scored, seconds: float) -> Scored:
     """``best``, or the exact solver's program if that is valid and strictly better."""
-    from funcpipe.schedule import exact as solver
-
     order = solver.refine(problem, best[0], time_limit=seconds)
     if order is None:
         return best
@@ -802,14 +753,14 @@ def auto_candidates(
 Scored = tuple[float, float, float, Order, str]  # makespan, sum of finishes, peak, order, origin
 
 
-def _search(problem: _Problem) -> list[Scored]:
+def _search(problem: Problem) -> list[Scored]:
     """Every distinct candidate found (list schedules, fitting built-ins, their local-search
     improvements, merged backwards), best first."""
     found = [
         _score(problem, _list_schedule(problem, policy), "auto") for policy in _policies(problem.v)
     ]
     for program in _builtins(problem):
-        order = [[(_OPS.index(i.op), i.stage, i.microbatch) for i in x] for x in program.ranks]
+        order = [[(OPS.index(i.op), i.stage, i.microbatch) for i in x] for x in program.ranks]
         if _fits(problem, order):
             found.append(_score(problem, order, program.name or "auto"))
     if any(k < w for k, w in zip(problem.kept, problem.weights, strict=True)):
@@ -858,14 +809,14 @@ _COUNTED = (0.0, 0.25, 0.5, 0.75, 1.0)
 """For a limit in bytes, the counted searches tried (see :func:`_counted`)."""
 
 
-def _counted(problem: _Problem) -> list[_Problem]:
+def _counted(problem: Problem) -> list[Problem]:
     """For a limit in bytes: the same problem counted in activations, a few times. Each rank's
     count goes from its limit over its stages' largest weight (``theta = 0``: the programs
     always fit the bytes) to its limit over the smallest (``theta = 1``: they may not); the
     caller keeps the programs that fit. Nothing for a counted problem."""
     if not problem.weights:
         return []
-    out: list[_Problem] = []
+    out: list[Problem] = []
     most = problem.m * problem.v
     for theta in _COUNTED:
         caps = []
@@ -880,9 +831,9 @@ def _counted(problem: _Problem) -> list[_Problem]:
     return out
 
 
-def _program(problem: _Problem, order: Order, name: str) -> Program:
+def _program(problem: Problem, order: Order, name: str) -> Program:
     return Program(
-        ranks=tuple(tuple(Instr(_OPS[op], s, k) for op, s, k in x) for x in order),
+        ranks=tuple(tuple(Instr(OPS[op], s, k) for op, s, k in x) for x in order),
         placement=problem.placement,
         microbatches=problem.m,
         name=name,
@@ -896,7 +847,7 @@ than I + W: cost tables are noisy by a few percent, and a merge chosen on a 1% d
 B's there, 40 paired steps; docs/benchmarks.md, round 6)."""
 
 
-def _cheap_backwards(problem: _Problem) -> frozenset[int]:
+def _cheap_backwards(problem: Problem) -> frozenset[int]:
     """The stages whose full backward B costs clearly less than its I and W apart."""
     return frozenset(
         s
@@ -914,8 +865,8 @@ def _merge_backwards(order: Order, stages: frozenset[int]) -> Order:
         t = 0
         while t < len(instrs):
             op, s, k = instrs[t]
-            if op == _I and s in stages and t + 1 < len(instrs) and instrs[t + 1] == (_W, s, k):
-                merged.append((_B, s, k))
+            if op == OP_I and s in stages and t + 1 < len(instrs) and instrs[t + 1] == (OP_W, s, k):
+                merged.append((OP_B, s, k))
                 t += 2
                 continue
             merged.append(instrs[t])
@@ -924,7 +875,7 @@ def _merge_backwards(order: Order, stages: frozenset[int]) -> Order:
     return out
 
 
-def _score(problem: _Problem, order: Order, origin: str) -> Scored:
+def _score(problem: Problem, order: Order, origin: str) -> Scored:
     """(makespan, sum of the ranks' finish times, peak activations, order, where it came
     from): less is better."""
     tm = _timing(problem, order)

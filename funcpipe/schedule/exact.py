@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from funcpipe.errors import InvalidArgument
-
-if TYPE_CHECKING:
-    from funcpipe.schedule.auto import Order, _Problem
+from funcpipe.schedule.problem import OP_B, OP_F, OP_I, OP_W, Order, Problem
 
 __all__ = ["MAX_PAIRS", "available", "refine"]
 
@@ -62,7 +60,7 @@ MAX_PAIRS = 50_000
 that building it takes longer than the solver could use, and HiGHS proves nothing in seconds."""
 
 
-def pairs_bound(problem: _Problem) -> int:
+def pairs_bound(problem: Problem) -> int:
     """An upper bound on the program's binaries: pairs of instructions on one rank."""
     per_stage = [problem.m * (3 if problem.w[s] > 0 else 2) for s in range(problem.n)]
     total = 0
@@ -72,7 +70,7 @@ def pairs_bound(problem: _Problem) -> int:
     return total
 
 
-def refine(problem: _Problem, incumbent: float, *, time_limit: float) -> Order | None:
+def refine(problem: Problem, incumbent: float, *, time_limit: float) -> Order | None:
     """Per-rank orders from the solver with a makespan at most ``incumbent`` (the heuristic's),
     or None if it found none within ``time_limit`` seconds or the problem is too large
     (:data:`MAX_PAIRS`; a warning says so)."""
@@ -89,8 +87,6 @@ def refine(problem: _Problem, incumbent: float, *, time_limit: float) -> Order |
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array
 
-    from funcpipe.schedule.auto import _B, _F, _I, _W
-
     n, m = problem.n, problem.m
     down, up = problem.hops()
     scale = max([*problem.f, *problem.b, *problem.w, *problem.full, problem.comm, 1e-30])
@@ -101,34 +97,34 @@ def refine(problem: _Problem, incumbent: float, *, time_limit: float) -> Order |
     instrs: list[tuple[int, int, int]] = []
     for s in range(n):
         for k in range(m):
-            instrs.append((_F, s, k))
-            instrs += [(_I, s, k), (_W, s, k)] if split[s] else [(_B, s, k)]
+            instrs.append((OP_F, s, k))
+            instrs += [(OP_I, s, k), (OP_W, s, k)] if split[s] else [(OP_B, s, k)]
     index = {x: j for j, x in enumerate(instrs)}
     dur = []
     for op, s, _ in instrs:
-        d = {_F: problem.f, _I: problem.b, _W: problem.w, _B: problem.full}[op][s]
+        d = {OP_F: problem.f, OP_I: problem.b, OP_W: problem.w, OP_B: problem.full}[op][s]
         dur.append(d / scale)
     rank = [problem.placement[s] for _, s, _ in instrs]
-    back = [_I if split[s] else _B for s in range(n)]  # the op that receives the gradient
+    back = [OP_I if split[s] else OP_B for s in range(n)]  # the op that receives the gradient
 
     # ---- dependencies: (before, after, lag)
     deps: list[tuple[int, int, float]] = []
     for s in range(n):
         bop = back[s]
         for k in range(m):
-            f, g = index[(_F, s, k)], index[(bop, s, k)]
+            f, g = index[(OP_F, s, k)], index[(bop, s, k)]
             if s > 0:
-                deps.append((index[(_F, s - 1, k)], f, down[s - 1] / scale))
+                deps.append((index[(OP_F, s - 1, k)], f, down[s - 1] / scale))
             if s + 1 < n:
                 deps.append((index[(back[s + 1], s + 1, k)], g, up[s + 1] / scale))
             deps.append((f, g, 0.0))
             if split[s]:
-                deps.append((g, index[(_W, s, k)], 0.0))
+                deps.append((g, index[(OP_W, s, k)], 0.0))
             if k > 0:  # messages go in microbatch order
-                deps.append((index[(_F, s, k - 1)], f, 0.0))
+                deps.append((index[(OP_F, s, k - 1)], f, 0.0))
                 deps.append((index[(bop, s, k - 1)], g, 0.0))
                 if split[s]:
-                    deps.append((index[(_W, s, k - 1)], index[(_W, s, k)], 0.0))
+                    deps.append((index[(OP_W, s, k - 1)], index[(OP_W, s, k)], 0.0))
     # what the dependencies already order (transitively): no binary for those pairs
     total = len(instrs)
     succ: list[list[int]] = [[] for _ in range(total)]
@@ -210,18 +206,18 @@ def refine(problem: _Problem, incumbent: float, *, time_limit: float) -> Order |
     # far freed, plus this F, <= cap (1 per F and W / B with a count; with auto(max_memory=...)
     # an F holds its stage's weight, an I frees what its W does not need, a W the rest)
     def held(op: int, s: int) -> float:
-        if op == _F:
+        if op == OP_F:
             return problem.weight(s)
-        if op == _I:
+        if op == OP_I:
             return problem.after_i(s) - problem.weight(s)
-        if op == _W:
+        if op == OP_W:
             return -problem.after_i(s)
         return -problem.weight(s)  # B
 
     for r, js in by_rank.items():
         cap = problem.cap[r]
         for j in js:
-            if instrs[j][0] != _F:
+            if instrs[j][0] != OP_F:
                 continue
             terms: list[tuple[int, float]] = []
             const = problem.weight(instrs[j][1])

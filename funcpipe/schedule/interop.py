@@ -26,6 +26,8 @@ import re
 from pathlib import Path
 
 from funcpipe.errors import InvalidArgument, ScheduleError
+from funcpipe.schedule.analysis import analyse
+from funcpipe.schedule.check import check
 from funcpipe.schedule.ir import COMM_OPS, Instr, Op, Program, chain
 
 __all__ = ["read_csv", "write_csv"]
@@ -200,8 +202,6 @@ def read_csv(
 def _steps(program: Program) -> list[list[int]]:
     """Lockstep time slots: each instruction takes one step and starts after its rank's previous
     one and after the cross-rank data it needs was produced (in an earlier step)."""
-    from funcpipe.schedule.check import analyse, check
-
     deps = analyse(program).deps
     slots: list[list[int]] = [[] for _ in program.ranks]
     progressed = True

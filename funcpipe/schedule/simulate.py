@@ -1,7 +1,7 @@
 """The simulator: predict a program's timeline, makespan, bubble and peak activations.
 
 Every rank runs its instructions in order. An instruction starts when its rank is free and its
-inputs exist (see :mod:`funcpipe.schedule.check`); it lasts its cost. SENDs are asynchronous and
+inputs exist (see :mod:`funcpipe.schedule.analysis`); it lasts its cost. SENDs are asynchronous and
 cost nothing; a RECV finishes ``comm`` after its SEND was issued; in a compute-only program data
 crossing ranks arrives ``comm`` after it was produced. The same run proves there is no deadlock.
 """
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from funcpipe.errors import InvalidArgument, ScheduleError
-from funcpipe.schedule.check import Analysis, analyse, fail
+from funcpipe.schedule.analysis import Analysis, analyse, fail
 from funcpipe.schedule.ir import COMPUTE_OPS, Instr, Op, Program
 
 __all__ = ["Costs", "Event", "Timeline", "peak_activations", "peak_memory", "simulate"]

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from funcpipe.cli import main
 from funcpipe.errors import InvalidArgument
 from funcpipe.schedule import exact
-from funcpipe.schedule.auto import _B, _F, _I, _W, _peak, _Problem, _problem, _timing, auto
+from funcpipe.schedule.auto import _peak, _problem, _timing, auto
 from funcpipe.schedule.check import check
+from funcpipe.schedule.problem import OP_B, OP_F, OP_I, OP_W, Problem
 from funcpipe.schedule.simulate import Costs, peak_activations, peak_memory, simulate
 
 pytestmark = pytest.mark.skipif(not exact.available(), reason="scipy (the solver) not installed")
@@ -77,13 +78,13 @@ def test_exact_finds_a_shorter_program_than_the_heuristic() -> None:
     assert simulate(refined, problem["costs"]).makespan == 38.0 < heuristic
 
 
-def _orders(problem: _Problem, r: int) -> Iterator[list[tuple[int, int, int]]]:
+def _orders(problem: Problem, r: int) -> Iterator[list[tuple[int, int, int]]]:
     """Every order of rank r's instructions that keeps each stage's microbatches in order and
     each microbatch's F before its I (or B) before its W."""
     items = []
     for s in problem.local(r):
         for k in range(problem.m):
-            ops = [_F, _I, _W] if problem.w[s] > 0 else [_F, _B]
+            ops = [OP_F, OP_I, OP_W] if problem.w[s] > 0 else [OP_F, OP_B]
             items += [(op, s, k) for op in ops]
 
     def before(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
@@ -91,7 +92,12 @@ def _orders(problem: _Problem, r: int) -> Iterator[list[tuple[int, int, int]]]:
             return False
         if a[0] == b[0]:
             return a[2] < b[2]
-        return a[2] == b[2] and (a[0], b[0]) in {(_F, _I), (_F, _W), (_I, _W), (_F, _B)}
+        return a[2] == b[2] and (a[0], b[0]) in {
+            (OP_F, OP_I),
+            (OP_F, OP_W),
+            (OP_I, OP_W),
+            (OP_F, OP_B),
+        }
 
     def extend(rest: list[tuple[int, int, int]]) -> Iterator[list[tuple[int, int, int]]]:
         if not rest:
@@ -105,7 +111,7 @@ def _orders(problem: _Problem, r: int) -> Iterator[list[tuple[int, int, int]]]:
     yield from extend(items)
 
 
-def _brute_force(problem: _Problem) -> float:
+def _brute_force(problem: Problem) -> float:
     best = float("inf")
     for combo in itertools.product(*(list(_orders(problem, r)) for r in range(problem.p))):
         order = [list(x) for x in combo]

@@ -1,0 +1,310 @@
+"""The layers of funcpipe, read from the source with :mod:`ast` (nothing is imported).
+
+1. The schedule package never imports the runtime (nor the pipeline, the profiler or
+   ``torch.distributed``): a schedule can be generated, checked, simulated and drawn without
+   them (docs/ARCHITECTURE: ``funcpipe/schedule/`` may use nothing from runtime).
+2. No module of funcpipe imports itself back through others: the import graph has no cycle.
+
+Every import statement counts, wherever it is (module level, inside a function, under
+``TYPE_CHECKING``), and so does ``importlib.import_module("...")`` / ``__import__("...")`` with
+a literal name: an import hidden in a function body is still a dependency between the layers.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+
+import funcpipe
+
+PACKAGE = Path(funcpipe.__file__).resolve().parent
+
+SCHEDULE = "funcpipe.schedule"
+ABOVE_SCHEDULE = ("funcpipe.runtime", "funcpipe.pipeline", "funcpipe.profile", "torch.distributed")
+"""What no module of the schedule package may import (each name or anything under it)."""
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import in ``module`` at ``line``: the dotted names it may bind (``from a import b``
+    binds ``a.b`` if that is a module, else the name ``b`` of module ``a``: both are listed)."""
+
+    module: str
+    line: int
+    names: tuple[str, ...]
+
+
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    """``funcpipe/schedule/ir.py`` -> ``funcpipe.schedule.ir``; a package's ``__init__.py`` is the
+    package itself."""
+    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules(root: Path = PACKAGE) -> dict[str, Path]:
+    """Every module under ``root`` by dotted name."""
+    return {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+
+
+_DYNAMIC = ("import_module", "__import__")
+
+
+def imports(module: str, source: str, *, is_package: bool = False) -> Iterator[Import]:
+    """Every import in ``source`` (the text of ``module``), relative ones made absolute."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(module, node.lineno, (alias.name,))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".")
+                keep = len(parts) - node.level + (1 if is_package else 0)
+                if keep < 1:
+                    raise ValueError(
+                        f"{module}, line {node.lineno}: a relative import goes above the package"
+                    )
+                base = ".".join([*parts[:keep], *([base] if base else [])])
+            yield Import(
+                module, node.lineno, (base, *(f"{base}.{alias.name}" for alias in node.names))
+            )
+        elif isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            first = node.args[0] if node.args else None
+            if (
+                called in _DYNAMIC
+                and isinstance(first, ast.Constant)
+                and isinstance(first.value, str)
+            ):
+                yield Import(module, node.lineno, (first.value,))
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def layer_violations(
+    known: dict[str, Path], *, package: str = SCHEDULE, forbidden: tuple[str, ...] = ABOVE_SCHEDULE
+) -> list[str]:
+    """``path:line: module imports name`` for each import of ``forbidden`` inside ``package``."""
+    out = []
+    for name, path in known.items():
+        if not _under(name, (package,)):
+            continue
+        source = path.read_text(encoding="utf-8")
+        for imp in imports(name, source, is_package=path.name == "__init__.py"):
+            bad = sorted({n for n in imp.names if _under(n, forbidden)})
+            if bad:
+                out.append(f"{path}:{imp.line}: {name} imports {', '.join(bad)}")
+    return out
+
+
+Graph = dict[str, dict[str, int]]  # module -> {imported module: the line of the first import}
+
+
+def import_graph(known: dict[str, Path]) -> Graph:
+    """Module -> the modules of ``known`` it imports. ``from a.b import c`` is an edge to the
+    module ``a.b.c`` when that is one, else to ``a.b``; ``import a.b.c`` to ``a.b.c``. The
+    parent packages a dotted import also runs are not edges (every module would then import
+    ``funcpipe/__init__.py``, which imports nearly everything)."""
+    graph: Graph = {}
+    for name, path in known.items():
+        edges: dict[str, int] = {}
+        source = path.read_text(encoding="utf-8")
+        for imp in imports(name, source, is_package=path.name == "__init__.py"):
+            base, *members = imp.names
+            targets = [m if m in known else base for m in members] if members else [base]
+            for target in targets:
+                if target in known and target != name:
+                    edges.setdefault(target, imp.line)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: Graph) -> list[list[str]]:
+    """One shortest cycle (first module repeated at the end) per strongly connected component
+    of ``graph`` that has one, in a stable order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan; the graph has ~100 modules, recursion is fine
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, {})):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    out = []
+    for component in sorted(components):
+        start, members = component[0], set(component)
+        parent: dict[str, str] = {}
+        frontier = [start]
+        while frontier and start not in parent:  # breadth first back to start
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v]):
+                    if w in members and w not in parent:
+                        parent[w] = v
+                        nxt.append(w)
+            frontier = nxt
+        back = []  # the cycle's members before start, last first
+        v = parent[start]
+        while v != start:
+            back.append(v)
+            v = parent[v]
+        out.append([start, *reversed(back), start])
+    return out
+
+
+def describe(cycle: list[str], graph: Graph, known: dict[str, Path], root: Path) -> str:
+    """The cycle, then each step as ``module (path:line) imports module``."""
+    steps = [
+        f"  {a} ({known[a].relative_to(root)}:{graph[a][b]}) imports {b}"
+        for a, b in pairwise(cycle)
+    ]
+    return " -> ".join(cycle) + "\n" + "\n".join(steps)
+
+
+# ---------------------------------------------------------------------------------- the rules
+
+
+def test_the_schedule_package_imports_nothing_above_it() -> None:
+    known = modules()
+    assert any(_under(n, (SCHEDULE,)) for n in known), "found no funcpipe.schedule modules"
+    bad = layer_violations(known)
+    assert not bad, (
+        "funcpipe.schedule must not import the runtime, the pipeline, the profiler or "
+        "torch.distributed (a schedule is data, checked and simulated without them); move what "
+        "runs stages above the schedule package (e.g. funcpipe/profile.py), or the pure piece "
+        "the runtime also needs into funcpipe/schedule/:\n" + "\n".join(bad)
+    )
+
+
+def test_funcpipe_has_no_import_cycles() -> None:
+    known = modules()
+    graph = import_graph(known)
+    assert sum(len(e) for e in graph.values()) > len(known) // 2, "the import graph looks empty"
+    found = cycles(graph)
+    assert not found, (
+        f"{len(found)} import cycle(s) in funcpipe; break each by moving the piece both modules "
+        "need into a module below them (an import inside a function still counts):\n"
+        + "\n".join(describe(c, graph, known, PACKAGE.parent) for c in found)
+    )
+
+
+# ------------------------------------------------------------- the readers, on made-up modules
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
+    root = tmp_path / "pkg"
+    for name, text in {"__init__.py": "", **files}.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.parent != root and not (path.parent / "__init__.py").exists():
+            (path.parent / "__init__.py").write_text("")
+        path.write_text(text)
+    return modules(root)
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import funcpipe.runtime.autodiff",
+        "from funcpipe.runtime import autodiff",
+        "from funcpipe import runtime",
+        "from funcpipe import pipeline as p",
+        "from funcpipe.profile import measure_memory",
+        "import torch.distributed as dist",
+        "from torch import distributed",
+        "from .. import runtime",
+        "from ..runtime.autodiff import forward",
+        "def f():\n    from funcpipe.runtime import interpreter",
+        "if TYPE_CHECKING:\n    import funcpipe.runtime",
+        "import importlib\nimportlib.import_module('funcpipe.runtime.transport')",
+    ],
+)
+def test_every_way_of_importing_the_runtime_is_caught(statement: str) -> None:
+    source = f"x = 1\n{statement}\n"
+    found = [
+        n
+        for imp in imports("funcpipe.schedule.fake", source)
+        for n in imp.names
+        if _under(n, ABOVE_SCHEDULE)
+    ]
+    assert found, f"{statement!r} was not seen as an import of {ABOVE_SCHEDULE}"
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import torch",
+        "from funcpipe.schedule import ir",
+        "from . import ir",
+        "import funcpipe.tree",
+    ],
+)
+def test_imports_below_the_schedule_are_allowed(statement: str) -> None:
+    names = [n for imp in imports("funcpipe.schedule.fake", statement) for n in imp.names]
+    assert names and not any(_under(n, ABOVE_SCHEDULE) for n in names)
+
+
+def test_relative_imports_resolve_from_the_module_or_the_package() -> None:
+    def names(module: str, source: str, is_package: bool = False) -> list[tuple[str, ...]]:
+        return [i.names for i in imports(module, source, is_package=is_package)]
+
+    assert names("a.b.c", "from . import d") == [("a.b", "a.b.d")]
+    assert names("a.b", "from . import d", is_package=True) == [("a.b", "a.b.d")]
+    assert names("a.b.c", "from ..x import y") == [("a.x", "a.x.y")]
+    with pytest.raises(ValueError, match="above the package"):
+        names("a.b", "from ... import z")
+
+
+def test_a_cycle_through_a_function_level_import_is_found_and_named(tmp_path: Path) -> None:
+    known = _package(
+        tmp_path,
+        {
+            "low.py": "X = 1\n",
+            "a.py": "from pkg.low import X\nfrom pkg import b\n",
+            "b.py": "import pkg.low\n\ndef f():\n    from pkg.c import g\n",
+            "c.py": "from . import a\n",  # a -> b -> c -> a
+            "d.py": "from pkg.a import something_not_a_module\n",  # an edge to pkg.a, no cycle
+        },
+    )
+    graph = import_graph(known)
+    assert graph["pkg.d"] == {"pkg.a": 1}
+    assert graph["pkg.b"] == {"pkg.low": 1, "pkg.c": 4}
+    found = cycles(graph)
+    assert found == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
+    text = describe(found[0], graph, known, tmp_path)
+    assert "  pkg.b (pkg/b.py:4) imports pkg.c" in text.splitlines()
+
+
+def test_an_acyclic_graph_has_no_cycles(tmp_path: Path) -> None:
+    known = _package(tmp_path, {"a.py": "import pkg.b\n", "b.py": "import os\n"})
+    assert cycles(import_graph(known)) == []
