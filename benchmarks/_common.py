@@ -1,8 +1,15 @@
-"""Shared pieces of the benchmarks: the model, the schedules, timing, tables and JSON.
+"""Shared pieces of the benchmarks: the models, the schedules, timing, tables and JSON.
 
-The model is an MLP of ``layers`` x (Linear(width, width) + GELU) trained with a mean-squared
-error against a random target. ``small`` is the anchor's toy model (width 512, batch 64),
-``large`` a compute-heavier one (width 1024, batch 256: ~0.2 s per step in one thread).
+Two models, each a flat ``nn.Sequential`` that funcpipe (``funcpipe.partition``) and
+torch.distributed.pipelining (a ``PipelineStage`` of each slice) cut at the same places:
+
+- ``gpt`` (the headline): :mod:`benchmarks.gpt`, a GPT of ``layers`` pre-LayerNorm blocks
+  (d_model ``width``, ``heads`` heads, ``seq`` tokens, a byte vocabulary), cross-entropy on
+  next-token targets; ``batch`` sequences of int64 token ids. Size ``gpt``: d_model 256,
+  8 blocks, 4 heads, 128 tokens, 16 sequences in 8 microbatches of 2; ``gpt-tiny`` for tests.
+- ``mlp``: ``layers`` x (Linear(width, width) + GELU) trained with a mean-squared error against
+  a random target. ``small`` is the toy model of earlier rounds (width 512, batch 64),
+  ``large`` a compute-heavier one (width 1024, batch 256); ``tiny`` for tests.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -29,6 +37,7 @@ if str(ROOT) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/ first
     sys.path.insert(0, str(ROOT))
 
 import funcpipe as fp  # noqa: E402
+from benchmarks import gpt  # noqa: E402
 from funcpipe.runtime.saved import SavedBytes  # noqa: E402, F401  (the benchmarks' C.SavedBytes)
 from funcpipe.schedule import Program, generate  # noqa: E402
 
@@ -39,26 +48,52 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class Size:
-    """A model size: ``layers`` x (Linear(width) + GELU), ``batch`` rows, ``microbatches``."""
+    """A model and its size. ``model="mlp"``: ``layers`` x (Linear(width) + GELU), ``batch``
+    rows. ``model="gpt"``: ``layers`` blocks of d_model ``width`` with ``heads`` heads,
+    ``batch`` sequences of ``seq`` tokens over ``vocab`` ids. Both: ``microbatches``."""
 
     name: str
     width: int
     batch: int
     layers: int = 8
     microbatches: int = 8
+    model: str = "mlp"
+    heads: int = 0
+    seq: int = 0
+    vocab: int = 0
 
 
 SIZES: dict[str, Size] = {
+    "gpt": Size("gpt", width=256, batch=16, model="gpt", heads=4, seq=128, vocab=256),
+    "gpt-tiny": Size(
+        "gpt-tiny", width=16, batch=8, layers=4, model="gpt", heads=2, seq=8, vocab=256
+    ),
     "small": Size("small", width=512, batch=64),
     "large": Size("large", width=1024, batch=256),
     "tiny": Size("tiny", width=16, batch=16),  # for the test suite: shapes only matter
 }
+MODELS: dict[str, list[str]] = {"gpt": ["gpt"], "mlp": ["small", "large"]}  # default sizes
 
 
 def resize(size: Size, **override: int | None) -> Size:
     """``size`` with the given fields replaced (``None`` keeps the field)."""
     fields = {k: v for k, v in override.items() if v is not None}
     return dataclasses.replace(size, **fields)
+
+
+def sizes_for(model: str | None, names: Sequence[str] | None) -> list[str]:
+    """The sizes a ``--model`` / ``--sizes`` pair asks for (``--sizes`` wins; the gpt by
+    default); exits with a message where a named size belongs to another model."""
+    if not names:
+        return MODELS[model or "gpt"]
+    if model is not None:
+        wrong = [n for n in names if SIZES[n].model != model]
+        if wrong:
+            raise SystemExit(
+                f"--sizes {' '.join(wrong)}: not sizes of --model {model} (its sizes: "
+                f"{', '.join(n for n, z in SIZES.items() if z.model == model)})"
+            )
+    return list(names)
 
 
 @dataclass(frozen=True)
@@ -88,7 +123,7 @@ def program_for(schedule: str, *, ranks: int, microbatches: int) -> Program:
     return generate(spec.name, ranks=ranks, microbatches=microbatches, chunks=chunks)
 
 
-# ------------------------------------------------------------------------------ the model
+# ------------------------------------------------------------------------------ the models
 
 
 def mlp(
@@ -106,7 +141,26 @@ def mlp(
     return nn.Sequential(*mods)
 
 
+def build(size: Size, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Sequential:
+    """The model of ``size`` with weights drawn from ``seed``."""
+    if size.model == "gpt":
+        return gpt.gpt(
+            d_model=size.width,
+            layers=size.layers,
+            heads=size.heads,
+            seq=size.seq,
+            vocab=size.vocab,
+            dtype=dtype,
+            seed=seed,
+        )
+    return mlp(size.width, layers=size.layers, dtype=dtype, seed=seed)
+
+
 def data(size: Size, *, dtype: torch.dtype = torch.float32, seed: int = 1) -> tuple[Tensor, Tensor]:
+    """The batch and its targets: int64 token ids and next tokens (gpt; ``dtype`` unused), or
+    random rows and a random target (mlp)."""
+    if size.model == "gpt":
+        return gpt.tokens(size.batch, size.seq, size.vocab, seed=seed)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(size.batch, size.width, generator=g, dtype=dtype)
     y = torch.randn(size.batch, size.width, generator=g, dtype=dtype)
@@ -117,54 +171,58 @@ def mse(out: Tensor, y: Tensor) -> Tensor:
     return torch.nn.functional.mse_loss(out, y)
 
 
-def bounds(n_modules: int, n_stages: int) -> list[tuple[int, int]]:
-    """Contiguous, equal module ranges (``n_stages`` must divide the layer pairs evenly)."""
-    if n_modules % (2 * n_stages):
+def loss_fn(size: Size) -> Callable[[Tensor, Tensor], Tensor]:
+    """The model's loss ``(outputs, targets) -> scalar``: cross-entropy or mean-squared error."""
+    return gpt.lm_loss if size.model == "gpt" else mse
+
+
+def activation_shape(size: Size) -> tuple[int, ...]:
+    """The shape of one microbatch's activation between two stages."""
+    mb = size.batch // size.microbatches
+    return (mb, size.seq, size.width) if size.model == "gpt" else (mb, size.width)
+
+
+def bounds(size: Size, n_stages: int) -> list[tuple[int, int]]:
+    """Contiguous module ranges of the model's nn.Sequential, one per stage, each with
+    ``layers / n_stages`` layers (a gpt's embedding goes with stage 0, its head with the last)."""
+    if size.layers % n_stages:
         raise ValueError(
-            f"{n_modules // 2} layers cannot be cut into {n_stages} equal stages; pick --layers "
+            f"{size.layers} layers cannot be cut into {n_stages} equal stages; pick --layers "
             f"as a multiple of ranks x chunks ({n_stages})"
         )
-    k = n_modules // n_stages
-    return [(i * k, (i + 1) * k) for i in range(n_stages)]
+    k = size.layers // n_stages
+    if size.model == "gpt":  # modules: embed, blocks 1..layers, head
+        cuts = [0] + [1 + s * k for s in range(1, n_stages)] + [size.layers + 2]
+    else:  # modules: (Linear, GELU) x layers
+        cuts = [2 * s * k for s in range(n_stages + 1)]
+    return list(itertools.pairwise(cuts))
 
 
-def stage_modules(model: nn.Sequential, n_stages: int) -> list[nn.Sequential]:
+def stage_modules(model: nn.Sequential, size: Size, n_stages: int) -> list[nn.Sequential]:
     """The model cut into ``n_stages`` nn.Sequential slices (sharing the model's parameters)."""
-    return [model[a:b] for a, b in bounds(len(model), n_stages)]  # type: ignore[misc]
-
-
-def _linear_gelu_stage(n_layers: int) -> Callable[..., Tensor]:
-    def stage(params: Sequence[Tensor], h: Tensor) -> Tensor:
-        for k in range(n_layers):
-            h = torch.nn.functional.gelu(
-                torch.nn.functional.linear(h, params[2 * k], params[2 * k + 1])
-            )
-        return h
-
-    return stage
+    return [model[a:b] for a, b in bounds(size, n_stages)]  # type: ignore[misc]
 
 
 def funcpipe_stages(
-    model: nn.Sequential, n_stages: int, *, kind: str = "module"
+    model: nn.Sequential, size: Size, n_stages: int
 ) -> tuple[list[fp.Stage], list[Any]]:
-    """funcpipe stages and params for the model cut into ``n_stages``.
+    """funcpipe stages and params for the model cut into ``n_stages``, as a user of
+    nn.Modules writes it: :func:`funcpipe.partition` at :func:`bounds`' cuts."""
+    cuts = [a for a, _ in bounds(size, n_stages)][1:]
+    part = fp.partition(model, stages=n_stages, by=cuts)
+    return list(part.stages), list(part.params)
 
-    ``kind="module"``: :func:`funcpipe.partition` (``torch.func.functional_call`` on each slice,
-    what a user of nn.Modules writes). ``kind="function"``: plain functions over a list of
-    tensors (no functional_call), the cheapest stage funcpipe can run.
-    """
-    if kind == "module":
-        cuts = [a for a, _ in bounds(len(model), n_stages)][1:]
-        part = fp.partition(model, stages=n_stages, by=cuts)
-        return list(part.stages), list(part.params)
-    if kind != "function":
-        raise ValueError(f"kind={kind!r}: use 'module' or 'function'")
-    stages, params = [], []
-    for sl in stage_modules(model, n_stages):
-        ps = [p.detach() for p in sl.parameters()]
-        stages.append(fp.Stage(_linear_gelu_stage(len(ps) // 2), name="linear-gelu"))
-        params.append(ps)
-    return stages, params
+
+def stage_names(
+    model: nn.Sequential, size: Size, n_stages: int, stages: Iterable[int]
+) -> list[str]:
+    """Parameter names of the given stages, in parameter order (``"3.qkv.weight"``)."""
+    ranges = bounds(size, n_stages)
+    names = []
+    for s in stages:
+        a, b = ranges[s]
+        names += [k for k, _ in model.named_parameters() if a <= int(k.split(".")[0]) < b]
+    return names
 
 
 def flat_grads(tree: Any) -> list[Tensor]:
@@ -176,15 +234,15 @@ def flat_grads(tree: Any) -> list[Tensor]:
     return [tree]
 
 
-def reference_grads(
-    model: nn.Sequential, x: Tensor, y: Tensor, *, microbatches: int
-) -> list[Tensor]:
+def reference_grads(model: nn.Sequential, size: Size, x: Tensor, y: Tensor) -> list[Tensor]:
     """Plain autograd in one process: gradients of the mean over microbatches of the loss (both
     pipelines define the step's loss so; with equal microbatches it is the full-batch loss)."""
     ref = copy.deepcopy(model)
-    xs, ys = fp.split(x, microbatches), fp.split(y, microbatches)
-    loss = sum(mse(ref(a), b) for a, b in zip(xs, ys, strict=True)) / microbatches
-    loss.backward()  # type: ignore[union-attr]
+    loss = loss_fn(size)
+    m = size.microbatches
+    xs, ys = fp.split(x, m), fp.split(y, m)
+    total = sum(loss(ref(a), b) for a, b in zip(xs, ys, strict=True)) / m
+    total.backward()  # type: ignore[union-attr]
     return [p.grad.detach().clone() for p in ref.parameters()]  # type: ignore[union-attr]
 
 
@@ -448,70 +506,75 @@ class StageCosts:
         return {"f": self.f, "b": self.b, "i": self.i, "w": self.w}
 
     def costs(self, comm: float = 0.0) -> fp.schedule.Costs:
-        """Program-independent simulator costs: F, I, W and a whole B (``full``)."""
+        """The simulator's costs: F, I (``b``), W and the whole B (``full``), so one set serves
+        programs with whole backwards, split ones and those that mix both."""
         from funcpipe.schedule import Costs
 
         return Costs(f=self.f, b=self.i, w=self.w, full=self.b, comm=comm)
 
 
-def _flat_stage(
-    stage: fp.Stage, tree: Any, *, sink: bool, target: Tensor | None
-) -> Callable[..., list[Tensor]]:
-    from funcpipe.tree import tree_unflatten
-
-    def fn(params: Sequence[Tensor], inputs: Sequence[Tensor]) -> list[Tensor]:
-        out = stage(tree_unflatten(tree, list(params)), *inputs)
-        if sink:
-            assert target is not None
-            return [mse(out, target).reshape(())]
-        return [out]
-
-    return fn
-
-
 class StageTimer:
-    """Times F, B, I and W of every stage on one microbatch, one repetition per :meth:`once`,
-    in this process and thread, with funcpipe's own autodiff as the interpreter runs it
-    (parameter gradients summed in place into the leaves' ``.grad``, B with its Linear weight
-    gradients added directly: one microbatch, so no batching; the last stage includes the loss).
+    """Times F, B, I and W of every stage of ``size``'s model cut into ``n_stages``, on one
+    microbatch, one repetition per :meth:`once`, in this process and thread, with funcpipe's
+    autodiff as the interpreter calls it (parameter gradients summed in place into the leaves'
+    ``.grad``; stage 0's input needs no gradient; the last stage includes the loss, seeded with
+    1 / microbatches). Each stage gets the previous stage's output on that microbatch.
     Repetitions can be spread over a run (between timed steps) so that the costs see the same
-    machine as the steps: this VM's speed drifts by up to 2x within minutes."""
+    machine as the steps: a shared VM's speed drifts within minutes."""
 
-    def __init__(self, size: Size, n_stages: int, *, kind: str = "module", seed: int = 0) -> None:
+    def __init__(
+        self, size: Size, n_stages: int, *, seed: int = 0, dtype: torch.dtype = torch.float32
+    ) -> None:
+        from funcpipe.runtime import autodiff
         from funcpipe.tree import tree_flatten
 
-        model = mlp(size.width, layers=size.layers, seed=seed)
-        stages, params = funcpipe_stages(model, n_stages, kind=kind)
+        model = build(size, seed=seed, dtype=dtype)
+        stages, params = funcpipe_stages(model, size, n_stages)
+        x, y = data(size, seed=seed + 1, dtype=dtype)
         mb = size.batch // size.microbatches
+        inputs: list[Tensor] = [x[:mb]]
+        target = y[:mb]
+        loss = loss_fn(size)
         g = torch.Generator().manual_seed(seed + 7)
-        self.x = torch.randn(mb, size.width, generator=g)
-        y = torch.randn(mb, size.width, generator=g)
-        self.stages: list[tuple[Any, list[Tensor], list[Tensor | None]]] = []
+        self.stages: list[tuple[Any, list[Tensor], list[Tensor], list[Tensor], Any]] = []
         for s, (stage, prm) in enumerate(zip(stages, params, strict=True)):
             leaves, tree = tree_flatten(prm)
             ps = [t.detach().requires_grad_() for t in leaves]
-            sink = s == n_stages - 1
-            fn = _flat_stage(stage, tree, sink=sink, target=y)
-            gy: list[Tensor | None] = (
-                [torch.tensor(1.0 / size.microbatches)]
-                if sink
-                else [torch.randn(mb, size.width, generator=g)]
+            fn = flat_stage(stage, tree, loss if s == n_stages - 1 else None, target)
+            with torch.no_grad():
+                out = fn(ps, inputs)
+            gy = (
+                [torch.tensor(1.0 / size.microbatches, dtype=dtype)]
+                if s == n_stages - 1
+                else [torch.randn(out[0].shape, generator=g, dtype=dtype)]
             )
-            self.stages.append((fn, ps, gy))
+            self.stages.append((fn, ps, inputs, gy, autodiff.param_nodes(ps)))
+            inputs = out
         self.raw: dict[str, list[list[float]]] = {k: [[] for _ in stages] for k in "fbiw"}
+
+    def _forward(self, s: int, ps: Sequence[Tensor] | None = None) -> Any:
+        from funcpipe.runtime import autodiff
+
+        fn, own, inputs, _, _ = self.stages[s]
+        _, saved = autodiff.forward(fn, own if ps is None else ps, inputs)
+        if s == 0:  # as the interpreter: the batch needs no gradient
+            for t in saved.inputs:
+                t.requires_grad_(False)
+        return saved
 
     def once(self) -> None:
         from funcpipe.runtime import autodiff
 
-        for s, (fn, ps, gy) in enumerate(self.stages):
+        forward = self._forward
+        for s, (_, ps, _, gy, nodes) in enumerate(self.stages):
             t0 = time.perf_counter()
-            _, saved = autodiff.forward(fn, ps, [self.x])
+            saved = forward(s)
             t1 = time.perf_counter()
-            autodiff.backward_direct(saved, ps, gy)  # the runtime's default B
+            autodiff.backward(saved, ps, gy, accumulate=True)
             t2 = time.perf_counter()
-            _, saved = autodiff.forward(fn, ps, [self.x])
+            saved = forward(s)
             t3 = time.perf_counter()
-            autodiff.backward_input(saved, ps, gy)
+            autodiff.backward_input(saved, ps, gy, nodes=nodes)
             t4 = time.perf_counter()
             autodiff.backward_weight(saved, ps, accumulate=True)
             t5 = time.perf_counter()
@@ -529,13 +592,42 @@ class StageTimer:
 
         return StageCosts(med("f"), med("b"), med("i"), med("w"))
 
+    def split_diff(self) -> list[float]:
+        """Per stage: how far I then W is from one B (max relative difference over the input
+        and parameter gradients), each on fresh leaves."""
+        from funcpipe.runtime import autodiff
 
-def measure_stage_costs(
-    size: Size, n_stages: int, *, kind: str = "module", reps: int = 20, seed: int = 0
-) -> StageCosts:
+        out = []
+        for s, (_, ps, _, gy, _) in enumerate(self.stages):
+            whole = [t.detach().clone().requires_grad_() for t in ps]
+            split = [t.detach().clone().requires_grad_() for t in ps]
+            gin_b, _ = autodiff.backward(self._forward(s, whole), whole, gy, accumulate=True)
+            saved = self._forward(s, split)
+            nodes = autodiff.param_nodes(split)
+            gin_i = autodiff.backward_input(saved, split, gy, nodes=nodes)
+            autodiff.backward_weight(saved, split, accumulate=True)
+            a = [t for t in [*gin_i, *(p.grad for p in split)] if t is not None]
+            b = [t for t in [*gin_b, *(p.grad for p in whole)] if t is not None]
+            out.append(max_rel_diff(a, b))
+        return out
+
+
+def flat_stage(
+    stage: fp.Stage, tree: Any, loss: Callable[..., Tensor] | None, target: Tensor
+) -> Callable[..., list[Tensor]]:
+    from funcpipe.tree import tree_unflatten
+
+    def fn(params: Sequence[Tensor], inputs: Sequence[Tensor]) -> list[Tensor]:
+        out = stage(tree_unflatten(tree, list(params)), *inputs)
+        return [loss(out, target).reshape(())] if loss is not None else [out]
+
+    return fn
+
+
+def measure_stage_costs(size: Size, n_stages: int, *, reps: int = 20, seed: int = 0) -> StageCosts:
     """Median time of F, B, I and W of every stage on one microbatch (:class:`StageTimer`,
     ``reps`` repetitions after 2 warm-ups)."""
-    timer = StageTimer(size, n_stages, kind=kind, seed=seed)
+    timer = StageTimer(size, n_stages, seed=seed)
     for _ in range(reps + 2):
         timer.once()
     return timer.result(skip=2)
@@ -547,16 +639,12 @@ def split_program(program: Program) -> bool:
     return any(i.op is Op.I for r in program.ranks for i in r)
 
 
-def costs_for(program: Program, c: StageCosts, *, comm: float = 0.0) -> fp.schedule.Costs:
-    """The simulator's costs: I, W and the whole B for a split program (which may mix B with
-    I + W); B - W and W otherwise (b + w = B)."""
-    from funcpipe.schedule import Costs
+def ideal_makespan(program: Program, c: StageCosts) -> float:
+    """The compute floor: the simulated makespan of ``program`` (communication added, no
+    message latency) with each stage's measured F, B, I and W."""
+    from funcpipe.schedule import add_communication, simulate
 
-    if split_program(program):
-        return Costs(f=c.f, b=c.i, w=c.w, full=c.b, comm=comm)
-    return Costs(
-        f=c.f, b=[max(b - w, 0.0) for b, w in zip(c.b, c.w, strict=True)], w=c.w, comm=comm
-    )
+    return simulate(add_communication(program), c.costs()).makespan
 
 
 def one_process_time(program: Program, c: StageCosts) -> float:
@@ -571,10 +659,11 @@ def one_process_time(program: Program, c: StageCosts) -> float:
 _P2P_SETUPS = 0
 
 
-def p2p_latency(rank: int, shape: Sequence[int], reps: int = 50, *, p2p: str = "auto") -> float:
+def p2p_latency(rank: int, shape: Sequence[int], reps: int = 50) -> float:
     """Half the median round trip of one float32 tensor of ``shape`` between ranks 0 and 1, over
-    what a Pipeline with this ``p2p`` uses: same-host sockets (``"auto"``) or gloo (``"torch"``).
-    Every rank of the pool must call it."""
+    what a Pipeline between processes of one host uses: same-host sockets
+    (:mod:`funcpipe.runtime.sockets`), or torch.distributed send/recv where those are not
+    supported or ``FUNCPIPE_P2P=torch``. Every rank of the pool must call it."""
     import torch.distributed as dist
 
     from funcpipe.runtime import sockets
@@ -582,7 +671,7 @@ def p2p_latency(rank: int, shape: Sequence[int], reps: int = 50, *, p2p: str = "
     global _P2P_SETUPS
     t = torch.zeros(*shape)
     chan = None
-    if p2p == "auto" and sockets.supported():
+    if os.environ.get("FUNCPIPE_P2P", "auto") != "torch" and sockets.supported():
         _P2P_SETUPS += 1
         peers = [1 - rank] if rank in (0, 1) else []
         chan = sockets.Channels(

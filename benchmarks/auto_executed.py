@@ -1,6 +1,6 @@
 """Executed on this machine: ``auto`` against the built-in schedules, same model, same processes.
 
-    python benchmarks/auto_executed.py [--size large] [--ranks 2] [--rounds 20] [--json FILE]
+    python benchmarks/auto_executed.py [--size gpt] [--ranks 2] [--rounds 20] [--json FILE]
 
 1. Costs, for the model cut into ``p`` and ``2p`` stages. ``--costs in-step`` (default): a few
    traced steps of a split and a whole-backward schedule (ZB-H1 and 1F1B for ``p`` stages,
@@ -129,7 +129,7 @@ def _describe(
     return {
         "text": format_program(program),
         "sim": sim.makespan,
-        "isolated": simulate(lowered, C.costs_for(program, alone, comm=comm)).makespan,
+        "isolated": simulate(lowered, alone.costs(comm)).makespan,
         "peak": max(sim.peak_activations) / v,
     }
 
@@ -173,9 +173,9 @@ def tune_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     programs = [parse_program(t) for t in cfg["candidates"]]
     pipes, args = [], []
     for program in programs:
-        model = C.mlp(size.width, layers=size.layers, seed=cfg["seed"])
-        stages, params = C.funcpipe_stages(model, program.n_stages)
-        pipes.append(fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist"))
+        model = C.build(size, seed=cfg["seed"])
+        stages, params = C.funcpipe_stages(model, size, program.n_stages)
+        pipes.append(fp.Pipeline(stages, program, loss_fn=C.loss_fn(size), transport="dist"))
         args.append((params, *C.data(size, seed=cfg["seed"] + 1)))
     index = {id(p): k for k, p in enumerate(programs)}
     t0 = time.perf_counter()
@@ -199,9 +199,9 @@ def trace_job(rank: int, cfg: dict[str, Any]) -> list[Any]:
     program = C.program_for(
         cfg["schedule"], ranks=dist.get_world_size(), microbatches=size.microbatches
     )
-    model = C.mlp(size.width, layers=size.layers, seed=cfg["seed"])
-    stages, params = C.funcpipe_stages(model, program.n_stages)
-    pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
+    model = C.build(size, seed=cfg["seed"])
+    stages, params = C.funcpipe_stages(model, size, program.n_stages)
+    pipe = fp.Pipeline(stages, program, loss_fn=C.loss_fn(size), transport="dist")
     x, y = C.data(size, seed=cfg["seed"] + 1)
     for _ in range(cfg["warmup"]):
         pipe.step(params, x, y)
@@ -235,12 +235,13 @@ def run_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     names = list(cfg["programs"])
     programs = {n: parse_program(cfg["programs"][n]) for n in names}
     grad_ref: dict[str, float] = {}
+    model = C.build(size, seed=cfg["seed"], dtype=torch.float64)
+    x, y = C.data(size, seed=cfg["seed"] + 1, dtype=torch.float64)
+    ref = C.reference_grads(model, size, x, y)  # one process, the whole model
     for name in names:  # float64: the same gradients as one process
         program = programs[name]
-        model = C.mlp(size.width, layers=size.layers, seed=cfg["seed"], dtype=torch.float64)
-        stages, params = C.funcpipe_stages(model, program.n_stages)
-        x, y = C.data(size, seed=cfg["seed"] + 1, dtype=torch.float64)
-        pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
+        stages, params = C.funcpipe_stages(model, size, program.n_stages)
+        pipe = fp.Pipeline(stages, program, loss_fn=C.loss_fn(size), transport="dist")
         got = pipe.step(params, x, y).grads
         mine = [
             t
@@ -248,7 +249,6 @@ def run_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
             if program.placement[s] == dist.get_rank()
             for t in C.flat_grads(g)
         ]
-        ref = C.reference_grads(model, x, y, microbatches=size.microbatches)
         sizes = [len(C.flat_grads(p)) for p in params]
         starts = [sum(sizes[:s]) for s in range(len(sizes))]
         want = [
@@ -261,9 +261,9 @@ def run_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     pipes, args = {}, {}
     for name in names:
         program = programs[name]
-        model = C.mlp(size.width, layers=size.layers, seed=cfg["seed"])
-        stages, params = C.funcpipe_stages(model, program.n_stages)
-        pipes[name] = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
+        model = C.build(size, seed=cfg["seed"])
+        stages, params = C.funcpipe_stages(model, size, program.n_stages)
+        pipes[name] = fp.Pipeline(stages, program, loss_fn=C.loss_fn(size), transport="dist")
         args[name] = (params, *C.data(size, seed=cfg["seed"] + 1))
     for _ in range(cfg["warmup"]):
         for name in names:
@@ -291,7 +291,6 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
             {
                 "size": vars(size),
                 "seed": args.seed,
-                "stage_kind": "module",
                 "n_stages": [ranks, 2 * ranks],
                 "cost_reps": args.cost_reps,
                 "comm_reps": args.comm_reps,
@@ -412,7 +411,7 @@ def parser() -> argparse.ArgumentParser:
         prog="auto_executed.py",
         description="Executed step time of auto's programs against the built-in schedules.",
     )
-    ap.add_argument("--size", default="large", choices=sorted(C.SIZES))
+    ap.add_argument("--size", default="gpt", choices=sorted(C.SIZES))
     ap.add_argument("--ranks", nargs="+", type=int, default=[2])
     ap.add_argument("--memory", nargs="+", default=["p"], choices=["p", "2p"])
     ap.add_argument("--rounds", type=int, default=20)

@@ -25,6 +25,14 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(xs), q[2]
 
 
+def _describe(row: dict[str, Any]) -> str:
+    """The model of a row in a few words."""
+    layers, width, batch = row.get("layers", 8), row.get("width"), row.get("batch")
+    if row.get("model") == "gpt":
+        return f"GPT {layers} x d{width}, {batch} x {row.get('seq')} tokens"
+    return f"Linear({width}) x {layers}, batch {batch}"
+
+
 def draw(rows: list[dict[str, Any]], out: str, *, title: str = "") -> None:
     import matplotlib
 
@@ -35,7 +43,8 @@ def draw(rows: list[dict[str, Any]], out: str, *, title: str = "") -> None:
     for r in rows:
         if r.get("funcpipe_times"):
             panels.setdefault((r["size"], r["ranks"]), []).append(r)
-    keys = sorted(panels, key=lambda k: (k[0] != "small", k[1]))
+    order = {"gpt": 0, "small": 1, "large": 2}
+    keys = sorted(panels, key=lambda k: (order.get(k[0], 3), k[0], k[1]))
     cols = 2 if len(keys) > 1 else 1
     nrows = (len(keys) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(6.4 * cols, 3.6 * nrows), squeeze=False)
@@ -68,9 +77,7 @@ def draw(rows: list[dict[str, Any]], out: str, *, title: str = "") -> None:
             text = f"{r['ratio']:.2f}x" if r.get("ratio") else "peer failed"
             ax.text(x, top + 0.02 * ymax, text, ha="center", fontsize=8)
         size, ranks = key
-        width = group[0].get("width")
-        batch = group[0].get("batch")
-        ax.set_title(f"{size} (Linear({width}) x 8, batch {batch}), {ranks} ranks", fontsize=10)
+        ax.set_title(f"{size} ({_describe(group[0])}), {ranks} ranks", fontsize=10)
         ax.set_xticks(list(xs), names, fontsize=9)
         ax.set_ylabel("step time, ms (median)")
         ax.set_ylim(0, ymax)

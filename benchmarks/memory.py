@@ -1,16 +1,16 @@
 """Peak activation memory per rank against the schedule's figure.
 
-    python benchmarks/memory.py [--size small] [--ranks 2 4] [--schedules gpipe 1f1b zb-h1 zbv] [--json FILE]
+    python benchmarks/memory.py [--size gpt] [--ranks 2 4] [--schedules gpipe 1f1b zb-h1 zbv] [--json FILE]
 
 Measured: on every rank of a gloo pool, one funcpipe step runs inside
 ``torch.autograd.graph.saved_tensors_hooks`` that count the bytes autograd saves for backward
 (parameters excluded; each saved tensor counted once, from when it is saved until the last graph
-node holding it is freed), plus what a backward keeps for Linear weight gradients outside the
-graph (each Linear's input and incoming gradient, from the B or I until they are summed). The rank's peak of
-those live bytes is its activation memory.
+node holding it is freed), plus what an I keeps outside the graph for its W (the gradients
+recorded where the W's branches start, from the I until the W). The rank's peak of those live
+bytes is its activation memory.
 
 The schedule's figures, from each stage's bytes measured on one microbatch with
-``funcpipe.schedule.measure_memory`` (what its F keeps, and what its I leaves for its W):
+``funcpipe.profile.measure_memory`` (what its F keeps, and what its I leaves for its W):
 
 - ``peak_memory(program, activation, for_w)[rank]``: the rank's instructions walked in order,
   F adding the stage's activation, I swapping it for what W needs, B / W removing it;
@@ -54,60 +54,32 @@ COLUMNS: list[C.Column] = [
 
 @contextlib.contextmanager
 def _count_waiting(counter: C.SavedBytes) -> Iterator[None]:
-    """Also count what a backward keeps outside autograd's graph until its weight gradients
-    are summed: each Linear's input and incoming gradient (``funcpipe.runtime.linear``), from
-    the B or I until they are summed, and the gradients an I records for its W where the W
-    runs through the graph (``saved.roots``, ``saved.direct``); the hooks do not see them."""
-    from funcpipe.runtime import autodiff, linear
+    """Also count what an I keeps outside autograd's graph for its W: the gradients it records
+    where the W's branches start (``saved.roots``, ``saved.direct``), from the I until the W;
+    the hooks do not see them."""
+    from funcpipe.runtime import autodiff
 
     held: dict[int, list[Any]] = {}
-    real_deferred, real_batch = autodiff.backward_deferred, linear.weight_batch
     real_input, real_weight = autodiff.backward_input, autodiff.backward_weight
-
-    def hold_rows(d: Any) -> None:
-        held[id(d)] = [counter.hold(t) for _, x, g in d.items for t in (x, g)]
-
-    # (held once the B or I returns, its graph let go: a chain stage's rows come from a
-    # backward called outside the engine, whose graph outlives the call by a few lines; the
-    # engine's own overlap of rows and graph inside the call is not counted either)
-    def deferred(*args: Any, **kwargs: Any) -> Any:
-        got = real_deferred(*args, **kwargs)
-        if got[1] is not None:
-            hold_rows(got[1])
-        return got
-
-    def batch(waiting: Any, params: Any) -> None:
-        waiting = list(waiting)
-        real_batch(waiting, params)
-        for d in waiting:
-            for key, t in held.pop(id(d), []):
-                counter.release(key, t)
 
     def input_(saved: Any, *args: Any, **kwargs: Any) -> Any:
         got = real_input(saved, *args, **kwargs)
-        if saved.products is not None:
-            hold_rows(saved.products)
         recorded = [g for group in saved.roots for r in group for _, g in r.edges]
         recorded += [g for _, g in saved.direct]
         held[id(saved)] = [counter.hold(g) for g in recorded if g is not None]
         return got
 
     def weight(saved: Any, *args: Any, **kwargs: Any) -> Any:
-        kept = saved.products  # an I that kept only (x, g) per product: W consumes them
         got = real_weight(saved, *args, **kwargs)
-        for key, t in held.pop(id(kept), []) if kept is not None else []:
-            counter.release(key, t)
         for key, t in held.pop(id(saved), []):
             counter.release(key, t)
         return got
 
-    autodiff.backward_deferred, linear.weight_batch = deferred, batch  # type: ignore[assignment]
     autodiff.backward_input = input_  # type: ignore[assignment]
     autodiff.backward_weight = weight  # type: ignore[assignment]
     try:
         yield
     finally:
-        autodiff.backward_deferred, linear.weight_batch = real_deferred, real_batch
         autodiff.backward_input = real_input  # type: ignore[assignment]
         autodiff.backward_weight = real_weight  # type: ignore[assignment]
 
@@ -123,13 +95,13 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     program = C.program_for(
         cfg["schedule"], ranks=dist.get_world_size(), microbatches=size.microbatches
     )
-    model = C.mlp(size.width, layers=size.layers, seed=cfg["seed"])
-    stages, params = C.funcpipe_stages(model, program.n_stages, kind=cfg["stage_kind"])
-    extra = cfg["batch_weights_extra"]
-    pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist", batch_weights_extra=extra)
+    model = C.build(size, seed=cfg["seed"])
+    stages, params = C.funcpipe_stages(model, size, program.n_stages)
+    loss = C.loss_fn(size)
+    pipe = fp.Pipeline(stages, program, loss_fn=loss, transport="dist")
     x, y = C.data(size, seed=cfg["seed"] + 1)
     mb = size.batch // size.microbatches
-    sizes = measure_memory(stages, params, x[:mb], loss_fn=C.mse, target=y[:mb])
+    sizes = measure_memory(stages, params, x[:mb], loss_fn=loss, target=y[:mb])
     pipe.step(params, x, y)  # shapes inferred, buffers warm
     dist.barrier()
     with C.SavedBytes(C.flat_grads(params)) as counter, _count_waiting(counter):
@@ -162,21 +134,15 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
         for sched in args.schedules:
             size = C.SIZES[args.size]
             size = C.resize(size, layers=args.layers)
-            cfg = {
-                "size": vars(size),
-                "schedule": sched,
-                "seed": args.seed,
-                "stage_kind": args.stage_kind,
-                "batch_weights_extra": args.batch_weights_extra,
-            }
+            cfg = {"size": vars(size), "schedule": sched, "seed": args.seed}
             for r in pool.run(memory.job, cfg, timeout=args.job_timeout):
                 row = {
                     "size": size.name,
+                    "model": size.model,
                     "width": size.width,
                     "batch": size.batch,
                     "ranks": ranks,
                     "schedule": sched,
-                    "batch_weights_extra": args.batch_weights_extra,
                     "rank": r["rank"],
                     "stages": r["stages"],
                     "count": r["count"],
@@ -202,18 +168,10 @@ def parser() -> argparse.ArgumentParser:
         prog="memory.py",
         description="Peak saved-activation bytes per rank vs the schedule's peak-activations figure.",
     )
-    ap.add_argument("--size", default="small", choices=sorted(C.SIZES))
+    ap.add_argument("--size", default="gpt", choices=sorted(C.SIZES))
     ap.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--schedules", nargs="+", default=DEFAULT_SCHEDULES, choices=list(C.SCHEDULES))
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--stage-kind", default="module", choices=["module", "function"])
-    ap.add_argument(
-        "--batch-weights-extra",
-        type=int,
-        default=0,
-        help="Pipeline(batch_weights_extra=N): activations above the program's peak a rank may "
-        "keep for batched weight gradients; the figures stay the program's own",
-    )
     C.pool_options(ap, job_timeout=600.0, contention=False)
     return ap
 

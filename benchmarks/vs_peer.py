@@ -1,51 +1,44 @@
 """funcpipe against torch.distributed.pipelining: same model, ranks, schedule and processes.
 
-    python benchmarks/vs_peer.py [--sizes small large] [--ranks 2 4] [--pairs 20] [--json FILE]
+    python benchmarks/vs_peer.py [--model gpt|mlp] [--ranks 2 4] [--pairs 20] [--json FILE]
+
+The model (``--model``, default ``gpt``; ``--sizes`` names sizes of ``benchmarks._common.SIZES``)
+is one ``nn.Sequential`` cut at the same places for both: ``funcpipe.partition(model,
+stages=n, by=cuts)`` and a ``PipelineStage`` of each slice. ``gpt`` (the headline): a GPT of
+8 pre-LayerNorm blocks, d_model 256, 4 heads, 128 tokens, byte vocabulary, cross-entropy on
+next tokens, 16 sequences in 8 microbatches (``benchmarks/gpt.py``); ``mlp``: the toy MLP of
+earlier rounds, 8 x (Linear + GELU), sizes ``small`` and ``large``.
 
 For every (size, ranks, schedule) cell, one job on a pool of gloo processes (one thread each):
 
 1. gradients: from the same float64 weights, one funcpipe step (``Pipeline(transport="dist")``)
    and one peer step (``PipelineStage`` + the schedule's ``step``) on the same processes; each
    rank compares its stages' parameter gradients with each other and with plain autograd on
-   the whole model (the peer averages the per-microbatch losses and divides its grads by the
-   number of microbatches, funcpipe seeds each microbatch's loss with 1/m: both give the
-   gradient of the mean loss);
+   the whole model in one process (the peer averages the per-microbatch losses and divides
+   its grads by the number of microbatches, funcpipe seeds each microbatch's loss with 1/m:
+   both give the gradient of the mean loss);
 2. time: float32, ``--warmup`` steps of each, then ``--pairs`` pairs run A B A B (funcpipe then
    peer), every step started after a barrier; a step's time is its slowest rank's. Between its
-   steps the peer clears its gradients with ``zero_grad(set_to_none=True)``, torch's default,
-   so its backward allocates new ones; ``--peer-grads zeros`` keeps and zeroes them instead.
-   ``--peer-onednn off`` times the peer with oneDNN switched off process-wide (its small GELUs
-   then take the kernel funcpipe's chain stages pick).
+   steps the peer clears its gradients with ``zero_grad(set_to_none=True)``, torch's default;
+   ``--peer-grads zeros`` keeps and zeroes them instead.
 
 Reported: the median step time of each, the median of the paired ratios funcpipe / peer, and the
 interquartile spread of those ratios. A peer schedule that fails records its error in the table.
 
-``floor``: right before each cell, every rank times each stage's F, B, I and W on one microbatch
-(all ranks at once, as in a step); the simulator's makespan of the schedule with those costs and
-no message latency is the compute-only step time, which no runtime running the same autograd
-arithmetic in this schedule can beat. ``floor/peer`` is then the lowest funcpipe/peer any
-runtime could reach in that cell. Only where every rank has a core of its own (ranks <= cores).
-
-``raw floor``: the same, with each stage's F, B, I and W computed by bare kernels
-(``benchmarks/_raw.py``: the products, GELU and the loss with no autograd and no runtime; the
-same gradients), timed on every rank at once right after the floor's costs. It is the step
-time of the arithmetic itself, one microbatch at a time: ``raw floor/peer`` is the lowest
-funcpipe/peer a runtime could reach in that cell without changing what is computed (GPipe
-excepted: funcpipe sums its weight gradients over all microbatches in one product).
-
-``staged raw floor``: the same bare kernels doing what ``Pipeline(stage_weights=True)`` does
-(``_raw``'s staged B and W copy their Linears' rows aside; once per step each weight gradient
-is one product over all the rows): the schedule simulated with the staged B and W, then each
-rank's step sums added after its last instruction. Sums computed while a rank waits
-(``idle_weights``) can take a step below it; otherwise it is the step of funcpipe's arithmetic
-with a runtime that cost nothing.
+``ideal``: the compute floor. Right before each cell, this (the launching) process, one
+thread like each rank, times every stage's F, B, I and W on one microbatch with funcpipe's
+autodiff as the interpreter calls it (``--ideal-reps`` repetitions, medians; the last stage
+with its loss); ideal = ``funcpipe.schedule.simulate`` of the schedule's program with those
+costs and no message latency. No runtime that runs this arithmetic in this schedule, one core
+per rank, can beat it: ``executed/ideal`` is funcpipe's median step over it, ``peer/ideal``
+the peer's. With more ranks than cores the ranks share cores, which the simulation does not
+model (4 ranks on 2 cores cannot reach it).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 import time
 import traceback
@@ -63,16 +56,13 @@ COLUMNS: list[C.Column] = [
     ("ranks", "ranks", "d"),
     ("schedule", "schedule", ""),
     ("peer_class", "peer class", ""),
-    ("funcpipe_ms", "funcpipe ms", ".2f"),
-    ("peer_ms", "peer ms", ".2f"),
+    ("funcpipe_ms", "funcpipe ms", ".1f"),
+    ("peer_ms", "peer ms", ".1f"),
     ("ratio", "funcpipe/peer", ".3f"),
     ("ratio_iqr", "IQR/med", ".2f"),
-    ("floor_ms", "floor ms", ".2f"),
-    ("floor_ratio", "floor/peer", ".3f"),
-    ("raw_floor_ms", "raw floor ms", ".2f"),
-    ("raw_floor_ratio", "raw floor/peer", ".3f"),
-    ("staged_floor_ms", "staged raw floor ms", ".2f"),
-    ("staged_floor_ratio", "staged raw/peer", ".3f"),
+    ("ideal_ms", "ideal ms", ".1f"),
+    ("ideal_ratio", "executed/ideal", ".3f"),
+    ("peer_ideal_ratio", "peer/ideal", ".3f"),
     ("grad_diff", "grads fp vs peer", ".1e"),
     ("grad_ref", "fp vs 1-proc", ".1e"),
     ("peer_ref", "peer vs 1-proc", ".1e"),
@@ -87,51 +77,40 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:160]
 
 
-def _peer_schedule(
-    spec: C.ScheduleSpec, stages: list[Any], microbatches: int
-) -> Any:  # a torch.distributed.pipelining schedule
-    from torch.distributed.pipelining import schedules
-
-    cls = getattr(schedules, spec.peer or "")
-    if spec.chunks == 1:
-        return cls(stages[0], n_microbatches=microbatches, loss_fn=C.mse)
-    return cls(stages, n_microbatches=microbatches, loss_fn=C.mse)
-
-
 class _Peer:
-    """The peer's stages and schedule for the stages this rank holds."""
+    """The peer's stages and schedule for the stages this rank holds (a deep copy of the
+    model: its gradients live in its own parameters' ``.grad``)."""
 
     def __init__(
         self,
         spec: C.ScheduleSpec,
         model: torch.nn.Sequential,
+        size: C.Size,
         mine: list[int],
         n: int,
-        m: int,
         *,
         set_to_none: bool = True,
-        onednn: bool = True,
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining import PipelineStage, schedules
 
-        self.set_to_none, self.onednn = set_to_none, onednn
-
+        self.set_to_none = set_to_none
         self.model = copy.deepcopy(model)
-        self.modules = C.stage_modules(self.model, n)
+        self.modules = C.stage_modules(self.model, size, n)
         self.mine, self.n = mine, n
         stages = [PipelineStage(self.modules[s], s, n, torch.device("cpu")) for s in mine]
-        self.schedule = _peer_schedule(spec, stages, m)
+        cls = getattr(schedules, spec.peer or "")
+        loss = C.loss_fn(size)
+        m = size.microbatches
+        self.schedule = cls(
+            stages[0] if spec.chunks == 1 else stages, n_microbatches=m, loss_fn=loss
+        )
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         for s in self.mine:
             self.modules[s].zero_grad(set_to_none=self.set_to_none)
         args = (x,) if 0 in self.mine else ()
         target = y if self.n - 1 in self.mine else None
-        if self.onednn:
-            self.schedule.step(*args, target=target, return_outputs=False)
-            return
-        with torch.backends.mkldnn.flags(enabled=False):  # (--peer-onednn off)
-            self.schedule.step(*args, target=target, return_outputs=False)
+        self.schedule.step(*args, target=target, return_outputs=False)
 
     def grads(self, names: list[str]) -> list[torch.Tensor]:
         by_name = dict(self.model.named_parameters())
@@ -141,61 +120,11 @@ class _Peer:
         ]
 
 
-def _stage_names(model: torch.nn.Sequential, n: int, stages: list[int]) -> list[str]:
-    """Parameter names of the given stages, in parameter order."""
-    cuts = C.bounds(len(model), n)
-    names = []
-    for s in stages:
-        a, b = cuts[s]
-        names += [k for k, _ in model.named_parameters() if a <= int(k.split(".")[0]) < b]
-    return names
-
-
-def _fp_grads(
-    grads: Any, names: list[str], model: torch.nn.Sequential, mine: list[int], n: int
-) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for s in mine:
-        g = grads[s]
-        if isinstance(g, dict):
-            out += [g[k] for k in _stage_names(model, n, [s])]
-        else:
-            out += list(g)
-    return out
-
-
-def both_steps(rank: int, cfg: dict[str, Any]) -> tuple[dict[str, Any], float]:
-    """funcpipe's and the peer's float32 steps of ``cfg``'s (size, schedule, seed) on this rank,
-    as ``{"funcpipe": step, "peer": step}``, and how far their float64 gradients from the same
-    weights are apart (max |difference| / max |gradient| over this rank's stages)."""
-    import torch.distributed as dist
-
-    import funcpipe as fp
-
-    size = C.Size(**cfg["size"])
-    spec = C.SCHEDULES[cfg["schedule"]]
-    program = C.program_for(spec.name, ranks=dist.get_world_size(), microbatches=size.microbatches)
-    n = program.n_stages
-    mine = sorted(program.stages_on(rank))
-
-    def build(dtype: torch.dtype) -> tuple[Any, _Peer, list[Any], Any, Any, Any]:
-        model = C.mlp(size.width, layers=size.layers, dtype=dtype, seed=cfg["seed"])
-        stages, params = C.funcpipe_stages(model, n, kind="module")
-        pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
-        peer = _Peer(spec, model, mine, n, size.microbatches)
-        x, y = C.data(size, dtype=dtype, seed=cfg["seed"] + 1)
-        return pipe, peer, params, x, y, model
-
-    pipe, peer, params, x, y, model = build(torch.float64)
-    names = _stage_names(model, n, mine)
-    mine_fp = _fp_grads(pipe.step(params, x, y).grads, names, model, mine, n)
-    peer.step(x, y)
-    diff = C.max_rel_diff(mine_fp, peer.grads(names))
-    del pipe, peer
-
-    pipe, peer, params, x, y, _ = build(torch.float32)
-    steps = {"funcpipe": lambda: pipe.step(params, x, y), "peer": lambda: peer.step(x, y)}
-    return steps, diff
+def _fp_grads(grads: Any, names: list[str]) -> list[torch.Tensor]:
+    """This rank's gradients from funcpipe's grads (one dict per stage, ``None`` for the
+    stages it does not hold), in ``names``' order."""
+    by_name = {k: v for g in grads if isinstance(g, dict) for k, v in g.items()}
+    return [by_name[k] for k in names]
 
 
 def _any(flag: bool) -> bool:
@@ -222,26 +151,19 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": rank, "errors": {}, "dirty": False}
 
     def build(dtype: torch.dtype) -> tuple[Any, torch.nn.Sequential, list[Any], Any, Any]:
-        model = C.mlp(size.width, layers=size.layers, dtype=dtype, seed=cfg["seed"])
-        stages, params = C.funcpipe_stages(model, n, kind=cfg["stage_kind"])
-        pipe = fp.Pipeline(
-            stages,
-            program,
-            loss_fn=C.mse,
-            transport="dist",
-            p2p=cfg["p2p"],
-            batch_weights_extra=cfg["batch_weights_extra"],
-        )
+        model = C.build(size, dtype=dtype, seed=cfg["seed"])
+        stages, params = C.funcpipe_stages(model, size, n)
+        pipe = fp.Pipeline(stages, program, loss_fn=C.loss_fn(size), transport="dist")
         x, y = C.data(size, dtype=dtype, seed=cfg["seed"] + 1)
         return pipe, model, params, x, y
 
     # ---- gradients, float64
     pipe, model, params, x, y = build(torch.float64)
-    names = _stage_names(model, n, mine)
+    names = C.stage_names(model, size, n, mine)
     ref_all = dict(
         zip(
             [k for k, _ in model.named_parameters()],
-            C.reference_grads(model, x, y, microbatches=size.microbatches),
+            C.reference_grads(model, size, x, y),
             strict=True,
         )
     )
@@ -249,7 +171,7 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     fp_grads: list[torch.Tensor] | None = None
     try:
         res = pipe.step(params, x, y)
-        fp_grads = _fp_grads(res.grads, names, model, mine, n)
+        fp_grads = _fp_grads(res.grads, names)
         out["grad_ref"] = C.max_rel_diff(fp_grads, ref)
     except Exception as e:
         out["errors"]["funcpipe"] = _short(e)
@@ -258,7 +180,7 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     peer_ok = spec.peer is not None and cfg["peer"]
     if peer_ok:
         try:
-            peer = _Peer(spec, model, mine, n, size.microbatches)
+            peer = _Peer(spec, model, size, mine, n)
             peer.step(x, y)
             pg = peer.grads(names)
             out["peer_ref"] = C.max_rel_diff(pg, ref)
@@ -275,19 +197,14 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     if failed:
         out["dirty"] = True
         return out
+    del pipe, model, params, ref_all, ref, fp_grads
+    if peer_ok:
+        del peer
 
     # ---- time, float32, A B A B
     pipe, model, params, x, y = build(torch.float32)
     peer32 = (
-        _Peer(
-            spec,
-            model,
-            mine,
-            n,
-            size.microbatches,
-            set_to_none=cfg["peer_grads"] == "none",
-            onednn=cfg.get("peer_onednn", "on") == "on",
-        )
+        _Peer(spec, model, size, mine, n, set_to_none=cfg["peer_grads"] == "none")
         if peer_ok
         else None
     )
@@ -318,70 +235,11 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def raw_costs_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    from benchmarks import _raw
-
-    size = C.Size(**cfg["size"])
-    n, reps, seed = cfg["n_stages"], cfg["reps"], cfg["seed"]
-    staged, sums = _raw.measure_staged(size, n, reps=reps, seed=seed)
-    plain = _raw.measure(size, n, reps=reps, seed=seed)
-    return {"plain": plain.as_dict(), "staged": staged.as_dict(), "sums": sums}
-
-
-def floor(
-    pool: Any, program: Any, size: C.Size, args: argparse.Namespace
-) -> tuple[float, float, float]:
-    """The schedule's compute-only makespans (s) from stage costs measured now on every rank:
-    with funcpipe's autodiff, with bare kernels (``_raw``), and with the bare kernels' staged
-    arithmetic (each rank's step-end weight sums after its last instruction)."""
-    from benchmarks import vs_simulated
-    from funcpipe.schedule import add_communication, simulate
-
-    measured = pool.run(
-        vs_simulated.costs_job,
-        {
-            "size": vars(size),
-            "seed": args.seed,
-            "stage_kind": args.stage_kind,
-            "n_stages": [program.n_stages],
-            "cost_reps": args.floor_reps,
-            "comm_reps": 1,
-        },
-        timeout=args.job_timeout,
-    )
-    raw = pool.run(
-        raw_costs_job,
-        {
-            "size": vars(size),
-            "seed": args.seed,
-            "n_stages": program.n_stages,
-            "reps": args.floor_reps,
-        },
-        timeout=args.job_timeout,
-    )
-    n = program.n_stages
-    mine = {s: program.placement[s] for s in range(n)}
-    lowered = add_communication(program)
-
-    def own(costs: list[C.StageCosts]) -> C.StageCosts:  # each stage's, from its own rank
-        return C.StageCosts(
-            *[[getattr(costs[mine[s]], k)[s] for s in range(n)] for k in ("f", "b", "i", "w")]
-        )
-
-    spans = []
-    for costs in (
-        [C.StageCosts(**m["costs"][str(n)]) for m in measured],
-        [C.StageCosts(**r["plain"]) for r in raw],
-    ):
-        spans.append(simulate(lowered, C.costs_for(program, own(costs))).makespan)
-    timeline = simulate(
-        lowered, C.costs_for(program, own([C.StageCosts(**r["staged"]) for r in raw]))
-    )
-    sums = [raw[mine[s]]["sums"][s] for s in range(n)]
-    ends = [max((e.end for e in events), default=0.0) for events in timeline.events]
-    for s in range(n):
-        ends[mine[s]] += sums[s]
-    return spans[0], spans[1], max(ends)
+def ideal(program: Any, size: C.Size, args: argparse.Namespace) -> tuple[float, C.StageCosts]:
+    """The compute floor (s): the schedule's simulated makespan from each stage's F, B, I and
+    W measured now in this process (one thread), and those costs."""
+    costs = C.measure_stage_costs(size, program.n_stages, reps=args.ideal_reps, seed=args.seed)
+    return C.ideal_makespan(program, costs), costs
 
 
 def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
@@ -389,7 +247,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
 
     rows: list[dict[str, Any]] = []
     for ranks in args.ranks:
-        for size_name in args.sizes:
+        for size_name in C.sizes_for(args.model, args.sizes):
             size = C.resize(
                 C.SIZES[size_name],
                 width=args.width,
@@ -401,40 +259,36 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 spec = C.SCHEDULES[sched]
                 row: dict[str, Any] = {
                     "size": size.name,
+                    "model": size.model,
                     "width": size.width,
                     "batch": size.batch,
                     "layers": size.layers,
+                    "heads": size.heads,
+                    "seq": size.seq,
                     "microbatches": size.microbatches,
                     "ranks": ranks,
                     "schedule": sched,
                     "peer_class": spec.peer or "-",
                     "pairs": args.pairs,
-                    "p2p": args.p2p,
+                    "warmup": args.warmup,
                     "peer_grads": args.peer_grads,
-                    "peer_onednn": args.peer_onednn,
-                    "batch_weights_extra": args.batch_weights_extra,
                 }
                 cfg = {
                     "size": vars(size),
                     "schedule": sched,
                     "seed": args.seed,
-                    "stage_kind": args.stage_kind,
                     "pairs": args.pairs,
                     "warmup": args.warmup,
                     "peer": not args.no_peer,
-                    "p2p": args.p2p,
                     "peer_grads": args.peer_grads,
-                    "peer_onednn": args.peer_onednn,
-                    "batch_weights_extra": args.batch_weights_extra,
                 }
                 pool = pools.get(ranks)
                 program = C.program_for(sched, ranks=ranks, microbatches=size.microbatches)
-                if args.floor_reps > 0 and ranks <= (os.cpu_count() or 1):
-                    # (with more ranks than cores the simulator's one-core-per-rank is wrong)
-                    spans = floor(pool, program, size, args)
-                    row["floor_ms"], row["raw_floor_ms"], row["staged_floor_ms"] = (
-                        t * 1e3 for t in spans
-                    )
+                if args.ideal_reps > 0:
+                    span, costs = ideal(program, size, args)
+                    row["ideal_ms"] = span * 1e3
+                    row["one_process_ms"] = C.one_process_time(program, costs) * 1e3
+                    row["stage_costs_s"] = costs.as_dict()
                 try:
                     results, info = C.measured_cell(
                         lambda pool=pool, cfg=cfg: pool.run(
@@ -460,9 +314,10 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                     print(
                         next(r["traceback"] for r in results if "traceback" in r), file=sys.stderr
                     )
+                peer_ran = "peer" not in errors and spec.peer and not args.no_peer
                 row["grad_diff"] = (
                     max((r.get("grad_diff", 0.0) for r in results), default=None)
-                    if "peer" not in errors and spec.peer
+                    if peer_ran
                     else None
                 )
                 row["grad_ref"] = (
@@ -472,13 +327,15 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 )
                 row["peer_ref"] = (
                     max((r.get("peer_ref", 0.0) for r in results), default=None)
-                    if "peer" not in errors and spec.peer
+                    if peer_ran
                     else None
                 )
                 if "funcpipe" in results[0]:
                     fp_t = C.step_times([r["funcpipe"] for r in results])
                     row["funcpipe_ms"] = C.median(fp_t) * 1e3
                     row["funcpipe_times"] = fp_t
+                    if row.get("ideal_ms"):
+                        row["ideal_ratio"] = row["funcpipe_ms"] / row["ideal_ms"]
                     if results[0]["peer"]:
                         peer_t = C.step_times([r["peer"] for r in results])
                         ratios = C.paired_ratios(fp_t, peer_t)
@@ -486,9 +343,8 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                         row["peer_times"] = peer_t
                         row["ratio"] = C.median(ratios)
                         row["ratio_iqr"] = C.spread(ratios)
-                        for k in ("floor", "raw_floor", "staged_floor"):
-                            if row.get(f"{k}_ms"):
-                                row[f"{k}_ratio"] = row[f"{k}_ms"] / row["peer_ms"]
+                        if row.get("ideal_ms"):
+                            row["peer_ideal_ratio"] = row["peer_ms"] / row["ideal_ms"]
                 row["note"] = "; ".join(f"{k} failed ({v})" for k, v in errors.items()) or ""
                 if any(r["dirty"] for r in results):
                     pool.close(kill=True)
@@ -503,37 +359,38 @@ def parser() -> argparse.ArgumentParser:
         prog="vs_peer.py",
         description="funcpipe vs torch.distributed.pipelining: step time and gradients.",
     )
-    ap.add_argument("--sizes", nargs="+", default=["small", "large"], choices=sorted(C.SIZES))
+    ap.add_argument(
+        "--model",
+        choices=sorted(C.MODELS),
+        default=None,
+        help="gpt (the default) or mlp: runs that model's sizes (gpt: gpt; mlp: small large)",
+    )
+    ap.add_argument(
+        "--sizes", nargs="+", default=None, choices=sorted(C.SIZES), help="sizes to run instead"
+    )
     ap.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     ap.add_argument(
         "--schedules", nargs="+", default=list(C.PEER_SCHEDULES), choices=list(C.PEER_SCHEDULES)
     )
-    ap.add_argument("--pairs", type=int, default=20, help="timed A B pairs per cell")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
-    ap.add_argument("--width", type=int, default=None, help="override the size's width")
-    ap.add_argument("--batch", type=int, default=None, help="override the size's batch")
+    ap.add_argument("--pairs", type=C.int_at_least(1), default=20, help="timed A B pairs per cell")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each first")
+    ap.add_argument("--width", type=int, default=None, help="override the width (gpt: d_model)")
     ap.add_argument(
-        "--layers", type=int, default=None, help="override the number of Linear+GELU layers"
+        "--batch", type=int, default=None, help="override the batch (gpt: sequences; mlp: rows)"
+    )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="override the layers (gpt: blocks; mlp: Linear+GELU)",
     )
     ap.add_argument("--microbatches", type=int, default=None, help="override the 8 microbatches")
-    ap.add_argument(
-        "--stage-kind",
-        default="module",
-        choices=["module", "function"],
-        help="funcpipe stages from nn.Module slices (functional_call) or plain functions",
-    )
     ap.add_argument("--no-peer", action="store_true", help="time funcpipe only")
     ap.add_argument(
-        "--floor-reps",
+        "--ideal-reps",
         type=int,
         default=10,
-        help="repetitions per stage cost for the compute-only floor (0: skip it)",
-    )
-    ap.add_argument(
-        "--p2p",
-        default="auto",
-        choices=["auto", "torch"],
-        help="funcpipe's messages: same-host sockets (auto, its default) or gloo send/recv (torch)",
+        help="repetitions per stage cost for the ideal (compute floor); 0: skip it",
     )
     ap.add_argument(
         "--peer-grads",
@@ -541,22 +398,6 @@ def parser() -> argparse.ArgumentParser:
         choices=["none", "zeros"],
         help="between the peer's steps: zero_grad(set_to_none=True), torch's default (none: "
         "every step allocates new gradients), or set_to_none=False (zeros: they are reused)",
-    )
-    ap.add_argument(
-        "--peer-onednn",
-        default="on",
-        choices=["on", "off"],
-        help="off: the peer's timed steps run with oneDNN switched off process-wide "
-        "(torch.backends.mkldnn.flags(enabled=False)), as a user could run it: its small "
-        "GELUs then take ATen's kernel, the one funcpipe's chain stages pick (default on: "
-        "PyTorch's default)",
-    )
-    ap.add_argument(
-        "--batch-weights-extra",
-        type=int,
-        default=0,
-        help="funcpipe's Pipeline(batch_weights_extra=N): activations above the program's peak "
-        "a rank may keep to sum weight gradients over several microbatches (default 0)",
     )
     ap.add_argument("--verbose", action="store_true")
     C.pool_options(ap)

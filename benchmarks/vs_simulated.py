@@ -1,19 +1,20 @@
 """Executed step time against the simulator's makespan, from costs measured on this machine.
 
-    python benchmarks/vs_simulated.py [--size large] [--ranks 2] [--steps 20] [--json FILE]
+    python benchmarks/vs_simulated.py [--size gpt] [--ranks 2] [--steps 20] [--json FILE]
 
-1. Ranks 0 and 1 measure the point-to-point latency of one activation (one microbatch x width,
-   float32) over the sockets a Pipeline uses: half the median round trip.
+1. Ranks 0 and 1 measure the point-to-point latency of one activation (one microbatch's
+   float32 activation between two stages) over what a Pipeline uses (same-host sockets, or
+   torch.distributed send/recv with ``FUNCPIPE_P2P=torch``): half the median round trip.
 2. funcpipe runs the schedule (``transport="dist"``): ``--warmup`` steps, then ``--steps`` timed
    steps, each after a barrier; a step's time is its slowest rank's. After every step (outside
    its timing) every rank times each stage's F, B, I and W once on one microbatch (funcpipe's
    autodiff, one thread, all ranks at once, as in a step): the costs are the medians of those,
-   rank 0's, measured on the same machine as the steps (this VM's speed drifts by up to 2x
-   within minutes: in round 4 the ratio with costs timed once before all schedules differed
-   from this one by up to 0.2; it is still reported, ``costs timed before``). Each step
+   rank 0's, measured on the same machine as the steps (a shared VM's speed drifts within
+   minutes; the ratio with costs timed once before all schedules is still reported,
+   ``costs timed before``). Each step
    then starts with the caches as that timing left them (an effect not measured apart).
-3. ``funcpipe.schedule.simulate(lowered program, Costs(f, b, w, comm))`` predicts the makespan
-   (``b`` = I and ``w`` = W for split schedules; ``b`` = B - W otherwise, so b + w = B).
+3. ``funcpipe.schedule.simulate(lowered program, Costs(f, b, w, full, comm))`` predicts the
+   makespan (``b`` = I, ``w`` = W, ``full`` = a whole B).
 4. ``--traced`` more steps run with ``step(trace=True)``: the executed timeline gives each rank's
    compute time (F, B, I, W instructions, start to end).
 
@@ -68,13 +69,11 @@ COLUMNS: list[C.Column] = [
 def costs_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     size = C.Size(**cfg["size"])
     out = {
-        str(n): C.measure_stage_costs(
-            size, n, kind=cfg["stage_kind"], reps=cfg["cost_reps"], seed=cfg["seed"]
-        ).as_dict()
+        str(n): C.measure_stage_costs(size, n, reps=cfg["cost_reps"], seed=cfg["seed"]).as_dict()
         for n in cfg["n_stages"]
     }
-    mb = size.batch // size.microbatches
-    return {"costs": out, "comm": C.p2p_latency(rank, (mb, size.width), reps=cfg["comm_reps"])}
+    comm = C.p2p_latency(rank, C.activation_shape(size), reps=cfg["comm_reps"])
+    return {"costs": out, "comm": comm}
 
 
 def step_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -86,11 +85,11 @@ def step_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     program = C.program_for(
         cfg["schedule"], ranks=dist.get_world_size(), microbatches=size.microbatches
     )
-    model = C.mlp(size.width, layers=size.layers, seed=cfg["seed"])
-    stages, params = C.funcpipe_stages(model, program.n_stages, kind=cfg["stage_kind"])
-    pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
+    model = C.build(size, seed=cfg["seed"])
+    stages, params = C.funcpipe_stages(model, size, program.n_stages)
+    pipe = fp.Pipeline(stages, program, loss_fn=C.loss_fn(size), transport="dist")
     x, y = C.data(size, seed=cfg["seed"] + 1)
-    timer = C.StageTimer(size, program.n_stages, kind=cfg["stage_kind"], seed=cfg["seed"])
+    timer = C.StageTimer(size, program.n_stages, seed=cfg["seed"])
     times = []
     for k in range(cfg["warmup"] + cfg["steps"]):
         dist.barrier()
@@ -105,10 +104,7 @@ def step_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     durations: dict[str, list[float]] = {}  # "F 3" -> every duration of F on stage 3
     for _ in range(cfg["traced"]):  # executed timelines: compute time per rank (F/B/I/W)
         dist.barrier()
-        try:
-            tl = pipe.step(params, x, y, trace=True).timeline
-        except TypeError:  # a funcpipe without step(trace=...)
-            break
+        tl = pipe.step(params, x, y, trace=True).timeline
         busy.append(list(tl.busy))
         for events in tl.events:
             for e in events:
@@ -128,7 +124,7 @@ def in_step_costs(program: Any, durations: dict[str, float], comm: float) -> Any
 
     n = program.n_stages
     f = [durations.get(f"F {s}", 0.0) for s in range(n)]
-    if C.split_program(program):  # (which may mix whole B's in: as executed, as costs_for does)
+    if C.split_program(program):  # (which may mix whole B's in: as executed)
         b = [durations.get(f"I {s}", 0.0) for s in range(n)]
         w = [durations.get(f"W {s}", 0.0) for s in range(n)]
         full = [durations.get(f"B {s}", b[s] + w[s]) for s in range(n)]
@@ -145,7 +141,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
     for ranks in args.ranks:
         size = C.SIZES[args.size]
         size = C.resize(size, layers=args.layers)
-        base = {"size": vars(size), "seed": args.seed, "stage_kind": args.stage_kind}
+        base = {"size": vars(size), "seed": args.seed}
         pool = pools.get(ranks)
         chunks = sorted({C.SCHEDULES[s].chunks for s in args.schedules})
         measured = pool.run(
@@ -172,7 +168,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
             program = C.program_for(sched, ranks=ranks, microbatches=size.microbatches)
             before = C.StageCosts(**measured[0]["costs"][str(program.n_stages)])
             lowered = add_communication(program)
-            sim_before = simulate(lowered, C.costs_for(program, before, comm=comm))
+            sim_before = simulate(lowered, before.costs(comm))
             cfg = {
                 **base,
                 "schedule": sched,
@@ -192,7 +188,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 )
                 executed = C.step_times([r["times"] for r in res])
                 costs = C.StageCosts(**res[0]["costs"])  # rank 0's, timed between the steps
-                sim = simulate(lowered, C.costs_for(program, costs, comm=comm))
+                sim = simulate(lowered, costs.costs(comm))
                 ratios = [t / sim.makespan for t in executed]
                 runs.append((C.spread(ratios), C.median(ratios), res, info, executed, costs, sim))
             # the least noisy run (by IQR/median, not by its ratio); every run's ratio is kept
@@ -208,6 +204,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
             ratios = [t / sim.makespan for t in executed]
             row = {
                 "size": size.name,
+                "model": size.model,
                 "width": size.width,
                 "batch": size.batch,
                 "ranks": ranks,
@@ -247,7 +244,7 @@ def parser() -> argparse.ArgumentParser:
         prog="vs_simulated.py",
         description="Executed makespan vs the simulator's, with F/B/I/W and p2p latency measured here.",
     )
-    ap.add_argument("--size", default="large", choices=sorted(C.SIZES))
+    ap.add_argument("--size", default="gpt", choices=sorted(C.SIZES))
     ap.add_argument("--ranks", nargs="+", type=int, default=[2])
     ap.add_argument("--schedules", nargs="+", default=DEFAULT_SCHEDULES, choices=list(C.SCHEDULES))
     ap.add_argument("--steps", type=int, default=20)
@@ -265,7 +262,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cost-reps", type=int, default=20)
     ap.add_argument("--comm-reps", type=int, default=50)
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--stage-kind", default="module", choices=["module", "function"])
     C.pool_options(ap)
     return ap
 

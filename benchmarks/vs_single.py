@@ -1,6 +1,6 @@
 """The pipelined step against the same model trained in one process, next to the ideal speed-up.
 
-    python benchmarks/vs_single.py [--sizes small large] [--ranks 2 4] [--pairs 20] [--json FILE]
+    python benchmarks/vs_single.py [--model gpt|mlp] [--ranks 2 4] [--pairs 20] [--json FILE]
 
 For every (size, ranks, schedule), steps run in triples A B C after a warm-up: A = funcpipe's
 pipelined step on a pool of gloo processes (one thread each), B = plain autograd on the whole
@@ -10,8 +10,8 @@ and each side keeps its own memory (the one-process model's allocations do not d
 ranks'). Speed-up = one-process time / pipelined time, the median of the paired ratios.
 
 The ideal speed-up is the simulator's: ``funcpipe.schedule.simulate`` with per-stage F, B (I and
-W for split schedules) measured in rank 0's process on one microbatch with funcpipe's autodiff,
-``comm = 0``; ideal = (every stage's work on one rank, one after another) / simulated makespan.
+W for split schedules) measured in rank 0's process on one microbatch with funcpipe's autodiff
+(``benchmarks._common.StageTimer``), ``comm = 0``; ideal = (every stage's work on one rank, one after another) / simulated makespan.
 With more ranks than cores the ranks share cores, which the simulator does not model: the
 achievable speed-up is then at most the number of cores.
 """
@@ -35,10 +35,10 @@ COLUMNS: list[C.Column] = [
     ("ranks", "ranks", "d"),
     ("schedule", "schedule", ""),
     ("single_ms", "1 proc ms (batch)", ".2f"),
-    ("single_mb_ms", "1 proc ms (8 mb)", ".2f"),
+    ("single_mb_ms", "1 proc ms (microbatched)", ".2f"),
     ("pipe_ms", "pipelined ms", ".2f"),
     ("speedup", "speed-up", ".2f"),
-    ("speedup_mb", "speed-up vs 8 mb", ".2f"),
+    ("speedup_mb", "speed-up vs microbatched", ".2f"),
     ("ideal", "ideal (measured F/B/W)", ".2f"),
     ("ideal_uniform", "ideal (uniform)", ".2f"),
     ("runnable", "runnable (mean)", ".1f"),
@@ -50,7 +50,7 @@ def ideal_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """Rank 0: per-stage costs and the simulator's ideal speed-ups (the others idle)."""
     import torch.distributed as dist
 
-    from funcpipe.schedule import Costs, simulate
+    from funcpipe.schedule import Costs, add_communication, simulate
 
     out: dict[str, Any] = {}
     if rank == 0:
@@ -58,13 +58,13 @@ def ideal_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         ranks = dist.get_world_size()
         program = C.program_for(cfg["schedule"], ranks=ranks, microbatches=size.microbatches)
         costs = C.measure_stage_costs(
-            size, program.n_stages, kind=cfg["stage_kind"], reps=cfg["cost_reps"], seed=cfg["seed"]
+            size, program.n_stages, reps=cfg["cost_reps"], seed=cfg["seed"]
         )
-        sim = simulate(program, C.costs_for(program, costs))
+        makespan = C.ideal_makespan(program, costs)
         out["costs"] = costs.as_dict()
-        out["sim_makespan"] = sim.makespan
-        out["ideal"] = C.one_process_time(program, costs) / sim.makespan
-        uniform = simulate(program, Costs())
+        out["sim_makespan"] = makespan
+        out["ideal"] = C.one_process_time(program, costs) / makespan
+        uniform = simulate(add_communication(program), Costs())
         out["ideal_uniform"] = sum(uniform.busy) / uniform.makespan
     return out
 
@@ -87,9 +87,9 @@ def pipe_steps(rank: int, cfg: dict[str, Any], n: int) -> list[float]:
         program = C.program_for(
             cfg["schedule"], ranks=dist.get_world_size(), microbatches=size.microbatches
         )
-        model = C.mlp(size.width, layers=size.layers, seed=cfg["seed"])
-        stages, params = C.funcpipe_stages(model, program.n_stages, kind=cfg["stage_kind"])
-        pipe = fp.Pipeline(stages, program, loss_fn=C.mse, transport="dist")
+        model = C.build(size, seed=cfg["seed"])
+        stages, params = C.funcpipe_stages(model, size, program.n_stages)
+        pipe = fp.Pipeline(stages, program, loss_fn=C.loss_fn(size), transport="dist")
         _PIPES[key] = (pipe, params, *C.data(size, seed=cfg["seed"] + 1))
     pipe, params, x, y = _PIPES[key]
     times = []
@@ -108,18 +108,19 @@ def cell(pool: Any, cfg: dict[str, Any], *, timeout: float) -> dict[str, Any]:
 
     out = pool.run(vs_single.ideal_job, cfg, timeout=timeout)[0]
     size = C.Size(**cfg["size"])
-    model = C.mlp(size.width, layers=size.layers, seed=cfg["seed"])
+    model = C.build(size, seed=cfg["seed"])
+    loss = C.loss_fn(size)
     x, y = C.data(size, seed=cfg["seed"] + 1)
     xs, ys = x.chunk(size.microbatches), y.chunk(size.microbatches)
 
     def one_batch() -> None:
         model.zero_grad(set_to_none=True)
-        C.mse(model(x), y).backward()
+        loss(model(x), y).backward()
 
     def one_microbatched() -> None:
         model.zero_grad(set_to_none=True)
         for a, b in zip(xs, ys, strict=True):
-            (C.mse(model(a), b) / size.microbatches).backward()
+            (loss(model(a), b) / size.microbatches).backward()
 
     def timed(f: Any) -> float:
         t0 = time.perf_counter()
@@ -146,15 +147,13 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
     rows = []
     for ranks in args.ranks:
         pool = pools.get(ranks)
-        for size_name in args.sizes:
-            size = C.SIZES[size_name]
-            size = C.resize(size, layers=args.layers)
+        for size_name in C.sizes_for(args.model, args.sizes):
+            size = C.resize(C.SIZES[size_name], layers=args.layers)
             for sched in args.schedules:
                 cfg = {
                     "size": vars(size),
                     "schedule": sched,
                     "seed": args.seed,
-                    "stage_kind": args.stage_kind,
                     "pairs": args.pairs,
                     "warmup": args.warmup,
                     "cost_reps": args.cost_reps,
@@ -170,6 +169,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 single_t, single_mb_t = r0["single"], r0["single_mb"]
                 row = {
                     "size": size.name,
+                    "model": size.model,
                     "width": size.width,
                     "batch": size.batch,
                     "ranks": ranks,
@@ -199,14 +199,14 @@ def parser() -> argparse.ArgumentParser:
         prog="vs_single.py",
         description="Pipelined step time vs one process (plain autograd), with the simulator's ideal speed-up.",
     )
-    ap.add_argument("--sizes", nargs="+", default=["small", "large"], choices=sorted(C.SIZES))
+    ap.add_argument("--model", choices=sorted(C.MODELS), default=None, help="gpt (default) or mlp")
+    ap.add_argument("--sizes", nargs="+", default=None, choices=sorted(C.SIZES))
     ap.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--schedules", nargs="+", default=DEFAULT_SCHEDULES, choices=list(C.SCHEDULES))
     ap.add_argument("--pairs", type=int, default=20, help="timed (pipelined, one-process) triples")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--cost-reps", type=int, default=20, help="repetitions per stage cost")
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--stage-kind", default="module", choices=["module", "function"])
     C.pool_options(ap)
     return ap
 

@@ -72,3 +72,15 @@ def test_doc_command_parses(argv: list[str], monkeypatch: pytest.MonkeyPatch) ->
             module.main(argv[1:])
         else:  # a main() that reads sys.argv itself
             module.main()
+
+
+def test_the_benchmarks_readme_lists_every_script() -> None:
+    """benchmarks/README.md's table names each script once, and only scripts that exist."""
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    listed = set(re.findall(r"^\| `(\w+\.py)` \|", text, flags=re.MULTILINE))
+    scripts = {
+        p.name
+        for p in (ROOT / "benchmarks").glob("*.py")
+        if not p.name.startswith("_") and "def main(" in p.read_text()
+    }
+    assert listed == scripts
