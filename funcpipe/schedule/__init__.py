@@ -52,6 +52,7 @@ from funcpipe.schedule.passes import (
     merge_backward,
     split_backward,
     strip_communication,
+    weights_after_sends,
 )
 from funcpipe.schedule.render import ascii_timeline, chrome_trace, draw_timeline, write_chrome_trace
 from funcpipe.schedule.simulate import (
@@ -113,6 +114,7 @@ __all__ = [
     "split_backward",
     "strip_communication",
     "to_eval",
+    "weights_after_sends",
     "write_chrome_trace",
     "write_csv",
     "zb_h1",

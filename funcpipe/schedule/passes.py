@@ -7,6 +7,8 @@ concern at a time, into what the interpreter runs::
       == add_communication(add_reduce(add_recompute(split_backward(p), stages=[0]), group="data"))
 
 - :func:`split_backward` / :func:`merge_backward`: B <-> I + W.
+- :func:`weights_after_sends`: on a lowered program, a B whose gradient SENDs follow it becomes
+  I, the SENDs, W: the input gradient leaves before the weight gradient is computed.
 - :func:`add_recompute`: R before the backward of chosen stages.
 - :func:`add_reduce`: REDUCE after a stage's last gradient contribution (and Chimera replica sums).
 - :func:`add_communication`: SEND/RECV for every cross-rank edge (always the last pass).
@@ -14,7 +16,8 @@ concern at a time, into what the interpreter runs::
 
 Every pass places what it inserts so that the passes commute with :func:`add_communication`
 (``add_communication(split_backward(p)) == split_backward(add_communication(p))``, likewise for
-recompute and reduce), which the tests check.
+recompute and reduce), which the tests check. :func:`weights_after_sends` is the exception: it
+reads where the SENDs are, so it runs after :func:`add_communication`.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ __all__ = [
     "messages",
     "split_backward",
     "strip_communication",
+    "weights_after_sends",
 ]
 
 # (kind, (producer, consumer), microbatch): what one message carries
@@ -313,6 +317,54 @@ def split_backward(program: Program, *, stages: Iterable[int] | None = None) -> 
             else:
                 out.append(i)
                 t += 1
+        ranks.append(tuple(out))
+    return program.replace(ranks=tuple(ranks))
+
+
+def weights_after_sends(program: Program) -> Program:
+    """Send each B's input gradient before computing its weight gradient.
+
+    On a lowered program (after :func:`add_communication`), every ``B s m`` immediately followed
+    by one or more SENDs of that B's input gradients becomes ``I s m``, those SENDs, then
+    ``W s m``, so the peer can start its backward while this rank computes the weight gradient::
+
+        rank 1: RECV grad s1>s2 m0 from r2; B s1 m0; SEND grad s0>s1 m0 to r0; F s1 m2
+             -> RECV grad s1>s2 m0 from r2; I s1 m0; SEND grad s0>s1 m0 to r0; W s1 m0; F s1 m2
+
+    A B with no such SEND right after it (stage 0, a consumer on the same rank, another
+    instruction in between) stays whole, and nothing else moves: the messages, their order and
+    every RECV are unchanged, and a REDUCE placed after those SENDs (:func:`add_reduce`) now
+    follows the W. Idempotent; ``merge_backward(weights_after_sends(p)) == merge_backward(p)``.
+
+    The runtime runs a program as written and moves no work itself: this pass is how a program
+    asks for its gradients to leave first, where the checker, the simulator (an I costs ``b``
+    and a W ``w`` where the B cost ``full``), the trace and the timeline all see it. A
+    compute-only program that needs messages is rejected (lower it first); a program without
+    any (one rank, or forward-only) is returned unchanged.
+    """
+    program = _program(program, "weights_after_sends")
+    if not program.training or not program.lowered:
+        if program.training and messages(program):
+            raise InvalidArgument(
+                f"weights_after_sends: program {program.name or '(unnamed)'} is compute-only (no "
+                "SEND/RECV), so no gradient SEND follows any B; lower it first: "
+                "weights_after_sends(add_communication(program))"
+            )
+        return program
+    ranks = []
+    for instrs in program.ranks:
+        out: list[Instr] = []
+        t = 0
+        while t < len(instrs):
+            i = instrs[t]
+            u = _sends_of(instrs, t, i.stage, i.microbatch) if i.op is Op.B else t + 1
+            if u > t + 1:
+                out.append(backward_input(i.stage, i.microbatch))
+                out.extend(instrs[t + 1 : u])
+                out.append(backward_weight(i.stage, i.microbatch))
+            else:
+                out.extend(instrs[t:u])
+            t = u
         ranks.append(tuple(out))
     return program.replace(ranks=tuple(ranks))
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 from hypothesis import given
@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from funcpipe.errors import InvalidArgument, ScheduleError
 from funcpipe.schedule.check import check
+from funcpipe.schedule.generators import GENERATORS, generate
 from funcpipe.schedule.ir import (
     ACT,
     COMM_OPS,
@@ -37,6 +38,7 @@ from funcpipe.schedule.passes import (
     messages,
     split_backward,
     strip_communication,
+    weights_after_sends,
 )
 from funcpipe.schedule.simulate import Costs, simulate
 
@@ -493,6 +495,150 @@ def test_lower_composes_in_order() -> None:
         lower(p, reduce=3)  # type: ignore[arg-type]
 
 
+# ------------------------------------------------------------------ weights after sends
+def _gradient_sends(instrs: tuple[Instr, ...], t: int) -> int:
+    """How many SENDs of the gradients of instrs[t]'s (stage, microbatch) follow it directly."""
+    i, n = instrs[t], 0
+    while t + 1 + n < len(instrs):
+        j = instrs[t + 1 + n]
+        if not (j.op is Op.SEND and j.kind == GRAD and j.key[1][1] == i.stage):
+            break
+        if j.microbatch != i.microbatch:
+            break
+        n += 1
+    return n
+
+
+def _work(program: Program) -> Counter[tuple[Op, int, int]]:
+    """The compute work per (stage, microbatch), a B counted as its I and its W."""
+    out: Counter[tuple[Op, int, int]] = Counter()
+    for instrs in program.ranks:
+        for i in instrs:
+            if i.op is Op.B:
+                out.update([(Op.I, i.stage, i.microbatch), (Op.W, i.stage, i.microbatch)])
+            elif i.op not in COMM_OPS and i.op is not Op.REDUCE:
+                out[(i.op, i.stage, i.microbatch)] += 1
+    return out
+
+
+def assert_weights_after_sends(lowered: Program, got: Program) -> None:
+    """``got`` is ``lowered`` with each B directly followed by its gradient SENDs rewritten as
+    I, those SENDs, W; nothing else differs."""
+    check(got)
+    assert weights_after_sends(got) == got  # idempotent
+    assert _work(got) == _work(lowered)
+    assert merge_backward(got) == merge_backward(lowered)
+    rewritten = set()
+    for before, after in zip(lowered.ranks, got.ranks, strict=True):
+        t = u = 0  # walk both ranks side by side
+        while t < len(before):
+            i = before[t]
+            n = _gradient_sends(before, t) if i.op is Op.B else 0
+            if n:
+                s, m = i.stage, i.microbatch
+                want = (backward_input(s, m), *before[t + 1 : t + 1 + n], backward_weight(s, m))
+                assert after[u : u + n + 2] == want, f"{i} and its {n} SEND(s) became {after[u:]}"
+                rewritten.add((s, m))
+                t, u = t + 1 + n, u + n + 2
+            else:
+                assert after[u] == i, f"{i} became {after[u]}"
+                t, u = t + 1, u + 1
+        assert u == len(after)
+    if not rewritten:
+        assert got == lowered
+    # the simulator sees the split: an I and a W where the B was
+    ops = {
+        (e.instr.op, e.instr.stage, e.instr.microbatch)
+        for r in simulate(got, Costs(f=1, b=1, w=1, full=1.5)).events
+        for e in r
+    }
+    for s, m in rewritten:
+        assert {(Op.I, s, m), (Op.W, s, m)} <= ops and (Op.B, s, m) not in ops
+
+
+def test_weights_after_sends_on_two_stage_1f1b() -> None:
+    lowered = add_communication(one_f_one_b(2, 2))
+    got = weights_after_sends(lowered)
+    assert [str(i) for i in got.ranks[1]] == [
+        "RECV act s0>s1 m0 from r0", "F s1 m0", "I s1 m0", "SEND grad s0>s1 m0 to r0", "W s1 m0",
+        "RECV act s0>s1 m1 from r0", "F s1 m1", "I s1 m1", "SEND grad s0>s1 m1 to r0", "W s1 m1",
+    ]  # fmt: skip
+    assert got.ranks[0] == lowered.ranks[0]  # stage 0 sends no gradient: its B stay whole
+    assert_weights_after_sends(lowered, got)
+    # what the simulator sees: the gradient leaves after I (b), no longer after the whole B
+    costs = Costs(f=1, b=1, w=2, full=3)
+    assert simulate(got, costs).makespan < simulate(lowered, costs).makespan
+
+
+def test_weights_after_sends_keeps_reduce_after_the_w() -> None:
+    lowered = lower(one_f_one_b(2, 2), reduce="data")
+    got = weights_after_sends(lowered)
+    assert [str(i) for i in got.ranks[1]][-4:] == [
+        "I s1 m1",
+        "SEND grad s0>s1 m1 to r0",
+        "W s1 m1",
+        "REDUCE s1 data",
+    ]
+    assert_weights_after_sends(lowered, got)
+
+
+def test_weights_after_sends_leaves_split_and_local_backwards_alone() -> None:
+    zb = add_communication(generate("zb-h1", ranks=3, microbatches=4))
+    assert weights_after_sends(zb) == zb  # every backward already split
+    v = add_communication(generate("zbv", ranks=2, microbatches=2))
+    merged = merge_backward(v)  # stages 1 and 2 share rank 1: their gradient stays local
+    got = weights_after_sends(merged)
+    assert [i for i in got.ranks[1] if i.op is Op.B and i.stage == 2]  # nothing to send
+    assert not [i for i in got.ranks[1] if i.op is Op.B and i.stage == 1]  # sends to rank 0
+    assert_weights_after_sends(merged, got)
+
+
+def test_weights_after_sends_waits_for_every_gradient_send() -> None:
+    """Stage 2 reads stages 0 and 1 (on ranks 0 and 1): its B sends two gradients, then W."""
+    lowered = add_communication(projected(microbatches=1, **SKIP))  # type: ignore[arg-type]
+    got = weights_after_sends(lowered)
+    assert [str(i) for i in got.ranks[2]][-4:] == [
+        "I s2 m0",
+        "SEND grad s0>s2 m0 to r0",
+        "SEND grad s1>s2 m0 to r1",
+        "W s2 m0",
+    ]
+    assert_weights_after_sends(lowered, got)
+
+
+def test_weights_after_sends_needs_a_lowered_program() -> None:
+    compute = one_f_one_b(2, 2)
+    with pytest.raises(InvalidArgument, match=r"compute-only.*add_communication\(program\)"):
+        weights_after_sends(compute)
+    one_rank = gpipe(1, 2)  # no messages at all: nothing to do
+    assert weights_after_sends(one_rank) == one_rank
+    evaluation = add_communication(projected(placement=(0, 1), microbatches=2, training=False))
+    assert weights_after_sends(evaluation) == evaluation
+    with pytest.raises(InvalidArgument, match="takes a funcpipe.schedule.ir.Program"):
+        weights_after_sends("F s0 m0")  # type: ignore[arg-type]
+
+
+@given(
+    name=st.sampled_from(sorted(GENERATORS)),
+    ranks=st.integers(1, 4),
+    microbatches=st.integers(1, 8),
+    recompute=st.booleans(),
+    reduce=st.booleans(),
+)
+def test_weights_after_sends_on_every_generator(
+    name: str, ranks: int, microbatches: int, recompute: bool, reduce: bool
+) -> None:
+    program = generate(name, ranks=ranks, microbatches=microbatches)
+    if not program.training:
+        lowered = add_communication(program)
+        assert weights_after_sends(lowered) == lowered
+        return
+    every = range(program.n_stages)
+    for compute in (program, merge_backward(program)):  # as generated, and with whole B's
+        lowered = lower(compute, recompute=every if recompute else None, reduce=reduce or None)
+        assert_weights_after_sends(lowered, weights_after_sends(lowered))
+
+
 # ------------------------------------------------------------------ random programs (hypothesis)
 @st.composite
 def random_programs(draw: st.DrawFn) -> Program:
@@ -574,6 +720,15 @@ def test_passes_commute_with_lowering_on_random_programs(
     )
     reduced = lower(program, split=stages, recompute=stages, reduce="data")
     assert strip_communication(reduced) == strip_communication(full)
+
+
+@given(random_programs(), st.booleans())
+def test_weights_after_sends_on_random_programs(program: Program, recompute: bool) -> None:
+    if not program.training:
+        return
+    every = range(program.n_stages)
+    lowered = lower(merge_backward(program), recompute=every if recompute else None)
+    assert_weights_after_sends(lowered, weights_after_sends(lowered))
 
 
 def test_messages_lists_each_cross_rank_edge_once_per_visit() -> None:
