@@ -13,6 +13,7 @@ import torch
 
 from benchmarks import _common as C
 from benchmarks import (
+    ab,
     auto_bytes,
     auto_executed,
     backward_split,
@@ -82,6 +83,14 @@ def test_vs_peer_gradients_agree(pool: Pool, tmp_path: Any) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant", ab.VARIANTS)
+def test_ab_variants_give_the_same_gradients(pool: Pool, variant: str) -> None:
+    argv = ["--variant", variant, "--sizes", "gpt-tiny", "--ranks", "2", "--schedules", "1f1b"]
+    (row,) = ab.main([*argv, "--pairs", "2", "--warmup", "0"], pool=pool)
+    assert row["variant"] == variant and row["grad_diff"] < 1e-10
+    assert len(row["a_times"]) == len(row["b_times"]) == 2 and row["ratio"] > 0
+
+
 def test_vs_peer_mlp_with_kept_peer_gradients(pool: Pool) -> None:
     argv = ["--model", "mlp", "--sizes", "tiny", "--ranks", "2", "--schedules", "1f1b"]
     argv += ["--peer-grads", "zeros", "--pairs", "2", "--warmup", "1", "--ideal-reps", "0"]
