@@ -92,11 +92,15 @@ def test_measure_memory_counts_an_mlp_by_hand() -> None:
         [stage, stage], [params, params], x, loss_fn=torch.nn.functional.mse_loss, target=y
     )
     one = rows * width * 4  # one float32 activation of one microbatch
-    # each layer saves its Linear's input and its GELU's input; W needs each Linear's
-    # input and incoming gradient; the loss saves its two inputs, which I frees
+    # F: each layer saves its Linear's input and its GELU's input; the loss its two inputs.
+    # W keeps what its roots (the Linears, where I met the weights) reach in autograd's graph.
+    # Stage 0's input needs no gradient, so its I does nothing: W keeps the whole graph and the
+    # output's gradient. Stage 1's I frees the loss and the last GELU; W keeps each Linear's
+    # input, the GELU inputs below the last Linear (its input's branch reaches back through
+    # them) and the gradient I recorded at each Linear.
     assert got == StageMemory(
         activation=(2 * layers * one, 2 * layers * one + 2 * one),
-        for_w=(2 * layers * one, 2 * layers * one),
+        for_w=((2 * layers + 1) * one, (layers + (layers - 1) + layers) * one),
     )
 
 
