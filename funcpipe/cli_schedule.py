@@ -140,7 +140,7 @@ def register(subparsers: Any) -> None:
         default=None,
         metavar="A0,A1,...",
         help="auto only: each stage's activation bytes for one microbatch, in model order "
-        "(funcpipe.schedule.measure_memory), with --max-memory",
+        "(funcpipe.measure_memory), with --max-memory",
     )
     sched.add_argument(
         "--memory",
