@@ -13,6 +13,14 @@ Text form of one instruction (``parse_instr(str(i)) == i``)::
     SEND grad s0>s1 m3 to r0     send the gradient of that edge's data back to the producer's rank
     RECV grad s0>s1 m3 from r1   receive it
     REDUCE s0 data               reduce stage 0's gradients over the group named ``data``
+    + RECV grad s0>s1 m3 from r1 posted in one group with the SEND/RECV right before it
+
+Communication groups: a SEND or RECV with ``joined=True`` (text: a leading ``+ ``) is posted
+together with the instruction right before it, which is itself a SEND or RECV. A group is a
+maximal run ``i, i+1 (joined), i+2 (joined), ...``; a SEND/RECV without ``joined`` starts a new
+group (a lone one is a group of one). Under NCCL a group is posted as one batched operation
+(``batch_isend_irecv``), so its members can all match at once; see
+:mod:`funcpipe.schedule.analysis` for the rules the checker applies.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ __all__ = [
     "chain",
     "format_table",
     "forward",
+    "groups",
     "parse_instr",
     "parse_program",
     "recompute",
@@ -76,6 +85,7 @@ class Instr:
     ``stage`` is always a stage held by the rank that runs the instruction. For SEND/RECV,
     ``other`` is the stage at the far end of the edge, ``peer`` the rank holding it and ``kind``
     ``"act"`` (forward activation) or ``"grad"`` (its gradient). REDUCE uses ``group``.
+    ``joined`` (SEND/RECV only) posts the instruction in one group with the one before it.
     """
 
     op: Op
@@ -85,6 +95,7 @@ class Instr:
     other: int = -1
     peer: int = -1
     group: str = ""
+    joined: bool = False
 
     def __post_init__(self) -> None:
         # canonical form: fields an op does not use are blank, so equal text means equal value
@@ -92,11 +103,13 @@ class Instr:
         if self.op in COMM_OPS:
             if self.group:
                 fix(self, "group", "")
+            if self.joined is not True and self.joined is not False:
+                fix(self, "joined", bool(self.joined))
             return
         if self.op is Op.REDUCE:
-            blank = {"microbatch": -1, "kind": "", "other": -1, "peer": -1}
+            blank = {"microbatch": -1, "kind": "", "other": -1, "peer": -1, "joined": False}
         else:
-            blank = {"kind": "", "other": -1, "peer": -1, "group": ""}
+            blank = {"kind": "", "other": -1, "peer": -1, "group": "", "joined": False}
         for name, value in blank.items():
             if getattr(self, name) != value:
                 fix(self, name, value)
@@ -121,7 +134,21 @@ class Instr:
             return f"REDUCE s{self.stage} {self.group}"
         p, c = self.edge
         direction = "to" if self.op is Op.SEND else "from"
-        return f"{self.op.value} {self.kind} s{p}>s{c} m{self.microbatch} {direction} r{self.peer}"
+        joined = "+ " if self.joined else ""
+        return (
+            f"{joined}{self.op.value} {self.kind} s{p}>s{c} m{self.microbatch} "
+            f"{direction} r{self.peer}"
+        )
+
+    def join(self, joined: bool = True) -> Instr:
+        """This SEND/RECV with ``joined`` set (posted in one group with the instruction before)."""
+        if self.op not in COMM_OPS:
+            raise ScheduleError(
+                f"{self}: only a SEND or RECV joins a communication group",
+                instruction=self,
+                rule="a group holds SEND and RECV instructions only",
+            )
+        return replace(self, joined=joined)
 
     def __repr__(self) -> str:
         return f"Instr({str(self)!r})"
@@ -147,23 +174,31 @@ def recompute(stage: int, microbatch: int) -> Instr:
     return Instr(Op.R, stage, microbatch)
 
 
-def _comm(op: Op, kind: str, edge: tuple[int, int], microbatch: int, peer: int) -> Instr:
+def _comm(
+    op: Op, kind: str, edge: tuple[int, int], microbatch: int, peer: int, joined: bool = False
+) -> Instr:
     if kind not in (ACT, GRAD):
         raise ScheduleError(f"kind={kind!r}: a message carries 'act' or 'grad'")
     producer, consumer = edge
     local_produces = (op is Op.SEND) == (kind == ACT)
     stage, other = (producer, consumer) if local_produces else (consumer, producer)
-    return Instr(op, stage, microbatch, kind=kind, other=other, peer=peer)
+    return Instr(op, stage, microbatch, kind=kind, other=other, peer=peer, joined=joined)
 
 
-def send(kind: str, edge: tuple[int, int], microbatch: int, peer: int) -> Instr:
-    """SEND the ``kind`` data of ``edge=(producer, consumer)`` for ``microbatch`` to rank ``peer``."""
-    return _comm(Op.SEND, kind, edge, microbatch, peer)
+def send(
+    kind: str, edge: tuple[int, int], microbatch: int, peer: int, *, joined: bool = False
+) -> Instr:
+    """SEND the ``kind`` data of ``edge=(producer, consumer)`` for ``microbatch`` to rank ``peer``
+    (``joined=True``: in one group with the SEND/RECV before it)."""
+    return _comm(Op.SEND, kind, edge, microbatch, peer, joined)
 
 
-def recv(kind: str, edge: tuple[int, int], microbatch: int, peer: int) -> Instr:
-    """RECV the ``kind`` data of ``edge=(producer, consumer)`` for ``microbatch`` from ``peer``."""
-    return _comm(Op.RECV, kind, edge, microbatch, peer)
+def recv(
+    kind: str, edge: tuple[int, int], microbatch: int, peer: int, *, joined: bool = False
+) -> Instr:
+    """RECV the ``kind`` data of ``edge=(producer, consumer)`` for ``microbatch`` from ``peer``
+    (``joined=True``: in one group with the SEND/RECV before it)."""
+    return _comm(Op.RECV, kind, edge, microbatch, peer, joined)
 
 
 def reduce(stage: int, group: str) -> Instr:
@@ -173,12 +208,12 @@ def reduce(stage: int, group: str) -> Instr:
 
 _COMPUTE_RE = re.compile(r"([FBIWR])\s+s(\d+)\s+m(\d+)")
 _COMM_RE = re.compile(
-    r"(SEND|RECV)\s+(act|grad)\s+s(\d+)\s*>\s*s(\d+)\s+m(\d+)\s+(to|from)\s+r(\d+)"
+    r"(\+\s*)?(SEND|RECV)\s+(act|grad)\s+s(\d+)\s*>\s*s(\d+)\s+m(\d+)\s+(to|from)\s+r(\d+)"
 )
 _REDUCE_RE = re.compile(r"REDUCE\s+s(\d+)\s+([A-Za-z_][\w:.\-]*)")
 _INSTR_FORMS = (
     "'F s0 m1' (also B, I, W, R), 'SEND act s0>s1 m1 to r1', 'RECV grad s0>s1 m1 from r1', "
-    "'REDUCE s0 data'"
+    "'REDUCE s0 data', and '+ ' before a SEND/RECV that joins the group of the one before it"
 )
 
 
@@ -188,13 +223,20 @@ def parse_instr(text: str) -> Instr:
     if m := _COMPUTE_RE.fullmatch(t):
         return Instr(Op(m[1]), int(m[2]), int(m[3]))
     if m := _COMM_RE.fullmatch(t):
-        op = Op(m[1])
+        op = Op(m[2])
         want = "to" if op is Op.SEND else "from"
-        if m[6] != want:
+        if m[7] != want:
             raise ScheduleError(
                 f"cannot parse {text!r}: a {op.value} names its peer with '{want} rN'"
             )
-        return _comm(op, m[2], (int(m[3]), int(m[4])), int(m[5]), int(m[7]))
+        return _comm(op, m[3], (int(m[4]), int(m[5])), int(m[6]), int(m[8]), m[1] is not None)
+    if t.startswith("+"):
+        rest = t[1:].strip()
+        if _COMPUTE_RE.fullmatch(rest) or _REDUCE_RE.fullmatch(rest):
+            raise ScheduleError(
+                f"cannot parse {text!r}: only a SEND or RECV joins a communication group ('+ '); "
+                f"write {rest!r} without the '+'"
+            )
     if m := _REDUCE_RE.fullmatch(t):
         return reduce(int(m[1]), m[2])
     raise ScheduleError(f"cannot parse instruction {text!r}; the forms are {_INSTR_FORMS}")
@@ -220,6 +262,9 @@ class Program:
     - ``replica_of[s]``: the stage whose parameters stage ``s`` uses; default itself. Replicas'
       gradients are summed (Chimera holds two replicas of every stage).
     - ``training``: False for forward-only (evaluation) programs.
+
+    A SEND/RECV with ``joined`` must follow a SEND or RECV on its rank (:func:`groups` lists a
+    rank's communication groups).
     """
 
     ranks: tuple[tuple[Instr, ...], ...]
@@ -280,6 +325,23 @@ class Program:
             raise ScheduleError(
                 f"replica_of={replicas!r}: needs one stage index in 0..{n - 1} per stage"
             )
+        for r, instrs in enumerate(self.ranks):
+            for t, i in enumerate(instrs):
+                if i.joined and (t == 0 or instrs[t - 1].op not in COMM_OPS):
+                    before = (
+                        "it is the first instruction of the rank"
+                        if t == 0
+                        else (f"step {t - 1} is {instrs[t - 1]}")
+                    )
+                    raise ScheduleError(
+                        f"rank {r}, step {t} ({i}): '+' joins a SEND/RECV to the group of the "
+                        f"SEND/RECV right before it, but {before}; drop the '+' (start a new "
+                        "group) or move the instruction after a SEND/RECV",
+                        rank=r,
+                        step=t,
+                        instruction=i,
+                        rule="a joined SEND/RECV follows a SEND or RECV on the same rank",
+                    )
 
     # ----------------------------------------------------------------- derived facts (cached)
     def _cached(self, name: str, make: Callable[[], _T]) -> _T:
@@ -555,6 +617,23 @@ def parse_program(text: str) -> Program:
         entries=entries,
         replica_of=replicas,
     )
+
+
+def groups(instrs: Sequence[Instr]) -> tuple[tuple[int, ...], ...]:
+    """The communication groups of one rank's instructions, as tuples of steps, in order.
+
+    A group is a SEND/RECV without ``joined`` followed by the SEND/RECVs joined to it; every
+    SEND/RECV is in exactly one group (a lone one in a group of one).
+    """
+    out: list[list[int]] = []
+    for t, i in enumerate(instrs):
+        if i.op not in COMM_OPS:
+            continue
+        if i.joined and out and out[-1][-1] == t - 1:
+            out[-1].append(t)
+        else:
+            out.append([t])
+    return tuple(tuple(g) for g in out)
 
 
 def flatten(program: Program) -> Iterable[tuple[int, int, Instr]]:

@@ -38,7 +38,8 @@ def instrs(draw: st.DrawFn) -> Instr:
         a = draw(small)
         b = draw(st.integers(a + 1, 60))
         make = draw(st.sampled_from([send, recv]))
-        return make(draw(st.sampled_from(["act", "grad"])), (a, b), draw(small), draw(small))
+        kind = draw(st.sampled_from(["act", "grad"]))
+        return make(kind, (a, b), draw(small), draw(small), joined=draw(st.booleans()))
     group = draw(st.from_regex(r"[A-Za-z_][\w:.\-]{0,8}", fullmatch=True))
     return reduce(draw(small), group)
 
@@ -73,6 +74,9 @@ def test_instruction_forms() -> None:
         "F s-1 m0",
         "",
         "REDUCE s0",
+        "+ F s0 m0",
+        "+ REDUCE s0 data",
+        "++ SEND act s0>s1 m0 to r1",
     ],
 )
 def test_bad_instruction_text_is_a_schedule_error(text: str) -> None:
@@ -170,3 +174,75 @@ def test_program_is_a_hashable_value() -> None:
     assert a == b and hash(a) == hash(b)
     assert a.replace(name="other") != a
     assert a.replace(edges=[]).producers(1) == ()
+
+
+# ------------------------------------------------------------------ communication groups
+def test_joined_text_round_trips_and_is_canonical() -> None:
+    r = recv("grad", (0, 1), 0, 1, joined=True)
+    assert str(r) == "+ RECV grad s0>s1 m0 from r1" and r.joined
+    assert parse_instr("+ RECV grad s0>s1 m0 from r1") == r
+    assert parse_instr("+RECV grad s0>s1 m0 from r1") == r
+    assert r != recv("grad", (0, 1), 0, 1) and r.join(False) == recv("grad", (0, 1), 0, 1)
+    assert r.key == recv("grad", (0, 1), 0, 1).key  # the group marker is not part of the message
+    # canonical form: only a SEND/RECV carries the marker
+    assert Instr(Op.F, 0, 0, joined=True) == forward(0, 0)
+    assert Instr(Op.REDUCE, 0, group="data", joined=True) == reduce(0, "data")
+    with pytest.raises(ScheduleError, match="only a SEND or RECV"):
+        forward(0, 0).join()
+    with pytest.raises(ScheduleError, match="only a SEND or RECV joins"):
+        parse_instr("+ F s0 m0")
+
+
+def _grouped_program() -> Program:
+    return parse_program(
+        """
+        placement 0 1
+        microbatches 2
+        rank 0
+          F s0 m0; SEND act s0>s1 m0 to r1
+          F s0 m1; SEND act s0>s1 m1 to r1; + RECV grad s0>s1 m0 from r1
+          B s0 m0; RECV grad s0>s1 m1 from r1; B s0 m1
+        rank 1
+          RECV act s0>s1 m0 from r0; F s1 m0; B s1 m0
+          SEND grad s0>s1 m0 to r0; + RECV act s0>s1 m1 from r0
+          F s1 m1; B s1 m1; SEND grad s0>s1 m1 to r0
+        """
+    )
+
+
+def test_groups_round_trip_through_the_text_and_show_in_the_table() -> None:
+    from funcpipe.schedule.ir import groups
+
+    p = _grouped_program()
+    assert p.ranks[0][4] == recv("grad", (0, 1), 0, 1, joined=True)
+    assert groups(p.ranks[0]) == ((1,), (3, 4), (6,))
+    assert groups(p.ranks[1]) == ((0,), (3, 4), (7,))
+    text = p.to_text()
+    assert "  + RECV grad s0>s1 m0 from r1" in text
+    assert parse_program(text) == p
+    rows = str(p).splitlines()
+    cells = [c.strip() for c in rows[5].split("  ") if c.strip()]
+    assert cells == ["4", "+ RECV grad s0>s1 m0 from r1", "+ RECV act s0>s1 m1 from r0"]
+    assert ">> + RECV act s0>s1 m1 from r0" in p.table(mark=(1, 4))
+
+
+@pytest.mark.parametrize(
+    ("rank0", "step", "what"),
+    [
+        ("+ SEND act s0>s1 m0 to r1; F s0 m0", 0, "first instruction of the rank"),
+        ("F s0 m0; + SEND act s0>s1 m0 to r1", 1, "step 0 is F s0 m0"),
+    ],
+)
+def test_a_joined_instruction_must_follow_a_send_or_recv(rank0: str, step: int, what: str) -> None:
+    text = f"placement 0 1\nmicrobatches 1\nmode eval\nrank 0: {rank0}\nrank 1: F s1 m0"
+    with pytest.raises(ScheduleError, match=f"rank 0, step {step} .*{what}.*drop the '\\+'") as e:
+        parse_program(text)
+    assert (e.value.rank, e.value.step) == (0, step)
+    assert e.value.rule == "a joined SEND/RECV follows a SEND or RECV on the same rank"
+    with pytest.raises(ScheduleError, match="after a SEND/RECV"):
+        Program(
+            ranks=[[forward(0, 0), send("act", (0, 1), 0, 1, joined=True)], [forward(1, 0)]],
+            placement=(0, 1),
+            microbatches=1,
+            training=False,
+        )
