@@ -80,12 +80,20 @@ def _bytes(t: Tensor) -> memoryview:
 
 
 class _Outgoing:
-    """One message: header then payload, sent with one system call while the kernel takes it."""
+    """One message: header then payload, sent with one system call while the kernel takes it.
+    ``done`` once the kernel has all of it (the tensor may then be released)."""
 
-    __slots__ = ("header", "keep", "offset", "view")
+    __slots__ = ("done", "header", "keep", "offset", "view")
 
     def __init__(self, header: bytes, view: memoryview, keep: Tensor) -> None:
-        self.header, self.view, self.keep, self.offset = header, view, keep, 0
+        self.header, self.view, self.offset = header, view, 0
+        self.keep: Tensor | None = keep
+        self.done = False
+
+    def release(self) -> None:
+        """All bytes are out: let the tensor go (the view points into it)."""
+        self.done = True
+        self.keep, self.view = None, memoryview(b"")
 
 
 class _Incoming:
@@ -126,6 +134,7 @@ class _Link:
             if item.offset < total:
                 continue  # the kernel took part: try again (it says when it is full)
             self.out.popleft()
+            item.release()
 
     def drain(self, me: int) -> None:
         h = _HEADER.size
@@ -175,6 +184,25 @@ class _Receive:
             return True
         self.channels.progress()
         return self.done()
+
+    def wait(self) -> None:
+        if not self.ready():
+            self.channels.wait_until(self.done, self.what)
+
+
+class _Sent:
+    """The handle of one send: done once the kernel holds all its bytes."""
+
+    def __init__(self, channels: Channels, item: _Outgoing, what: str) -> None:
+        self.channels, self.item, self.what = channels, item, what
+
+    def done(self) -> bool:
+        return self.item.done
+
+    def ready(self) -> bool:
+        if not self.item.done:
+            self.channels.progress()
+        return self.item.done
 
     def wait(self) -> None:
         if not self.ready():
@@ -276,16 +304,19 @@ class Channels:
         return peer in self.links
 
     # ------------------------------------------------------------------ messages
-    def send(self, tensor: Tensor, peer: int) -> None:
-        """Queue ``tensor`` (contiguous, CPU; kept alive until its bytes are out) for ``peer``."""
+    def send(self, tensor: Tensor, peer: int, what: str = "") -> _Sent:
+        """Queue ``tensor`` (contiguous, CPU; kept alive until its bytes are out) for ``peer``;
+        the handle is ready once the kernel holds all its bytes."""
         link = self.links[peer]
         view = _bytes(tensor)
-        link.out.append(_Outgoing(_HEADER.pack(len(view), link.sent), view, tensor))
+        item = _Outgoing(_HEADER.pack(len(view), link.sent), view, tensor)
+        link.out.append(item)
         link.sent += 1
         try:
             link.flush()
         except OSError as e:
             raise self.on_error(e, f"rank {self.me}: send to rank {peer}") from e
+        return _Sent(self, item, what or f"rank {self.me}: send to rank {peer}")
 
     def recv(self, buffers: Sequence[Tensor], peer: int, what: str) -> _Receive:
         """Expect ``buffers`` (contiguous CPU tensors) next from ``peer``, in this order."""

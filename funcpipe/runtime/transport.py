@@ -8,6 +8,11 @@ Two implementations of one small interface:
   collectives over named process groups; CPU messages between processes of one host can go
   over :class:`funcpipe.runtime.sockets.Channels` instead (measured 7-18 us per message against 0.13-2 ms for gloo).
 
+Point-to-point goes through one call, :meth:`Transport.post`: a sequence of :class:`P2P` sends and
+receives posted together as one group (``batch_isend_irecv`` over torch.distributed), one
+:class:`Handle` per operation. A send's handle is done once its tensors may be released; the
+transport keeps a send only until then (``held_bytes``, ``peak_held_bytes``).
+
 Receives fill buffers the receiver allocated from its own shape inference: no metadata and no
 pickled objects travel, only tensors.
 """
@@ -16,15 +21,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from funcpipe.errors import CommunicationError, InvalidArgument
 
-__all__ = ["DistTransport", "Handle", "LocalTransport", "LocalWorld", "Transport"]
+__all__ = ["P2P", "DistTransport", "Handle", "LocalTransport", "LocalWorld", "Transport"]
 
 Tensor = torch.Tensor
+SEND, RECV = "send", "recv"
 
 
 class Handle(Protocol):
@@ -35,10 +42,32 @@ class Handle(Protocol):
     def wait(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class P2P:
+    """One point-to-point operation of a group: ``op`` is ``"send"`` (``tensors`` are what to
+    send) or ``"recv"`` (``tensors`` are the buffers to fill); ``peer`` is the program rank of the
+    other end. ``label`` (optional, e.g. the instruction's text) names it in error messages."""
+
+    op: str
+    tensors: tuple[Tensor, ...]
+    peer: int
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if self.op not in (SEND, RECV):
+            raise InvalidArgument(f"P2P(op={self.op!r}): op is 'send' or 'recv'")
+        if isinstance(self.peer, bool) or not isinstance(self.peer, int) or self.peer < 0:
+            raise InvalidArgument(f"P2P(peer={self.peer!r}): the program rank of the other end")
+        if not isinstance(self.tensors, tuple):
+            object.__setattr__(self, "tensors", tuple(self.tensors))
+
+
 class Transport(Protocol):
     """What the interpreter needs from a transport (``rank`` is the rank in the program)."""
 
     rank: int
+
+    def post(self, ops: Sequence[P2P]) -> list[Handle]: ...
 
     def send(self, tensors: Sequence[Tensor], peer: int) -> None: ...
 
@@ -60,6 +89,74 @@ class _Done:
 DONE = _Done()
 
 
+def _nbytes(tensors: Sequence[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _Send(Protocol):
+    nbytes: int
+
+    def ready(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+class _Held:
+    """The sends a transport keeps until they are known complete, and their bytes."""
+
+    def __init__(self) -> None:
+        self.sends: list[_Send] = []
+        self.bytes = 0  # bytes of sends not yet known complete
+        self.peak = 0  # the most at once since the last finish()
+        self.last_peak = 0  # ``peak`` of the step that finish() ended
+
+    def add(self, send: _Send) -> None:
+        self.sends.append(send)
+        self.bytes += send.nbytes
+        self.peak = max(self.peak, self.bytes)
+
+    def reap(self) -> None:
+        """Drop the sends that have completed (their tensors go with them)."""
+        if self.sends:
+            self.sends = [s for s in self.sends if not s.ready()]
+            self.bytes = sum(s.nbytes for s in self.sends)
+
+    def step_done(self) -> None:
+        self.last_peak, self.peak = self.peak, self.bytes
+
+
+class _Counters:
+    """``held_bytes``, ``peak_held_bytes`` and ``last_peak_held_bytes`` of a transport."""
+
+    held: _Held
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of sends not yet known complete (kept alive by the transport)."""
+        return self.held.bytes
+
+    @property
+    def peak_held_bytes(self) -> int:
+        """The most ``held_bytes`` at once in this step (so far)."""
+        return self.held.peak
+
+    @property
+    def last_peak_held_bytes(self) -> int:
+        """``peak_held_bytes`` of the last step that :meth:`finish` ended."""
+        return self.held.last_peak
+
+    def send(self, tensors: Sequence[Tensor], peer: int) -> None:
+        """Post one send on its own (``post`` of one op; the transport keeps it until done)."""
+        self.post([P2P(SEND, tuple(tensors), peer)])
+
+    def recv(self, buffers: Sequence[Tensor], peer: int) -> Handle:
+        """Post one receive on its own (``post`` of one op)."""
+        return self.post([P2P(RECV, tuple(buffers), peer)])[0]
+
+    def post(self, ops: Sequence[P2P]) -> list[Handle]:
+        raise NotImplementedError
+
+
 # ---------------------------------------------------------------------------------- in process
 class LocalWorld:
     """Shared state of ``size`` ranks living in one process (mailboxes and collectives).
@@ -72,7 +169,7 @@ class LocalWorld:
         if not isinstance(size, int) or size < 1:
             raise InvalidArgument(f"LocalWorld(size={size!r}): size is the number of ranks, >= 1")
         self.size = size
-        self.mail: dict[tuple[int, int], deque[list[Tensor]]] = {}
+        self.mail: dict[tuple[int, int], deque[_LocalMessage]] = {}
         self.groups: dict[str, dict[int, tuple[int, ...]]] = {}
         for name, lists in (groups or {}).items():
             members: dict[int, tuple[int, ...]] = {}
@@ -94,6 +191,30 @@ class LocalWorld:
         except KeyError:
             return (rank,)  # a group this rank shares with no one: a local no-op
 
+    def explain(self, ranks: Sequence[int] | None = None) -> str:
+        """What the messages of ``ranks`` (world ranks; default all) wait for."""
+        lines = []
+        for (src, dst), box in sorted(self.mail.items()):
+            if box and (ranks is None or src in ranks or dst in ranks):
+                lines.append(f"{len(box)} message(s) from rank {src} to rank {dst} not received")
+        return "; ".join(lines) or "no message is in flight"
+
+
+class _LocalMessage:
+    """A send in a mailbox; ``ready()`` once the receiver has copied it (then it lets go)."""
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        self.tensors = [t.detach() for t in tensors]
+        self.nbytes = _nbytes(self.tensors)
+        self.done = False
+
+    def ready(self) -> bool:
+        return self.done
+
+    def wait(self) -> None:
+        if not self.done:
+            raise CommunicationError("a message was never received (no rank posted its receive)")
+
 
 class _Contribution:
     def __init__(self, rank: int, tensors: Sequence[Tensor]) -> None:
@@ -111,6 +232,19 @@ class _Contribution:
             )
 
 
+def _copy_into(buffers: Sequence[Tensor], tensors: Sequence[Tensor], src: int, dst: int) -> None:
+    if len(tensors) != len(buffers) or any(
+        t.shape != b.shape or t.dtype != b.dtype for t, b in zip(tensors, buffers, strict=False)
+    ):
+        raise CommunicationError(
+            f"rank {dst} expected from rank {src} tensors "
+            f"{[(tuple(b.shape), b.dtype) for b in buffers]} but got "
+            f"{[(tuple(t.shape), t.dtype) for t in tensors]}"
+        )
+    for b, t in zip(buffers, tensors, strict=True):
+        b.copy_(t)
+
+
 class _LocalRecv:
     def __init__(self, world: LocalWorld, src: int, dst: int, buffers: Sequence[Tensor]) -> None:
         self.box = world.mail.setdefault((src, dst), deque())
@@ -119,18 +253,9 @@ class _LocalRecv:
 
     def ready(self) -> bool:
         if not self.done and self.box:
-            tensors = self.box.popleft()
-            if len(tensors) != len(self.buffers) or any(
-                t.shape != b.shape or t.dtype != b.dtype
-                for t, b in zip(tensors, self.buffers, strict=False)
-            ):
-                raise CommunicationError(
-                    f"rank {self.dst} expected from rank {self.src} tensors "
-                    f"{[(tuple(b.shape), b.dtype) for b in self.buffers]} but got "
-                    f"{[(tuple(t.shape), t.dtype) for t in tensors]}"
-                )
-            for b, t in zip(self.buffers, tensors, strict=True):
-                b.copy_(t)
+            msg = self.box.popleft()
+            _copy_into(self.buffers, msg.tensors, self.src, self.dst)
+            msg.tensors, msg.done = [], True
             self.done = True
         return self.done
 
@@ -141,22 +266,34 @@ class _LocalRecv:
             )
 
 
-class LocalTransport:
-    """One rank's view of a :class:`LocalWorld` (``rank`` in the program, ``ranks`` to the world)."""
+class LocalTransport(_Counters):
+    """One rank's view of a :class:`LocalWorld` (``rank`` in the program, ``ranks`` to the world).
+
+    A send stays in the receiver's mailbox (and in ``held_bytes``) until the receiver copies it.
+    """
 
     def __init__(self, world: LocalWorld, rank: int, ranks: Sequence[int] | None = None) -> None:
         self.world, self.rank = world, rank
         self.ranks = list(ranks) if ranks is not None else list(range(world.size))
         self.me = self.ranks[rank]
+        self.held = _Held()
 
-    def send(self, tensors: Sequence[Tensor], peer: int) -> None:
-        box = self.world.mail.setdefault((self.me, self.ranks[peer]), deque())
-        box.append([t.detach() for t in tensors])
-
-    def recv(self, buffers: Sequence[Tensor], peer: int) -> Handle:
-        return _LocalRecv(self.world, self.ranks[peer], self.me, buffers)
+    def post(self, ops: Sequence[P2P]) -> list[Handle]:
+        self.held.reap()
+        handles: list[Handle] = []
+        for op in ops:
+            peer = self.ranks[op.peer]
+            if op.op == SEND:
+                msg = _LocalMessage(op.tensors)
+                self.world.mail.setdefault((self.me, peer), deque()).append(msg)
+                self.held.add(msg)
+                handles.append(msg)
+            else:
+                handles.append(_LocalRecv(self.world, peer, self.me, op.tensors))
+        return handles
 
     def all_reduce(self, tensors: Sequence[Tensor], group: str) -> Handle:
+        self.held.reap()
         members = self.world.members(group, self.me)
         if len(members) == 1:
             return DONE
@@ -178,40 +315,112 @@ class LocalTransport:
         return me
 
     def finish(self) -> None:
-        return None
+        # a rank may end its step before its peers received: the mailboxes keep those messages
+        self.held.reap()
+        self.held.step_done()
 
 
 # ---------------------------------------------------------------------------------- torch.distributed
-class _Work:
+class _Works:
+    """Works of torch.distributed (and socket receives): ``ready()`` polls them without
+    blocking, ``wait()`` waits for all; then rebuilds scatter-gathered buffers from their
+    slices (a collective over the tensor ranks, so only in ``wait``)."""
+
     def __init__(
         self,
-        work: Any,
-        describe: Callable[[], str],
+        works: Sequence[Any],
+        what: str,
         on_error: Callable[[BaseException, str], BaseException],
-    ):
-        self.work, self.describe, self.on_error = work, describe, on_error
+        *,
+        gathers: Sequence[tuple[Tensor, Tensor]] = (),
+        split: tuple[Any, int, int] | None = None,
+        reap: Callable[[], None] | None = None,
+    ) -> None:
+        self.works, self.what, self.on_error = list(works), what, on_error
+        self.gathers, self.split, self.reap = list(gathers), split, reap
         self.done = False
 
     def ready(self) -> bool:
-        return self.done
+        if self.reap is not None:
+            self.reap()
+        if self.done:
+            return True
+        if self.gathers:
+            return False  # the all-gather blocks: wait() does it
+        try:
+            if not all(_completed(w) for w in self.works):
+                return False
+        except RuntimeError as e:
+            raise self.on_error(e, self.what) from e
+        self.wait()  # complete: raises a failure, if any
+        return True
 
     def wait(self) -> None:
         if self.done:
             return
         try:
-            self.work.wait()
+            for w in self.works:
+                w.wait()
         except RuntimeError as e:
-            raise self.on_error(e, self.describe()) from e
+            raise self.on_error(e, self.what) from e
+        if self.gathers and self.split is not None:
+            import torch.distributed as dist
+
+            group, size, _ = self.split
+            for part, full in self.gathers:
+                dist.all_gather(list(full.view(-1).chunk(size)), part, group=group)
         self.done = True
+        self.works, self.gathers = [], []
 
 
-class DistTransport:
+def _completed(work: Any) -> bool:
+    """A torch.distributed work, or a socket send or receive, is complete (never blocks)."""
+    if hasattr(work, "is_completed"):
+        return bool(work.is_completed())
+    return bool(work.ready())  # a socket handle
+
+
+class _DistSend(_Works):
+    """A send over torch.distributed or sockets; keeps its tensors until complete."""
+
+    def __init__(
+        self,
+        works: Sequence[Any],
+        tensors: Sequence[Tensor],
+        what: str,
+        on_error: Callable[[BaseException, str], BaseException],
+        pump: Callable[[], None] | None,
+    ) -> None:
+        super().__init__(works, what, on_error)
+        self.tensors: list[Tensor] = list(tensors)
+        self.nbytes = _nbytes(self.tensors)
+        self.pump = pump
+
+    def ready(self) -> bool:
+        if not self.done and self.pump is not None:
+            self.pump()  # move queued socket bytes forward
+        done = super().ready()
+        if done:
+            self.tensors = []
+        return done
+
+    def wait(self) -> None:
+        super().wait()
+        self.tensors = []
+
+
+class DistTransport(_Counters):
     """Point-to-point and collectives over ``torch.distributed``.
 
     ``ranks[r]`` is the global rank running program rank ``r``; ``groups`` maps a REDUCE group
     name to the process group this rank reduces over (``None``: a group of its own, no-op).
     ``on_error(exc, what)`` turns a communication failure into the error to raise (the pipeline
     uses it to name the rank that failed first).
+
+    A group of more than one tensor to move is posted with ``batch_isend_irecv`` (NCCL fuses it
+    into one operation), a single tensor with ``isend``/``irecv``. Sends to a peer reached over
+    ``channels`` (:class:`funcpipe.runtime.sockets.Channels`, CPU tensors) are queued at once with
+    the group's receives: sockets buffer, they need no rendezvous.
 
     ``split=(group, size, coord)`` turns on scatter-gather for tensor-parallel program ranks:
     a message's tensors are the same on every rank of ``group`` (replicated activations and
@@ -238,7 +447,7 @@ class DistTransport:
         self.ranks = list(ranks)
         self.groups = dict(groups or {})
         self.on_error = on_error or (lambda e, what: CommunicationError(f"{what}: {e}"))
-        self.sends: list[Any] = []
+        self.held = _Held()
         self.split = split if split is not None and split[1] > 1 else None
         self.bytes_sent = 0
 
@@ -256,78 +465,87 @@ class DistTransport:
             and all(t.device.type == "cpu" for t in tensors)
         )
 
-    def send(self, tensors: Sequence[Tensor], peer: int) -> None:
-        dst = self.ranks[peer]
-        outs = []
-        for t in tensors:
-            part = self._slice(t)
-            out = t.contiguous() if part is None else part.clone()
-            self.bytes_sent += out.numel() * out.element_size()
-            outs.append(out)
-        if self._socket(dst, outs):
-            for out in outs:
-                self.channels.send(out, dst)
-            return
-        for out in outs:
-            self.sends.append((self.dist.isend(out, dst), out))
-
-    def recv(self, buffers: Sequence[Tensor], peer: int) -> Handle:
-        src = self.ranks[peer]
-        what = f"rank {self.rank}: receive from rank {peer}"
-        targets, gathers = [], []
-        for b in buffers:
-            part = self._slice(b)
-            if part is None:
-                targets.append(b)
+    def post(self, ops: Sequence[P2P]) -> list[Handle]:
+        dist = self.dist
+        self.held.reap()
+        # per op: (what it moves, works it waits for, scatter-gather pairs)
+        plans: list[tuple[list[Tensor], list[Any], list[tuple[Tensor, Tensor]]]] = []
+        batch: list[tuple[int, Any, Tensor, int]] = []  # (op index, isend/irecv, tensor, peer)
+        for k, op in enumerate(ops):
+            other = self.ranks[op.peer]
+            moved: list[Tensor] = []
+            gathers: list[tuple[Tensor, Tensor]] = []
+            for t in op.tensors:
+                part = self._slice(t)
+                if op.op == SEND:
+                    moved.append(t.contiguous() if part is None else part.clone())
+                elif part is None:
+                    moved.append(t)
+                else:
+                    moved.append(torch.empty_like(part))
+                    gathers.append((moved[-1], t))
+            works: list[Any] = []
+            if self._socket(other, moved):
+                if op.op == SEND:
+                    works = [self.channels.send(t, other, self._what(op)) for t in moved]
+                else:
+                    works = [self.channels.recv(moved, other, self._what(op))]
             else:
-                tmp = torch.empty_like(part)
-                targets.append(tmp)
-                gathers.append((tmp, b))
-        if self._socket(src, targets):
-            works: list[Any] = [self.channels.recv(targets, src, what)]
-            if not gathers:
-                return works[0]
-        else:
-            works = [self.dist.irecv(t, src) for t in targets]
-        return _Work(_All(works, gathers, self.split), lambda: what, self.on_error)
+                fn = dist.isend if op.op == SEND else dist.irecv
+                batch.extend((k, fn, t, other) for t in moved)
+            if op.op == SEND:
+                self.bytes_sent += _nbytes(moved)
+            plans.append((moved, works, gathers))
+        if batch:
+            if len(batch) > 1:
+                got = dist.batch_isend_irecv([dist.P2POp(fn, t, p) for _, fn, t, p in batch])
+            else:
+                _, fn, t, p = batch[0]
+                got = [fn(t, p)]
+            if len(got) == len(batch):
+                for (k, *_), w in zip(batch, got, strict=True):
+                    plans[k][1].append(w)
+            else:  # one work for the whole group (NCCL's coalesced batch)
+                for k in {k for k, *_ in batch}:
+                    plans[k][1].extend(got)
+        handles: list[Handle] = []
+        pump = self.channels.progress if self.channels is not None else None
+        for op, (moved, works, gathers) in zip(ops, plans, strict=True):
+            what = self._what(op)
+            if op.op == SEND:
+                send = _DistSend(works, moved, what, self.on_error, pump)
+                self.held.add(send)
+                handles.append(send)
+            else:
+                handles.append(
+                    _Works(
+                        works,
+                        what,
+                        self.on_error,
+                        gathers=gathers,
+                        split=self.split,
+                        reap=self.held.reap,
+                    )
+                )
+        return handles
+
+    def _what(self, op: P2P) -> str:
+        way = "send to" if op.op == SEND else "receive from"
+        return f"rank {self.rank}: {way} rank {op.peer}" + (f" ({op.label})" if op.label else "")
 
     def all_reduce(self, tensors: Sequence[Tensor], group: str) -> Handle:
+        self.held.reap()
         pg = self.groups.get(group)
         if pg is None:
             return DONE
         works = [self.dist.all_reduce(t, group=pg, async_op=True) for t in tensors]
-        return _Work(
-            _All(works), lambda: f"rank {self.rank}: REDUCE over group {group!r}", self.on_error
-        )
+        return _Works(works, f"rank {self.rank}: REDUCE over group {group!r}", self.on_error)
 
     def finish(self) -> None:
+        """Wait for this step's sends (a rank's last sends may still be in flight)."""
         if self.channels is not None:
             self.channels.flush(f"rank {self.rank}: send")
-        sends, self.sends = self.sends, []
-        for work, _ in sends:
-            try:
-                work.wait()
-            except RuntimeError as e:
-                raise self.on_error(e, f"rank {self.rank}: send") from e
-
-
-class _All:
-    """Wait for every work; then rebuild scatter-gathered buffers from their slices."""
-
-    def __init__(
-        self,
-        works: Sequence[Any],
-        gathers: Sequence[tuple[Tensor, Tensor]] = (),
-        split: tuple[Any, int, int] | None = None,
-    ) -> None:
-        self.works, self.gathers, self.split = list(works), list(gathers), split
-
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-        if self.gathers and self.split is not None:
-            import torch.distributed as dist
-
-            group, size, _ = self.split
-            for part, full in self.gathers:
-                dist.all_gather(list(full.view(-1).chunk(size)), part, group=group)
+        for send in self.held.sends:
+            send.wait()
+        self.held.reap()
+        self.held.step_done()
