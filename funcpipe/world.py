@@ -10,6 +10,14 @@ build the same Pipeline) and the transport.
 Between CPU processes of one host, activations and gradients go over Unix-domain sockets
 (:mod:`funcpipe.runtime.sockets`) rather than gloo; ``FUNCPIPE_P2P=torch`` in the environment
 turns that off (every process must see the same value).
+
+``FUNCPIPE_STRICT_P2P=1`` in the environment (every process must see the same value) makes the
+transport strict, for tests: messages still travel over gloo or sockets, but they complete only
+as NCCL's point-to-point rules allow (one FIFO queue per pair of ranks for both directions, groups
+posted together, an ungrouped send done only when the peer's receive is at the head of its side;
+:mod:`funcpipe.runtime.strict`), each rank sharing its side of the queues through the process
+group's store. A program that would hang on GPUs then fails within about a second with a
+:class:`funcpipe.CommunicationError` naming the ranks and operations that wait for each other.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from typing import Any
 import torch
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.runtime.transport import DistTransport
+from funcpipe.runtime.transport import DistTransport, strict_from_env
 from funcpipe.schedule.check import in_program
 from funcpipe.schedule.ir import Op, Program
 
@@ -122,8 +130,17 @@ def join(
         split = (tensor_axis.group, tp, tensor_axis.coord)
     on_error = failure_handler()
     channels = _channels(program, rank, pipe_ranks, me, device, on_error)
+    strict: dict[str, Any] = {}
+    if strict_from_env():
+        n = _EXCHANGES["strict"] = _EXCHANGES.get("strict", 0) + 1
+        strict = {
+            "strict": True,
+            "store": dist.distributed_c10d._get_default_store(),
+            "key": f"funcpipe/strict/{n}",
+            "timeout": _pg_timeout(),
+        }
     transport = DistTransport(
-        rank, pipe_ranks, groups=groups, on_error=on_error, split=split, channels=channels
+        rank, pipe_ranks, groups=groups, on_error=on_error, split=split, channels=channels, **strict
     )
     return DistWorld(rank, pipe_ranks, copies, tp, transport)
 

@@ -8,13 +8,20 @@ from collections.abc import Generator, Mapping
 
 from funcpipe.errors import CommunicationError
 from funcpipe.runtime.interpreter import RankResult
-from funcpipe.runtime.transport import Handle
+from funcpipe.runtime.strict import RULES
+from funcpipe.runtime.transport import Handle, LocalWorld
 
 __all__ = ["drive", "drive_local"]
 
 
-def drive_local(gens: Mapping[int, Generator[Handle, None, RankResult]]) -> dict[int, RankResult]:
-    """Run every rank's generator in this thread, switching ranks whenever one has to wait."""
+def drive_local(
+    gens: Mapping[int, Generator[Handle, None, RankResult]], *, world: LocalWorld | None = None
+) -> dict[int, RankResult]:
+    """Run every rank's generator in this thread, switching ranks whenever one has to wait.
+
+    ``world`` (found from the ranks' handles if not given) explains a deadlock; in strict mode
+    the step also fails if an operation is left unmatched when every rank has ended.
+    """
     waiting: dict[int, Handle | None] = dict.fromkeys(gens)
     results: dict[int, RankResult] = {}
     while len(results) < len(gens):
@@ -30,13 +37,33 @@ def drive_local(gens: Mapping[int, Generator[Handle, None, RankResult]]) -> dict
                 waiting[r] = next(gen)
             except StopIteration as stop:
                 results[r] = stop.value
+            if world is None:
+                world = _world_of(waiting[r])
         if not progressed:
             blocked = sorted(r for r in gens if r not in results)
+            if world is not None and world.strict:
+                raise CommunicationError(
+                    f"ranks {blocked} all wait and none can go on under {RULES}: "
+                    f"{world.explain(blocked)}"
+                )
+            why = f" ({world.explain(blocked)})" if world is not None else ""
             raise CommunicationError(
-                f"ranks {blocked} all wait for data that no rank will send (a deadlock the "
+                f"ranks {blocked} all wait for data that no rank will send{why} (a deadlock the "
                 "checker did not see; please report this with the program)"
             )
+    if world is not None and world.strict:
+        left = world.unfinished()
+        if left:
+            raise CommunicationError(
+                f"every rank ended its step, but ranks {left} have point-to-point operations "
+                f"that never matched under {RULES}: {world.explain(left)}"
+            )
     return results
+
+
+def _world_of(h: Handle | None) -> LocalWorld | None:
+    world = getattr(h, "world", None)
+    return world if isinstance(world, LocalWorld) else None
 
 
 def drive(gen: Generator[Handle, None, RankResult]) -> RankResult:

@@ -19,6 +19,10 @@ pickled objects travel, only tensors.
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,11 +31,18 @@ from typing import Any, Protocol
 import torch
 
 from funcpipe.errors import CommunicationError, InvalidArgument
+from funcpipe.runtime import strict as nccl
 
 __all__ = ["P2P", "DistTransport", "Handle", "LocalTransport", "LocalWorld", "Transport"]
 
 Tensor = torch.Tensor
-SEND, RECV = "send", "recv"
+SEND, RECV = nccl.SEND, nccl.RECV
+STRICT_ENV = "FUNCPIPE_STRICT_P2P"
+
+
+def strict_from_env() -> bool:
+    """``FUNCPIPE_STRICT_P2P`` is set (to anything but ``0``): transports enforce NCCL's rules."""
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
 
 
 class Handle(Protocol):
@@ -163,13 +174,35 @@ class LocalWorld:
 
     ``groups`` names collectives: ``{"data": [[0, 2], [1, 3]], "tie:wte": [[0, 1]]}`` — each name
     maps to disjoint lists of ranks; a rank reducing over ``name`` meets the others of its list.
+
+    ``strict=True`` moves messages only under NCCL's point-to-point rules
+    (:mod:`funcpipe.runtime.strict`): one FIFO queue per pair for both directions, groups posted
+    together, an ungrouped send done only when the peer's receive is at the head of its side (no
+    buffering). A program that would hang on GPUs then stops with :class:`CommunicationError`
+    (from :func:`funcpipe.runtime.drive.drive_local`, with :meth:`explain`). Default: on when the
+    environment variable ``FUNCPIPE_STRICT_P2P`` is set (to anything but ``0``).
+    Collectives are unaffected.
     """
 
-    def __init__(self, size: int, *, groups: Mapping[str, Sequence[Sequence[int]]] | None = None):
-        if not isinstance(size, int) or size < 1:
+    def __init__(
+        self,
+        size: int,
+        *,
+        groups: Mapping[str, Sequence[Sequence[int]]] | None = None,
+        strict: bool | None = None,
+    ):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise InvalidArgument(f"LocalWorld(size={size!r}): size is the number of ranks, >= 1")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidArgument(
+                f"LocalWorld(strict={strict!r}): True, False, or None (read {STRICT_ENV})"
+            )
         self.size = size
+        self.strict = strict_from_env() if strict is None else strict
         self.mail: dict[tuple[int, int], deque[_LocalMessage]] = {}
+        # strict mode: every rank's side of the queues, and the buffers of posted receives
+        self.sides: dict[int, nccl.Side] = {}
+        self.wanted: dict[tuple[int, int], deque[list[Tensor]]] = {}
         self.groups: dict[str, dict[int, tuple[int, ...]]] = {}
         for name, lists in (groups or {}).items():
             members: dict[int, tuple[int, ...]] = {}
@@ -191,13 +224,62 @@ class LocalWorld:
         except KeyError:
             return (rank,)  # a group this rank shares with no one: a local no-op
 
+    def side(self, rank: int) -> nccl.Side:
+        side = self.sides.get(rank)
+        if side is None:
+            side = self.sides[rank] = nccl.Side(rank)
+        return side
+
+    def progress(self) -> None:
+        """Strict mode: match what the rules allow and copy those messages."""
+        nccl.settle(self.sides)
+        for (src, dst), want in self.wanted.items():
+            if not want:
+                continue
+            matched = min(self.side(src).counts(dst)[0], self.side(dst).counts(src)[1])
+            box = self.mail[(src, dst)]
+            done = self.side(src).posted.get(dst, [0, 0])[0] - len(box)  # copied so far
+            for _ in range(matched - done):
+                msg = box.popleft()
+                _copy_into(want.popleft(), msg.tensors, src, dst)
+                msg.tensors, msg.done = [], True
+
+    def unfinished(self) -> list[int]:
+        """Strict mode: the ranks with groups not yet complete."""
+        self.progress()
+        return sorted(r for r, side in self.sides.items() if side.groups)
+
     def explain(self, ranks: Sequence[int] | None = None) -> str:
-        """What the messages of ``ranks`` (world ranks; default all) wait for."""
+        """What the point-to-point operations of ``ranks`` (world ranks; default all) wait for:
+        in strict mode each one's peer and the head of the peer's side of their queue."""
+        if self.strict:
+            self.progress()
+            chosen = set(self.sides) if ranks is None else set(ranks) & set(self.sides)
+            return nccl.explain(self.sides, chosen) or "no operation is waiting"
         lines = []
         for (src, dst), box in sorted(self.mail.items()):
             if box and (ranks is None or src in ranks or dst in ranks):
                 lines.append(f"{len(box)} message(s) from rank {src} to rank {dst} not received")
         return "; ".join(lines) or "no message is in flight"
+
+
+class _StrictLocal:
+    """A handle in a strict :class:`LocalWorld`: done once its group has completed."""
+
+    def __init__(self, world: LocalWorld, group: nccl.Group, rank: int, nbytes: int) -> None:
+        self.world, self.group, self.rank, self.nbytes = world, group, rank, nbytes
+
+    def ready(self) -> bool:
+        if not self.group.complete:
+            self.world.progress()
+        return self.group.complete
+
+    def wait(self) -> None:
+        if not self.ready():
+            raise CommunicationError(
+                f"rank {self.rank}: {self.group} cannot complete yet ({nccl.RULES}): "
+                + self.world.explain([self.rank])
+            )
 
 
 class _LocalMessage:
@@ -247,6 +329,7 @@ def _copy_into(buffers: Sequence[Tensor], tensors: Sequence[Tensor], src: int, d
 
 class _LocalRecv:
     def __init__(self, world: LocalWorld, src: int, dst: int, buffers: Sequence[Tensor]) -> None:
+        self.world = world
         self.box = world.mail.setdefault((src, dst), deque())
         self.src, self.dst, self.buffers = src, dst, list(buffers)
         self.done = False
@@ -280,6 +363,8 @@ class LocalTransport(_Counters):
 
     def post(self, ops: Sequence[P2P]) -> list[Handle]:
         self.held.reap()
+        if self.world.strict:
+            return self._post_strict(ops)
         handles: list[Handle] = []
         for op in ops:
             peer = self.ranks[op.peer]
@@ -290,6 +375,28 @@ class LocalTransport(_Counters):
                 handles.append(msg)
             else:
                 handles.append(_LocalRecv(self.world, peer, self.me, op.tensors))
+        return handles
+
+    def _post_strict(self, ops: Sequence[P2P]) -> list[Handle]:
+        world = self.world
+        peers = [self.ranks[op.peer] for op in ops]
+        group = world.side(self.me).post(
+            [(op.op, peer, op.label) for op, peer in zip(ops, peers, strict=True)]
+        )
+        handles: list[Handle] = []
+        for op, peer in zip(ops, peers, strict=True):
+            if op.op == SEND:
+                msg = _LocalMessage(op.tensors)
+                world.mail.setdefault((self.me, peer), deque()).append(msg)
+                world.wanted.setdefault((self.me, peer), deque())
+                h = _StrictLocal(world, group, self.me, msg.nbytes)
+                self.held.add(h)
+            else:
+                world.mail.setdefault((peer, self.me), deque())
+                world.wanted.setdefault((peer, self.me), deque()).append(list(op.tensors))
+                h = _StrictLocal(world, group, self.me, 0)
+            handles.append(h)
+        world.progress()
         return handles
 
     def all_reduce(self, tensors: Sequence[Tensor], group: str) -> Handle:
@@ -325,6 +432,8 @@ class _Works:
     """Works of torch.distributed (and socket receives): ``ready()`` polls them without
     blocking, ``wait()`` waits for all; then rebuilds scatter-gathered buffers from their
     slices (a collective over the tensor ranks, so only in ``wait``)."""
+
+    nbytes = 0  # what a send keeps alive (receives: nothing)
 
     def __init__(
         self,
@@ -395,8 +504,15 @@ class _DistSend(_Works):
         self.tensors: list[Tensor] = list(tensors)
         self.nbytes = _nbytes(self.tensors)
         self.pump = pump
+        self.settled: threading.Event | None = None  # set by a _Waiter watching this send
+        self.error: BaseException | None = None
 
     def ready(self) -> bool:
+        if self.settled is not None:
+            if not self.settled.is_set():
+                return False
+            self.wait()  # at once: raises the waiter's error, if any
+            return True
         if not self.done and self.pump is not None:
             self.pump()  # move queued socket bytes forward
         done = super().ready()
@@ -405,8 +521,43 @@ class _DistSend(_Works):
         return done
 
     def wait(self) -> None:
+        if self.settled is not None and not self.done:
+            self.settled.wait()
+            if self.error is not None:
+                raise self.on_error(self.error, self.what) from self.error
+            self.done, self.works = True, []
         super().wait()
         self.tensors = []
+
+
+class _Waiter:
+    """Waits for gloo's sends to one peer in a background thread, in posting order.
+
+    gloo's point-to-point works say they are complete only to ``wait()`` (``is_completed()``
+    stays False, and they have no future), so polling cannot tell when a send's tensors may be
+    released; a thread blocked in ``wait()`` can (it holds no lock while it waits).
+    """
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[_DistSend | None] = queue.SimpleQueue()
+        threading.Thread(target=_wait_loop, args=(self.queue,), daemon=True).start()
+        weakref.finalize(self, self.queue.put, None)  # the thread ends with its waiter
+
+    def watch(self, send: _DistSend) -> None:
+        send.settled = threading.Event()
+        self.queue.put(send)
+
+
+def _wait_loop(jobs: queue.SimpleQueue[_DistSend | None]) -> None:
+    while (send := jobs.get()) is not None:
+        try:
+            for w in send.works:
+                w.wait()
+        except BaseException as e:  # handed to the rank's thread, which raises it
+            send.error = e
+        assert send.settled is not None
+        send.settled.set()
+        del send
 
 
 class DistTransport(_Counters):
@@ -427,6 +578,13 @@ class DistTransport(_Counters):
     their gradients), so each of them sends only its ``1/size`` slice to its peer with the same
     coordinate, and the receivers all-gather the slices. Point-to-point bytes drop by ``size``.
     ``bytes_sent`` counts what this rank handed to point-to-point sends.
+
+    ``strict=True`` (for tests) adds NCCL's rules (:mod:`funcpipe.runtime.strict`) on top: the
+    messages still travel over gloo or sockets, but a handle is done only once its group has
+    completed under the rules, each rank publishing its side of every queue in ``store`` (default:
+    the process group's) under ``key`` (default: a fresh key, the same on every process that
+    builds its transports in the same order). A deadlock raises :class:`CommunicationError`
+    naming the ranks and operations within about a second; ``timeout`` bounds other waits.
     """
 
     def __init__(
@@ -438,6 +596,10 @@ class DistTransport(_Counters):
         on_error: Callable[[BaseException, str], BaseException] | None = None,
         split: tuple[Any, int, int] | None = None,
         channels: Any = None,
+        strict: bool = False,
+        store: Any = None,
+        key: str | None = None,
+        timeout: float = 1800.0,
     ) -> None:
         import torch.distributed as dist
 
@@ -450,6 +612,21 @@ class DistTransport(_Counters):
         self.held = _Held()
         self.split = split if split is not None and split[1] > 1 else None
         self.bytes_sent = 0
+        # gloo's works say they are complete only to wait(): a thread per peer waits for them
+        self.gloo = "gloo" in str(dist.get_backend()) if dist.is_initialized() else False
+        self.waiters: dict[int, _Waiter] = {}  # peer -> waiter of gloo sends to it
+        self.strict: nccl.Shared | None = None
+        if strict:
+            if store is None:
+                store = dist.distributed_c10d._get_default_store()
+            if key is None:
+                _STRICT_KEYS[0] += 1
+                key = f"funcpipe/strict-transport/{_STRICT_KEYS[0]}"
+            keys = [f"{key}/{g}" for g in self.ranks]
+            self.strict = nccl.Shared(rank, store, keys, timeout=timeout)
+
+    def _pump(self) -> Callable[[], None] | None:
+        return self.channels.progress if self.channels is not None else None
 
     def _slice(self, t: Tensor) -> Tensor | None:
         """This rank's slice of ``t`` under scatter-gather (None: send it whole)."""
@@ -468,6 +645,9 @@ class DistTransport(_Counters):
     def post(self, ops: Sequence[P2P]) -> list[Handle]:
         dist = self.dist
         self.held.reap()
+        group = None
+        if self.strict is not None:
+            group = self.strict.post([(op.op, op.peer, op.label) for op in ops])
         # per op: (what it moves, works it waits for, scatter-gather pairs)
         plans: list[tuple[list[Tensor], list[Any], list[tuple[Tensor, Tensor]]]] = []
         batch: list[tuple[int, Any, Tensor, int]] = []  # (op index, isend/irecv, tensor, peer)
@@ -509,24 +689,32 @@ class DistTransport(_Counters):
                 for k in {k for k, *_ in batch}:
                     plans[k][1].extend(got)
         handles: list[Handle] = []
-        pump = self.channels.progress if self.channels is not None else None
+        pump = self._pump()
         for op, (moved, works, gathers) in zip(ops, plans, strict=True):
             what = self._what(op)
+            h: _Works | _StrictDist
             if op.op == SEND:
-                send = _DistSend(works, moved, what, self.on_error, pump)
-                self.held.add(send)
-                handles.append(send)
+                h = _DistSend(works, moved, what, self.on_error, pump)
+                gloo = self.gloo and all(t.device.type == "cpu" for t in moved)
+                if works and gloo and not self._socket(self.ranks[op.peer], moved):
+                    waiter = self.waiters.get(op.peer)
+                    if waiter is None:
+                        waiter = self.waiters[op.peer] = _Waiter()
+                    waiter.watch(h)
             else:
-                handles.append(
-                    _Works(
-                        works,
-                        what,
-                        self.on_error,
-                        gathers=gathers,
-                        split=self.split,
-                        reap=self.held.reap,
-                    )
+                h = _Works(
+                    works,
+                    what,
+                    self.on_error,
+                    gathers=gathers,
+                    split=self.split,
+                    reap=self.held.reap,
                 )
+            if self.strict is not None and group is not None:
+                h = _StrictDist(h, self.strict, group, pump)
+            if op.op == SEND:
+                self.held.add(h)
+            handles.append(h)
         return handles
 
     def _what(self, op: P2P) -> str:
@@ -543,9 +731,42 @@ class DistTransport(_Counters):
 
     def finish(self) -> None:
         """Wait for this step's sends (a rank's last sends may still be in flight)."""
+        if self.strict is not None:
+            self.strict.wait(None, f"rank {self.rank}: the step's last messages", self._pump())
         if self.channels is not None:
             self.channels.flush(f"rank {self.rank}: send")
         for send in self.held.sends:
             send.wait()
         self.held.reap()
         self.held.step_done()
+
+
+_STRICT_KEYS = [0]  # strict transports built by this process (their default store keys)
+
+
+class _StrictDist:
+    """A handle of a strict :class:`DistTransport`: done once its group has completed under
+    NCCL's rules and its own message has moved."""
+
+    def __init__(
+        self,
+        inner: _Works,
+        shared: nccl.Shared,
+        group: nccl.Group,
+        pump: Callable[[], None] | None,
+    ) -> None:
+        self.inner, self.shared, self.group, self.pump = inner, shared, group, pump
+        self.nbytes = inner.nbytes
+
+    def ready(self) -> bool:
+        if not self.group.complete:
+            if self.pump is not None:
+                self.pump()
+            self.shared.progress()
+            if not self.group.complete:
+                return False
+        return self.inner.ready()
+
+    def wait(self) -> None:
+        self.shared.wait(self.group, self.inner.what, self.pump)
+        self.inner.wait()

@@ -1,0 +1,229 @@
+"""Pool jobs of the strict-transport and held-bytes tests (importable by pool workers).
+
+Each job builds its own :class:`DistTransport` and posts groups by hand (``Transport.post``), so
+these tests do not depend on how the interpreter groups a program's SENDs and RECVs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import torch
+
+from funcpipe.errors import CommunicationError
+from funcpipe.runtime import sockets
+from funcpipe.runtime.transport import P2P, DistTransport, Handle, LocalTransport
+
+Step = tuple[str, Any]  # ("compute", None) or ("group", [(op, kind, microbatch, peer)])
+
+
+def one_f_one_b(rank: int, ranks: int, microbatches: int) -> list[Step]:
+    """1F1B's communication on ``rank``, grouped as Megatron posts it (NCCL-correct): warm-up
+    forwards with their own receives and sends, then per steady step F, [SEND act + RECV grad],
+    B, [SEND grad + RECV next act], then the cool-down backwards."""
+    first, last = rank == 0, rank == ranks - 1
+    warm = min(ranks - rank - 1, microbatches)
+    steps: list[Step] = []
+
+    def group(*ops: tuple[str, str, int, int] | None) -> None:
+        real = [op for op in ops if op is not None]
+        if real:
+            steps.append(("group", real))
+
+    def recv_act(m: int) -> tuple[str, str, int, int] | None:
+        return None if first else ("recv", "act", m, rank - 1)
+
+    def send_act(m: int) -> tuple[str, str, int, int] | None:
+        return None if last else ("send", "act", m, rank + 1)
+
+    def recv_grad(m: int) -> tuple[str, str, int, int] | None:
+        return None if last else ("recv", "grad", m, rank + 1)
+
+    def send_grad(m: int) -> tuple[str, str, int, int] | None:
+        return None if first else ("send", "grad", m, rank - 1)
+
+    for m in range(warm):
+        group(recv_act(m))
+        steps.append(("compute", ("F", m)))
+        group(send_act(m))
+    steady = microbatches - warm
+    if steady:
+        group(recv_act(warm))
+    for i in range(steady):
+        steps.append(("compute", ("F", warm + i)))
+        group(send_act(warm + i), recv_grad(i))
+        steps.append(("compute", ("B", i)))
+        if i == steady - 1:
+            group(send_grad(i))
+        else:
+            group(send_grad(i), recv_act(warm + i + 1))
+    for m in range(steady, microbatches):
+        group(recv_grad(m))
+        steps.append(("compute", ("B", m)))
+        group(send_grad(m))
+    return steps
+
+
+def run_steps(
+    t: DistTransport | LocalTransport, steps: Sequence[Step], numel: int
+) -> Generator[Handle, None, None]:
+    """Post the groups in order, each receive waited for before the next compute; every message
+    is a float32 tensor of ``numel`` elements filled with its microbatch (checked on arrival).
+    The rank drops its own reference to a sent tensor right after posting (as the interpreter
+    does): only the transport keeps it."""
+    for what, arg in steps:
+        if what == "compute":
+            continue
+        ops, checks = [], []
+        for op, _kind, m, peer in arg:
+            if op == "send":
+                ops.append(P2P("send", (torch.full((numel,), float(m)),), peer))
+            else:
+                buf = torch.empty(numel)
+                ops.append(P2P("recv", (buf,), peer))
+                checks.append((buf, m))
+        handles = t.post(ops)
+        del ops
+        for h, p in zip(handles, [o for o, *_ in arg], strict=True):
+            if p == "recv" and not h.ready():
+                yield h
+                h.wait()
+        for buf, m in checks:
+            assert bool((buf == m).all()), f"rank {t.rank}: wrong data for microbatch {m}"
+
+
+def _transport(rank: int, n: int, p2p: str, strict: bool, key: str) -> DistTransport:
+    import torch.distributed as dist
+
+    channels = None
+    if p2p == "sockets":
+        store = dist.distributed_c10d._get_default_store()
+        peers = [r for r in (rank - 1, rank + 1) if 0 <= r < n]
+        channels = sockets.Channels(
+            rank,
+            peers,
+            store,
+            key=f"{key}/sockets",
+            timeout=60.0,
+            on_error=lambda e, what: CommunicationError(f"{what}: {e}"),
+        )
+    return DistTransport(
+        rank, list(range(n)), channels=channels, strict=strict, key=f"{key}/strict", timeout=60.0
+    )
+
+
+def held_bytes_1f1b(
+    rank: int, microbatches: int, numel: int, p2p: str, strict: bool, key: str
+) -> tuple[int, int]:
+    """One hand-posted 1F1B step; (this rank's peak held bytes, held bytes after finish)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    t = _transport(rank, n, p2p, strict, key)
+    gen = run_steps(t, one_f_one_b(rank, n, microbatches), numel)
+    for h in gen:
+        h.wait()
+    t.finish()
+    dist.barrier()
+    if t.channels is not None:
+        t.channels.close()
+    return t.last_peak_held_bytes, t.held_bytes
+
+
+def exchange(rank: int, grouped: bool, p2p: str, key: str) -> tuple[str, float]:
+    """Both ranks send to each other first, then receive, in strict mode: ungrouped this hangs
+    under NCCL (the job returns the error's text), grouped it passes ("ok")."""
+    import torch.distributed as dist
+
+    t = _transport(rank, 2, p2p, True, key)
+    other = 1 - rank
+    out = torch.full((1000,), float(rank))
+    buf = torch.empty(1000)
+    start = time.monotonic()
+    try:
+        if grouped:
+            t.post([P2P("send", (out,), other), P2P("recv", (buf,), other)])[1].wait()
+        else:
+            t.send([out], other)
+            t.recv([buf], other).wait()
+        t.finish()
+        assert bool((buf == other).all())
+        result = "ok"
+    except CommunicationError as e:
+        result = str(e)
+    took = time.monotonic() - start
+    dist.barrier()  # the messages themselves went through (gloo and sockets buffer)
+    if t.channels is not None:
+        t.channels.close()
+    return result, took
+
+
+def forward_vs_reference(rank: int, ranks: int, transport: str = "dist") -> float:
+    """An evaluation step of ``forward`` (no rank ever sends to the rank it receives from, so it
+    runs under NCCL's rules as the interpreter posts it); its loss minus the reference's."""
+    import funcpipe as fp
+    from funcpipe.pipeline import Pipeline
+    from funcpipe.schedule.generators import generate
+    from tests.jobs_runtime import data, mse, toy
+
+    m = 4
+    stages, params = toy(ranks)
+    pipe = Pipeline(
+        stages, generate("forward", ranks=ranks, microbatches=m), loss_fn=mse, transport=transport
+    )
+    x, y = data(8)
+    loss = pipe.step(params, x, y).loss
+    ref, _ = fp.reference_step(stages, params, x, mse, targets=y, microbatches=m)
+    return float((loss - ref).abs())
+
+
+def strict_pipeline(rank: int) -> tuple[bool, float]:
+    """A Pipeline built with FUNCPIPE_STRICT_P2P=1 over the pool: its transport is strict, and
+    its evaluation step matches the reference under the rules."""
+    import torch.distributed as dist
+
+    from funcpipe import world
+
+    made: list[DistTransport] = []
+    original = world.DistTransport
+
+    def spy(*args: Any, **kwargs: Any) -> DistTransport:
+        made.append(original(*args, **kwargs))
+        return made[-1]
+
+    os.environ["FUNCPIPE_STRICT_P2P"] = "1"
+    world.DistTransport = spy  # type: ignore[misc]
+    try:
+        worst = forward_vs_reference(rank, dist.get_world_size())
+    finally:
+        world.DistTransport = original  # type: ignore[misc]
+        os.environ.pop("FUNCPIPE_STRICT_P2P", None)
+    return len(made) == 1 and made[0].strict is not None, worst
+
+
+def pipeline_held_bytes(rank: int, microbatches: int, p2p: str) -> tuple[int, int, int]:
+    """A 1F1B training step of the toy model through Pipeline over the pool's ranks: (peak held
+    bytes of the step, bytes of one boundary tensor, held bytes after the step)."""
+    import torch.distributed as dist
+
+    from funcpipe.pipeline import Pipeline
+    from funcpipe.schedule.generators import generate
+    from tests.jobs_runtime import D, data, mse, toy
+
+    n = dist.get_world_size()
+    program = generate("1f1b", ranks=n, microbatches=microbatches)
+    stages, params = toy(n)
+    rows = 8
+    if p2p == "torch":
+        os.environ["FUNCPIPE_P2P"] = "torch"
+    try:
+        pipe = Pipeline(stages, program, loss_fn=mse, transport="dist")
+    finally:
+        os.environ.pop("FUNCPIPE_P2P", None)
+    x, y = data(rows * microbatches)
+    pipe.step(params, x, y)
+    t = pipe._world.transport  # type: ignore[union-attr]
+    return t.last_peak_held_bytes, rows * D * 8, t.held_bytes
