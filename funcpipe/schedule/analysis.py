@@ -13,7 +13,7 @@ The rules that need a run (no deadlock) are proved by running that graph:
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from funcpipe.errors import ScheduleError
 from funcpipe.schedule.ir import ACT, BACKWARD_OPS, COMM_OPS, COMPUTE_OPS, GRAD, Instr, Op, Program
@@ -34,11 +34,21 @@ class Dep:
 
 @dataclass(frozen=True)
 class Analysis:
-    """What the checker proved: the cross-rank dependencies and the collective meetings."""
+    """What the checker proved: the dependencies, the messages and the collective meetings.
+
+    - ``deps[(rank, step)]``: what that instruction waits for. A compute instruction waits for
+      its inputs: a RECV earlier on its rank (lowered), or the producing instruction on another
+      rank plus the latency (compute-only). A RECV's one dep is its SEND (``message=True``): the
+      RECV is *posted* at its place and completes when the data arrives; only the compute that
+      reads it waits.
+    - ``partner[(rank, step)]``: the other end of a SEND or RECV.
+    - ``meetings[(rank, step)]``: every member of that REDUCE's in-program collective call.
+    """
 
     program: Program
     deps: dict[tuple[int, int], tuple[Dep, ...]]
     meetings: dict[tuple[int, int], tuple[tuple[int, int], ...]]  # (rank, step) -> all members
+    partner: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
 
 
 def fail(program: Program, rank: int, step: int, rule: str, detail: str) -> ScheduleError:
@@ -71,6 +81,7 @@ class _Analyser:
         self.msg: dict[tuple[Op, str, tuple[int, int], int], tuple[int, int]] = {}
         self.deps: dict[tuple[int, int], list[Dep]] = defaultdict(list)
         self.meetings: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
+        self.partner: dict[tuple[int, int], tuple[int, int]] = {}
 
     def fail(self, rank: int, step: int, rule: str, detail: str) -> ScheduleError:
         return fail(self.p, rank, step, rule, detail)
@@ -279,13 +290,15 @@ class _Analyser:
             key = next((k for k in producers if k in self.where), producers[0])
             self.need_local(r, t, key, rule, what)
         elif self.lowered:
+            wanted = (Op.RECV, kind, edge, m)
             self.need_local(
                 r,
                 t,
-                (Op.RECV, kind, edge, m),
+                wanted,
                 rule,
                 f"RECV {kind} s{a}>s{b} m{m} (the data of {what}) earlier on this rank",
             )
+            self.deps[(r, t)].append(Dep(r, self.msg[wanted][1]))  # it waits for the data
         else:
             loc = next((self.where[k] for k in producers if k in self.where), None)
             if loc is None:  # completeness already reported missing compute
@@ -390,6 +403,8 @@ class _Analyser:
                         f"m{ri.microbatch}; reorder the RECVs on rank {dst} or the SENDs on rank {src}",
                     )
                 self.deps[(dst, tr)].append(Dep(src, ts, message=True))
+                self.partner[(src, ts)] = (dst, tr)
+                self.partner[(dst, tr)] = (src, ts)
 
     def match_collectives(self) -> None:
         p = self.p
@@ -414,6 +429,44 @@ class _Analyser:
                 members = tuple((r, ts[k]) for r, ts in sorted(by_rank.items()))
                 for member in members:
                     self.meetings[member] = members
+        self.collective_order()
+
+    def collective_order(self) -> None:
+        """Two ranks meet in their shared in-program collectives in the same order.
+
+        NCCL runs the calls of one communicator in the order each rank issues them, so rank r
+        calling group a then b while rank q calls b then a hangs both (blocking collectives
+        hang on gloo too). Checked pairwise; longer cycles are found by running the program.
+        """
+        p = self.p
+        calls: dict[int, list[tuple[int, str]]] = defaultdict(list)  # rank -> (step, group)
+        for r, t in sorted(self.meetings):
+            calls[r].append((t, p.ranks[r][t].group))
+        members_of: dict[str, set[int]] = defaultdict(set)
+        for r, t in self.meetings:
+            members_of[p.ranks[r][t].group].add(r)
+        ranks = sorted(calls)
+        for x, r in enumerate(ranks):
+            for q in ranks[x + 1 :]:
+                shared = {g for g, ms in members_of.items() if {r, q} <= ms}
+                mine = [(t, g) for t, g in calls[r] if g in shared]
+                theirs = [(u, g) for u, g in calls[q] if g in shared]
+                seen: dict[str, int] = defaultdict(int)
+                for (t, g), (u, h) in zip(mine, theirs, strict=True):
+                    if g != h:
+                        k = seen[g]
+                        raise self.fail(
+                            r,
+                            t,
+                            "collectives are issued in the same order on every rank of their "
+                            "group (NCCL runs one communicator's calls in issue order)",
+                            f"rank {r} step {t} `{p.ranks[r][t]}` and rank {q} step {u} "
+                            f"`{p.ranks[q][u]}` are the #{k} call each rank makes of the REDUCE "
+                            f"groups the two share, but name different groups ({g!r} and {h!r}): "
+                            f"each waits for the other's member of its REDUCE group; issue the "
+                            f"REDUCEs in the same order on ranks {r} and {q}",
+                        )
+                    seen[g] += 1
 
     def run(self) -> Analysis:
         self.index()
@@ -426,6 +479,7 @@ class _Analyser:
             program=self.p,
             deps={k: tuple(v) for k, v in self.deps.items()},
             meetings=self.meetings,
+            partner=self.partner,
         )
 
 

@@ -19,10 +19,17 @@ from funcpipe.schedule.simulate import simulate
 __all__ = ["Analysis", "Dep", "analyse", "check", "in_program"]
 
 
-def check(program: Program) -> None:
+def check(program: Program, *, p2p: str = "gloo") -> None:
     """Prove ``program`` sound: complete, inputs before use, messages matched, no deadlock.
 
+    ``p2p`` names the point-to-point rules the program must not hang under
+    (:mod:`funcpipe.schedule.p2p`): ``"gloo"`` (default; sends are buffered) or ``"nccl"``
+    (one FIFO stream per pair of ranks, both directions; an ungrouped SEND completes only when
+    the peer's RECV is at the head of its side; a group's members match together). Both
+    require the in-program collectives in the same order on every rank of their group.
+
     Raises :class:`~funcpipe.errors.ScheduleError` naming the rank, the step, the instruction and
-    the rule broken, with the rank x step table around the bad step.
+    the rule broken, with the rank x step table around the bad step; under ``"nccl"`` a hang
+    names both ranks, both instructions and their steps.
     """
-    simulate(program)  # the static rules (analysis.analyse), then the run that proves progress
+    simulate(program, p2p=p2p)  # the static rules (analysis.analyse), then the run

@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from funcpipe.errors import InvalidArgument
 from funcpipe.schedule.gen_common import build, check_int, check_sizes, placement_loop, placement_v
-from funcpipe.schedule.ir import COMM_OPS, GRAD, Instr, Op, Program, backward, forward
+from funcpipe.schedule.ir import (
+    COMM_OPS,
+    GRAD,
+    Instr,
+    Op,
+    Program,
+    backward,
+    forward,
+    keep_groups,
+)
 
 __all__ = [
     "forward_only",
@@ -212,5 +221,5 @@ def to_eval(program: Program) -> Program:
             f"to_eval takes a funcpipe.schedule.ir.Program, got {type(program).__name__}; build "
             "one with a generator (e.g. one_f_one_b) or parse_program(text)"
         )
-    ranks = tuple(tuple(i for i in instrs if _keeps(i)) for instrs in program.ranks)
+    ranks = tuple(keep_groups(instrs, _keeps) for instrs in program.ranks)
     return program.replace(ranks=ranks, training=False)

@@ -46,6 +46,7 @@ __all__ = [
     "format_table",
     "forward",
     "groups",
+    "keep_groups",
     "parse_instr",
     "parse_program",
     "recompute",
@@ -634,6 +635,27 @@ def groups(instrs: Sequence[Instr]) -> tuple[tuple[int, ...], ...]:
         else:
             out.append([t])
     return tuple(tuple(g) for g in out)
+
+
+def keep_groups(instrs: Sequence[Instr], keep: Callable[[Instr], bool]) -> tuple[Instr, ...]:
+    """The instructions for which ``keep`` is true; what is left of each communication group
+    stays one group (a SEND/RECV is joined to the one before it only if both are left of the
+    same group)."""
+    out: list[Instr] = []
+    group = -1  # the group of the last instruction kept
+    current = -1
+    for i in instrs:
+        if i.op in COMM_OPS and not i.joined:
+            current += 1
+        if not keep(i):
+            continue
+        if i.op in COMM_OPS:
+            i = i.join(bool(out) and out[-1].op in COMM_OPS and group == current)
+            group = current
+        else:
+            group = -1
+        out.append(i)
+    return tuple(out)
 
 
 def flatten(program: Program) -> Iterable[tuple[int, int, Instr]]:

@@ -8,7 +8,8 @@ concern at a time, into what the interpreter runs::
 
 - :func:`split_backward` / :func:`merge_backward`: B <-> I + W.
 - :func:`weights_after_sends`: on a lowered program, a B whose gradient SENDs follow it becomes
-  I, the SENDs, W: the input gradient leaves before the weight gradient is computed.
+  I, the communication after it, W: the input gradient leaves before the weight gradient is
+  computed.
 - :func:`add_recompute`: R before the backward of chosen stages.
 - :func:`add_reduce`: REDUCE after a stage's last gradient contribution (and Chimera replica sums).
 - :func:`add_communication`: SEND/RECV for every cross-rank edge (always the last pass).
@@ -16,14 +17,17 @@ concern at a time, into what the interpreter runs::
 
 Every pass places what it inserts so that the passes commute with :func:`add_communication`
 (``add_communication(split_backward(p)) == split_backward(add_communication(p))``, likewise for
-recompute and reduce), which the tests check. :func:`weights_after_sends` is the exception: it
-reads where the SENDs are, so it runs after :func:`add_communication`.
+recompute and reduce), which the tests check: on a lowered program a pass inserts only between
+two non-communication instructions or after the run of SEND/RECVs that follows one, never inside
+a communication group (``+``), and W, R and REDUCE exchange no messages, so
+:func:`add_communication` steps over them. :func:`weights_after_sends` is the exception: it reads
+where the SENDs are, so it runs after :func:`add_communication`.
 """
 
 from __future__ import annotations
 
 import re
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Iterable
 
 from funcpipe.errors import InvalidArgument, ScheduleError
@@ -43,6 +47,7 @@ from funcpipe.schedule.ir import (
     reduce,
     send,
 )
+from funcpipe.schedule.lowering import Message, place
 
 __all__ = [
     "add_communication",
@@ -207,19 +212,26 @@ def _already_lowered(program: Program) -> Program:
 
 
 def add_communication(program: Program) -> Program:
-    """Insert the SEND/RECV of every cross-rank edge, for every microbatch that uses it.
-
-    Placement (deadlock-free with asynchronous SENDs and blocking RECVs, FIFO per rank pair):
+    """Insert the SEND/RECV of every cross-rank edge, for every microbatch that uses it, in
+    communication groups that cannot hang under NCCL's rules (:mod:`funcpipe.schedule.lowering`
+    has the rules and why they hold):
 
     - each SEND goes right after the instruction producing its data (F for an activation, B or I
-      of the consumer stage for a gradient); several SENDs after one instruction are ordered by
-      (kind, edge);
-    - each RECV goes as late as possible: right before the first instruction on the receiving rank
-      that needs the data (F of the consumer, B or I of the producer). Because messages between two
-      ranks match in the order they were sent (NCCL has no tags), any message the same sender sent
-      earlier and that is not received yet is received there too, first, in sending order. Those
-      extra RECVs never wait longer than the needed one (their SENDs come earlier on the sender),
-      so the lowered program deadlocks exactly when the compute-only one does.
+      of the consumer stage for a gradient);
+    - each RECV is posted right after the last instruction before its consumer that itself sends
+      or receives (W, R and REDUCE are stepped over), together with that instruction's SENDs:
+      one group per peer (text: ``+`` joins an instruction to the group of the one before).
+      Messages between two ranks match in sending order (NCCL has no tags), so a RECV pulls any
+      earlier message from the same sender with it;
+    - where the two ends of a pair of ranks would post their groups in orders that hang under
+      NCCL (each sends before it receives the other's message), one RECV moves into the group
+      of the SEND it crossed;
+    - then each RECV moves one talking instruction earlier where that keeps both ends in the same
+      order, so its data arrives while that instruction runs (``simulate(..., p2p="nccl")``
+      shows the wait it saves).
+
+    The lowered program passes ``check(..., p2p="nccl")`` whenever the compute-only one passes
+    :func:`~funcpipe.schedule.check.check`, and runs as fast under ``p2p="gloo"``.
 
     Same-rank edges stay local. A program that is already fully lowered (it holds exactly the
     SEND/RECV set this pass would insert, wherever they are) is returned unchanged; a partially
@@ -233,41 +245,11 @@ def add_communication(program: Program) -> Program:
     if not msgs:
         return program
     where = _locate(program)
-    # SENDs: instruction index -> sends after it, per rank
-    after: dict[tuple[int, int], list[tuple[MessageKey, int]]] = defaultdict(list)
-    needs: dict[tuple[int, int], list[tuple[MessageKey, int]]] = defaultdict(list)
-    for key, src, dst in msgs:
-        after[_producer(program, key, where)].append((key, dst))
-        needs[_consumer(program, key, where)].append((key, src))
-    with_sends: list[list[Instr]] = []
-    sent: dict[tuple[int, int], deque[MessageKey]] = defaultdict(deque)  # (src, dst) -> FIFO
-    for r, instrs in enumerate(program.ranks):
-        out: list[Instr] = []
-        for t, i in enumerate(instrs):
-            out.append(i)
-            for key, dst in sorted(after.get((r, t), ())):
-                out.append(send(key[0], key[1], key[2], dst))
-                sent[(r, dst)].append(key)
-        with_sends.append(out)
-    ranks: list[list[Instr]] = []
-    for r in range(program.n_ranks):
-        received: set[MessageKey] = set()
-        out = []
-        t = 0
-        for i in with_sends[r]:
-            if i.op is Op.SEND:
-                out.append(i)
-                continue
-            for key, src in sorted(needs.get((r, t), ())):
-                queue = sent[(src, r)]
-                while key not in received:
-                    got = queue.popleft()  # present: every needed message has its SEND
-                    received.add(got)
-                    out.append(recv(got[0], got[1], got[2], src))
-            out.append(i)
-            t += 1
-        ranks.append(out)
-    return program.replace(ranks=tuple(tuple(r) for r in ranks))
+    placed = [
+        Message(key, src, dst, _producer(program, key, where)[1], _consumer(program, key, where)[1])
+        for key, src, dst in msgs
+    ]
+    return program.replace(ranks=place(program, placed))
 
 
 def strip_communication(program: Program) -> Program:
@@ -280,15 +262,10 @@ def strip_communication(program: Program) -> Program:
 
 
 # --------------------------------------------------------------------------------- backward split
-def _sends_of(instrs: tuple[Instr, ...], t: int, stage: int, microbatch: int) -> int:
-    """Index just past the gradient SENDs right after step ``t`` that carry (stage, microbatch)."""
+def _after_comm(instrs: tuple[Instr, ...], t: int) -> int:
+    """Index just past the SEND/RECVs right after step ``t`` (its groups are not split)."""
     u = t + 1
-    while u < len(instrs):
-        i = instrs[u]
-        if not (
-            i.op is Op.SEND and i.kind == GRAD and i.stage == stage and i.microbatch == microbatch
-        ):
-            break
+    while u < len(instrs) and instrs[u].op in COMM_OPS:
         u += 1
     return u
 
@@ -296,8 +273,9 @@ def _sends_of(instrs: tuple[Instr, ...], t: int, stage: int, microbatch: int) ->
 def split_backward(program: Program, *, stages: Iterable[int] | None = None) -> Program:
     """Replace each B(s, m) of ``stages`` (default: all) by I(s, m) followed by W(s, m).
 
-    The W goes right after the I; in a lowered program, after the gradient SENDs that follow the I
-    too, so the gradient leaves before the weight work starts. The timeline is unchanged (I costs
+    The W goes right after the I; in a lowered program, after the SEND/RECVs that follow the I
+    (its gradient SENDs and the RECVs posted with them), so the gradient leaves before the
+    weight work starts. The timeline is unchanged (I costs
     b, W costs w, B costs b + w); moving Ws later is a generator's job (zero-bubble schedules).
     """
     program = _program(program, "split_backward")
@@ -310,7 +288,7 @@ def split_backward(program: Program, *, stages: Iterable[int] | None = None) -> 
         while t < len(instrs):
             i = instrs[t]
             if i.op is Op.B and i.stage in chosen:
-                u = _sends_of(instrs, t, i.stage, i.microbatch)
+                u = _after_comm(instrs, t)
                 out.append(backward_input(i.stage, i.microbatch))
                 out.extend(instrs[t + 1 : u])
                 out.append(backward_weight(i.stage, i.microbatch))
@@ -326,16 +304,18 @@ def weights_after_sends(program: Program) -> Program:
     """Send each B's input gradient before computing its weight gradient.
 
     On a lowered program (after :func:`add_communication`), every ``B s m`` immediately followed
-    by one or more SENDs of that B's input gradients becomes ``I s m``, those SENDs, then
-    ``W s m``, so the peer can start its backward while this rank computes the weight gradient::
+    by SEND/RECVs among which is a SEND of that B's input gradient becomes ``I s m``, those
+    SEND/RECVs, then ``W s m``, so the peer can start its backward while this rank computes the
+    weight gradient::
 
-        rank 1: RECV grad s1>s2 m0 from r2; B s1 m0; SEND grad s0>s1 m0 to r0; F s1 m2
-             -> RECV grad s1>s2 m0 from r2; I s1 m0; SEND grad s0>s1 m0 to r0; W s1 m0; F s1 m2
+        rank 1: B s1 m0; SEND grad s0>s1 m0 to r0; + RECV act s0>s1 m2 from r0; F s1 m2
+             -> I s1 m0; SEND grad s0>s1 m0 to r0; + RECV act s0>s1 m2 from r0; W s1 m0; F s1 m2
 
     A B with no such SEND right after it (stage 0, a consumer on the same rank, another
-    instruction in between) stays whole, and nothing else moves: the messages, their order and
-    every RECV are unchanged, and a REDUCE placed after those SENDs (:func:`add_reduce`) now
-    follows the W. Idempotent; ``merge_backward(weights_after_sends(p)) == merge_backward(p)``.
+    instruction in between) stays whole, and nothing else moves: the messages, their groups,
+    their order and every RECV are unchanged, and a REDUCE placed after those SEND/RECVs
+    (:func:`add_reduce`) now follows the W. Idempotent;
+    ``merge_backward(weights_after_sends(p)) == merge_backward(p)``.
 
     The runtime runs a program as written and moves no work itself: this pass is how a program
     asks for its gradients to leave first, where the checker, the simulator (an I costs ``b``
@@ -358,8 +338,8 @@ def weights_after_sends(program: Program) -> Program:
         t = 0
         while t < len(instrs):
             i = instrs[t]
-            u = _sends_of(instrs, t, i.stage, i.microbatch) if i.op is Op.B else t + 1
-            if u > t + 1:
+            u = _after_comm(instrs, t) if i.op is Op.B else t + 1
+            if any(_gradient_of(j, i) for j in instrs[t + 1 : u]):
                 out.append(backward_input(i.stage, i.microbatch))
                 out.extend(instrs[t + 1 : u])
                 out.append(backward_weight(i.stage, i.microbatch))
@@ -370,11 +350,19 @@ def weights_after_sends(program: Program) -> Program:
     return program.replace(ranks=tuple(ranks))
 
 
+def _gradient_of(j: Instr, i: Instr) -> bool:
+    """Whether ``j`` SENDs an input gradient that backward ``i`` produced."""
+    return (
+        j.op is Op.SEND and j.kind == GRAD and j.stage == i.stage and j.microbatch == i.microbatch
+    )
+
+
 def merge_backward(program: Program, *, stages: Iterable[int] | None = None) -> Program:
     """Replace each I(s, m) ... W(s, m) pair of ``stages`` (default: all) by one B at the I.
 
     The I becomes a B and the W is dropped; nothing else moves. That is always sound: B needs
     exactly what I needs, and only REDUCEs (which come after the W) wait for the weight gradient.
+    (Dropping a W between two communication groups leaves them adjacent but separate.)
     ``merge_backward(split_backward(p)) == p``. Raises :class:`ScheduleError` for an I without its
     W on the same rank (or a W before its I).
     """
@@ -419,9 +407,11 @@ def add_recompute(program: Program, *, stages: Iterable[int]) -> Program:
     """Insert R(s, m) right before each B(s, m) or I(s, m) of ``stages`` (activation recompute).
 
     The forward of those stages then keeps only its input; R runs it again just before the
-    backward. In a lowered program R goes before the RECVs that immediately precede the backward,
-    so the recompute overlaps the wait for the gradient (and the pass commutes with
-    :func:`add_communication`). A stage-microbatch pair that already has its R is left alone.
+    backward. In a lowered program the RECVs the backward needs are posted before that (a RECV
+    only posts; the backward waits for the data), so the recompute overlaps the wait for the
+    gradient, and the pass commutes with :func:`add_communication`, which posts a RECV right
+    after the last instruction that sends or receives. A stage-microbatch pair that already has
+    its R is left alone.
     """
     program = _program(program, "add_recompute")
     _need_training(program, "add_recompute")
@@ -432,10 +422,7 @@ def add_recompute(program: Program, *, stages: Iterable[int]) -> Program:
         out: list[Instr] = []
         for i in instrs:
             if i.op in BACKWARD_OPS and i.stage in chosen and (i.stage, i.microbatch) not in have:
-                at = len(out)
-                while at > 0 and out[at - 1].op is Op.RECV:
-                    at -= 1
-                out.insert(at, recompute(i.stage, i.microbatch))
+                out.append(recompute(i.stage, i.microbatch))
             out.append(i)
         ranks.append(tuple(out))
     return program.replace(ranks=tuple(ranks))
@@ -465,7 +452,8 @@ def add_reduce(
     """Insert ``REDUCE s group`` right after stage s's last gradient contribution (B or W).
 
     ``stages`` (default: all) chooses the stages; in a lowered program the REDUCE also follows the
-    gradient SENDs right after that B. A stage that already has ``REDUCE s group`` is left alone.
+    SEND/RECVs right after that B (its gradient SENDs and the RECVs posted with them). A stage
+    that already has ``REDUCE s group`` is left alone.
 
     Replicas (``replica_of``, Chimera): stages sharing a params owner ``o`` must sum their
     gradients. Every rank holding replicas of ``o`` gets one ``REDUCE s replica:o``, naming the
@@ -507,7 +495,7 @@ def add_reduce(
                 rule="REDUCE comes after every gradient contribution (B or W) of its stage",
             )
         i = instrs[last]
-        inserts[(r, _sends_of(instrs, last, s, i.microbatch))].append(reduce(s, group))
+        inserts[(r, _after_comm(instrs, last))].append(reduce(s, group))
     tails: dict[int, list[Instr]] = defaultdict(list)
     for owner, members in sorted(classes.items()):
         members = [s for s in members if s in visited]

@@ -1,9 +1,12 @@
 """The simulator: predict a program's timeline, makespan, bubble and peak activations.
 
-Every rank runs its instructions in order. An instruction starts when its rank is free and its
-inputs exist (see :mod:`funcpipe.schedule.analysis`); it lasts its cost. SENDs are asynchronous and
-cost nothing; a RECV finishes ``comm`` after its SEND was issued; in a compute-only program data
-crossing ranks arrives ``comm`` after it was produced. The same run proves there is no deadlock.
+Every rank runs its instructions in order. A compute instruction starts when its rank is free and
+its inputs exist (see :mod:`funcpipe.schedule.analysis`); it lasts its cost. SEND and RECV cost
+the rank nothing: a rank posts them (a group at a time) and goes on; a RECV completes when its data
+arrives, which :mod:`funcpipe.schedule.p2p` models (``p2p="gloo"``: ``comm`` after the SEND was
+posted; ``p2p="nccl"``: ``comm`` after both ends reached the heads of their pair's stream), and the
+compute that reads the data waits for it. In a compute-only program data crossing ranks arrives
+``comm`` after it was produced. The same run proves there is no deadlock.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from dataclasses import dataclass, field
 
 from funcpipe.errors import InvalidArgument, ScheduleError
 from funcpipe.schedule.analysis import Analysis, analyse, fail
-from funcpipe.schedule.ir import COMPUTE_OPS, Instr, Op, Program
+from funcpipe.schedule.ir import COMM_OPS, COMPUTE_OPS, Instr, Op, Program, groups
+from funcpipe.schedule.p2p import Network, Why, check_p2p
 
 __all__ = ["Costs", "Event", "Timeline", "peak_activations", "peak_memory", "simulate"]
 
@@ -236,55 +240,101 @@ def _cost(
 
 
 def _deadlock(
-    analysis: Analysis, pc: list[int], finish: dict[tuple[int, int], float]
+    analysis: Analysis,
+    pc: list[int],
+    finish: dict[tuple[int, int], float],
+    net: Network,
+    p2p: str,
 ) -> ScheduleError:
     program = analysis.program
-    blocked = [r for r in range(program.n_ranks) if pc[r] < len(program.ranks[r])]
+    n = program.n_ranks
+
+    def blocked(r: int) -> tuple[int, int] | None:
+        return (r, pc[r]) if pc[r] < len(program.ranks[r]) else None
+
     lines = []
-    for r in blocked:
+    chains: list[Why] = []
+    for r in range(n):
         t = pc[r]
+        if t >= len(program.ranks[r]):
+            left = [s for (q, s) in net.posted if q == r and (q, s) not in finish]
+            if left:
+                lines.append(
+                    f"  rank {r} has run every instruction but step {min(left)} "
+                    f"({program.ranks[r][min(left)]}) never completes"
+                )
+                chains.append(net.explain((r, min(left)), blocked))
+            continue
         waits = [d for d in analysis.deps.get((r, t), ()) if (d.rank, d.step) not in finish]
         if waits:
             d = waits[0]
             what = f"waits for rank {d.rank}, step {d.step} ({program.ranks[d.rank][d.step]})"
+            if (d.rank, d.step) in net.posted:
+                chains.append(net.explain((d.rank, d.step), blocked))
         else:
             members = analysis.meetings.get((r, t), ())
             others = [f"rank {mr} step {mt}" for mr, mt in members if (mr, mt) != (r, t)]
             what = "waits for the other members of its REDUCE group: " + ", ".join(others)
         lines.append(f"  rank {r}, step {t} ({program.ranks[r][t]}) {what}")
-    r0 = blocked[0]
-    return fail(
-        program,
-        r0,
-        pc[r0],
-        "no deadlock: every rank can always make progress",
-        "deadlock; every unfinished rank is blocked:\n" + "\n".join(lines),
+    stuck = [(r, pc[r]) for r in range(n) if blocked(r) is not None]
+    mark = stuck[0] if stuck else min(x for x in net.posted if x not in finish)
+    detail = "deadlock; every unfinished rank is blocked:\n" + "\n".join(lines)
+    if chains:
+        why = next((w for w in chains if w.headline), chains[0])
+        if why.headline:
+            detail = f"deadlock: {why.headline}\n" + "\n".join(lines)
+            mark = why.mark
+        detail += "\nwho waits for whom:\n" + "\n".join(why.chain)
+    rule = (
+        "no deadlock under NCCL's point-to-point rules: one FIFO stream per pair of ranks, both "
+        "directions; a SEND/RECV group holds the head of its rank's side until all its members "
+        "matched; a SEND and its RECV match only when both are at the heads"
+        if p2p == "nccl"
+        else "no deadlock: every rank can always make progress"
     )
+    return fail(program, mark[0], mark[1], rule, detail)
 
 
-def simulate(program: Program, costs: Costs | None = None) -> Timeline:
+def simulate(program: Program, costs: Costs | None = None, *, p2p: str = "gloo") -> Timeline:
     """Run ``program`` on the cost model and return its :class:`Timeline`.
 
-    Raises :class:`~funcpipe.errors.ScheduleError` if the program is unsound (including deadlock).
+    ``p2p`` is the point-to-point model (:mod:`funcpipe.schedule.p2p`): ``"gloo"`` (default:
+    a SEND's data arrives ``comm`` after it is posted) or ``"nccl"`` (a message moves only when
+    its SEND and RECV are both at the heads of their ranks' sides of the pair's stream, then
+    takes ``comm``). Either way a RECV is *posted* where it stands and only the compute
+    instruction that reads its data waits, so a RECV posted a step early costs no wait when
+    its data arrives during the compute in between.
+
+    Raises :class:`~funcpipe.errors.ScheduleError` if the program is unsound (including a
+    deadlock under the ``p2p`` rules).
     """
     costs = Costs() if costs is None else costs
     if not isinstance(costs, Costs):
         raise InvalidArgument(f"costs={costs!r}: pass a funcpipe.schedule.Costs")
+    p2p = check_p2p(p2p, "simulate")
     analysis = analyse(program)
     f, b, w, full = (costs.per_stage(n, program) for n in ("f", "b", "w", "full"))
     n = program.n_ranks
     pc = [0] * n
     clock = [0.0] * n
     finish: dict[tuple[int, int], float] = {}
-    events: list[list[Event]] = [[] for _ in range(n)]
+    started: dict[tuple[int, int], float] = {}
     arrived: dict[tuple[int, int], float] = {}
-    remaining = sum(len(r) for r in program.ranks)
-    while remaining:
+    group_at = [{g[0]: g for g in groups(instrs)} for instrs in program.ranks]
+    net = Network(analysis, costs.comm, p2p, finish)
+    while True:
         progressed = False
         for r in range(n):
             instrs = program.ranks[r]
             while pc[r] < len(instrs):
                 t = pc[r]
+                i = instrs[t]
+                if i.op in COMM_OPS:  # posted at once, never waits
+                    steps = group_at[r][t]
+                    net.post(r, steps, clock[r])
+                    pc[r] += len(steps)
+                    progressed = True
+                    continue
                 ready = clock[r]
                 deps = analysis.deps.get((r, t), ())
                 if any((d.rank, d.step) not in finish for d in deps):
@@ -300,23 +350,29 @@ def simulate(program: Program, costs: Costs | None = None) -> Timeline:
                         break
                     start = max(arrived[m] for m in members)
                     for mr, mt in members:
-                        i = program.ranks[mr][mt]
-                        end = start + _cost(i, f, b, w, full, costs)
+                        end = start + _cost(program.ranks[mr][mt], f, b, w, full, costs)
+                        started[(mr, mt)] = start
                         finish[(mr, mt)] = clock[mr] = end
-                        events[mr].append(Event(mr, mt, i, start, end))
                         pc[mr] += 1
-                        remaining -= 1
                     progressed = True
                     continue
-                i = instrs[t]
-                end = ready + _cost(i, f, b, w, full, costs)
-                # a RECV spans the wait: from when the rank reached it to when the data arrived
-                start = clock[r] if i.op is Op.RECV else ready
-                finish[(r, t)] = clock[r] = end
-                events[r].append(Event(r, t, i, start, end))
+                started[(r, t)] = ready
+                finish[(r, t)] = clock[r] = ready + _cost(i, f, b, w, full, costs)
                 pc[r] += 1
-                remaining -= 1
                 progressed = True
+        if net.progress():
+            progressed = True
+        if all(pc[r] == len(program.ranks[r]) for r in range(n)) and not net.pending:
+            break
         if not progressed:
-            raise _deadlock(analysis, pc, finish)
-    return Timeline(program=program, events=tuple(tuple(e) for e in events), costs=costs)
+            raise _deadlock(analysis, pc, finish, net, p2p)
+    events = tuple(
+        tuple(
+            Event(
+                r, t, i, net.posted[(r, t)] if i.op in COMM_OPS else started[(r, t)], finish[(r, t)]
+            )
+            for t, i in enumerate(instrs)
+        )
+        for r, instrs in enumerate(program.ranks)
+    )
+    return Timeline(program=program, events=events, costs=costs)

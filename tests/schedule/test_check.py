@@ -207,14 +207,37 @@ def test_header_after_a_rank_section_is_reported() -> None:
 def test_deadlock_message_lists_every_blocked_rank() -> None:
     text = (
         "placement 0 1 0\nmicrobatches 1\nmode eval\n"
-        "rank 0: RECV act s1>s2 m0 from r1; F s0 m0; SEND act s0>s1 m0 to r1; F s2 m0\n"
+        "rank 0: RECV act s1>s2 m0 from r1; F s2 m0; F s0 m0; SEND act s0>s1 m0 to r1\n"
         "rank 1: RECV act s0>s1 m0 from r0; F s1 m0; SEND act s1>s2 m0 to r0\n"
     )
     with pytest.raises(ScheduleError, match="deadlock") as info:
         check(parse_program(text))
     msg = str(info.value)
-    assert "rank 0, step 0 (RECV act s1>s2 m0 from r1) waits for rank 1, step 2" in msg
-    assert "rank 1, step 0 (RECV act s0>s1 m0 from r0) waits for rank 0, step 2" in msg
+    assert "rank 0, step 1 (F s2 m0) waits for rank 0, step 0 (RECV act s1>s2 m0 from r1)" in msg
+    assert "rank 1, step 1 (F s1 m0) waits for rank 1, step 0 (RECV act s0>s1 m0 from r0)" in msg
+    assert (
+        "rank 0 step 0 `RECV act s1>s2 m0 from r1` waits for rank 1 step 2 "
+        "`SEND act s1>s2 m0 to r0`, which rank 1 has not posted: rank 1 is stuck at step 1 "
+        "`F s1 m0`"
+    ) in msg
+
+
+def test_a_receive_is_posted_where_it_stands() -> None:
+    # each rank posts its RECV before it computes and sends: only the F that reads the data
+    # waits, so this runs with buffered sends (gloo); on one NCCL stream per pair both RECVs
+    # hold the heads and neither SEND behind them can match
+    text = (
+        "placement 0 1 0\nmicrobatches 1\nmode eval\n"
+        "rank 0: RECV act s1>s2 m0 from r1; F s0 m0; SEND act s0>s1 m0 to r1; F s2 m0\n"
+        "rank 1: RECV act s0>s1 m0 from r0; F s1 m0; SEND act s1>s2 m0 to r0\n"
+    )
+    check(parse_program(text))
+    with pytest.raises(ScheduleError, match="deadlock") as info:
+        check(parse_program(text), p2p="nccl")
+    assert (
+        "rank 0 step 0 `RECV act s1>s2 m0 from r1` and rank 1 step 0 `RECV act s0>s1 m0 from r0` "
+        "both wait on the r0-r1 stream for a SEND queued behind the other's RECV"
+    ) in str(info.value)
 
 
 def test_in_program_collective_meets_and_can_deadlock() -> None:

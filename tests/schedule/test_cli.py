@@ -18,12 +18,13 @@ rank 0: F s0 m0; F s0 m1; B s0 m0; B s0 m1
 rank 1: F s1 m0; B s1 m0; F s1 m1; B s1 m1
 """
 
-# both ranks wait for the other's message first
+# each rank needs the other's data before it computes what it sends
 DEADLOCK = """\
-placement 0 1
+placement 0 1 0
 microbatches 1
-rank 0: RECV grad s0>s1 m0 from r1; F s0 m0; SEND act s0>s1 m0 to r1; B s0 m0
-rank 1: RECV act s0>s1 m0 from r0; F s1 m0; B s1 m0; SEND grad s0>s1 m0 to r0
+mode eval
+rank 0: RECV act s1>s2 m0 from r1; F s2 m0; F s0 m0; SEND act s0>s1 m0 to r1
+rank 1: RECV act s0>s1 m0 from r0; F s1 m0; SEND act s1>s2 m0 to r0
 """
 
 
@@ -54,8 +55,8 @@ def test_check_deadlock_exits_1_naming_the_rank(
     assert main(["check", str(path)]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert "rank 0, step 0" in captured.err and "deadlock" in captured.err
-    assert "rank 1, step 0" in captured.err
+    assert "rank 0, step 1" in captured.err and "deadlock" in captured.err
+    assert "rank 1, step 1" in captured.err
 
 
 def test_check_unparsable_and_unsound_files_exit_1(

@@ -48,7 +48,7 @@ def _retarget(draw: st.DrawFn, i: Instr) -> Instr:
 
 
 @st.composite
-def mutated(draw: st.DrawFn) -> tuple[Program, list[str]]:
+def mutated(draw: st.DrawFn) -> tuple[Program, list[list[Instr]], list[str]]:
     program = draw(programs())
     ranks = [list(r) for r in program.ranks]
     done = []
@@ -57,7 +57,7 @@ def mutated(draw: st.DrawFn) -> tuple[Program, list[str]]:
         if not ranks[r]:
             continue
         t = draw(st.integers(0, len(ranks[r]) - 1))
-        kind = draw(st.sampled_from(["drop", "duplicate", "swap", "retarget", "move"]))
+        kind = draw(st.sampled_from(["drop", "duplicate", "swap", "retarget", "move", "regroup"]))
         done.append(f"{kind} r{r} t{t}")
         if kind == "drop":
             del ranks[r][t]
@@ -68,22 +68,27 @@ def mutated(draw: st.DrawFn) -> tuple[Program, list[str]]:
             ranks[r][t], ranks[r][u] = ranks[r][u], ranks[r][t]
         elif kind == "retarget":
             ranks[r][t] = _retarget(draw, ranks[r][t])
+        elif kind == "regroup":  # join a SEND/RECV to the one before it, or split it off
+            ranks[r][t] = dataclasses.replace(ranks[r][t], joined=not ranks[r][t].joined)
         else:
             q = draw(st.integers(0, len(ranks) - 1))
             ranks[q].insert(draw(st.integers(0, len(ranks[q]))), ranks[r].pop(t))
-    return program.replace(ranks=tuple(tuple(x) for x in ranks)), done
+    return program, ranks, done
 
 
-@given(mutated())
-def test_mutations_are_valid_or_schedule_errors(case: tuple[Program, list[str]]) -> None:
-    program, _ = case
+@given(mutated(), st.sampled_from(["gloo", "nccl"]))
+def test_mutations_are_valid_or_schedule_errors(
+    case: tuple[Program, list[list[Instr]], list[str]], p2p: str
+) -> None:
+    original, ranks, _ = case
     try:
-        check(program)
+        program = original.replace(ranks=tuple(tuple(x) for x in ranks))
+        check(program, p2p=p2p)
     except ScheduleError as e:
         assert e.rule, "every ScheduleError names its rule"
         return
     # still valid: it must simulate and round-trip through its text form
-    simulate(program)
+    simulate(program, p2p=p2p)
     assert parse_program(program.to_text()) == program
 
 
@@ -107,6 +112,7 @@ _TOKENS = st.sampled_from(
         "SEND",
         "RECV",
         "REDUCE",
+        "+",
         "act",
         "grad",
         "to",

@@ -22,7 +22,9 @@ from funcpipe.schedule.ir import (
     backward,
     backward_input,
     backward_weight,
+    flatten,
     forward,
+    groups,
     parse_program,
     recompute,
     recv,
@@ -159,8 +161,51 @@ def fifo_pairs(program: Program) -> dict[tuple[int, int], tuple[list, list]]:  #
     return pairs
 
 
+def talking(program: Program) -> dict[tuple[int, int], Instr]:
+    """(rank, step) -> instruction, for every instruction that produces or consumes a message."""
+    at = {(i.op, i.stage, i.microbatch): (r, t) for r, t, i in flatten(program)}
+    out = {}
+    for (kind, (a, b), m), _, _ in messages(program):
+        made = [(Op.F, a, m)] if kind == ACT else [(Op.B, b, m), (Op.I, b, m)]
+        used = [(Op.F, b, m)] if kind == ACT else [(Op.B, a, m), (Op.I, a, m)]
+        for key in (*made, *used):
+            if key in at:
+                out[at[key]] = program.ranks[at[key][0]][at[key][1]]
+    return out
+
+
+def positions(program: Program) -> dict[tuple[int, int, tuple[str, tuple[int, int], int]], int]:
+    """(rank, op as 0 SEND / 1 RECV, message) -> how many non-communication instructions come
+    before it on its rank: equal numbers on one pair are one group (one group per peer per run)."""
+    out = {}
+    for r, instrs in enumerate(program.ranks):
+        seen = 0
+        for i in instrs:
+            if i.op in COMM_OPS:
+                out[(r, int(i.op is Op.RECV), i.key)] = seen
+            else:
+                seen += 1
+    return out
+
+
+def assert_no_crossing(program: Program) -> None:
+    """Both ends of every pair post its messages in orders that agree (ties: one group)."""
+    at = positions(program)
+    for (src, dst), (sent, _) in fifo_pairs(program).items():
+        for x in sent:  # src -> dst
+            for (s2, d2), (back, _) in fifo_pairs(program).items():
+                if (s2, d2) != (dst, src):
+                    continue
+                for y in back:  # dst -> src
+                    on_src = (at[(src, 0, x)], at[(src, 1, y)])
+                    on_dst = (at[(dst, 1, x)], at[(dst, 0, y)])
+                    assert not (on_src[0] < on_src[1] and on_dst[1] < on_dst[0]), (x, y)
+                    assert not (on_src[1] < on_src[0] and on_dst[0] < on_dst[1]), (x, y)
+
+
 def assert_lowered_well(compute: Program, lowered: Program) -> None:
     check(lowered)
+    check(lowered, p2p="nccl")
     assert strip_communication(lowered) == compute
     for (src, dst), (sent, got) in fifo_pairs(lowered).items():
         assert sent == got, f"FIFO broken between rank {src} and rank {dst}"
@@ -170,31 +215,28 @@ def assert_lowered_well(compute: Program, lowered: Program) -> None:
         for i in instrs
         if i.op is Op.SEND
     }
-    for instrs in lowered.ranks:
+    assert_no_crossing(lowered)
+    talks = talking(lowered)
+    for r, instrs in enumerate(lowered.ranks):
+        steps = groups(instrs)
+        for g in steps:  # one peer per group, its SENDs first
+            members = [instrs[t] for t in g]
+            assert len({i.peer for i in members}) == 1, members
+            ops = [i.op for i in members]
+            assert ops == sorted(ops, key=lambda op: op is Op.RECV), members
         for t, i in enumerate(instrs):
-            if i.op is Op.SEND:  # right after its producer (or after the SENDs following it)
-                u = t - 1
-                while instrs[u].op is Op.SEND:
-                    u -= 1
+            if i.op not in COMM_OPS:
+                continue
+            u = t - 1
+            while u >= 0 and instrs[u].op in COMM_OPS:
+                u -= 1
+            # every run of SEND/RECVs follows an instruction that talks (or starts the rank)
+            assert u < 0 or (r, u) in talks, f"rank {r} step {t}: {i} follows {instrs[u]}"
+            if i.op is Op.SEND:  # in the run right after its producer
                 a, b = i.edge
                 made = (Op.F, a) if i.kind == ACT else (instrs[u].op, b)
                 assert (instrs[u].op, instrs[u].stage) == made and instrs[u].op is not Op.W
                 assert instrs[u].microbatch == i.microbatch
-            if i.op is Op.RECV and instrs[t + 1].op is not Op.RECV:
-                # as late as possible: the last RECV from each sender in a run feeds the next instr
-                u = t
-                while u >= 0 and instrs[u].op is Op.RECV:
-                    u -= 1
-                run = instrs[u + 1 : t + 1]
-                user = instrs[t + 1]
-                last = {j.peer: j for j in run}
-                for j in last.values():
-                    a, b = j.edge
-                    if j.kind == ACT:
-                        assert (user.op, user.stage) == (Op.F, b)
-                    else:
-                        assert user.op in (Op.B, Op.I) and user.stage == a
-                    assert user.microbatch == j.microbatch
 
 
 # ------------------------------------------------------------------ add_communication
@@ -213,12 +255,15 @@ def test_two_stage_1f1b_exactly() -> None:
         microbatches 2
         rank 0
           F s0 m0; SEND act s0>s1 m0 to r1
-          F s0 m1; SEND act s0>s1 m1 to r1
-          RECV grad s0>s1 m0 from r1; B s0 m0
-          RECV grad s0>s1 m1 from r1; B s0 m1
+          F s0 m1; SEND act s0>s1 m1 to r1; + RECV grad s0>s1 m0 from r1
+          + RECV grad s0>s1 m1 from r1  # posted one step early: the group after B s0 m0 sends nothing
+          B s0 m0
+          B s0 m1
         rank 1
-          RECV act s0>s1 m0 from r0; F s1 m0; B s1 m0; SEND grad s0>s1 m0 to r0
-          RECV act s0>s1 m1 from r0; F s1 m1; B s1 m1; SEND grad s0>s1 m1 to r0
+          RECV act s0>s1 m0 from r0; F s1 m0
+          B s1 m0; SEND grad s0>s1 m0 to r0; + RECV act s0>s1 m1 from r0
+          F s1 m1
+          B s1 m1; SEND grad s0>s1 m1 to r0
         """
     )
     assert got == want.replace(name="1f1b")
@@ -229,17 +274,17 @@ def test_skip_edges_get_their_own_messages() -> None:
     got = add_communication(p)
     assert [str(i) for i in got.ranks[0]] == [
         "F s0 m0",
-        "SEND act s0>s1 m0 to r1",
+        "SEND act s0>s1 m0 to r1",  # one group per peer
+        "+ RECV grad s0>s1 m0 from r1",
         "SEND act s0>s2 m0 to r2",
-        "RECV grad s0>s1 m0 from r1",
-        "RECV grad s0>s2 m0 from r2",
+        "+ RECV grad s0>s2 m0 from r2",
         "B s0 m0",
     ]
     assert [str(i) for i in got.ranks[1]] == [
         "RECV act s0>s1 m0 from r0",
         "F s1 m0",
         "SEND act s1>s2 m0 to r2",
-        "RECV grad s1>s2 m0 from r2",
+        "+ RECV grad s1>s2 m0 from r2",
         "B s1 m0",
         "SEND grad s0>s1 m0 to r0",
     ]
@@ -252,6 +297,7 @@ def test_skip_edges_get_their_own_messages() -> None:
         "SEND grad s1>s2 m0 to r1",
     ]
     check(got)
+    check(got, p2p="nccl")
 
 
 def test_same_rank_edges_stay_local() -> None:
@@ -283,7 +329,7 @@ def test_fifo_pulls_earlier_messages_forward() -> None:
     got = add_communication(p)
     assert [str(i) for i in got.ranks[1]] == [
         "RECV act s0>s1 m0 from r0",
-        "RECV act s0>s1 m1 from r0",
+        "+ RECV act s0>s1 m1 from r0",
         "F s1 m1",
         "F s1 m0",
     ]
@@ -497,16 +543,21 @@ def test_lower_composes_in_order() -> None:
 
 # ------------------------------------------------------------------ weights after sends
 def _gradient_sends(instrs: tuple[Instr, ...], t: int) -> int:
-    """How many SENDs of the gradients of instrs[t]'s (stage, microbatch) follow it directly."""
+    """The length of the SEND/RECV run right after instrs[t] if it SENDs a gradient of instrs[t]'s
+    (stage, microbatch), else 0."""
     i, n = instrs[t], 0
-    while t + 1 + n < len(instrs):
-        j = instrs[t + 1 + n]
-        if not (j.op is Op.SEND and j.kind == GRAD and j.key[1][1] == i.stage):
-            break
-        if j.microbatch != i.microbatch:
-            break
+    while t + 1 + n < len(instrs) and instrs[t + 1 + n].op in COMM_OPS:
         n += 1
-    return n
+    run = instrs[t + 1 : t + 1 + n]
+    mine = [
+        j
+        for j in run
+        if j.op is Op.SEND
+        and j.kind == GRAD
+        and j.key[1][1] == i.stage
+        and j.microbatch == i.microbatch
+    ]
+    return n if mine else 0
 
 
 def _work(program: Program) -> Counter[tuple[Op, int, int]]:
@@ -522,9 +573,10 @@ def _work(program: Program) -> Counter[tuple[Op, int, int]]:
 
 
 def assert_weights_after_sends(lowered: Program, got: Program) -> None:
-    """``got`` is ``lowered`` with each B directly followed by its gradient SENDs rewritten as
-    I, those SENDs, W; nothing else differs."""
+    """``got`` is ``lowered`` with each B directly followed by SEND/RECVs that send its
+    gradient rewritten as I, those SEND/RECVs, W; nothing else differs."""
     check(got)
+    check(got, p2p="nccl")
     assert weights_after_sends(got) == got  # idempotent
     assert _work(got) == _work(lowered)
     assert merge_backward(got) == merge_backward(lowered)
@@ -560,8 +612,9 @@ def test_weights_after_sends_on_two_stage_1f1b() -> None:
     lowered = add_communication(one_f_one_b(2, 2))
     got = weights_after_sends(lowered)
     assert [str(i) for i in got.ranks[1]] == [
-        "RECV act s0>s1 m0 from r0", "F s1 m0", "I s1 m0", "SEND grad s0>s1 m0 to r0", "W s1 m0",
-        "RECV act s0>s1 m1 from r0", "F s1 m1", "I s1 m1", "SEND grad s0>s1 m1 to r0", "W s1 m1",
+        "RECV act s0>s1 m0 from r0", "F s1 m0",
+        "I s1 m0", "SEND grad s0>s1 m0 to r0", "+ RECV act s0>s1 m1 from r0", "W s1 m0",
+        "F s1 m1", "I s1 m1", "SEND grad s0>s1 m1 to r0", "W s1 m1",
     ]  # fmt: skip
     assert got.ranks[0] == lowered.ranks[0]  # stage 0 sends no gradient: its B stay whole
     assert_weights_after_sends(lowered, got)
@@ -737,6 +790,7 @@ def test_messages_lists_each_cross_rank_edge_once_per_visit() -> None:
     assert len(got) == 3 * 2 * 2
     assert ((ACT, (0, 2), 1), 0, 2) in got
     assert ((GRAD, (0, 2), 1), 2, 0) in got
-    assert send(ACT, (0, 2), 1, 2) in add_communication(p).ranks[0]
-    assert recv(GRAD, (0, 2), 1, 2) in add_communication(p).ranks[0]
+    sent = add_communication(p).ranks[0]
+    assert send(ACT, (0, 2), 1, 2) in [i.join(False) for i in sent if i.op is Op.SEND]
+    assert recv(GRAD, (0, 2), 1, 2) in [i.join(False) for i in sent if i.op is Op.RECV]
     assert recompute(0, 0).op is Op.R

@@ -1,0 +1,300 @@
+"""How SEND and RECV complete: the point-to-point models the simulator and the checker run.
+
+A rank *posts* its communication in program order, one group at a time (:func:`ir.groups`: a
+SEND/RECV and the ones joined to it with ``+``), and never waits to post; a compute instruction
+waits for the RECVs whose data it reads. Two models say when a posted message completes:
+
+``gloo`` (buffered sends)
+    A SEND completes when it is posted; its data reaches the peer ``comm`` later and completes
+    the matching RECV (or at its posting, when the data came first). Groups change nothing.
+
+``nccl`` (one stream per pair of ranks, both directions)
+    Each pair of ranks has one FIFO stream with one side per rank. A rank's group is appended
+    to its side of the stream of every pair it touches and stays at the head of those sides
+    until *all* its members have matched; only then does the next entry of each side move up.
+    A SEND and its RECV match when both are at the heads of their sides (their data then
+    arrives ``comm`` later). So two ranks whose next entries on their shared stream are both
+    SENDs, each to a RECV queued behind the other's SEND, wait forever: gloo's buffering hides
+    that, NCCL hangs (a send larger than NCCL's buffers completes only when the peer's receive
+    runs). A group is posted at once: a SEND and a RECV in one group can match in either order.
+
+:class:`Network` is that state for one run; the simulator calls :meth:`Network.post` when a rank
+reaches a group and :meth:`Network.progress` until nothing moves. When a run is stuck,
+:meth:`Network.explain` follows who waits for whom to the cycle and names both ends.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from funcpipe.errors import InvalidArgument
+from funcpipe.schedule.analysis import Analysis
+from funcpipe.schedule.ir import Op
+
+__all__ = ["P2P", "Network", "Why", "check_p2p"]
+
+P2P = ("gloo", "nccl")
+
+Step = tuple[int, int]  # (rank, step)
+
+
+def check_p2p(p2p: object, fn: str) -> str:
+    if p2p not in P2P:
+        raise InvalidArgument(
+            f"{fn}: p2p={p2p!r}; the point-to-point models are 'gloo' (buffered sends) and "
+            "'nccl' (one stream per pair of ranks: groups must be posted so that it cannot hang)"
+        )
+    return str(p2p)
+
+
+@dataclass(frozen=True)
+class Why:
+    """Why a run is stuck: one sentence naming both ends of a cycle of waits (empty when the
+    chain ends without one), every link of the chain, and the instruction to mark."""
+
+    headline: str
+    chain: tuple[str, ...]
+    mark: Step
+
+
+@dataclass
+class _Entry:
+    """One group's members on one side of one pair's stream."""
+
+    group: int
+    members: list[Step]
+    posted: float
+    head: float | None = None  # when it reached the head of its side
+
+
+@dataclass
+class _Group:
+    rank: int
+    steps: tuple[int, ...]
+    posted: float
+    pairs: list[tuple[int, int]] = field(default_factory=list)
+    unmatched: int = 0
+    done: float | None = None
+
+
+class Network:
+    """The posted communication of one run under ``p2p`` (``"gloo"`` or ``"nccl"``).
+
+    ``finish`` is the simulator's table of finished instructions: the network writes the time a
+    SEND or RECV completes (a RECV: when its data is there).
+    """
+
+    def __init__(
+        self, analysis: Analysis, comm: float, p2p: str, finish: dict[Step, float]
+    ) -> None:
+        self.a = analysis
+        self.p = analysis.program
+        self.comm = comm
+        self.nccl = p2p == "nccl"
+        self.finish = finish
+        self.posted: dict[Step, float] = {}
+        self.groups: list[_Group] = []
+        self.group_of: dict[Step, int] = {}
+        # (low rank, high rank) -> {rank: its side of that pair's stream}
+        self.sides: dict[tuple[int, int], dict[int, deque[_Entry]]] = {}
+        self.entry_of: dict[Step, _Entry] = {}
+
+    # ------------------------------------------------------------------ posting
+    def post(self, rank: int, steps: tuple[int, ...], time: float) -> None:
+        """Rank ``rank`` posts the group made of ``steps`` at ``time``."""
+        for t in steps:
+            self.posted[(rank, t)] = time
+        if not self.nccl:
+            for t in steps:
+                self._gloo(rank, t)
+            return
+        g = len(self.groups)
+        group = _Group(rank, steps, time, unmatched=len(steps))
+        self.groups.append(group)
+        by_pair: dict[tuple[int, int], list[Step]] = {}
+        for t in steps:
+            self.group_of[(rank, t)] = g
+            peer = self.p.ranks[rank][t].peer
+            by_pair.setdefault((min(rank, peer), max(rank, peer)), []).append((rank, t))
+        for pair, members in by_pair.items():
+            group.pairs.append(pair)
+            side = self.sides.setdefault(pair, {pair[0]: deque(), pair[1]: deque()})[rank]
+            entry = _Entry(g, members, time)
+            if not side:
+                entry.head = time
+            side.append(entry)
+            for m in members:
+                self.entry_of[m] = entry
+
+    def _gloo(self, rank: int, t: int) -> None:
+        me = (rank, t)
+        other = self.a.partner.get(me)
+        if self.p.ranks[rank][t].op is Op.SEND:
+            self.finish[me] = self.posted[me]
+            if other is not None and other in self.posted and other not in self.finish:
+                self.finish[other] = max(self.posted[other], self.posted[me] + self.comm)
+        elif other is not None and other in self.posted:
+            self.finish[me] = max(self.posted[me], self.posted[other] + self.comm)
+
+    # ------------------------------------------------------------------ matching (nccl)
+    def progress(self) -> bool:
+        """Match every SEND/RECV pair at the heads of their sides, retire finished groups;
+        True if anything moved."""
+        if not self.nccl:
+            return False
+        moved = False
+        changed = True
+        while changed:
+            changed = False
+            for pair, sides in self.sides.items():
+                lo, hi = sides[pair[0]], sides[pair[1]]
+                if not lo or not hi:
+                    continue
+                a, b = lo[0], hi[0]
+                for m in a.members:
+                    if m in self.finish:
+                        continue
+                    other = self.a.partner[m]
+                    if self.entry_of.get(other) is b:
+                        at = max(a.head or 0.0, b.head or 0.0) + self.comm
+                        self.finish[m] = self.finish[other] = at
+                        for x in (m, other):
+                            self.groups[self.group_of[x]].unmatched -= 1
+                        changed = moved = True
+            for g in list(self._heads()):
+                group = self.groups[g]
+                if group.unmatched == 0 and group.done is None:
+                    group.done = max(self.finish[(group.rank, t)] for t in group.steps)
+                    for pair in group.pairs:
+                        side = self.sides[pair][group.rank]
+                        side.popleft()
+                        if side:
+                            side[0].head = max(side[0].posted, group.done)
+                    changed = moved = True
+        return moved
+
+    def _heads(self) -> set[int]:
+        return {side[0].group for sides in self.sides.values() for side in sides.values() if side}
+
+    @property
+    def pending(self) -> bool:
+        """Whether some posted group has not completed (nccl) or some RECV has no data."""
+        return any(s not in self.finish for s in self.posted)
+
+    # ------------------------------------------------------------------ why it is stuck
+    def explain(self, start: Step, blocked: Callable[[int], Step | None]) -> Why:
+        """Why posted SEND/RECV ``start`` never completes: the chain of waits, followed until it
+        closes a cycle. ``blocked(rank)`` is the instruction a rank is stuck at (None: done)."""
+        seen: list[Step] = []
+        lines: list[str] = []
+        x = start
+        while x not in seen:
+            seen.append(x)
+            line, nxt = self._why(x, blocked)
+            lines.append(line)
+            if nxt is None:
+                break
+            x = nxt
+        if x in seen and len(seen) > 1:
+            cycle = seen[seen.index(x) :]
+            head = self._headline(cycle)
+            if head:
+                return Why(head, tuple(lines), cycle[0])
+        return Why("", tuple(lines), start)
+
+    def _text(self, x: Step) -> str:
+        r, t = x
+        return f"rank {r} step {t} `{self.p.ranks[r][t]}`"
+
+    def _why(self, x: Step, blocked: Callable[[int], Step | None]) -> tuple[str, Step | None]:
+        """One link: what posted SEND/RECV ``x`` waits for, and the next SEND/RECV to follow."""
+        p = self.p
+        r, t = x
+        i = p.ranks[r][t]
+        other = self.a.partner[x]
+        q, u = other
+        stream = f"r{min(r, q)}-r{max(r, q)}"
+        mine = self.entry_of.get(x)
+        side = self.sides.get((min(r, q), max(r, q)), {}).get(r)
+        if self.nccl and mine is not None and side and side[0] is not mine:
+            front = side[0].members[0]
+            return (
+                f"  {self._text(x)} is queued on the {stream} stream behind "
+                f"{self._text(front)}, which has not completed",
+                self._stuck_member(side[0]),
+            )
+        if other not in self.posted:
+            at = blocked(q)
+            where = (
+                "has finished" if at is None else f"is stuck at step {at[1]} `{p.ranks[q][at[1]]}`"
+            )
+            line = (
+                f"  {self._text(x)} waits for rank {q} step {u} `{p.ranks[q][u]}`, which rank {q} "
+                f"has not posted: rank {q} {where}"
+            )
+            return line, None if at is None else self._waited(at)
+        theirs = self.entry_of.get(other)
+        side = self.sides.get((min(r, q), max(r, q)), {}).get(q)
+        if self.nccl and theirs is not None and side and side[0] is not theirs:
+            front = side[0].members[0]
+            kind = "RECV" if i.op is Op.SEND else "SEND"
+            return (
+                f"  {self._text(x)} waits for its {kind} {self._text(other)}, queued on the "
+                f"{stream} stream behind {self._text(front)}",
+                self._stuck_member(side[0]),
+            )
+        if not self.nccl:  # gloo: a RECV waits only for its SEND to be posted
+            return f"  {self._text(x)} waits for {self._text(other)}", None
+        group = self.groups[self.group_of[x]]
+        rest = [s for s in group.steps if (r, s) not in self.finish]
+        return (
+            f"  {self._text(x)} has matched but its group waits for {self._text((r, rest[0]))}"
+            if rest
+            else f"  {self._text(x)} is stuck",
+            (r, rest[0]) if rest else None,
+        )
+
+    def _stuck_member(self, entry: _Entry) -> Step:
+        """A member of ``entry``'s group that has not matched (the reason it holds the head)."""
+        group = self.groups[entry.group]
+        for m in entry.members:
+            if m not in self.finish:
+                return m
+        return next((group.rank, t) for t in group.steps if (group.rank, t) not in self.finish)
+
+    def _waited(self, at: Step) -> Step | None:
+        """The posted SEND/RECV a blocked compute instruction or REDUCE waits for, if any."""
+        for d in self.a.deps.get(at, ()):
+            dep = (d.rank, d.step)
+            if dep not in self.finish and dep in self.posted:
+                return dep
+        return None
+
+    def _headline(self, cycle: list[Step]) -> str:
+        """One sentence for a cycle of waits: both ranks, both instructions, the rule."""
+        ends = [cycle[0], *[x for x in cycle[1:] if x[0] != cycle[0][0]][:1]]
+        if len(ends) < 2:
+            return ""
+        (r, t), (q, u) = ends
+        i, j = self.p.ranks[r][t], self.p.ranks[q][u]
+        if not self.nccl:
+            return f"{self._text(ends[0])} and {self._text(ends[1])} wait for each other"
+        stream = f"r{min(r, q)}-r{max(r, q)}"
+        if i.op is j.op and i.peer == q and j.peer == r:
+            want = "RECV" if i.op is Op.SEND else "SEND"
+            return (
+                f"{self._text(ends[0])} and {self._text(ends[1])} both wait on the {stream} "
+                f"stream for a {want} queued behind the other's {i.op.value}; post them in one "
+                "group (add_communication does), or post the RECV first on one of the ranks"
+                if i.op is Op.SEND
+                else f"{self._text(ends[0])} and {self._text(ends[1])} both wait on the {stream} "
+                f"stream for a {want} queued behind the other's {i.op.value}; post the SEND "
+                "first on one of the ranks, or both in one group (add_communication does)"
+            )
+        return (
+            f"{self._text(ends[0])} and {self._text(ends[1])} wait for each other through the "
+            "streams and compute below; post the messages of each step in one group "
+            "(add_communication does)"
+        )
