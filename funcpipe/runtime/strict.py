@@ -54,8 +54,10 @@ class Op:
         self.kind, self.peer, self.index, self.label = kind, peer, index, label
 
     def __str__(self) -> str:
+        if self.label:  # e.g. the instruction's text (a joined one's "+ " dropped)
+            return self.label.removeprefix("+").strip()
         way = "to" if self.kind == SEND else "from"
-        return f"{self.label or self.kind.upper()} ({way} r{self.peer})"
+        return f"{self.kind.upper()} ({way} r{self.peer})"
 
 
 class Group:

@@ -363,6 +363,8 @@ class LocalTransport(_Counters):
 
     def post(self, ops: Sequence[P2P]) -> list[Handle]:
         self.held.reap()
+        if not ops:
+            return []
         if self.world.strict:
             return self._post_strict(ops)
         handles: list[Handle] = []
@@ -645,6 +647,8 @@ class DistTransport(_Counters):
     def post(self, ops: Sequence[P2P]) -> list[Handle]:
         dist = self.dist
         self.held.reap()
+        if not ops:
+            return []
         group = None
         if self.strict is not None:
             group = self.strict.post([(op.op, op.peer, op.label) for op in ops])

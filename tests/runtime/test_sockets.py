@@ -269,3 +269,29 @@ def test_messages_of_many_sizes_leave_no_garbage() -> None:
         gc.enable()
         a.close()
         b.close()
+
+
+def test_a_send_is_done_once_the_kernel_has_its_bytes_and_lets_the_tensor_go() -> None:
+    import weakref
+
+    a, b = _pair()
+    try:
+        small = torch.randn(16)
+        gone = weakref.ref(small)
+        sent = a.send(small, 1)
+        assert sent.ready()  # a few bytes: the kernel took them at once
+        del small
+        assert gone() is None  # the channel kept nothing of it
+        big = torch.randn(8 << 20)  # 32 MB: more than the kernel buffers hold
+        sent_big = a.send(big, 1)
+        assert not sent_big.ready()  # still queued until rank 1 reads
+        buf_small, buf_big = torch.empty(16), torch.empty(8 << 20)
+
+        def recv() -> None:
+            b.recv([buf_small, buf_big], 0, "recv").wait()
+
+        _both(sent_big.wait, recv)
+        assert sent_big.ready() and torch.equal(buf_big, big)
+    finally:
+        a.close()
+        b.close()

@@ -189,11 +189,13 @@ def test_a_shape_mismatch_is_named() -> None:
 
 def test_labels_name_the_operations() -> None:
     world = LocalWorld(2, strict=True)
-    world.transport(0).post([P2P("send", (torch.ones(1),), 1, "SEND a 0>1 m3")])
-    world.transport(1).post([P2P("send", (torch.ones(1),), 0, "SEND g 1>0 m0")])
+    world.transport(0).post([P2P("send", (torch.ones(1),), 1, "SEND act s0>s1 m3 to r1")])
+    world.transport(1).post([P2P("send", (torch.ones(1),), 0, "+ SEND grad s0>s1 m0 to r0")])
     text = world.explain()
-    assert "rank 0's SEND a 0>1 m3 (to r1) waits for rank 1, whose queue head is its own " in text
-    assert "SEND g 1>0 m0 (to r0)" in text
+    assert (
+        "rank 0's SEND act s0>s1 m3 to r1 waits for rank 1, whose queue head is its own "
+        "SEND grad s0>s1 m0 to r0;"
+    ) in text
 
 
 def test_strict_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
