@@ -154,7 +154,10 @@ def register(subparsers: Any) -> None:
         "--lower", action="store_true", help="add SEND/RECV (funcpipe.schedule.passes.lower)"
     )
     sched.add_argument(
-        "--json", action="store_true", help="print one JSON object (statistics and program text)"
+        "--json",
+        action="store_true",
+        help="print one JSON object (statistics, the program text and, as 'lowered_program', "
+        "the text of the lowered program with its communication groups)",
     )
     sched.add_argument("--png", type=Path, metavar="FILE", help="draw the timeline (.png/.svg)")
     sched.add_argument("--trace", type=Path, metavar="FILE", help="write a Chrome/Perfetto trace")
@@ -166,10 +169,19 @@ def register(subparsers: Any) -> None:
         help="check a hand-written program (text form, or torch CSV if FILE ends in .csv)",
         description="Read a program (funcpipe text form, or the torch.distributed.pipelining "
         "CSV format when FILE ends in .csv), add SEND/RECV if it is compute-only, and prove it "
-        "sound. Exit 0 and print its statistics, or exit 1 and print the error (which names the "
-        "rank, the step and the rule) to stderr.",
+        "sound under the point-to-point rules of --p2p. Exit 0 and print its statistics, or "
+        "exit 1 and print the error (which names the rank, the step and the rule; for a hang "
+        "under nccl, both ranks, both instructions and their steps) to stderr.",
     )
     chk.add_argument("file", type=Path, metavar="FILE")
+    chk.add_argument(
+        "--p2p",
+        choices=["gloo", "nccl"],
+        default="gloo",
+        help="point-to-point rules: gloo (default; buffered sends) or nccl (one stream per pair "
+        "of ranks: an ungrouped SEND completes only when the peer's RECV is at the head of its "
+        "side; communication groups '+' match together)",
+    )
     chk.add_argument("--costs", type=_costs, default=None, metavar="F,B,W[,COMM]", help=_COSTS_HELP)
     chk.add_argument("--json", action="store_true", help="print one JSON object")
     chk.set_defaults(handler=_run_check)
@@ -260,6 +272,11 @@ def _run_schedule(args: argparse.Namespace) -> int:
     except ScheduleError as e:
         return _fail("schedule", e)
     extra: dict[str, Any] = {"lowered": program.lowered}
+    if args.json:
+        from funcpipe.schedule.ir import format_program
+        from funcpipe.schedule.passes import add_communication
+
+        extra["lowered_program"] = format_program(add_communication(program))
     sizes = args.memory or ((args.stage_memory, None) if args.stage_memory else None)
     if sizes is not None:
         from funcpipe.schedule.simulate import peak_memory
@@ -316,11 +333,13 @@ def _run_check(args: argparse.Namespace) -> int:
         was_lowered = program.lowered
         if not was_lowered:
             program = add_communication(program)
-        timeline = simulate(program, args.costs)
+        check(program, p2p=args.p2p)
+        timeline = simulate(program, args.costs, p2p=args.p2p)
     except ScheduleError as e:
         return _fail("check", e)
     if not args.json:
         note = "" if was_lowered else " (compute-only: lowered with add_communication)"
-        print(f"{args.file}: sound{note}")
-    _report(program, timeline, as_json=args.json, extra={"lowered_by_check": not was_lowered})
+        print(f"{args.file}: sound under {args.p2p}'s point-to-point rules{note}")
+    extra = {"lowered_by_check": not was_lowered, "p2p": args.p2p}
+    _report(program, timeline, as_json=args.json, extra=extra)
     return 0

@@ -225,7 +225,9 @@ def _steps(program: Program) -> list[list[int]]:
 def write_csv(program: Program, *, align: bool = True) -> str:
     """The torch.distributed.pipelining CSV ("compute_only") of ``program``: one row per rank.
 
-    SEND/RECV and REDUCE are left out (torch's lowering, like funcpipe's, derives them). With
+    SEND/RECV and REDUCE are left out (torch's lowering, like funcpipe's, derives them), and with
+    them their communication groups (``+``): the format has no notion of a group, so
+    ``add_communication(read_csv(write_csv(p)))`` regroups them by its own rules. With
     ``align=True`` (default) each instruction sits in its lockstep time step and idle steps are
     empty cells, as torch's own generators write them; ``align=False`` writes the cells back to
     back. Raises :class:`InvalidArgument` when the format cannot express the program: R

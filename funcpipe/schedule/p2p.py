@@ -219,10 +219,8 @@ class Network:
         mine = self.entry_of.get(x)
         side = self.sides.get((min(r, q), max(r, q)), {}).get(r)
         if self.nccl and mine is not None and side and side[0] is not mine:
-            front = side[0].members[0]
             return (
-                f"  {self._text(x)} is queued on the {stream} stream behind "
-                f"{self._text(front)}, which has not completed",
+                f"  {self._text(x)} is queued on the {stream} stream behind {self._front(side[0])}",
                 self._stuck_member(side[0]),
             )
         if other not in self.posted:
@@ -238,11 +236,10 @@ class Network:
         theirs = self.entry_of.get(other)
         side = self.sides.get((min(r, q), max(r, q)), {}).get(q)
         if self.nccl and theirs is not None and side and side[0] is not theirs:
-            front = side[0].members[0]
             kind = "RECV" if i.op is Op.SEND else "SEND"
             return (
                 f"  {self._text(x)} waits for its {kind} {self._text(other)}, queued on the "
-                f"{stream} stream behind {self._text(front)}",
+                f"{stream} stream behind {self._front(side[0])}",
                 self._stuck_member(side[0]),
             )
         if not self.nccl:  # gloo: a RECV waits only for its SEND to be posted
@@ -255,6 +252,14 @@ class Network:
             else f"  {self._text(x)} is stuck",
             (r, rest[0]) if rest else None,
         )
+
+    def _front(self, entry: _Entry) -> str:
+        """The entry at the head of a side, and what its group still waits for."""
+        first = entry.members[0]
+        stuck = self._stuck_member(entry)
+        if stuck == first:
+            return self._text(first)
+        return f"{self._text(first)}, whose group still waits for {self._text(stuck)}"
 
     def _stuck_member(self, entry: _Entry) -> Step:
         """A member of ``entry``'s group that has not matched (the reason it holds the head)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.schedule.ir import COMPUTE_OPS, Instr, Op
+from funcpipe.schedule.ir import COMPUTE_OPS, Instr, Op, groups
 from funcpipe.schedule.simulate import Event, Timeline
 
 __all__ = ["ascii_timeline", "chrome_trace", "draw_timeline", "write_chrome_trace"]
@@ -41,7 +41,7 @@ _LABELS = {
     "I": "I input grad",
     "W": "W weight grad",
     "R": "R recompute",
-    "comm": "RECV wait",
+    "comm": "RECV posted, data in flight",
     "REDUCE": "REDUCE",
 }
 _FORMATS = (".png", ".svg", ".pdf")
@@ -91,7 +91,9 @@ def draw_timeline(
 
     Rows are ranks (rank 0 on top), the x axis is time in ``unit`` (``"s"`` for an executed
     timeline from ``Pipeline.step(..., trace=True)``). Each block is one
-    instruction, coloured by kind (F, B, I, W, R; RECV waits as a thin grey band; REDUCE dark grey),
+    instruction, coloured by kind (F, B, I, W, R; REDUCE dark grey; a RECV as a thin grey band
+    along the top of its row from when it was posted to when its data arrived, over whatever the
+    rank computed meanwhile, with a tick where each communication group was posted),
     labelled with its microbatch; when a rank holds several stages the label adds the stage and
     later chunks are drawn in lighter tones. Idle time is the light background left uncovered.
     The title ends with the bubble fraction. Needs matplotlib: ``pip install funcpipe[plot]``.
@@ -138,7 +140,7 @@ def draw_timeline(
             colour = COLOURS[kind]
             if kind == "comm":
                 ax.broken_barh(
-                    [(e.start, length)], (r + height / 2 - 0.12, 0.12), facecolors=colour, zorder=1
+                    [(e.start, length)], (r - height / 2 - 0.12, 0.12), facecolors=colour, zorder=1
                 )
                 continue
             if multi and kind != "REDUCE":
@@ -168,7 +170,10 @@ def draw_timeline(
                 zorder=3,
                 linespacing=0.9,
             )
-    ax.set_ylim(n - 0.5, -0.5)
+    for r, starts in enumerate(_group_posts(tl)):
+        if starts:  # one tick per communication group, where the rank posted it
+            ax.vlines(starts, r - height / 2 - 0.14, r - height / 2, colors="#5F5A57", lw=0.6)
+    ax.set_ylim(n - 0.5, -0.62)
     ax.set_xlim(0, span)
     ax.set_yticks(range(n))
     ax.set_yticklabels([f"rank {r}" for r in range(n)])
@@ -198,14 +203,24 @@ def draw_timeline(
     return out
 
 
+def _group_posts(tl: Timeline) -> list[list[float]]:
+    """Per rank, when each of its communication groups was posted."""
+    out = []
+    for r, events in enumerate(tl.events):
+        at = {e.step: e.start for e in events}
+        out.append([at[g[0]] for g in groups(tl.program.ranks[r]) if g[0] in at])
+    return out
+
+
 # ----------------------------------------------------------------------------- chrome trace
 def chrome_trace(timeline: Timeline, *, scale: float = 1000.0) -> dict[str, Any]:
     """The Chrome trace (JSON-ready dict) of ``timeline``.
 
     One process per rank (``pid`` = rank). Compute instructions and REDUCEs are complete events
     (``ph: "X"``) on thread 0 named like ``"F s0 m3"`` with ``args`` {op, stage, microbatch, step};
-    RECVs (their wait) are on thread 1 "comm", and each message is drawn as a flow arrow from
-    its SEND to its RECV. ``ts``/``dur`` are microseconds: cost units times ``scale`` (default
+    RECVs (from their posting to their data's arrival) are on thread 1 "comm", named with the
+    ``+`` of a joined one and with ``args["group"]``, the rank's communication group (0, 1, ...)
+    they were posted in, and each message is drawn as a flow arrow from its SEND to its RECV. ``ts``/``dur`` are microseconds: cost units times ``scale`` (default
     1000, so one unit shows as one millisecond).
     """
     tl = _timeline(timeline, "chrome_trace")
@@ -223,6 +238,12 @@ def chrome_trace(timeline: Timeline, *, scale: float = 1000.0) -> dict[str, Any]
                 {"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": name}}
             )
     flow = 0
+    group_of = {
+        (r, t): k
+        for r in range(tl.program.n_ranks)
+        for k, g in enumerate(groups(tl.program.ranks[r]))
+        for t in g
+    }
     for rank_events in tl.events:
         for e in rank_events:
             i = e.instr
@@ -233,6 +254,7 @@ def chrome_trace(timeline: Timeline, *, scale: float = 1000.0) -> dict[str, Any]
                 args["microbatch"] = i.microbatch
             else:
                 args.update(microbatch=i.microbatch, kind=i.kind, edge=list(i.edge), peer=i.peer)
+                args["group"] = group_of.get((e.rank, e.step), -1)
             if i.op is Op.SEND:
                 sends[(e.rank, i.peer, i.key)] = e
                 continue
@@ -278,7 +300,7 @@ def chrome_trace(timeline: Timeline, *, scale: float = 1000.0) -> dict[str, Any]
 
 def _short(i: Instr) -> str:
     a, b = i.edge
-    return f"RECV {i.kind} s{a}>s{b} m{i.microbatch}"
+    return f"{'+ ' if i.joined else ''}RECV {i.kind} s{a}>s{b} m{i.microbatch}"
 
 
 def write_chrome_trace(
@@ -302,7 +324,9 @@ def ascii_timeline(timeline: Timeline, *, width: int | None = None, show: str = 
     ``width=None`` gives one cell per cost unit; ``width=N`` squeezes the makespan into N cells.
     A cell shows the instruction running in its middle: with ``show="op"`` its letter (F, B, I, W,
     R; ``r`` REDUCE), with ``show="microbatch"`` the last digit of its microbatch; ``.`` is idle
-    (waiting for a RECV included). A last line gives the makespan and the bubble fraction.
+    (waiting for a RECV's data included: SEND and RECV cost the rank nothing, and their groups
+    show, with their ``+``, in the program's table). A last line gives the makespan and the
+    bubble fraction.
     """
     tl = _timeline(timeline, "ascii_timeline")
     if show not in ("op", "microbatch"):
@@ -317,7 +341,10 @@ def ascii_timeline(timeline: Timeline, *, width: int | None = None, show: str = 
     label = max(len(f"rank {tl.program.n_ranks - 1}"), 4)
     lines = []
     for r, events in enumerate(tl.events):
-        busy = sorted((e for e in events if e.end > e.start), key=lambda e: e.start)
+        busy = sorted(
+            (e for e in events if e.end > e.start and _kind(e.instr) != "comm"),
+            key=lambda e: e.start,
+        )
         row = []
         k = 0
         for c in range(cells):
@@ -325,7 +352,7 @@ def ascii_timeline(timeline: Timeline, *, width: int | None = None, show: str = 
             while k < len(busy) and busy[k].end <= t:
                 k += 1
             e = busy[k] if k < len(busy) and busy[k].start <= t else None
-            if e is None or _kind(e.instr) == "comm":
+            if e is None:
                 row.append(".")
             elif show == "microbatch" and e.instr.op is not Op.REDUCE:
                 row.append(str(e.instr.microbatch % 10))
