@@ -100,6 +100,9 @@ class Network:
         # (low rank, high rank) -> {rank: its side of that pair's stream}
         self.sides: dict[tuple[int, int], dict[int, deque[_Entry]]] = {}
         self.entry_of: dict[Step, _Entry] = {}
+        # (pair, rank) -> when that side's last completed entry completed (the run retires
+        # entries in the order it finds them, not in time order)
+        self.free: dict[tuple[tuple[int, int], int], float] = {}
 
     # ------------------------------------------------------------------ posting
     def post(self, rank: int, steps: tuple[int, ...], time: float) -> None:
@@ -123,7 +126,7 @@ class Network:
             side = self.sides.setdefault(pair, {pair[0]: deque(), pair[1]: deque()})[rank]
             entry = _Entry(g, members, time)
             if not side:
-                entry.head = time
+                entry.head = max(time, self.free.get((pair, rank), time))
             side.append(entry)
             for m in members:
                 self.entry_of[m] = entry
@@ -170,6 +173,7 @@ class Network:
                     for pair in group.pairs:
                         side = self.sides[pair][group.rank]
                         side.popleft()
+                        self.free[(pair, group.rank)] = group.done
                         if side:
                             side[0].head = max(side[0].posted, group.done)
                     changed = moved = True

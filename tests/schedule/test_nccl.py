@@ -15,7 +15,16 @@ from funcpipe.cli import main
 from funcpipe.errors import InvalidArgument, ScheduleError
 from funcpipe.schedule.check import check
 from funcpipe.schedule.generators import CHUNKS, GENERATORS, generate
-from funcpipe.schedule.ir import Instr, Op, Program, groups, parse_program, recv, send
+from funcpipe.schedule.ir import (
+    COMPUTE_OPS,
+    Instr,
+    Op,
+    Program,
+    groups,
+    parse_program,
+    recv,
+    send,
+)
 from funcpipe.schedule.passes import (
     add_communication,
     lower,
@@ -335,6 +344,28 @@ def test_a_receive_posted_early_costs_no_wait() -> None:
     assert (fast.makespan, slow.makespan) == (3.5, 4.0)
     # with buffered sends (gloo) the data waits at the receiver: both cost the same
     assert simulate(early, costs).makespan == simulate(late, costs).makespan == 3.5
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_receives_posted_early_never_delay_anything(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import funcpipe.schedule.lowering as lowering
+
+    for ranks, microbatches in [(2, 4), (4, 8), (3, 7)]:
+        program = generate(name, ranks=ranks, microbatches=microbatches)
+        early = add_communication(program)
+        with monkeypatch.context() as m:
+            m.setattr(lowering, "_early", lambda *args: None)
+            late = add_communication(program)
+        check(late, p2p="nccl")
+        for costs in (Costs(comm=0.25), Costs(f=1, b=2, w=1, comm=1.5)):
+            fast, slow = simulate(early, costs, p2p="nccl"), simulate(late, costs, p2p="nccl")
+            start = {e.instr: e.start for r in slow.events for e in r if e.instr.op in COMPUTE_OPS}
+            for r in fast.events:
+                for e in r:
+                    if e.instr.op in COMPUTE_OPS:
+                        assert e.start <= start[e.instr] + 1e-9, (e.instr, e.start, start[e.instr])
 
 
 def test_nccl_timeline_of_every_generator_is_no_faster_than_gloo() -> None:
