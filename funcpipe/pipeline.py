@@ -302,7 +302,7 @@ class Pipeline:
                 x = self._rank_inputs(r, params, entry, side, tgt, layouts, return_outputs)
                 x.trace = trace
                 gens[ranks[r]] = run_rank(x, world.transport(r, ranks))
-        results = drive_local(gens)
+        results = drive_local(gens, world=world)
         per_rank = [results[r] for r in range(n)]  # replica 0 answers
         loss = _sum([res.loss_sum for res in results.values()])
         metric = _sum([res.metric_sum for res in results.values()])
@@ -456,7 +456,6 @@ class Pipeline:
             recompute=self.recompute,
             keep_outputs=keep,
             device=device,
-            prefetch=device.type == "cpu",  # NCCL: receives stay where the program puts them
             check_finite=self.check_finite,
             ties=ties,
             data_size=self.data,

@@ -24,9 +24,9 @@ import torch
 from funcpipe.errors import InvalidArgument, NonFiniteError
 from funcpipe.runtime import autodiff
 from funcpipe.runtime.plan import Layout, OutputSpec, rebuild
-from funcpipe.runtime.transport import Handle, Transport
+from funcpipe.runtime.transport import RECV, SEND, P2P, Handle, Transport
 from funcpipe.schedule.check import in_program
-from funcpipe.schedule.ir import ACT, Instr, Op, Program
+from funcpipe.schedule.ir import ACT, COMPUTE_OPS, GRAD, Instr, Op, Program, groups
 from funcpipe.shapes import TensorSpec
 from funcpipe.stage import Stage, as_inputs
 from funcpipe.tree import PyTreeSpec, tree_flatten, tree_unflatten
@@ -58,7 +58,6 @@ class RankInputs:
     )  # name -> (owner, leaf)
     data_size: int = 1
     trace: bool = False  # record when each instruction starts and ends (time.perf_counter)
-    prefetch: bool = True  # post receives one compute instruction early (off for NCCL streams)
     check_finite: bool = False  # raise NonFiniteError at the first NaN/inf (stage, microbatch)
     # reduce (loss sum, metric sum, has loss) over this transport group as soon as this rank's
     # last sink forward is done (at the start on ranks without one); None: the caller does it
@@ -123,6 +122,8 @@ class _Rank:
             self.leaves.setdefault(o, x.params[o][0])
         self.shared: set[tuple[int, int]] = set()
         self.nodes: dict[int, dict[Any, int]] = {}  # owner -> autodiff.param_nodes (for I)
+        # receives posted and not yet read: message key -> (handle, what to do once in)
+        self.incoming: dict[Any, tuple[Handle, Callable[[], None] | None, int]] = {}
 
     # ------------------------------------------------------------------ helpers
     def spec(self, s: int, m: int) -> OutputSpec:
@@ -399,12 +400,26 @@ class _Rank:
             )
         self._alive(-1)
 
-    def send(self, i: Instr) -> None:
-        a, b = i.edge
-        self.t.send(self.to_send.pop((i.kind, a, b, i.microbatch)), i.peer)
+    def post(self, group: Sequence[Instr]) -> None:
+        """Post one communication group (its SENDs and RECVs together, as the program groups
+        them). A SEND's tensors are the transport's from here on (released once sent); a
+        RECV's data is waited for by the instruction that reads it (:meth:`inputs_in`)."""
+        ops, recvs = [], []
+        for i in group:
+            a, b = i.edge
+            if i.op is Op.SEND:
+                data = self.to_send.pop((i.kind, a, b, i.microbatch))
+                ops.append(P2P(SEND, tuple(data), i.peer, str(i)))
+                continue
+            bufs, then = self._buffers(i)
+            ops.append(P2P(RECV, tuple(bufs), i.peer, str(i)))
+            recvs.append((i.key, i.peer, then, len(ops) - 1))
+        handles = self.t.post(ops)
+        for key, peer, then, k in recvs:
+            self.incoming[key] = (handles[k], then, peer)
 
-    def recv(self, i: Instr) -> tuple[Handle, Callable[[], None] | None]:
-        """Post the receive; the callback (for gradients) runs once the data is in."""
+    def _buffers(self, i: Instr) -> tuple[list[Tensor], Callable[[], None] | None]:
+        """Receive buffers for RECV ``i`` and what to do once they are filled (gradients)."""
         a, b = i.edge
         m = i.microbatch
         spec = self.spec(a, m)
@@ -412,7 +427,7 @@ class _Rank:
         if i.kind == ACT:
             bufs = [torch.empty(t.shape, dtype=t.dtype, device=dev) for t in spec.leaves]
             self.acts[(a, b, m)] = bufs
-            return self.t.recv(bufs, i.peer), None
+            return bufs, None
         leaves = spec.leaves
         bufs = [
             torch.empty(leaves[k].shape, dtype=leaves[k].dtype, device=dev)
@@ -421,7 +436,32 @@ class _Rank:
         full: list[Tensor | None] = [None] * len(leaves)
         for k, buf in zip(spec.differentiable, bufs, strict=True):
             full[k] = buf
-        return self.t.recv(bufs, i.peer), lambda: self._add_out_grads(a, m, full)
+        return bufs, lambda: self._add_out_grads(a, m, full)
+
+    def inputs_in(self, i: Instr) -> Generator[Handle, None, None]:
+        """Wait for the received data compute instruction ``i`` reads (posted earlier)."""
+        if not self.incoming:
+            return
+        p, s, m = self.p, i.stage, i.microbatch
+        if i.op is Op.F:
+            keys = [(ACT, (q, s), m) for q in p.producers(s)]
+        elif i.op in (Op.B, Op.I):
+            keys = [(GRAD, (s, c), m) for c in p.consumers(s)]
+        else:
+            return
+        for key in keys:
+            got = self.incoming.get(key)
+            if got is None:
+                continue
+            # the receives from that peer posted before it complete first (one ordered stream
+            # per pair), so finish those first, in posting order
+            for k in [k for k, v in self.incoming.items() if v[2] == got[2]]:
+                h, then, _ = self.incoming.pop(k)
+                yield from _wait(h)
+                if then is not None:
+                    then()
+                if k == key:
+                    break
 
     def reduce(self, i: Instr) -> None:
         """Start REDUCE ``i.group`` over this rank's gradients of ``i.stage`` (asynchronously).
@@ -519,8 +559,7 @@ class _Rank:
         trace = self.result.times if x.trace else None
         clock = time.perf_counter
         instrs = self.p.ranks[x.rank]
-        early = _prefetch_plan(instrs) if x.prefetch else {}
-        posted: dict[int, tuple[Handle, Callable[[], None] | None]] = {}
+        group_of = {g[0]: g for g in groups(instrs)}  # first step -> the group's steps
         scalars_after = -1
         scalars = x.scalars_group
         if scalars is not None:
@@ -531,11 +570,11 @@ class _Rank:
             if not sinks:
                 self._post_scalars(scalars)
         for t, i in enumerate(instrs):
+            op = i.op
+            if op in COMPUTE_OPS:  # (its start is after its inputs are in)
+                yield from self.inputs_in(i)
             if trace is not None:
                 trace.append(clock())
-            for j in early.get(t, ()):
-                posted[j] = self.recv(instrs[j])
-            op = i.op
             if op is Op.F:
                 self.forward(i)
             elif op is Op.B:
@@ -548,13 +587,8 @@ class _Rank:
                 if self.inflight:
                     yield from self._settle([self.owner[i.stage]])
                 self.backward_weight(i)
-            elif op is Op.SEND:
-                self.send(i)
-            elif op is Op.RECV:
-                h, then = posted.pop(t) if t in posted else self.recv(i)
-                yield from _wait(h)
-                if then is not None:
-                    then()
+            elif t in group_of:  # a SEND or RECV that starts a group (joined ones: posted)
+                self.post([instrs[k] for k in group_of[t]])
             elif op is Op.R:
                 self.recompute(i)
             elif op is Op.REDUCE:
@@ -565,6 +599,11 @@ class _Rank:
                 self._post_scalars(scalars)
             if trace is not None:
                 trace.append(clock())
+        for h, then, _ in self.incoming.values():  # (none in a checked program: read by now)
+            yield from _wait(h)
+            if then is not None:
+                then()
+        self.incoming = {}
         for pending in self.reductions:
             yield from pending.finish()
         self.reductions, self.inflight = [], {}  # their callbacks are done: let them go
@@ -601,20 +640,6 @@ def _note(e: BaseException, where: str, inputs: Sequence[Any], targets: Sequence
     if targets:
         text += f"; targets {specs(targets)}"
     e.add_note(text)
-
-
-def _prefetch_plan(instrs: Sequence[Instr]) -> dict[int, list[int]]:
-    """Where to post each receive early: before the compute instruction that precedes it, so
-    the data can arrive while that instruction runs. Receives keep their program order (the
-    FIFO order the checker proved)."""
-    plan: dict[int, list[int]] = {}
-    last_compute = None
-    for j, i in enumerate(instrs):
-        if i.op is Op.RECV and last_compute is not None:
-            plan.setdefault(last_compute, []).append(j)
-        elif i.op in (Op.F, Op.B, Op.I, Op.W, Op.R):
-            last_compute = j
-    return plan
 
 
 def run_rank(x: RankInputs, transport: Transport) -> Generator[Handle, None, RankResult]:
