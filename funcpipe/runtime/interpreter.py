@@ -24,7 +24,7 @@ import torch
 from funcpipe.errors import InvalidArgument, NonFiniteError
 from funcpipe.runtime import autodiff
 from funcpipe.runtime.plan import Layout, OutputSpec, rebuild
-from funcpipe.runtime.transport import RECV, SEND, P2P, Handle, Transport
+from funcpipe.runtime.transport import P2P, RECV, SEND, Handle, Transport
 from funcpipe.schedule.check import in_program
 from funcpipe.schedule.ir import ACT, COMPUTE_OPS, GRAD, Instr, Op, Program, groups
 from funcpipe.shapes import TensorSpec

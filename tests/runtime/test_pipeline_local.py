@@ -11,7 +11,7 @@ import funcpipe as fp
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline import Pipeline
 from funcpipe.schedule.generators import forward_only, generate, to_eval
-from funcpipe.schedule.ir import Op, chain
+from funcpipe.schedule.ir import chain
 from funcpipe.stage import Stage
 from funcpipe.testing import assert_trees_close
 from tests.jobs_runtime import (
