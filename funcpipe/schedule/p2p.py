@@ -192,28 +192,57 @@ class Network:
         """Why posted SEND/RECV ``start`` never completes: the chain of waits, followed until it
         closes a cycle. ``blocked(rank)`` is the instruction a rank is stuck at (None: done)."""
         seen: list[Step] = []
+        stuck: dict[Step, Step] = {}  # link -> the blocked instruction it leads through
         lines: list[str] = []
         x = start
         while x not in seen:
             seen.append(x)
-            line, nxt = self._why(x, blocked)
+            line, nxt, at = self._why(x, blocked)
             lines.append(line)
+            if at is not None:
+                stuck[x] = at
             if nxt is None:
                 break
             x = nxt
         if x in seen and len(seen) > 1:
             cycle = seen[seen.index(x) :]
-            head = self._headline(cycle)
-            if head:
-                return Why(head, tuple(lines), cycle[0])
+            through = [stuck[c] for c in cycle if c in stuck]
+            if not through:  # every link is a stream's head
+                head = self._headline(cycle)
+                if head:
+                    return Why(head, tuple(lines), cycle[0])
+            else:  # the cycle passes through instructions that wait for data
+                ends = [through[-1], *[b for b in through if b[0] != through[-1][0]][:1]]
+                if len(ends) < 2:
+                    ends += [c for c in cycle if c[0] != ends[0][0]][:1]
+                if len(ends) == 2:
+                    mixed = len(through) < len(cycle)
+                    return Why(self._blocked_headline(ends, mixed), tuple(lines), ends[0])
         return Why("", tuple(lines), start)
+
+    def _blocked_headline(self, ends: list[Step], streams: bool) -> str:
+        a, b = (self._text(e) for e in ends)
+        if streams:
+            return (
+                f"{a} and {b} wait for each other through the point-to-point streams (see who "
+                "waits for whom); post the messages between two instructions in one group per "
+                "peer (add_communication does)"
+            )
+        return (
+            f"{a} and {b} each wait for data the other rank sends only after it; reorder the "
+            "ranks' instructions so that every message is sent before its receiver needs it "
+            "(check the compute-only program)"
+        )
 
     def _text(self, x: Step) -> str:
         r, t = x
         return f"rank {r} step {t} `{self.p.ranks[r][t]}`"
 
-    def _why(self, x: Step, blocked: Callable[[int], Step | None]) -> tuple[str, Step | None]:
-        """One link: what posted SEND/RECV ``x`` waits for, and the next SEND/RECV to follow."""
+    def _why(
+        self, x: Step, blocked: Callable[[int], Step | None]
+    ) -> tuple[str, Step | None, Step | None]:
+        """One link: what posted SEND/RECV ``x`` waits for, the next SEND/RECV to follow, and the
+        blocked instruction the link goes through (if the partner is not posted yet)."""
         p = self.p
         r, t = x
         i = p.ranks[r][t]
@@ -226,6 +255,7 @@ class Network:
             return (
                 f"  {self._text(x)} is queued on the {stream} stream behind {self._front(side[0])}",
                 self._stuck_member(side[0]),
+                None,
             )
         if other not in self.posted:
             at = blocked(q)
@@ -236,7 +266,7 @@ class Network:
                 f"  {self._text(x)} waits for rank {q} step {u} `{p.ranks[q][u]}`, which rank {q} "
                 f"has not posted: rank {q} {where}"
             )
-            return line, None if at is None else self._waited(at)
+            return line, None if at is None else self._waited(at), at
         theirs = self.entry_of.get(other)
         side = self.sides.get((min(r, q), max(r, q)), {}).get(q)
         if self.nccl and theirs is not None and side and side[0] is not theirs:
@@ -245,9 +275,10 @@ class Network:
                 f"  {self._text(x)} waits for its {kind} {self._text(other)}, queued on the "
                 f"{stream} stream behind {self._front(side[0])}",
                 self._stuck_member(side[0]),
+                None,
             )
         if not self.nccl:  # gloo: a RECV waits only for its SEND to be posted
-            return f"  {self._text(x)} waits for {self._text(other)}", None
+            return f"  {self._text(x)} waits for {self._text(other)}", None, None
         group = self.groups[self.group_of[x]]
         rest = [s for s in group.steps if (r, s) not in self.finish]
         return (
@@ -255,6 +286,7 @@ class Network:
             if rest
             else f"  {self._text(x)} is stuck",
             (r, rest[0]) if rest else None,
+            None,
         )
 
     def _front(self, entry: _Entry) -> str:
@@ -282,28 +314,52 @@ class Network:
         return None
 
     def _headline(self, cycle: list[Step]) -> str:
-        """One sentence for a cycle of waits: both ranks, both instructions, the rule."""
+        """One sentence for a cycle of stream waits that no pair's heads explain alone."""
         ends = [cycle[0], *[x for x in cycle[1:] if x[0] != cycle[0][0]][:1]]
         if len(ends) < 2:
             return ""
-        (r, t), (q, u) = ends
-        i, j = self.p.ranks[r][t], self.p.ranks[q][u]
-        if not self.nccl:
-            return f"{self._text(ends[0])} and {self._text(ends[1])} wait for each other"
-        stream = f"r{min(r, q)}-r{max(r, q)}"
-        if i.op is j.op and i.peer == q and j.peer == r:
-            want = "RECV" if i.op is Op.SEND else "SEND"
-            return (
-                f"{self._text(ends[0])} and {self._text(ends[1])} both wait on the {stream} "
-                f"stream for a {want} queued behind the other's {i.op.value}; post them in one "
-                "group (add_communication does), or post the RECV first on one of the ranks"
-                if i.op is Op.SEND
-                else f"{self._text(ends[0])} and {self._text(ends[1])} both wait on the {stream} "
-                f"stream for a {want} queued behind the other's {i.op.value}; post the SEND "
-                "first on one of the ranks, or both in one group (add_communication does)"
-            )
         return (
             f"{self._text(ends[0])} and {self._text(ends[1])} wait for each other through the "
-            "streams and compute below; post the messages of each step in one group "
-            "(add_communication does)"
+            "point-to-point streams (see who waits for whom); post the messages between two "
+            "instructions in one group per peer (add_communication does)"
         )
+
+    def crossed(self) -> Why | None:
+        """A pair of ranks whose two heads cannot match each other: a certain hang (what each
+        head waits for is queued behind the other head, or will be when it is posted)."""
+        if not self.nccl:
+            return None
+        for (a, b), sides in sorted(self.sides.items()):
+            if not sides[a] or not sides[b]:
+                continue
+            ea, eb = sides[a][0], sides[b][0]
+            ua = [m for m in ea.members if m not in self.finish]
+            ub = [m for m in eb.members if m not in self.finish]
+            if not ua or not ub:
+                continue
+            if any(self.a.partner[m] in eb.members for m in ua) or any(
+                self.a.partner[m] in ea.members for m in ub
+            ):
+                continue
+            x, y = ua[0], ub[0]
+            i, j = self.p.ranks[x[0]][x[1]], self.p.ranks[y[0]][y[1]]
+            both = f"{self._text(x)} and {self._text(y)}"
+            if i.op is Op.SEND and j.op is Op.SEND:
+                head = (
+                    f"{both} both wait on the r{a}-r{b} stream for a RECV queued behind the "
+                    "other's SEND; post them in one group (add_communication does), or post the "
+                    "RECV first on one of the ranks"
+                )
+            elif i.op is Op.RECV and j.op is Op.RECV:
+                head = (
+                    f"{both} both wait on the r{a}-r{b} stream for a SEND queued behind the "
+                    "other's RECV; post the SEND first on one of the ranks, or both in one group "
+                    "(add_communication does)"
+                )
+            else:
+                head = (
+                    f"{both} hold the heads of the r{a}-r{b} stream and neither can match the "
+                    "other; post the messages of both ranks in the same order, or in one group"
+                )
+            return Why(head, (), x)
+        return None

@@ -279,6 +279,9 @@ def _deadlock(
     stuck = [(r, pc[r]) for r in range(n) if blocked(r) is not None]
     mark = stuck[0] if stuck else min(x for x in net.posted if x not in finish)
     detail = "deadlock; every unfinished rank is blocked:\n" + "\n".join(lines)
+    crossed = net.crossed()
+    if crossed is not None:
+        chains.insert(0, Why(crossed.headline, chains[0].chain if chains else (), crossed.mark))
     if chains:
         why = next((w for w in chains if w.headline), chains[0])
         if why.headline:
