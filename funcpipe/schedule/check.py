@@ -25,8 +25,9 @@ def check(program: Program, *, p2p: str = "gloo") -> None:
     ``p2p`` names the point-to-point rules the program must not hang under
     (:mod:`funcpipe.schedule.p2p`): ``"gloo"`` (default; sends are buffered) or ``"nccl"``
     (one FIFO stream per pair of ranks, both directions; an ungrouped SEND completes only when
-    the peer's RECV is at the head of its side; a group's members match together). Both
-    require the in-program collectives in the same order on every rank of their group.
+    the peer's RECV is at the head of its side; a group's members match together and the
+    group completes as one). Both require the in-program collectives in the same order on
+    every rank of their group.
 
     Raises :class:`~funcpipe.errors.ScheduleError` naming the rank, the step, the instruction and
     the rule broken, with the rank x step table around the bad step; under ``"nccl"`` a hang

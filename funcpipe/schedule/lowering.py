@@ -1,36 +1,32 @@
 """Where :func:`~funcpipe.schedule.passes.add_communication` puts each SEND and RECV.
 
-The rules, in order (``talking`` instructions are the F, B and I that produce or consume a
-message; W, R and REDUCE never do, so the communication steps over them):
+*Talking* instructions are the F, B and I that produce or consume a message; W, R and REDUCE
+never do, and the communication steps over them. A *reference run* orders every instruction of
+the compute-only program: an F takes one unit, a B or an I two (the input gradient is out when
+the whole B would have finished, so splitting a B changes nothing), W, R and REDUCE none (they
+move no data); a rank runs its instructions in order and an instruction starts once its inputs
+exist; ties go to the lower rank, then the earlier step. The rules:
 
 1. **Sends after their producer.** Each SEND goes right after the instruction producing its data.
-2. **Receives before the talking instruction that precedes their consumer.** A RECV is posted
-   right after the last talking instruction before its consumer (at the start of the rank if
-   none), so it shares that instruction's group with its SENDs, as
-   torch.distributed.pipelining's ``batch_isend_irecv`` and Megatron's
-   ``send_forward_recv_backward`` do. Messages between two ranks match in the order they were
-   sent, so a RECV pulls every earlier message from the same sender with it.
-3. **One group per peer between two talking instructions.** The SENDs and RECVs placed after
-   one instruction are grouped by peer (ascending rank; SENDs, then RECVs): a group touches one
-   pair of ranks, so a slow peer never holds another pair's stream.
-4. **Both ends of a pair agree on the order.** On the stream of a pair (a, b), rank a posts its
-   groups in its order and rank b in its; if a sends x before it receives y while b sends y
-   before it receives x, the two SENDs wait on each other forever (``p2p="nccl"``). Such a
-   *crossing* is undone by posting one of the two RECVs earlier, in the group of the SEND it
-   crossed (the RECV needing the shorter move; on a tie the lower rank's).
-5. **Receives posted early where safe.** Then, rank by rank, each RECV is moved one talking
-   instruction earlier (into the group before the talking instruction that precedes its
-   consumer), so its data can arrive while that instruction runs, when the group it leaves
-   sends nothing to the same peer (such a SEND would queue behind the early RECV on the pair's
-   stream and wait for its data: a 1F1B rank's forward SEND and backward RECV stay together)
-   and it does not overtake an earlier message from the same sender. Such a move cannot make a
-   crossing and delays no other message.
+2. **Receives posted as the data is sent.** Each RECV goes right after the last talking
+   instruction of its rank that starts, in the reference run, before the instruction producing
+   its data (at the start of the rank if none). It is posted before the instructions that run
+   while its data is computed and travels, so the data can arrive while they run, and never
+   later than right after the talking instruction before its consumer.
+3. **Groups per peer.** The SENDs and RECVs placed after one instruction for one peer are posted
+   in the reference run's order of their data; the SENDs and the RECVs of the first instruction
+   that reads any of them form one group (``+``: e.g. a 1F1B rank's forward SEND with the
+   backward's gradient RECV, as torch.distributed.pipelining's ``batch_isend_irecv`` and
+   Megatron's ``send_forward_recv_backward`` post them); RECVs read later get a group per
+   reading instruction, so an instruction never waits for data it does not read (NCCL completes
+   a group as one).
 
-Why that cannot hang: with one group per peer between two talking instructions, a lowered
-program in which every RECV comes before its consumer and no pair has a crossing runs under
-NCCL's rules whenever its compute-only program runs (take the first compute instruction of a
-valid order that cannot start: the RECV it waits for and its SEND are both posted, and the
-entries ahead of them on their pair's stream cannot be stuck without two of them crossing).
+Why that cannot hang under NCCL's rules (:mod:`funcpipe.schedule.p2p`): on every pair of ranks
+both ends post the pair's messages in the same order, the reference run's order of sending, and
+a group only joins neighbours in that order. Take the first instruction of the reference run that
+a stuck run has not done: every message it waits for, and every message before those on their
+pair's stream, was sent by an instruction earlier in the reference run (done), and posted on both
+ends; the earliest unmatched one of them is then in the head group of both ends, so it matches.
 The checker (``check(program, p2p="nccl")``) proves each program anyway.
 """
 
@@ -40,11 +36,13 @@ import bisect
 from collections import defaultdict
 from dataclasses import dataclass
 
-from funcpipe.schedule.ir import Instr, Program, recv, send
+from funcpipe.schedule.analysis import analyse
+from funcpipe.schedule.ir import Instr, Op, Program, recv, send
 
-__all__ = ["Message", "place"]
+__all__ = ["Message", "place", "reference_order"]
 
 MessageKey = tuple[str, tuple[int, int], int]
+_UNITS = {Op.F: 1.0, Op.B: 2.0, Op.I: 2.0}
 
 
 @dataclass
@@ -61,111 +59,79 @@ class Message:
     at: int = -1
 
 
-class _Ranks:
-    """The talking instructions of each rank, to step from one to the previous."""
+def reference_order(program: Program) -> dict[tuple[int, int], tuple[float, int, int]]:
+    """(rank, step) -> (start, rank, step) in the reference run of a compute-only ``program``
+    (F 1, B and I 2, W, R and REDUCE 0); sorting by it orders every instruction after everything
+    it needs. Raises the checker's :class:`ScheduleError` if the program cannot run."""
+    analysis = analyse(program)
+    n = program.n_ranks
+    pc, clock = [0] * n, [0.0] * n
+    end: dict[tuple[int, int], float] = {}
+    key: dict[tuple[int, int], tuple[float, int, int]] = {}
+    arrived: dict[tuple[int, int], float] = {}
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, instrs in enumerate(program.ranks):
+            while pc[r] < len(instrs):
+                t = pc[r]
+                deps = analysis.deps.get((r, t), ())
+                if any((d.rank, d.step) not in end for d in deps):
+                    break
+                ready = max([clock[r], *(end[(d.rank, d.step)] for d in deps)])
+                members = analysis.meetings.get((r, t), ((r, t),))
+                arrived[(r, t)] = ready
+                if any(m not in arrived for m in members):
+                    break
+                start = max(arrived[m] for m in members)
+                for mr, mt in members:
+                    key[(mr, mt)] = (start, mr, mt)
+                    end[(mr, mt)] = clock[mr] = start + _UNITS.get(program.ranks[mr][mt].op, 0.0)
+                    pc[mr] += 1
+                progressed = True
+    if len(key) < sum(map(len, program.ranks)):
+        from funcpipe.schedule.simulate import simulate
 
-    def __init__(self, n: int, messages: list[Message]) -> None:
-        talking: list[set[int]] = [set() for _ in range(n)]
-        for m in messages:
-            talking[m.src].add(m.made)
-            talking[m.dst].add(m.used)
-        self.talking = [sorted(t) for t in talking]
-
-    def before(self, rank: int, index: int) -> int:
-        """The last talking instruction of ``rank`` before ``index`` (-1: none)."""
-        t = self.talking[rank]
-        k = bisect.bisect_left(t, index)
-        return t[k - 1] if k else -1
-
-    def steps(self, rank: int, lo: int, hi: int) -> int:
-        """How many talking instructions of ``rank`` lie in ``(lo, hi]``."""
-        t = self.talking[rank]
-        return bisect.bisect_right(t, hi) - bisect.bisect_right(t, lo)
+        simulate(program)  # raises the deadlock, naming the ranks and steps
+    return key
 
 
 def place(program: Program, messages: list[Message]) -> tuple[tuple[Instr, ...], ...]:
     """The ranks of ``program`` (compute-only) with every message's SEND and RECV placed and
     grouped by the rules of this module. ``messages`` carry ``made`` and ``used``."""
-    ranks = _Ranks(program.n_ranks, messages)
-    fifo: dict[tuple[int, int], list[Message]] = defaultdict(list)
-    for m in sorted(messages, key=lambda m: (m.made, m.key)):
-        fifo[(m.src, m.dst)].append(m)
-    for (_, dst), queue in fifo.items():
-        for m in queue:
-            m.at = ranks.before(dst, m.used)
-        _fifo(queue)
-    for a, b in sorted({(min(s, d), max(s, d)) for s, d in fifo}):
-        _uncross(fifo[(a, b)], fifo[(b, a)], ranks)
-    for r in range(program.n_ranks):
-        for src in range(program.n_ranks):
-            _early(fifo.get((src, r), []), fifo.get((r, src), []), ranks)
-    return _emit(program, fifo)
-
-
-def _fifo(queue: list[Message]) -> None:
-    """Receive in sending order: no RECV after a later message's RECV."""
-    low = len(queue) and queue[-1].at
-    for m in reversed(queue):
-        low = min(low, m.at)
-        m.at = low
-
-
-def _uncross(xs: list[Message], ys: list[Message], ranks: _Ranks) -> None:
-    """Rule 4 on one pair: ``xs`` go a -> b, ``ys`` b -> a, each in sending order."""
-    changed = True
-    while changed:
-        changed = False
-        for y in ys:
-            # the xs that a sends before it receives y but b receives after it sends y
-            crossed = [x for x in xs if x.made < y.at and x.at > y.made]
-            if not crossed:
-                continue
-            a, b = y.dst, y.src
-            move_y = ranks.steps(a, crossed[0].made, y.at)
-            move_x = max(ranks.steps(b, y.made, x.at) for x in crossed)
-            if (move_y, a) <= (move_x, b):
-                y.at = crossed[0].made
-                _fifo(ys)
-            else:
-                for x in crossed:
-                    x.at = y.made
-            changed = True
-
-
-def _early(incoming: list[Message], outgoing: list[Message], ranks: _Ranks) -> None:
-    """Rule 5 for the messages one rank receives from one peer (``incoming``, in sending
-    order) against those it sends that peer (``outgoing``).
-
-    A RECV moves only if its group sends the peer nothing: a SEND left behind would queue behind
-    the early RECV on the pair's stream and wait for its data (and a RECV ahead of a SEND the
-    peer receives first would cross it). So the move never delays another message.
-    """
-    floor = -1
-    for m in incoming:
-        target = ranks.before(m.dst, ranks.before(m.dst, m.used))
-        if m.at >= 0 and floor <= target < m.at and not any(x.made == m.at for x in outgoing):
-            m.at = target
-        floor = m.at
-
-
-def _emit(
-    program: Program, fifo: dict[tuple[int, int], list[Message]]
-) -> tuple[tuple[Instr, ...], ...]:
-    runs: dict[tuple[int, int], dict[int, list[Instr]]] = defaultdict(lambda: defaultdict(list))
-    for queue in fifo.values():
-        for m in queue:
-            runs[(m.src, m.made)][m.dst].append(send(m.key[0], m.key[1], m.key[2], m.dst))
-    for queue in fifo.values():  # RECVs after the SENDs of their group, in sending order
-        for m in queue:
-            runs[(m.dst, m.at)][m.src].append(recv(m.key[0], m.key[1], m.key[2], m.src))
+    order = reference_order(program)
+    talking: list[list[tuple[tuple[float, int, int], int]]] = [[] for _ in program.ranks]
+    for m in messages:
+        talking[m.src].append((order[(m.src, m.made)], m.made))
+        talking[m.dst].append((order[(m.dst, m.used)], m.used))
+    ranked = [sorted(set(t)) for t in talking]
+    for m in messages:
+        sent = order[(m.src, m.made)]
+        k = bisect.bisect_left(ranked[m.dst], (sent, -1))
+        m.at = ranked[m.dst][k - 1][1] if k else -1
+    # one ordered list per (rank, after instruction, peer): the reference run's sending order
+    runs: dict[tuple[int, int, int], list[tuple[tuple[object, ...], Instr, int]]] = defaultdict(
+        list
+    )
+    for m in messages:
+        when = (order[(m.src, m.made)], m.key)
+        runs[(m.src, m.made, m.dst)].append((when, send(*m.key, m.dst), -1))
+        runs[(m.dst, m.at, m.src)].append((when, recv(*m.key, m.src), m.used))
     out = []
     for r, instrs in enumerate(program.ranks):
         lowered: list[Instr] = []
         for t in range(-1, len(instrs)):
             if t >= 0:
                 lowered.append(instrs[t])
-            for _, group in sorted(runs.get((r, t), {}).items()):
-                lowered.append(group[0])
-                lowered.extend(i.join() for i in group[1:])
+            for peer in range(program.n_ranks):
+                run = sorted(runs.get((r, t, peer), []), key=lambda e: e[0])
+                reader = None  # the instruction reading the current group's RECVs
+                for k, (_, i, used) in enumerate(run):
+                    if i.op is Op.RECV and reader is not None and used != reader:
+                        lowered.append(i)  # a new group: read by another instruction
+                    else:
+                        lowered.append(i if k == 0 else i.join())
+                    if i.op is Op.RECV:
+                        reader = used
         out.append(tuple(lowered))
     return tuple(out)

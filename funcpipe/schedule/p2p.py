@@ -10,13 +10,15 @@ waits for the RECVs whose data it reads. Two models say when a posted message co
 
 ``nccl`` (one stream per pair of ranks, both directions)
     Each pair of ranks has one FIFO stream with one side per rank. A rank's group is appended
-    to its side of the stream of every pair it touches and stays at the head of those sides
-    until *all* its members have matched; only then does the next entry of each side move up.
-    A SEND and its RECV match when both are at the heads of their sides (their data then
-    arrives ``comm`` later). So two ranks whose next entries on their shared stream are both
-    SENDs, each to a RECV queued behind the other's SEND, wait forever: gloo's buffering hides
-    that, NCCL hangs (a send larger than NCCL's buffers completes only when the peer's receive
-    runs). A group is posted at once: a SEND and a RECV in one group can match in either order.
+    to its side of the stream of every pair it touches; it is *active* once it is at the head
+    of all of them. A SEND and its RECV match when both their groups are active (the data takes
+    ``comm``). A group completes when *all* its members have matched, as one (NCCL runs a fused
+    group as one kernel): only then are its RECVs' data there and does the next entry of each
+    side move up. So two ranks whose next entries on their shared stream are both SENDs, each
+    to a RECV queued behind the other's SEND, wait forever: gloo's buffering hides that, NCCL
+    hangs (a send larger than NCCL's buffers completes only when the peer's receive runs). A
+    group is posted at once: a SEND and a RECV in one group can match in either order, but an
+    instruction reading one RECV of a group waits for the whole group.
 
 :class:`Network` is that state for one run; the simulator calls :meth:`Network.post` when a rank
 reaches a group and :meth:`Network.progress` until nothing moves. When a run is stuck,
@@ -103,6 +105,7 @@ class Network:
         # (pair, rank) -> when that side's last completed entry completed (the run retires
         # entries in the order it finds them, not in time order)
         self.free: dict[tuple[tuple[int, int], int], float] = {}
+        self.matched: dict[Step, float] = {}  # when a SEND/RECV met its other end
 
     # ------------------------------------------------------------------ posting
     def post(self, rank: int, steps: tuple[int, ...], time: float) -> None:
@@ -156,20 +159,25 @@ class Network:
                 if not lo or not hi:
                     continue
                 a, b = lo[0], hi[0]
+                start_a, start_b = self._active(a.group), self._active(b.group)
+                if start_a is None or start_b is None:
+                    continue
                 for m in a.members:
-                    if m in self.finish:
+                    if m in self.matched:
                         continue
                     other = self.a.partner[m]
                     if self.entry_of.get(other) is b:
-                        at = max(a.head or 0.0, b.head or 0.0) + self.comm
-                        self.finish[m] = self.finish[other] = at
+                        self.matched[m] = self.matched[other] = max(start_a, start_b) + self.comm
                         for x in (m, other):
                             self.groups[self.group_of[x]].unmatched -= 1
                         changed = moved = True
             for g in list(self._heads()):
                 group = self.groups[g]
                 if group.unmatched == 0 and group.done is None:
-                    group.done = max(self.finish[(group.rank, t)] for t in group.steps)
+                    # NCCL completes a fused group as one: every member's handle at once
+                    group.done = max(self.matched[(group.rank, t)] for t in group.steps)
+                    for t in group.steps:
+                        self.finish[(group.rank, t)] = group.done
                     for pair in group.pairs:
                         side = self.sides[pair][group.rank]
                         side.popleft()
@@ -178,6 +186,18 @@ class Network:
                             side[0].head = max(side[0].posted, group.done)
                     changed = moved = True
         return moved
+
+    def _active(self, g: int) -> float | None:
+        """When group ``g`` became active: at the head of its rank's side of every pair it
+        touches (None: not yet)."""
+        group = self.groups[g]
+        heads = []
+        for pair in group.pairs:
+            side = self.sides[pair][group.rank]
+            if not side or side[0].group != g:
+                return None
+            heads.append(side[0].head or 0.0)
+        return max(heads)
 
     def _heads(self) -> set[int]:
         return {side[0].group for sides in self.sides.values() for side in sides.values() if side}
@@ -280,7 +300,7 @@ class Network:
         if not self.nccl:  # gloo: a RECV waits only for its SEND to be posted
             return f"  {self._text(x)} waits for {self._text(other)}", None, None
         group = self.groups[self.group_of[x]]
-        rest = [s for s in group.steps if (r, s) not in self.finish]
+        rest = [s for s in group.steps if (r, s) not in self.matched]
         return (
             f"  {self._text(x)} has matched but its group waits for {self._text((r, rest[0]))}"
             if rest
@@ -301,9 +321,9 @@ class Network:
         """A member of ``entry``'s group that has not matched (the reason it holds the head)."""
         group = self.groups[entry.group]
         for m in entry.members:
-            if m not in self.finish:
+            if m not in self.matched:
                 return m
-        return next((group.rank, t) for t in group.steps if (group.rank, t) not in self.finish)
+        return next((group.rank, t) for t in group.steps if (group.rank, t) not in self.matched)
 
     def _waited(self, at: Step) -> Step | None:
         """The posted SEND/RECV a blocked compute instruction or REDUCE waits for, if any."""
@@ -333,8 +353,10 @@ class Network:
             if not sides[a] or not sides[b]:
                 continue
             ea, eb = sides[a][0], sides[b][0]
-            ua = [m for m in ea.members if m not in self.finish]
-            ub = [m for m in eb.members if m not in self.finish]
+            if self._active(ea.group) is None or self._active(eb.group) is None:
+                continue
+            ua = [m for m in ea.members if m not in self.matched]
+            ub = [m for m in eb.members if m not in self.matched]
             if not ua or not ub:
                 continue
             if any(self.a.partner[m] in eb.members for m in ua) or any(

@@ -256,14 +256,13 @@ def test_two_stage_1f1b_exactly() -> None:
         rank 0
           F s0 m0; SEND act s0>s1 m0 to r1
           F s0 m1; SEND act s0>s1 m1 to r1; + RECV grad s0>s1 m0 from r1
-          + RECV grad s0>s1 m1 from r1  # posted one step early: the group after B s0 m0 sends nothing
-          B s0 m0
+          B s0 m0; RECV grad s0>s1 m1 from r1  # posted as rank 1 sends it, before B s0 m1
           B s0 m1
         rank 1
-          RECV act s0>s1 m0 from r0; F s1 m0
-          B s1 m0; SEND grad s0>s1 m0 to r0; + RECV act s0>s1 m1 from r0
-          F s1 m1
-          B s1 m1; SEND grad s0>s1 m1 to r0
+          RECV act s0>s1 m0 from r0
+          RECV act s0>s1 m1 from r0  # sent while rank 1 waits: posted at once, its own group
+          F s1 m0; B s1 m0; SEND grad s0>s1 m0 to r0
+          F s1 m1; B s1 m1; SEND grad s0>s1 m1 to r0
         """
     )
     assert got == want.replace(name="1f1b")
@@ -329,7 +328,7 @@ def test_fifo_pulls_earlier_messages_forward() -> None:
     got = add_communication(p)
     assert [str(i) for i in got.ranks[1]] == [
         "RECV act s0>s1 m0 from r0",
-        "+ RECV act s0>s1 m1 from r0",
+        "RECV act s0>s1 m1 from r0",
         "F s1 m1",
         "F s1 m0",
     ]
@@ -612,8 +611,8 @@ def test_weights_after_sends_on_two_stage_1f1b() -> None:
     lowered = add_communication(one_f_one_b(2, 2))
     got = weights_after_sends(lowered)
     assert [str(i) for i in got.ranks[1]] == [
-        "RECV act s0>s1 m0 from r0", "F s1 m0",
-        "I s1 m0", "SEND grad s0>s1 m0 to r0", "+ RECV act s0>s1 m1 from r0", "W s1 m0",
+        "RECV act s0>s1 m0 from r0", "RECV act s0>s1 m1 from r0", "F s1 m0",
+        "I s1 m0", "SEND grad s0>s1 m0 to r0", "W s1 m0",
         "F s1 m1", "I s1 m1", "SEND grad s0>s1 m1 to r0", "W s1 m1",
     ]  # fmt: skip
     assert got.ranks[0] == lowered.ranks[0]  # stage 0 sends no gradient: its B stay whole
