@@ -124,6 +124,25 @@ rank 2: RECV act s0>s1 m0 from r1; + RECV act s0>s1 m1 from r1; F s1 m1; SEND ac
     check(split, p2p="nccl")
 
 
+def test_a_group_completes_as_one() -> None:
+    # rank 0 reads y0 (act s1>s2 m0) from a group that also sends x1 to rank 1, which rank 1
+    # receives only after it sent y0: NCCL completes the group (one kernel) when x1 is through
+    text = """\
+placement 0 1 0
+microbatches 2
+mode eval
+rank 0: F s0 m0; SEND act s0>s1 m0 to r1; F s0 m1; SEND act s0>s1 m1 to r1; + RECV act s1>s2 m0 from r1; F s2 m0; RECV act s1>s2 m1 from r1; F s2 m1
+rank 1: RECV act s0>s1 m0 from r0; F s1 m0; SEND act s1>s2 m0 to r0; RECV act s0>s1 m1 from r0; F s1 m1; SEND act s1>s2 m1 to r0
+"""
+    program = parse_program(text)
+    costs = Costs(f=1, comm=0.5)
+    starts = {str(e.instr): e.start for e in simulate(program, costs, p2p="nccl").events[0]}
+    # y0 matches at 3.0 (sent at 2.5); x1's RECV reaches the head of rank 1's side only once
+    # y0's SEND completed (3.0), so x1 matches at 3.5, and with it the group: F s2 m0 then
+    assert starts["F s2 m0"] == 3.5
+    assert {str(e.instr): e.start for e in simulate(program, costs).events[0]}["F s2 m0"] == 3.0
+
+
 def test_collectives_in_a_different_order_are_rejected_naming_both_ranks() -> None:
     text = """\
 placement 0 1
