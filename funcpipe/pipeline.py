@@ -221,8 +221,9 @@ class Pipeline:
         self, schedule: Program, recompute: bool | Sequence[int], *, data_parallel: bool
     ) -> Program:
         p = schedule
+        rules = self._p2p_rules()
         if p.lowered:
-            check(p)
+            check(p, p2p=rules)
             return p
         if recompute and p.training:
             stages = range(p.n_stages) if recompute is True else recompute
@@ -233,8 +234,21 @@ class Pipeline:
         if p.training and (data_parallel or len(set(p.replica_of or ())) < p.n_stages):
             p = add_reduce(p, group="data")  # also adds the replica sums (Chimera)
         p = add_communication(p)
-        check(p)
+        check(p, p2p=rules)
         return p
+
+    def _p2p_rules(self) -> str:
+        """The point-to-point rules the program must hold to on this pipeline's transport
+        (``check(..., p2p=...)``): NCCL's where it runs over NCCL or on CUDA devices, gloo's
+        (buffered sends) otherwise. Programs funcpipe lowers hold to NCCL's everywhere."""
+        if self.device is not None and self.device.type == "cuda":
+            return "nccl"
+        if self.transport == "dist":
+            import torch.distributed as dist
+
+            if dist.get_backend() == "nccl":
+                return "nccl"
+        return "gloo"
 
     # ------------------------------------------------------------------ step
     def step(

@@ -142,6 +142,7 @@ def run_pipeline_vs_reference(
     chunks: int | None = None,
     split_all: bool = False,
     p2p: str = "auto",
+    strict: bool = False,
 ) -> float:
     """Train-step ``batches`` (sizes) through ``name`` and compare with the reference; returns
     the largest difference seen (the caller asserts). Runs on 'dist' inside a pool, else 'local'."""
@@ -155,10 +156,13 @@ def run_pipeline_vs_reference(
     ties = {"E": [(0, "E"), (n - 1, "E")]} if tied and n > 1 else None
     if p2p == "torch":  # gloo's send/recv instead of the same-host sockets
         os.environ["FUNCPIPE_P2P"] = "torch"
+    if strict:  # NCCL's point-to-point rules enforced by the transport
+        os.environ["FUNCPIPE_STRICT_P2P"] = "1"
     try:
         pipe = Pipeline(stages, program, loss_fn=mse, ties=ties, recompute=recompute)
     finally:
         os.environ.pop("FUNCPIPE_P2P", None)
+        os.environ.pop("FUNCPIPE_STRICT_P2P", None)
     worst = 0.0
     for b, size in enumerate(batches):
         x, y = data(size, seed=b + 1)

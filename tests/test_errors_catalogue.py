@@ -209,7 +209,7 @@ def _2d_mismatch() -> None:
 
 def _deadlock() -> Program:
     low = lower(_1f1b())  # rank 0 waits for a gradient before sending the activation it needs
-    return _edit(low, 0, lambda r: [r[4], *r[:4], *r[5:]])
+    return _edit(low, 0, lambda r: [r[0], r[4].join(False), r[5], r[6], r[1], r[2], r[3], r[7]])
 
 
 # ------------------------------------------------------------------------------------ the rows
@@ -222,7 +222,7 @@ CASES: list[Case] = [
         "activation that gradient depends on",
         lambda: check(_deadlock()),
         ScheduleError,
-        ("rank 0, step 0", "deadlock", "rule: no deadlock"),
+        ("rank 0, step 2", "deadlock", "rule: no deadlock"),
     ),
     Case(
         "schedule-missing-instruction",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -731,7 +732,10 @@ class DistTransport(_Counters):
         if pg is None:
             return DONE
         works = [self.dist.all_reduce(t, group=pg, async_op=True) for t in tensors]
-        return _Works(works, f"rank {self.rank}: REDUCE over group {group!r}", self.on_error)
+        done = _Works(works, f"rank {self.rank}: REDUCE over group {group!r}", self.on_error)
+        if self.strict is None:
+            return done
+        return _StrictCollective(done, works, self.strict, self._pump())
 
     def finish(self) -> None:
         """Wait for this step's sends (a rank's last sends may still be in flight)."""
@@ -743,6 +747,28 @@ class DistTransport(_Counters):
             send.wait()
         self.held.reap()
         self.held.step_done()
+
+
+class _StrictCollective:
+    """A collective of a strict :class:`DistTransport`: waiting for it keeps this rank's side of
+    the point-to-point queues moving (NCCL's streams progress while the host waits; a rank
+    blocked in gloo's wait would stall its peers' groups, and so itself)."""
+
+    def __init__(self, inner: Any, works: Sequence[Any], shared: Any, pump: Any) -> None:
+        self.inner, self.works, self.shared, self.pump = inner, list(works), shared, pump
+
+    def ready(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        pause = 0.0005
+        while not self.ready():
+            if self.pump is not None:
+                self.pump()
+            self.shared.progress()
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        self.inner.wait()
 
 
 _STRICT_KEYS = [0]  # strict transports built by this process (their default store keys)

@@ -56,6 +56,26 @@ def test_gloo_point_to_point_still_works(pool, name: str) -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", NAMES)
+def test_every_schedule_under_nccl_rules_over_gloo(pool, name: str) -> None:
+    """FUNCPIPE_STRICT_P2P=1: the transport enforces NCCL's point-to-point rules between the
+    processes (rendezvous sends, one queue per pair, groups complete as one)."""
+    worst = pool(2).run(
+        jobs_runtime.run_pipeline_vs_reference, name, 2, 5, [11, 6], tied=True, strict=True
+    )
+    assert max(worst) < 1e-10
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_four_ranks_under_nccl_rules_over_gloo(pool, name: str) -> None:
+    worst = pool(4).run(
+        jobs_runtime.run_pipeline_vs_reference, name, 4, 8, [16, 9], tied=True, strict=True
+    )
+    assert max(worst) < 1e-10
+
+
+@pytest.mark.timeout(180)
 def test_data_parallel_over_gloo(pool) -> None:
     """Four processes, a 2-rank program: two data-parallel copies averaging their gradients."""
     worst = pool(4).run(jobs_runtime.data_parallel_vs_reference, "1f1b", 2, 2)

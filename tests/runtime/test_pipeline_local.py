@@ -11,7 +11,7 @@ import funcpipe as fp
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline import Pipeline
 from funcpipe.schedule.generators import forward_only, generate, to_eval
-from funcpipe.schedule.ir import chain
+from funcpipe.schedule.ir import Op, chain
 from funcpipe.stage import Stage
 from funcpipe.testing import assert_trees_close
 from tests.jobs_runtime import (
@@ -402,3 +402,59 @@ def test_nan_in_a_parameter_gradient_is_reported() -> None:
     with pytest.raises(NonFiniteError, match="stage 1") as info:
         pipe.step(params, x, y)
     assert "parameter gradient" in str(info.value)
+
+
+# ----------------------------------------------------------------------------- NCCL's rules
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_every_schedule_runs_under_nccl_rules(
+    monkeypatch: pytest.MonkeyPatch, name: str, ranks: int
+) -> None:
+    """The strict transport (FUNCPIPE_STRICT_P2P=1: one FIFO stream per pair for both
+    directions, sends complete only at rendezvous, groups complete as one) runs every
+    schedule's lowered program to the reference gradients: the lowering is NCCL-correct."""
+    monkeypatch.setenv("FUNCPIPE_STRICT_P2P", "1")
+    for m in sorted({ranks, 2 * ranks + 1}):
+        run_pipeline_vs_reference(0, name, ranks, m, [13, 9], recompute=m > ranks, tied=True)
+
+
+def test_one_by_one_posting_deadlocks_under_nccl_rules_and_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """1F1B with every SEND and RECV posted on its own (the lowering before groups) passes the
+    gloo rules and runs over gloo, but would hang under NCCL: the strict transport stops it with
+    an error naming the ranks and the sends that wait for each other; grouped, it runs."""
+    from funcpipe.errors import CommunicationError
+    from funcpipe.schedule import check
+    from funcpipe.schedule.ir import recv, send
+
+    stages, params = toy(2)
+    x, y = data(8)
+    grouped = Pipeline(stages, generate("1f1b", ranks=2, microbatches=4), loss_fn=mse).program
+    # the lowering before groups: each SEND right after its producer, each RECV right before
+    # its reader, every one posted on its own
+    ranks: list[list] = [[], []]
+    for r, instrs in enumerate(generate("1f1b", ranks=2, microbatches=4).ranks):
+        for i in instrs:
+            m = i.microbatch
+            if r == 1 and i.op is Op.F:
+                ranks[1].append(recv("act", (0, 1), m, 0))
+            if r == 0 and i.op is Op.B:
+                ranks[0].append(recv("grad", (0, 1), m, 1))
+            ranks[r].append(i)
+            if r == 0 and i.op is Op.F:
+                ranks[0].append(send("act", (0, 1), m, 1))
+            if r == 1 and i.op is Op.B:
+                ranks[1].append(send("grad", (0, 1), m, 0))
+    one_by_one = grouped.replace(ranks=tuple(tuple(r) for r in ranks))
+    check(one_by_one)  # fine under gloo's buffered sends
+    with pytest.raises(fp.ScheduleError, match="r0-r1"):
+        check(one_by_one, p2p="nccl")
+    ref = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
+    got = Pipeline(stages, one_by_one, loss_fn=mse).step(params, x, y)
+    assert_trees_close((got.loss, got.grads), ref)
+    monkeypatch.setenv("FUNCPIPE_STRICT_P2P", "1")
+    with pytest.raises(CommunicationError, match=r"rank 0.*SEND.*rank 1|rank 1.*SEND.*rank 0"):
+        Pipeline(stages, one_by_one, loss_fn=mse).step(params, x, y)
+    got = Pipeline(stages, grouped, loss_fn=mse).step(params, x, y)
+    assert_trees_close((got.loss, got.grads), ref)
