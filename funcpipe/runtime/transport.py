@@ -542,25 +542,27 @@ class _Waiter:
     """
 
     def __init__(self) -> None:
-        self.queue: queue.SimpleQueue[_DistSend | None] = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[tuple[_DistSend, threading.Event] | None] = (
+            queue.SimpleQueue()
+        )
         threading.Thread(target=_wait_loop, args=(self.queue,), daemon=True).start()
         weakref.finalize(self, self.queue.put, None)  # the thread ends with its waiter
 
     def watch(self, send: _DistSend) -> None:
-        send.settled = threading.Event()
-        self.queue.put(send)
+        send.settled = settled = threading.Event()
+        self.queue.put((send, settled))
 
 
-def _wait_loop(jobs: queue.SimpleQueue[_DistSend | None]) -> None:
-    while (send := jobs.get()) is not None:
+def _wait_loop(jobs: queue.SimpleQueue[tuple[_DistSend, threading.Event] | None]) -> None:
+    while (job := jobs.get()) is not None:
+        send, settled = job
         try:
             for w in send.works:
                 w.wait()
         except BaseException as e:  # handed to the rank's thread, which raises it
             send.error = e
-        assert send.settled is not None
-        send.settled.set()
-        del send
+        settled.set()
+        del send, settled, job
 
 
 class DistTransport(_Counters):
