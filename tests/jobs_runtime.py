@@ -13,7 +13,7 @@ import funcpipe as fp
 from funcpipe.microbatch import split
 from funcpipe.pipeline import Pipeline
 from funcpipe.schedule.generators import generate
-from funcpipe.schedule.ir import Program
+from funcpipe.schedule.ir import Instr, Program
 from funcpipe.stage import Stage, as_inputs
 from funcpipe.testing import assert_trees_close
 
@@ -128,6 +128,27 @@ def graph_reference(
         out.append(fp.tree.tree_unflatten(tree, grads[k : k + len(ls)]))
         k += len(ls)
     return total / m, tuple(out)
+
+
+def one_by_one_1f1b() -> Program:
+    """2-rank 1F1B lowered with every SEND and RECV posted on its own: gloo runs it, NCCL hangs."""
+    program = generate("1f1b", ranks=2, microbatches=4)
+    from funcpipe.schedule.ir import Op, recv, send
+
+    ranks: list[list[Instr]] = [[], []]
+    for r, instrs in enumerate(program.ranks):
+        for i in instrs:
+            m = i.microbatch
+            if r == 1 and i.op is Op.F:
+                ranks[1].append(recv("act", (0, 1), m, 0))
+            if r == 0 and i.op is Op.B:
+                ranks[0].append(recv("grad", (0, 1), m, 1))
+            ranks[r].append(i)
+            if r == 0 and i.op is Op.F:
+                ranks[0].append(send("act", (0, 1), m, 1))
+            if r == 1 and i.op is Op.B:
+                ranks[1].append(send("grad", (0, 1), m, 0))
+    return program.replace(ranks=tuple(tuple(r) for r in ranks))
 
 
 def run_pipeline_vs_reference(

@@ -11,7 +11,7 @@ import funcpipe as fp
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline import Pipeline
 from funcpipe.schedule.generators import forward_only, generate, to_eval
-from funcpipe.schedule.ir import Op, chain
+from funcpipe.schedule.ir import chain
 from funcpipe.stage import Stage
 from funcpipe.testing import assert_trees_close
 from tests.jobs_runtime import (
@@ -21,6 +21,7 @@ from tests.jobs_runtime import (
     data,
     graph_reference,
     mse,
+    one_by_one_1f1b,
     run_pipeline_vs_reference,
     toy,
 )
@@ -426,27 +427,12 @@ def test_one_by_one_posting_deadlocks_under_nccl_rules_and_is_reported(
     an error naming the ranks and the sends that wait for each other; grouped, it runs."""
     from funcpipe.errors import CommunicationError
     from funcpipe.schedule import check
-    from funcpipe.schedule.ir import recv, send
 
     stages, params = toy(2)
     x, y = data(8)
     grouped = Pipeline(stages, generate("1f1b", ranks=2, microbatches=4), loss_fn=mse).program
-    # the lowering before groups: each SEND right after its producer, each RECV right before
-    # its reader, every one posted on its own
-    ranks: list[list] = [[], []]
-    for r, instrs in enumerate(generate("1f1b", ranks=2, microbatches=4).ranks):
-        for i in instrs:
-            m = i.microbatch
-            if r == 1 and i.op is Op.F:
-                ranks[1].append(recv("act", (0, 1), m, 0))
-            if r == 0 and i.op is Op.B:
-                ranks[0].append(recv("grad", (0, 1), m, 1))
-            ranks[r].append(i)
-            if r == 0 and i.op is Op.F:
-                ranks[0].append(send("act", (0, 1), m, 1))
-            if r == 1 and i.op is Op.B:
-                ranks[1].append(send("grad", (0, 1), m, 0))
-    one_by_one = grouped.replace(ranks=tuple(tuple(r) for r in ranks))
+    one_by_one = one_by_one_1f1b()  # the lowering before groups, one op at a time
+
     check(one_by_one)  # fine under gloo's buffered sends
     with pytest.raises(fp.ScheduleError, match="r0-r1"):
         check(one_by_one, p2p="nccl")

@@ -1,0 +1,55 @@
+"""The same steps on every device this machine has: CPU always, CUDA when it is there (skipped
+with a reason otherwise; CI has no GPU). Each is checked against ``reference_step`` on that
+device, and everything the step returns must be on the device it was given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import funcpipe as fp
+from funcpipe.pipeline import Pipeline
+from funcpipe.schedule import generate
+from funcpipe.testing import assert_trees_close
+from tests.jobs_runtime import data, mse, one_by_one_1f1b, toy
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+NAMES = [
+    "gpipe",
+    "1f1b",
+    "interleaved",
+    "looped-bfs",
+    "zb-h1",
+    "zb-h2",
+    "zbv",
+    "dualpipev",
+    "chimera",
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", NAMES)
+def test_every_schedule_on_the_device_matches_the_reference(device: str, name: str) -> None:
+    program = generate(name, ranks=2, microbatches=4)
+    stages, params = toy(len(set(program.replica_of or range(program.n_stages))))
+    params = [{k: v.to(device) for k, v in p.items()} for p in params]
+    x, y = (t.to(device) for t in data(9))  # uneven microbatches
+    got = Pipeline(stages, program, loss_fn=mse).step(params, x, y)
+    ref = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
+    assert_trees_close((got.loss, got.grads), ref)  # float64: funcpipe.testing's tolerances
+    leaves = [got.loss, *(t for g in got.grads for t in g.values())]
+    assert all(t.device.type == device for t in leaves)
+
+
+def test_a_cuda_pipeline_checks_its_program_under_nccl_rules() -> None:
+    """Building a Pipeline for CUDA needs no GPU: its program is checked under NCCL's rules, so
+    a program that only gloo's buffered sends can run is refused before anything runs, while
+    the same program is accepted for CPU (gloo)."""
+    stages, _ = toy(2)
+    bad = one_by_one_1f1b()
+    Pipeline(stages, bad, loss_fn=mse)  # CPU: gloo's rules
+    with pytest.raises(fp.ScheduleError, match="r0-r1"):
+        Pipeline(stages, bad, loss_fn=mse, device="cuda")
+    lowered = Pipeline(stages, generate("1f1b", ranks=2, microbatches=4), loss_fn=mse).program
+    Pipeline(stages, lowered, loss_fn=mse, device="cuda")  # funcpipe's lowering: accepted
