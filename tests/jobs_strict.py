@@ -147,8 +147,8 @@ def exchange(rank: int, grouped: bool, p2p: str, key: str) -> tuple[str, float]:
         if grouped:
             t.post([P2P("send", (out,), other), P2P("recv", (buf,), other)])[1].wait()
         else:
-            t.send([out], other)
-            t.recv([buf], other).wait()
+            t.post([P2P("send", (out,), other)])
+            t.post([P2P("recv", (buf,), other)])[0].wait()
         t.finish()
         assert bool((buf == other).all())
         result = "ok"

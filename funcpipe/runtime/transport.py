@@ -81,10 +81,6 @@ class Transport(Protocol):
 
     def post(self, ops: Sequence[P2P]) -> list[Handle]: ...
 
-    def send(self, tensors: Sequence[Tensor], peer: int) -> None: ...
-
-    def recv(self, buffers: Sequence[Tensor], peer: int) -> Handle: ...
-
     def all_reduce(self, tensors: Sequence[Tensor], group: str) -> Handle: ...
 
     def finish(self) -> None: ...
@@ -156,14 +152,6 @@ class _Counters:
     def last_peak_held_bytes(self) -> int:
         """``peak_held_bytes`` of the last step that :meth:`finish` ended."""
         return self.held.last_peak
-
-    def send(self, tensors: Sequence[Tensor], peer: int) -> None:
-        """Post one send on its own (``post`` of one op; the transport keeps it until done)."""
-        self.post([P2P(SEND, tuple(tensors), peer)])
-
-    def recv(self, buffers: Sequence[Tensor], peer: int) -> Handle:
-        """Post one receive on its own (``post`` of one op)."""
-        return self.post([P2P(RECV, tuple(buffers), peer)])[0]
 
     def post(self, ops: Sequence[P2P]) -> list[Handle]:
         raise NotImplementedError

@@ -60,8 +60,8 @@ def _exchange(grouped: bool) -> Any:
         if grouped:
             h = t.post([_send(out, other), _recv(buf, other)])[1]
         else:
-            t.send([out], other)
-            h = t.recv([buf], other)
+            t.post([P2P("send", (out,), other)])
+            h = t.post([P2P("recv", (buf,), other)])[0]
         yield from _wait(h)
         assert torch.equal(buf, torch.full((3,), float(other)))
         t.finish()
@@ -167,7 +167,7 @@ def test_a_reduction_is_not_held_up_by_point_to_point() -> None:
 
 def test_a_send_no_rank_receives_is_reported_when_the_step_ends() -> None:
     def sender(t: LocalTransport) -> Generator[Handle, None, None]:
-        t.send([torch.ones(2)], 1)
+        t.post([P2P("send", (torch.ones(2),), 1)])
         yield from _wait(t.all_reduce([torch.ones(1)], "g"))
         t.finish()
 

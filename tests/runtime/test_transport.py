@@ -38,8 +38,8 @@ def test_post_gives_one_handle_per_operation(strict: bool) -> None:
     assert len(ha) == len(hb) == 2
     assert all(h.ready() for h in [ha[1], hb[1], ha[0], hb[0]])  # receives copy, sends are done
     assert torch.equal(bx, x) and torch.equal(by, y)
-    b.send([y], 0)  # the one-op wrappers
-    a.recv([by], 1).wait()
+    b.post([P2P("send", (y,), 0)])  # the one-op wrappers
+    a.post([P2P("recv", (by,), 1)])[0].wait()
     assert a.post([]) == []
 
 
@@ -47,13 +47,13 @@ def test_post_gives_one_handle_per_operation(strict: bool) -> None:
 def test_held_bytes_follow_the_sends(strict: bool) -> None:
     world = LocalWorld(2, strict=strict)
     a, b = world.transport(0), world.transport(1)
-    a.send([torch.ones(4)], 1)
-    a.send([torch.ones(2)], 1)
+    a.post([P2P("send", (torch.ones(4),), 1)])
+    a.post([P2P("send", (torch.ones(2),), 1)])
     assert a.held_bytes == a.peak_held_bytes == 24
-    b.recv([torch.empty(4)], 0).wait()
+    b.post([P2P("recv", (torch.empty(4),), 0)])[0].wait()
     a.post([])  # posting drops the sends known complete
     assert a.held_bytes == 8 and a.peak_held_bytes == 24
-    b.recv([torch.empty(2)], 0).wait()
+    b.post([P2P("recv", (torch.empty(2),), 0)])[0].wait()
     a.finish()
     assert (a.held_bytes, a.peak_held_bytes, a.last_peak_held_bytes) == (0, 0, 24)
 
