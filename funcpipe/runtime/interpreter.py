@@ -5,6 +5,10 @@ whenever it has to wait (a receive, a collective); the driver decides how to wai
 ``torch.distributed`` the driver blocks on the handle; in one process the driver switches to
 another rank, so all ranks of a program run deterministically in one thread.
 
+Instructions run exactly in program order. A communication group (a SEND or RECV and the ones
+``joined`` to it) is posted as one; a RECV only posts, and the compute instruction that reads
+the received data waits for it.
+
 State lives only for one step: activations are freed as soon as their last backward use is done,
 weight gradients are returned as a fresh pytree, nothing is accumulated across steps. Within a
 step, autograd sums each microbatch's parameter gradients in place into the ``.grad`` of the
@@ -533,7 +537,7 @@ class _Rank:
         leaf = self.leaves[o][k]
         g = leaf.grad
         if g is None:
-            g = leaf.grad = _zeros(leaf)
+            g = leaf.grad = torch.zeros_like(leaf)
         elif key in self.shared or not g.is_contiguous():
             g = leaf.grad = g.contiguous().clone()
             self.shared.discard(key)
@@ -618,13 +622,9 @@ def _take_grad(leaf: Tensor) -> Tensor:
     of it."""
     g = leaf.grad
     if g is None:
-        return _zeros(leaf)
+        return torch.zeros_like(leaf)
     leaf.grad = None
     return g
-
-
-def _zeros(leaf: Tensor) -> Tensor:
-    return torch.zeros_like(leaf)
 
 
 def _note(e: BaseException, where: str, inputs: Sequence[Any], targets: Sequence[Any] = ()) -> None:
