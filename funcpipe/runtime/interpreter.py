@@ -127,7 +127,7 @@ class _Rank:
         self.shared: set[tuple[int, int]] = set()
         self.nodes: dict[int, dict[Any, int]] = {}  # owner -> autodiff.param_nodes (for I)
         # receives posted and not yet read: message key -> (handle, what to do once in)
-        self.incoming: dict[Any, tuple[Handle, Callable[[], None] | None, int]] = {}
+        self.incoming: dict[Any, tuple[Handle, Callable[[], None] | None]] = {}
 
     # ------------------------------------------------------------------ helpers
     def spec(self, s: int, m: int) -> OutputSpec:
@@ -417,10 +417,10 @@ class _Rank:
                 continue
             bufs, then = self._buffers(i)
             ops.append(P2P(RECV, tuple(bufs), i.peer, str(i)))
-            recvs.append((i.key, i.peer, then, len(ops) - 1))
+            recvs.append((i.key, then, len(ops) - 1))
         handles = self.t.post(ops)
-        for key, peer, then, k in recvs:
-            self.incoming[key] = (handles[k], then, peer)
+        for key, then, k in recvs:
+            self.incoming[key] = (handles[k], then)
 
     def _buffers(self, i: Instr) -> tuple[list[Tensor], Callable[[], None] | None]:
         """Receive buffers for RECV ``i`` and what to do once they are filled (gradients)."""
@@ -454,18 +454,12 @@ class _Rank:
         else:
             return
         for key in keys:
-            got = self.incoming.get(key)
-            if got is None:
-                continue
-            # the receives from that peer posted before it complete first (one ordered stream
-            # per pair), so finish those first, in posting order
-            for k in [k for k, v in self.incoming.items() if v[2] == got[2]]:
-                h, then, _ = self.incoming.pop(k)
+            got = self.incoming.pop(key, None)
+            if got is not None:
+                h, then = got
                 yield from _wait(h)
                 if then is not None:
                     then()
-                if k == key:
-                    break
 
     def reduce(self, i: Instr) -> None:
         """Start REDUCE ``i.group`` over this rank's gradients of ``i.stage`` (asynchronously).
@@ -603,7 +597,7 @@ class _Rank:
                 self._post_scalars(scalars)
             if trace is not None:
                 trace.append(clock())
-        for h, then, _ in self.incoming.values():  # (none in a checked program: read by now)
+        for h, then in self.incoming.values():  # (none in a checked program: read by now)
             yield from _wait(h)
             if then is not None:
                 then()

@@ -189,6 +189,7 @@ class LocalWorld:
         self.size = size
         self.strict = strict_from_env() if strict is None else strict
         self.mail: dict[tuple[int, int], deque[_LocalMessage]] = {}
+        self.posted: dict[tuple[int, int], deque[_LocalRecv]] = {}  # receives not yet matched
         # strict mode: every rank's side of the queues, and the buffers of posted receives
         self.sides: dict[int, nccl.Side] = {}
         self.wanted: dict[tuple[int, int], deque[list[Tensor]]] = {}
@@ -317,18 +318,21 @@ def _copy_into(buffers: Sequence[Tensor], tensors: Sequence[Tensor], src: int, d
 
 
 class _LocalRecv:
+    """A receive matched to messages in the order receives are posted (FIFO per pair, as over
+    a wire), whichever of them is waited for first."""
+
     def __init__(self, world: LocalWorld, src: int, dst: int, buffers: Sequence[Tensor]) -> None:
-        self.world = world
         self.box = world.mail.setdefault((src, dst), deque())
+        self.queue = world.posted.setdefault((src, dst), deque())
+        self.queue.append(self)
         self.src, self.dst, self.buffers = src, dst, list(buffers)
         self.done = False
 
     def ready(self) -> bool:
-        if not self.done and self.box:
-            msg = self.box.popleft()
-            _copy_into(self.buffers, msg.tensors, self.src, self.dst)
-            msg.tensors, msg.done = [], True
-            self.done = True
+        while not self.done and self.box:
+            msg, first = self.box.popleft(), self.queue.popleft()
+            _copy_into(first.buffers, msg.tensors, self.src, self.dst)
+            msg.tensors, msg.done, first.done = [], True, True
         return self.done
 
     def wait(self) -> None:

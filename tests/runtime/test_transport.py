@@ -96,3 +96,17 @@ def test_1f1b_over_processes_keeps_p_boundary_tensors_not_m(pool, p2p: str, stri
 def test_a_1f1b_pipeline_step_over_processes_keeps_p_boundary_tensors(pool, p2p: str) -> None:
     for peak, boundary, after in pool(P).run(jobs_strict.pipeline_held_bytes, M, p2p):
         assert peak <= P * boundary and after == 0
+
+
+def test_local_receives_match_in_posting_order_whatever_is_waited_first() -> None:
+    """Two receives from one peer posted before the data arrives: waiting for the second first
+    still gives each the message sent in its position (FIFO per pair, as over a wire)."""
+    world = LocalWorld(2, strict=False)
+    a, b = world.transport(0), world.transport(1)
+    first, second = torch.empty(2), torch.empty(3)
+    h1, h2 = b.post([P2P("recv", (first,), 0), P2P("recv", (second,), 0)])
+    a.post([P2P("send", (torch.ones(2),), 1)])
+    a.post([P2P("send", (torch.full((3,), 2.0),), 1)])
+    h2.wait()
+    assert h1.ready() and torch.equal(first, torch.ones(2))
+    assert torch.equal(second, torch.full((3,), 2.0))
