@@ -5,6 +5,7 @@ parameters, gradients and optimizer state are values that go in and come out.
 """
 
 from funcpipe import data, optim, profile, schedule, testing, tune
+from funcpipe.compile import compile_stage
 from funcpipe.errors import (
     CommunicationError,
     FuncpipeError,
@@ -19,6 +20,7 @@ from funcpipe.launcher import Pool, launch
 from funcpipe.microbatch import merge, microbatch_sizes, split
 from funcpipe.partition import Partition, partition
 from funcpipe.pipeline import Pipeline, StepResult
+from funcpipe.precision import autocast_stage
 from funcpipe.profile import measure_memory, measure_stages, profile_stages
 from funcpipe.reference import reference_step
 from funcpipe.shapes import StageSpec, TensorSpec, infer_specs
@@ -44,6 +46,8 @@ __all__ = [
     "TensorSpec",
     "__version__",
     "as_inputs",
+    "autocast_stage",
+    "compile_stage",
     "compose",
     "data",
     "from_module",

@@ -26,6 +26,7 @@ from funcpipe.schedule.check import check
 from funcpipe.schedule.ir import Op, Program
 from funcpipe.schedule.passes import add_communication, add_recompute, add_reduce
 from funcpipe.schedule.simulate import Event, Timeline
+from funcpipe.shapes import stage_device
 from funcpipe.stage import Stage, as_inputs
 from funcpipe.ties import TiePath, add_tie_reduce, check_ties, resolve, tie_values
 from funcpipe.tree import check_tensor_tree, tree_flatten, tree_unflatten
@@ -109,6 +110,11 @@ class Pipeline:
             Default: on when the environment sets ``FUNCPIPE_DEBUG=1``. Costs one reduction per
             tensor.
         device: where received tensors are placed (default: where the params are).
+        grad_dtype: sum the gradients of lower-precision floating parameters (bf16, float16)
+            in this dtype across microbatches and return them in it (``torch.float32``: what
+            mixed-precision training wants; see docs/pipeline.md). Each forward then computes
+            with a cast of the parameter to its own dtype, so the stage sees what it always
+            sees. Default: gradients in each parameter's dtype.
 
     How stages talk is chosen automatically: over ``"dist"``, CPU tensors between processes of
     one host go over Unix-domain sockets, anything else over ``torch.distributed`` send/recv
@@ -132,6 +138,7 @@ class Pipeline:
         scatter_gather: bool = False,
         check_finite: bool | None = None,
         device: torch.device | str | None = None,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         self.stages = tuple(stages)
         for k, s in enumerate(self.stages):
@@ -172,6 +179,14 @@ class Pipeline:
         self.ties = check_ties(ties, len(self.stages))
         self.data = data
         self.device = torch.device(device) if device is not None else None
+        if grad_dtype is not None and (
+            not isinstance(grad_dtype, torch.dtype) or not grad_dtype.is_floating_point
+        ):
+            raise InvalidArgument(
+                f"grad_dtype={grad_dtype!r}: a floating torch.dtype (torch.float32 to sum bf16 "
+                "gradients in float32), or None for each parameter's own dtype"
+            )
+        self.grad_dtype = grad_dtype
         if transport is None:
             transport = "dist" if _world.initialised() else "local"
         if transport not in ("local", "dist"):
@@ -259,8 +274,12 @@ class Pipeline:
         *,
         return_outputs: bool = False,
         trace: bool = False,
+        loss_scale: float | Tensor | None = None,
     ) -> StepResult:
         """One training step (or one evaluation, for an eval program): ``(loss, grads)``.
+
+        ``loss_scale``: multiply the loss's gradient by this (loss scaling for float16, see
+        :mod:`funcpipe.loss_scale`): the gradients come back scaled by it, the loss does not.
 
         With ``trace=True`` every rank records when each instruction starts and ends and
         ``result.timeline`` is the executed :class:`funcpipe.schedule.Timeline` (over processes
@@ -275,14 +294,16 @@ class Pipeline:
         the mean over microbatches, on every rank.
         """
         params = self._check_params(params)
+        scale = _loss_scale(loss_scale)
         program = self.program
         m = program.microbatches
         if self._world is None:
-            return self._step_local(params, batch, targets, return_outputs, trace)
+            return self._step_local(params, batch, targets, return_outputs, trace, scale)
         entry, side, tgt, layouts = self._microbatches(params, batch, targets)
         x = self._rank_inputs(self.rank, params, entry, side, tgt, layouts, return_outputs)
         x.data_size = self.data_size
         x.trace = trace
+        x.loss_scale = scale
         if self.loss_fn is not None or self.metric_fn is not None:
             x.scalars_group = _world.SCALARS
         result = drive(run_rank(x, self._world.transport))
@@ -297,7 +318,13 @@ class Pipeline:
         return step
 
     def _step_local(
-        self, params: tuple[Any, ...], batch: Any, targets: Any, return_outputs: bool, trace: bool
+        self,
+        params: tuple[Any, ...],
+        batch: Any,
+        targets: Any,
+        return_outputs: bool,
+        trace: bool,
+        scale: float,
     ) -> StepResult:
         program = self.program
         n, m = program.n_ranks, program.microbatches
@@ -315,6 +342,7 @@ class Pipeline:
             for r in range(n):
                 x = self._rank_inputs(r, params, entry, side, tgt, layouts, return_outputs)
                 x.trace = trace
+                x.loss_scale = scale
                 gens[ranks[r]] = run_rank(x, world.transport(r, ranks))
         results = drive_local(gens, world=world)
         per_rank = [results[r] for r in range(n)]  # replica 0 answers
@@ -412,13 +440,22 @@ class Pipeline:
             key = (signature(entry[k]), signature(side[k]), psig)
             layout = cache.get(key)
             if layout is None:
-                layout = cache[key] = infer_layout(self.program, full, fparams, entry[k], side[k])
+                layout = cache[key] = infer_layout(
+                    self.program, full, fparams, entry[k], side[k], device=self._place(params)
+                )
                 while len(cache) > LAYOUT_CACHE:
                     cache.popitem(last=False)
             else:
                 cache.move_to_end(key)
             layouts.append(layout)
         return entry, side, tgt, layouts
+
+    def _place(self, params: tuple[Any, ...]) -> torch.device:
+        """Where this pipeline's tensors live: ``device=``, else the first parameter that is
+        not on meta, else the CPU."""
+        if self.device is not None:
+            return self.device
+        return stage_device(params)
 
     def _full_stages(self) -> list[Stage]:
         return [self.stages[o] for o in (self.program.replica_of or range(self.program.n_stages))]
@@ -437,6 +474,7 @@ class Pipeline:
         owners = p.replica_of or tuple(range(p.n_stages))
         local = p.stages_on(rank)
         prm: dict[int, tuple[list[Tensor], Any]] = {}
+        casts: dict[int, tuple[torch.dtype | None, ...]] = {}
         for s in local:
             o = owners[s]
             if o not in prm:
@@ -445,10 +483,20 @@ class Pipeline:
                     raise InvalidArgument(
                         f"params[{o}] is on the meta device but rank {rank} runs stage {s}"
                     )
+                kept = [self._kept_dtype(t) if p.training else None for t in leaves]
                 prm[o] = (
-                    [t.detach().requires_grad_(_diff(t) and p.training) for t in leaves],
+                    [
+                        (t.detach() if k is None else t.detach().to(k)).requires_grad_(
+                            _diff(t) and p.training
+                        )
+                        for t, k in zip(leaves, kept, strict=True)
+                    ],
                     tree,
                 )
+                if any(k is not None for k in kept):
+                    casts[o] = tuple(
+                        None if k is None else t.dtype for t, k in zip(leaves, kept, strict=True)
+                    )
         device = self.device
         if device is None:
             first = next((ls[0] for ls, _ in prm.values() if ls), None)
@@ -473,7 +521,16 @@ class Pipeline:
             check_finite=self.check_finite,
             ties=ties,
             data_size=self.data,
+            casts=casts,
         )
+
+    def _kept_dtype(self, t: Tensor) -> torch.dtype | None:
+        """The dtype a parameter leaf is kept (and its gradient summed) in for the step, when
+        not its own: ``grad_dtype`` for floating leaves of fewer bits."""
+        g = self.grad_dtype
+        if g is None or not t.is_floating_point() or t.dtype.itemsize >= g.itemsize:
+            return None
+        return g
 
     def _grads(self, params: tuple[Any, ...], results: Sequence[RankResult]) -> tuple[Any, ...]:
         if not self.program.training:
@@ -527,6 +584,26 @@ def _timeline(program: Program, times: Sequence[Sequence[float]]) -> Timeline:
         for r, ts in enumerate(times)
     )
     return Timeline(program=program, events=events)
+
+
+def _loss_scale(value: float | Tensor | None) -> float:
+    if value is None:
+        return 1.0
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise InvalidArgument(
+                f"loss_scale must be a number or a one-element tensor; got a tensor of shape "
+                f"{tuple(value.shape)}"
+            )
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidArgument(
+            f"loss_scale={value!r}: a positive number (the factor the loss's gradient is "
+            "multiplied by), or None"
+        )
+    if value == float("inf"):
+        raise InvalidArgument("loss_scale=inf: the loss scale must be finite")
+    return float(value)
 
 
 def _sum(values: Sequence[Tensor | None]) -> Tensor | None:

@@ -1,24 +1,34 @@
-"""Shape inference: run every stage on the meta device to learn its input and output specs.
+"""Shape inference: run every stage on tensors without data to learn its input and output specs.
 
-Meta tensors carry shape and dtype but no data, so inference costs no compute and no memory.
-A stage that cannot run on meta (data-dependent shapes such as ``torch.nonzero``, or
-``.item()``) is rerun on one real microbatch, with a :class:`ShapeInferenceWarning`.
+The stages run on *fake* tensors (``torch._subclasses.FakeTensorMode``): they carry shape,
+dtype and a device but no data, so inference costs no compute and no memory. Unlike the meta
+device, a fake tensor keeps the device the stage really runs on, so everything that depends on
+the device applies as in a real run: ``torch.autocast("cuda" | "cpu", ...)`` inside a stage
+function (its outputs come out in bf16 / float16 exactly as they will for real), device-specific
+kernels' output dtypes, and constants the stage captured on its device. ``torch.compile``d
+functions run eagerly during inference (``torch.compiler.set_stance("force_eager")``), so
+inference never compiles a graph nor fills dynamo's cache. A stage that cannot run without data
+(data-dependent shapes such as ``torch.nonzero``, or ``.item()``) is rerun on one real
+microbatch, with a :class:`ShapeInferenceWarning`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from funcpipe.errors import InvalidArgument, ShapeInferenceError, ShapeInferenceWarning
 from funcpipe.stage import Stage, as_inputs
 from funcpipe.tree import check_tensor_tree, leaf_paths, tree_leaves, tree_map
 
-__all__ = ["StageSpec", "TensorSpec", "infer_specs"]
+__all__ = ["StageSpec", "TensorSpec", "abstract", "infer_specs", "stage_device"]
 
 _SHORT_DTYPES = {
     torch.float64: "f64",
@@ -85,8 +95,43 @@ class StageSpec:
     method: str
 
 
-def _to_meta(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(t, device="meta")
+@contextlib.contextmanager
+def abstract() -> Iterator[None]:
+    """Run the body on tensors without data: fake tensors, no autograd graph, no compiling.
+
+    Inside, :func:`fake` makes a fake tensor of a given spec and device; real tensors a stage
+    captured (module buffers, constants) are turned into fake ones on their own device when
+    they meet a fake tensor.
+    """
+    eager = (
+        torch.compiler.set_stance("force_eager")
+        if hasattr(torch.compiler, "set_stance")
+        else contextlib.nullcontext()
+    )
+    # a stage that fails here is reported once, by the caller; torch's fake-tensor logger would
+    # also print the failing kernel's traceback
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), eager:
+            yield
+    finally:
+        log.setLevel(level)
+
+
+def fake(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake tensor shaped like ``t`` on ``device`` (call inside :func:`abstract`)."""
+    return torch.empty(tuple(t.shape), dtype=t.dtype, device=device)
+
+
+def stage_device(params: Any, default: torch.device | str | None = None) -> torch.device:
+    """Where a stage runs: its parameters' device (the first leaf not on meta), else
+    ``default``, else the CPU."""
+    for leaf in tree_leaves(params):
+        if isinstance(leaf, torch.Tensor) and not leaf.is_meta:
+            return leaf.device
+    return torch.device(default) if default is not None else torch.device("cpu")
 
 
 def _specs(tree: Any) -> Any:
@@ -112,6 +157,7 @@ def infer_specs(
     example: Any,
     *,
     fallback: str = "real",
+    device: torch.device | str | None = None,
 ) -> tuple[StageSpec, ...]:
     """Infer every stage's input and output specs for one microbatch.
 
@@ -125,6 +171,9 @@ def infer_specs(
             (:class:`ShapeInferenceWarning`) and runs that stage on real tensors: the real chain
             is computed from ``example`` up to that stage, i.e. one real microbatch goes
             through the stages before it. ``"error"`` raises :class:`ShapeInferenceError`.
+        device: where a stage without parameters runs (default: the CPU); a stage with
+            parameters runs where they are. Inference sees what a run on that device sees
+            (autocast for its device type, for one).
 
     Returns:
         One :class:`StageSpec` per stage.
@@ -157,26 +206,34 @@ def infer_specs(
                 real.append(as_inputs(stages[j](params[j], *real[j])))
         return real[upto]
 
-    meta_inputs = tree_map(_to_meta, inputs)
     specs = []
+    given: Any = inputs  # stage i's inputs: fake, or real after a fallback
     for i, stage in enumerate(stages):
         method = "meta"
+        dev = stage_device(params[i], device)
         try:
-            with torch.no_grad():
-                outputs = stage.map_consts(_to_meta)(tree_map(_to_meta, params[i]), *meta_inputs)
+            with abstract():
+                outputs = stage(
+                    tree_map(lambda t, d=dev: fake(t, d), params[i]),
+                    *tree_map(lambda t, d=dev: fake(t, d), given),
+                )
+                _check_outputs(outputs, i, stage)
+                out_specs = _specs(outputs)
+        except InvalidArgument:
+            raise
         except Exception as e:
             reason = (
                 f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             )
             if fallback == "error":
                 raise ShapeInferenceError(
-                    f"stage {i} ({stage.name!r}) cannot run on the meta device ({reason}). "
+                    f"stage {i} ({stage.name!r}) cannot run on tensors without data ({reason}). "
                     "Its output shape probably depends on data (nonzero, masked_select, "
                     ".item()); use fallback='real' to run it on one real microbatch."
                 ) from e
             warnings.warn(
-                f"stage {i} ({stage.name!r}) cannot run on the meta device ({reason}); running "
-                "it on one real microbatch instead to infer its shapes.",
+                f"stage {i} ({stage.name!r}) cannot run on tensors without data ({reason}); "
+                "running it on one real microbatch instead to infer its shapes.",
                 ShapeInferenceWarning,
                 stacklevel=2,
             )
@@ -186,7 +243,8 @@ def infer_specs(
                 outputs = stage(params[i], *stage_inputs)
             if len(real) == i + 1:
                 real.append(as_inputs(outputs))
-        _check_outputs(outputs, i, stage)
-        specs.append(StageSpec(_specs(meta_inputs), _specs(outputs), method))
-        meta_inputs = tree_map(_to_meta, as_inputs(outputs))
+            _check_outputs(outputs, i, stage)
+            out_specs = _specs(outputs)
+        specs.append(StageSpec(_specs(given), out_specs, method))
+        given = tree_map(TensorSpec.empty, as_inputs(out_specs))
     return tuple(specs)

@@ -45,7 +45,7 @@ class _HasConsts(Protocol):
 
 
 def _describe_fn(fn: Callable[..., Any]) -> str:
-    if isinstance(fn, _ModuleFn | _Composed):
+    if isinstance(fn, _ModuleFn | _Composed) or getattr(fn, "_funcpipe_repr", False):
         return repr(fn)
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     return name if name is not None else type(fn).__name__

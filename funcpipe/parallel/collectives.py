@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from funcpipe.errors import InvalidArgument
 from funcpipe.parallel.mesh import Axis
@@ -208,9 +209,14 @@ def _check_dim(x: Tensor, dim: int, what: str) -> int:
     return dim % x.dim()
 
 
+def _abstract(x: Tensor) -> bool:
+    """A tensor with no data (meta or fake: shape inference); collectives keep its shape."""
+    return x.is_meta or is_fake(x)
+
+
 def _raw_all_reduce(x: Tensor, axis: Axis, phase: str, *, op: Any = None) -> Tensor:
     out = x.contiguous().clone()
-    if axis.size > 1 and not x.is_meta:  # meta (shape inference): same shape, no data moves
+    if axis.size > 1 and not _abstract(x):  # meta (shape inference): same shape, no data moves
         _record("all_reduce", phase, axis, out)
         dist.all_reduce(out, op=dist.ReduceOp.SUM if op is None else op, group=axis.group)
     return out
@@ -221,7 +227,7 @@ def _raw_all_gather(x: Tensor, axis: Axis, dim: int, phase: str) -> Tensor:
         return x.clone()
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((axis.size * src.shape[0], *src.shape[1:]))
-    if x.is_meta:
+    if _abstract(x):
         return out.movedim(0, dim)
     _record("all_gather", phase, axis, src)
     _all_gather_single(out, src, group=axis.group)
@@ -239,7 +245,7 @@ def _raw_reduce_scatter(x: Tensor, axis: Axis, dim: int, phase: str) -> Tensor:
         )
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((n // axis.size, *src.shape[1:]))
-    if x.is_meta:
+    if _abstract(x):
         return out.movedim(0, dim)
     backend = str(dist.get_backend(axis.group))
     if _NATIVE_REDUCE_SCATTER.get(backend, True):
@@ -264,7 +270,7 @@ def _unsupported(e: BaseException) -> bool:
 
 
 def _raw_broadcast(x: Tensor, axis: Axis, src: int, phase: str) -> Tensor:
-    if axis.size == 1 or x.is_meta:
+    if axis.size == 1 or _abstract(x):
         return x.clone()
     if axis.coord == src:
         out = x.contiguous().clone()
@@ -276,7 +282,7 @@ def _raw_broadcast(x: Tensor, axis: Axis, src: int, phase: str) -> Tensor:
 
 
 def _raw_reduce(x: Tensor, axis: Axis, dst: int, phase: str) -> Tensor:
-    if axis.size == 1 or x.is_meta:
+    if axis.size == 1 or _abstract(x):
         return x.clone()
     out = x.contiguous().clone()
     _record("reduce", phase, axis, out)
@@ -286,7 +292,7 @@ def _raw_reduce(x: Tensor, axis: Axis, dst: int, phase: str) -> Tensor:
 
 def _raw_shift(x: Tensor, axis: Axis, offset: int, phase: str) -> Tensor:
     n = axis.size
-    if n == 1 or offset % n == 0 or x.is_meta:
+    if n == 1 or offset % n == 0 or _abstract(x):
         return x.clone()
     src = x.contiguous()
     out = torch.empty_like(src)

@@ -777,4 +777,7 @@ def shard_spec(
         ins = tuple(sorted((int(i), _norm_map(m, f"in_shards[{i}]")) for i, m in in_shards.items()))
     if not isinstance(gather_output, bool):
         raise InvalidArgument(f"gather_output={gather_output!r} must be a bool.")
-    return _cached(pattern, ax, red, sc, ins, gather_output)
+    # under torch.compile the spec is built while tracing (a constant of the graph); dynamo would
+    # trace through the cache wrapper anyway, and warns about it, so call what it wraps
+    build = _cached.__wrapped__ if torch.compiler.is_compiling() else _cached
+    return build(pattern, ax, red, sc, ins, gather_output)

@@ -14,15 +14,23 @@ on the way it records, at every graph node where a parameter-only branch joins t
 inputs, the gradient arriving at that node. ``W`` then starts from exactly those nodes with those
 gradients and runs only the parameter branches. Outputs that depend on parameters alone (no path
 to an input) are kept for ``W`` too. ``B`` is one backward to inputs and parameters at once.
+
+A join node that computes its parameter branches' gradients during ``I`` anyway, as the backward
+of a ``torch.compile``d region does (one compiled graph yields all its gradients at once), is not
+run again: ``I`` keeps the gradients it passed to its parameter branches and ``W`` starts below
+it. For a stage compiled as a whole, ``I`` therefore costs what ``B`` costs and ``W`` only adds
+the parameter gradients up; the schedule stays correct, its I/W overlap is lost for that stage.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch._functorch.config as _functorch_config
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 __all__ = [
@@ -266,27 +274,48 @@ def backward_input(
     param_nodes_ = param_nodes(params) if nodes is None else nodes
     kids: Kids = {}
     closure = _input_closure(outs, saved.inputs, kids)
-    # join nodes: on the input path, with a branch leaving it towards parameters
-    joins: dict[Node, set[int]] = {}
+    # join nodes: on the input path, with edges leaving it towards parameters
+    joins: dict[Node, list[_Branch]] = {}
     for n in closure:
-        reach: set[int] = set()
-        for m in _kids(n, kids):
-            if m not in closure:
-                reach |= _param_reach(m, closure, param_nodes_, kids)
-        if reach:
-            joins[n] = reach
-    captured: dict[Node, tuple[Tensor | None, ...]] = {}
-    handles = [n.register_prehook(_capture(captured, n)) for n in joins]
+        branches = []
+        for k, (m, nr) in enumerate(n.next_functions):
+            if m is not None and m not in closure:
+                reach = _param_reach(m, closure, param_nodes_, kids)
+                if reach:
+                    branches.append(_Branch(k, m, nr, reach))
+        if branches:
+            joins[n] = branches
+    arrived: dict[Node, tuple[Tensor | None, ...]] = {}  # a join's incoming gradients
+    made: dict[Node, tuple[Tensor | None, ...]] = {}  # the gradients a join passed on
+    handles = [n.register_prehook(_capture(arrived, n)) for n in joins]
+    handles += [n.register_hook(_capture_made(made, n)) for n in joins]
     try:
-        grads_in = _grad(outs, saved.inputs, gs, retain=True)
+        with _retain_compiled(closure):
+            grads_in = _grad(outs, saved.inputs, gs, retain=True)
     finally:
         for h in handles:
             h.remove()
     roots: list[_Root] = []
-    for node, node_grads in captured.items():
+    for node, node_grads in arrived.items():
+        branches = joins[node]
+        passed = made.get(node)
+        if passed is not None and (
+            _compiled(node) or all(passed[b.index] is not None for b in branches)
+        ):
+            # the node computed its parameter branches' gradients already (a compiled graph
+            # computes all its gradients at once): W starts below it, nothing runs twice
+            for b in branches:
+                g = passed[b.index]
+                if g is None:
+                    continue
+                if b.node in param_nodes_:
+                    saved.direct.append((param_nodes_[b.node], g))
+                else:
+                    roots.append(_Root(None, [(GradientEdge(b.node, b.nr), g)], b.params))
+            continue
         edges = [(GradientEdge(node, k), g) for k, g in enumerate(node_grads) if g is not None]
         if edges:
-            roots.append(_Root(node, edges, joins[node]))
+            roots.append(_Root(node, edges, set().union(*(b.params for b in branches))))
     for o, g in zip(outs, gs, strict=True):  # outputs that depend on parameters only
         if o.grad_fn is not None and o.grad_fn not in closure:
             reach = _param_reach(o.grad_fn, closure, param_nodes_, kids)
@@ -299,6 +328,35 @@ def backward_input(
     saved.roots = _group(roots)
     saved.outputs = None  # W needs only the recorded roots (they keep their branches alive)
     return grads_in
+
+
+@dataclass
+class _Branch:
+    """An edge of a join node leaving the input path towards parameters."""
+
+    index: int  # position in the join's next_functions (and in the gradients it passes on)
+    node: Node
+    nr: int  # the input of ``node`` the edge feeds
+    params: set[int]
+
+
+def _compiled(node: Node) -> bool:
+    """A ``torch.compile``d region's backward: one graph computing all its gradients."""
+    return type(node).__name__ == "CompiledFunctionBackward"
+
+
+@contextmanager
+def _retain_compiled(joins: Iterable[Node]) -> Iterator[None]:
+    """I keeps the graph for W (``retain_graph=True``). A compiled region whose backward was
+    first compiled by a plain backward (``reference_step``, a B) may have "donated" its saved
+    buffers to that backward, and AOTAutograd refuses a retained backward through it. Nothing
+    runs such a region twice here (I takes all its gradients at once, W starts below it), so
+    the refusal is switched off for the call."""
+    if not any(_compiled(n) for n in joins) or not hasattr(_functorch_config, "donated_buffer"):
+        yield
+        return
+    with _functorch_config.patch(donated_buffer=False):
+        yield
 
 
 @dataclass
@@ -331,6 +389,13 @@ def _capture(store: dict[Node, tuple[Tensor | None, ...]], node: Node) -> Callab
     return hook
 
 
+def _capture_made(store: dict[Node, tuple[Tensor | None, ...]], node: Node) -> Callable[..., None]:
+    def hook(grad_inputs: tuple[Tensor | None, ...], grad_outputs: Any) -> None:
+        store[node] = tuple(grad_inputs)
+
+    return hook
+
+
 def _clamp(grads: tuple[Tensor | None, ...]) -> Callable[..., tuple[Tensor | None, ...]]:
     def hook(grad_outputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
         return grads
@@ -351,7 +416,9 @@ def backward_weight(
     a pre-hook pins each join's incoming gradient to what I recorded, so nothing counts twice.
     """
     result: list[Tensor | None] = [None] * len(params)
-    for group in saved.roots:
+    last = len(saved.roots) - 1
+    for k_group, group in enumerate(saved.roots):
+        retain = k_group < last  # the groups may share nodes; the last call frees the graph
         idx = sorted(set().union(*(r.params for r in group)))
         outs = [e for r in group for e, _ in r.edges]
         gs = [g for r in group for _, g in r.edges]
@@ -366,12 +433,13 @@ def backward_weight(
                         pinned[e.output_nr] = g
                     handles.append(r.node.register_prehook(_clamp(tuple(pinned))))
         try:
-            if accumulate:
-                _into(outs, gs, [params[i] for i in idx], retain=True)
-                continue
-            got = torch.autograd.grad(
-                outs, [params[i] for i in idx], gs, retain_graph=True, allow_unused=True
-            )
+            with _retain_compiled([e.node for e in outs] if retain else []):
+                if accumulate:
+                    _into(outs, gs, [params[i] for i in idx], retain=retain)
+                    continue
+                got = torch.autograd.grad(
+                    outs, [params[i] for i in idx], gs, retain_graph=retain, allow_unused=True
+                )
         finally:
             for h in handles:
                 h.remove()

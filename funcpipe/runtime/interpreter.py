@@ -63,6 +63,11 @@ class RankInputs:
     data_size: int = 1
     trace: bool = False  # record when each instruction starts and ends (time.perf_counter)
     check_finite: bool = False  # raise NonFiniteError at the first NaN/inf (stage, microbatch)
+    # owner stage -> per parameter leaf, the dtype the stage computes with when the leaf is kept
+    # in another (Pipeline(grad_dtype=...): float32 leaves summing float32 gradients, cast to
+    # bf16 inside each forward); None: the leaf as it is
+    casts: Mapping[int, tuple[torch.dtype | None, ...]] = field(default_factory=dict)
+    loss_scale: float = 1.0  # the loss's gradient is multiplied by this (loss scaling)
     # reduce (loss sum, metric sum, has loss) over this transport group as soon as this rank's
     # last sink forward is done (at the start on ranks without one); None: the caller does it
     scalars_group: str | None = None
@@ -107,7 +112,7 @@ class _Rank:
         self.p = p
         self.owner = p.replica_of or tuple(range(p.n_stages))
         self.m = p.microbatches
-        self.scale = 1.0 / self.m
+        self.scale = x.loss_scale / self.m
         self.acts: dict[tuple[int, int, int], list[Tensor]] = {}  # (producer, consumer, mb)
         self.to_send: dict[tuple[str, int, int, int], list[Tensor]] = {}  # (kind, p, c, mb)
         self.out_grads: dict[tuple[int, int], list[Tensor | None]] = {}  # (stage, mb)
@@ -139,6 +144,7 @@ class _Rank:
         x, p = self.x, self.p
         stage = x.stages[s]
         _, ptree = x.params[self.owner[s]]
+        casts = x.casts.get(self.owner[s])
         producers = p.producers(s)
         kwargs = x.side[m].get(s, {})
         sink = not p.consumers(s)
@@ -156,6 +162,8 @@ class _Rank:
                     args.extend(as_inputs(rebuild(self.spec(q, m), leaves[k : k + n])))
                     k += n
                 args = tuple(args)
+            if casts is not None:
+                params = [p if c is None else p.to(c) for p, c in zip(params, casts, strict=True)]
             try:
                 out = stage(tree_unflatten(ptree, list(params)), *args, **kwargs)
             except Exception as e:
@@ -179,7 +187,7 @@ class _Rank:
                     got = TensorSpec.from_tensor(t) if isinstance(t, torch.Tensor) else repr(t)
                     raise InvalidArgument(
                         f"stage {s} ({stage.name!r}) returned output #{j} = {got} for "
-                        f"microbatch {m}, but shape inference (on the meta device) saw {spec}; "
+                        f"microbatch {m}, but shape inference (run without data) saw {spec}; "
                         "a stage must return the same shapes and dtypes for inputs of the same "
                         "shapes and dtypes (the receiving rank sized its buffers from them)"
                     )

@@ -1,7 +1,8 @@
-"""Shapes of everything that crosses a stage boundary, inferred on the meta device.
+"""Shapes of everything that crosses a stage boundary, inferred without data.
 
-For one microbatch shape (its *signature*), every stage of the program graph is run on meta
-tensors in stage order: entry stages on the microbatch inputs, later stages on their producers'
+For one microbatch shape (its *signature*), every stage of the program graph is run on fake
+tensors (:func:`funcpipe.shapes.abstract`: shape, dtype and the stage's real device, no data;
+autocast inside a stage applies as in a real run) in stage order: entry stages on the microbatch inputs, later stages on their producers'
 outputs. The result sizes the receive buffers, so no shape ever travels over the wire. A change
 of microbatch shape (a smaller last batch, a new sequence length) is just another signature.
 """
@@ -16,7 +17,7 @@ import torch
 
 from funcpipe.errors import InvalidArgument, ShapeInferenceError
 from funcpipe.schedule.ir import Program
-from funcpipe.shapes import TensorSpec
+from funcpipe.shapes import TensorSpec, abstract, fake, stage_device
 from funcpipe.stage import Stage, as_inputs
 from funcpipe.tree import PyTreeSpec, tree_flatten, tree_map, tree_unflatten
 
@@ -39,10 +40,6 @@ class OutputSpec:
 
 
 Layout = dict[int, OutputSpec]  # stage -> its outputs
-
-
-def _meta(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(t, device="meta")
 
 
 def signature(tree: Any) -> tuple[Any, ...]:
@@ -71,29 +68,48 @@ def infer_layout(
     params: Sequence[Any],
     entry: tuple[Any, ...],
     side: Mapping[int, Mapping[str, Any]],
+    *,
+    device: torch.device | str | None = None,
 ) -> Layout:
     """Output specs of every stage of ``program`` for one microbatch.
 
     ``stages[k]`` / ``params[k]`` are indexed by the program's stages (replicas already resolved);
     params may be real or meta tensors (only shapes are read). ``entry`` is the entry stages'
     positional inputs and ``side[s]`` the keyword side inputs of stage ``s`` for one microbatch.
+    A stage runs where its params are; one whose params are all on meta (another rank holds
+    them) or that has none runs on ``device`` (default: the CPU).
     """
-    meta_entry = tree_map(_meta, entry)
+    with abstract():
+        return _infer(program, stages, params, entry, side, device)
+
+
+def _infer(
+    program: Program,
+    stages: Sequence[Stage],
+    params: Sequence[Any],
+    entry: tuple[Any, ...],
+    side: Mapping[int, Mapping[str, Any]],
+    device: torch.device | str | None,
+) -> Layout:
     outputs: dict[int, Any] = {}
     layout: Layout = {}
     for s in range(program.n_stages):
-        args = stage_args(program, s, meta_entry, outputs.__getitem__)
-        kwargs = tree_map(_meta, dict(side.get(s, {})))
+        dev = stage_device(params[s], device)
+
+        def to(t: torch.Tensor, dev: torch.device = dev) -> torch.Tensor:
+            return fake(t, dev)
+
+        args = tree_map(to, stage_args(program, s, entry, outputs.__getitem__))
+        kwargs = tree_map(to, dict(side.get(s, {})))
         stage = stages[s]
         try:
-            with torch.no_grad():
-                out = stage.map_consts(_meta)(tree_map(_meta, params[s]), *args, **kwargs)
+            out = stage(tree_map(to, params[s]), *args, **kwargs)
         except InvalidArgument:
             raise
         except Exception as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise ShapeInferenceError(
-                f"stage {s} ({stage.name!r}) cannot run on the meta device "
+                f"stage {s} ({stage.name!r}) cannot run on tensors without data "
                 f"({type(e).__name__}: {first}); the pipeline infers the shapes of what crosses "
                 "stages this way. If the output shapes depend on data (.item(), nonzero, "
                 "masked_select), make them depend on input shapes only; otherwise the stage "
