@@ -4,7 +4,7 @@ Stages are pure functions ``stage(params, *inputs) -> outputs`` over explicit pa
 parameters, gradients and optimizer state are values that go in and come out.
 """
 
-from funcpipe import data, optim, profile, schedule, testing, tune
+from funcpipe import data, loss_scale, optim, profile, schedule, testing, tune
 from funcpipe.compile import compile_stage
 from funcpipe.errors import (
     CommunicationError,
@@ -53,6 +53,7 @@ __all__ = [
     "from_module",
     "infer_specs",
     "launch",
+    "loss_scale",
     "measure_memory",
     "measure_stages",
     "merge",

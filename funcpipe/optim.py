@@ -10,6 +10,11 @@ launch per (device, dtype) group instead of one per leaf).
 stages it does not hold. Those subtrees are skipped: their params are passed through unchanged
 (they may be ``None`` or meta tensors) and their optimizer state is kept as it was.
 
+``master_weights=True`` keeps a float32 master copy of every low-precision (bfloat16, float16)
+param in the state (``state.master``) and its optimizer state in float32: the update runs in
+float32 on the master and the new params are the master rounded to each param's own dtype.
+float32 and float64 params have no master copy and are updated exactly as without the option.
+
 :func:`clip_by_global_norm` clips by the norm of the whole model's gradient, also when the
 leaves are spread over ranks; the schedules (:func:`warmup_cosine`, :func:`linear_warmup`,
 :func:`constant`) are pure functions of the step.
@@ -21,7 +26,7 @@ import dataclasses
 import functools
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import optree
@@ -76,19 +81,22 @@ class Optimizer(NamedTuple):
 
 class SGDState(NamedTuple):
     """``step``: updates made so far (an int); ``momentum``: a pytree like params (``None``
-    without momentum)."""
+    without momentum); ``master``: with ``master_weights=True`` a pytree like params holding a
+    float32 copy of each low-precision param (``None`` at the other leaves), else ``None``."""
 
     step: int
     momentum: Any
+    master: Any = None
 
 
 class AdamWState(NamedTuple):
     """``step``: updates made so far (an int); ``mu``, ``nu``: first and second moment
-    estimates, pytrees like params."""
+    estimates, pytrees like params; ``master``: as in :class:`SGDState`."""
 
     step: int
     mu: Any
     nu: Any
+    master: Any = None
 
 
 # ----------------------------------------------------------------------------- validation
@@ -195,21 +203,110 @@ def _align(grads: Any, params: Any, states: dict[str, Any]) -> tuple[Any, list[i
     return spec, where, out
 
 
-def _groups(where: list[int], leaves: list[Any]) -> list[list[int]]:
-    """Positions grouped by (device, dtype) of the param, for the foreach kernels."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i in where:
-        t = leaves[i]
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    return list(groups.values())
+def _low(t: Any) -> bool:
+    """Whether ``t`` is a floating tensor narrower than float32 (bfloat16, float16, ...)."""
+    return isinstance(t, Tensor) and t.is_floating_point() and torch.finfo(t.dtype).bits < 32
 
 
 def _rebuild(spec: Any, subs: list[Any], new: dict[int, Tensor]) -> Any:
     return optree.tree_unflatten(spec, [new.get(i, s) for i, s in enumerate(subs)])
 
 
-def _zeros_like_tree(params: Any) -> Any:
-    return optree.tree_map(torch.zeros_like, params, none_is_leaf=False)
+def _master_tree(params: Any) -> Any:
+    """A float32 copy of each low-precision param, ``None`` at the other leaves."""
+    return optree.tree_map(
+        lambda p: p.detach().to(torch.float32, copy=True) if _low(p) else None,
+        params,
+        none_is_leaf=False,
+    )
+
+
+def _zeros_like_tree(params: Any, master_weights: bool = False) -> Any:
+    """Zeros like each param; float32 for low-precision params when ``master_weights``."""
+    return optree.tree_map(
+        lambda p: (
+            torch.zeros_like(p, dtype=torch.float32)
+            if master_weights and _low(p)
+            else torch.zeros_like(p)
+        ),
+        params,
+        none_is_leaf=False,
+    )
+
+
+def _masters(
+    spec: Any, where: list[int], p_l: list[Any], master: Any, enabled: bool, grads: Any
+) -> list[Any]:
+    """The master copy at every position of ``spec`` (``None`` where a param has none), checked
+    against the params: float32, same shape and device, present exactly for low-precision
+    params."""
+    if not enabled:
+        leaves = optree.tree_leaves(master, none_is_leaf=False)
+        if leaves:
+            raise InvalidArgument(
+                f"state.master holds {len(leaves)} master copies, but this optimizer was built "
+                "with master_weights=False; update with the optimizer whose init made the state "
+                "(pass master_weights=True)"
+            )
+        return [None] * len(p_l)
+    if master is None:
+        m_l: list[Any] = [None] * len(p_l)
+    else:
+        try:
+            m_l = spec.flatten_up_to(master)
+        except (ValueError, TypeError):
+            raise InvalidArgument(
+                "state.master does not have the structure of grads; it must be the state.master "
+                "that init(params) returned for these params"
+            ) from None
+    paths = None
+    for i in where:
+        p, m = p_l[i], m_l[i]
+        bad = None
+        if _low(p):
+            if not isinstance(m, Tensor):
+                bad = f"is {type(m).__name__}, not the float32 master copy of a {p.dtype} param"
+            elif m.dtype != torch.float32 or m.shape != p.shape or m.device != p.device:
+                bad = (
+                    f"is {m.dtype} {tuple(m.shape)} on {m.device}; the param is {p.dtype} "
+                    f"{tuple(p.shape)} on {p.device} and its master must be float32 of the "
+                    "same shape on the same device"
+                )
+        elif m is not None:
+            bad = f"is a tensor, but the param is {p.dtype}: only low-precision params have one"
+        if bad is not None:
+            if paths is None:
+                paths = [a.codify("") for a in optree.tree_accessors(grads, none_is_leaf=True)]
+            raise InvalidArgument(
+                f"state.master{paths[i]} {bad}. With master_weights=True the state must come "
+                "from init(params) of these params (same dtypes and devices)."
+            )
+    return m_l
+
+
+def _groups(where: list[int], work: list[Any], m_l: list[Any]) -> list[list[int]]:
+    """Positions grouped for the foreach kernels by (device, dtype) of what is updated (the
+    master or the param), masters apart so that the other params' groups are as without them."""
+    groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
+    for i in where:
+        t = work[i]
+        groups.setdefault((t.device, t.dtype, m_l[i] is not None), []).append(i)
+    return list(groups.values())
+
+
+def _outputs(
+    idx: list[int], new_w: Sequence[Tensor], p_l: list[Any], m_l: list[Any]
+) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+    """New params (each in its own dtype) and new masters from the updated working tensors."""
+    new_p: dict[int, Tensor] = {}
+    new_m: dict[int, Tensor] = {}
+    for i, w in zip(idx, new_w, strict=True):
+        if m_l[i] is None:
+            new_p[i] = w
+        else:
+            new_m[i] = w
+            new_p[i] = w.to(p_l[i].dtype)
+    return new_p, new_m
 
 
 # -------------------------------------------------------------------------------- hypers
@@ -230,6 +327,7 @@ class _SGDHyper(_Hyper):
     momentum: float
     nesterov: bool
     weight_decay: float
+    master_weights: bool
     name: str = dataclasses.field(init=False, default="sgd")
 
 
@@ -239,7 +337,17 @@ class _AdamWHyper(_Hyper):
     betas: tuple[float, float]
     eps: float
     weight_decay: float
+    master_weights: bool
     name: str = dataclasses.field(init=False, default="adamw")
+
+
+def _check_master(master_weights: Any) -> bool:
+    if not isinstance(master_weights, bool):
+        raise InvalidArgument(
+            f"master_weights={master_weights!r}: pass True (a float32 master copy and float32 "
+            "optimizer state for bfloat16/float16 params) or False"
+        )
+    return master_weights
 
 
 # ------------------------------------------------------------------------------------ SGD
@@ -249,6 +357,7 @@ def sgd(
     momentum: float = 0.0,
     nesterov: bool = False,
     weight_decay: float = 0.0,
+    master_weights: bool = False,
 ) -> Optimizer:
     """Stochastic gradient descent, with the update rule of ``torch.optim.SGD`` (no dampening).
 
@@ -264,6 +373,13 @@ def sgd(
         momentum: >= 0; 0 keeps no momentum buffer (``state.momentum`` is ``None``).
         nesterov: Nesterov momentum (needs ``momentum > 0``).
         weight_decay: >= 0, added to the gradient as ``weight_decay * param``.
+        master_weights: keep a float32 master copy of every low-precision (bfloat16,
+            float16) param in ``state.master`` and that param's optimizer state in float32;
+            the update runs in float32 from the master (gradients are upcast) and the returned
+            param is the new master rounded to the param's dtype. For those leaves the params'
+            own values are not read: the master is the truth. Other params (float32, float64)
+            are updated exactly as with ``False``, which keeps and computes everything, the
+            state included, in each param's dtype (as ``torch.optim`` does).
     """
     lr = _check_lr("lr", lr)
     momentum = _check_number("momentum", momentum, "must be a finite number >= 0", lambda v: v >= 0)
@@ -276,12 +392,20 @@ def sgd(
     weight_decay = _check_number(
         "weight_decay", weight_decay, "must be a finite number >= 0", lambda v: v >= 0
     )
-    hyper = _SGDHyper(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
+    hyper = _SGDHyper(
+        lr=lr,
+        momentum=momentum,
+        nesterov=nesterov,
+        weight_decay=weight_decay,
+        master_weights=_check_master(master_weights),
+    )
     return Optimizer(functools.partial(_sgd_init, hyper), functools.partial(_sgd_update, hyper))
 
 
 def _sgd_init(hyper: _SGDHyper, params: Any) -> SGDState:
-    return SGDState(0, _zeros_like_tree(params) if hyper.momentum else None)
+    mw = hyper.master_weights
+    momentum = _zeros_like_tree(params, mw) if hyper.momentum else None
+    return SGDState(0, momentum, _master_tree(params) if mw else None)
 
 
 def _sgd_update(
@@ -291,12 +415,15 @@ def _sgd_update(
     lr_t = _lr_at(hyper.lr, count, lr)
     trees = {"state.momentum": state.momentum} if hyper.momentum else {}
     spec, where, (g_l, p_l, *rest) = _align(grads, params, trees)
+    m_l = _masters(spec, where, p_l, state.master, hyper.master_weights, grads)
+    work = [p if m is None else m for p, m in zip(p_l, m_l, strict=True)]
     new_p: dict[int, Tensor] = {}
+    new_m: dict[int, Tensor] = {}
     new_b: dict[int, Tensor] = {}
     with torch.no_grad():
-        for idx in _groups(where, p_l):
-            p = [p_l[i] for i in idx]
-            g: Any = [g_l[i].to(p_l[i].dtype) for i in idx]
+        for idx in _groups(where, work, m_l):
+            p = [work[i] for i in idx]
+            g: Any = [g_l[i].to(work[i].dtype) for i in idx]
             if hyper.weight_decay:
                 g = torch._foreach_add(g, p, alpha=hyper.weight_decay)
             d: Any = g
@@ -305,9 +432,12 @@ def _sgd_update(
                 torch._foreach_add_(buf, g)
                 new_b.update(zip(idx, buf, strict=True))
                 d = torch._foreach_add(g, buf, alpha=hyper.momentum) if hyper.nesterov else buf
-            new_p.update(zip(idx, torch._foreach_add(p, d, alpha=-lr_t), strict=True))
+            ps, ms = _outputs(idx, torch._foreach_add(p, d, alpha=-lr_t), p_l, m_l)
+            new_p.update(ps)
+            new_m.update(ms)
     momentum = _rebuild(spec, rest[0], new_b) if hyper.momentum else None
-    return _rebuild(spec, p_l, new_p), SGDState(count + 1, momentum)
+    master = _rebuild(spec, m_l, new_m) if hyper.master_weights else None
+    return _rebuild(spec, p_l, new_p), SGDState(count + 1, momentum, master)
 
 
 # ---------------------------------------------------------------------------------- AdamW
@@ -317,6 +447,7 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.01,
+    master_weights: bool = False,
 ) -> Optimizer:
     """Adam with decoupled weight decay, with the update rule of ``torch.optim.AdamW``.
 
@@ -333,6 +464,13 @@ def adamw(
         betas: ``(b1, b2)``, each in ``[0, 1)``.
         eps: > 0 (added to the denominator).
         weight_decay: >= 0 (decoupled: scaled by ``lr``, not added to the gradient).
+        master_weights: keep a float32 master copy of every low-precision (bfloat16,
+            float16) param in ``state.master`` and that param's optimizer state in float32;
+            the update runs in float32 from the master (gradients are upcast) and the returned
+            param is the new master rounded to the param's dtype. For those leaves the params'
+            own values are not read: the master is the truth. Other params (float32, float64)
+            are updated exactly as with ``False``, which keeps and computes everything, the
+            state included, in each param's dtype (as ``torch.optim`` does).
     """
     lr = _check_lr("lr", lr)
     if (
@@ -348,12 +486,24 @@ def adamw(
         "weight_decay", weight_decay, "must be a finite number >= 0", lambda v: v >= 0
     )
     b1, b2 = (float(b) for b in betas)
-    hyper = _AdamWHyper(lr=lr, betas=(b1, b2), eps=eps, weight_decay=weight_decay)
+    hyper = _AdamWHyper(
+        lr=lr,
+        betas=(b1, b2),
+        eps=eps,
+        weight_decay=weight_decay,
+        master_weights=_check_master(master_weights),
+    )
     return Optimizer(functools.partial(_adamw_init, hyper), functools.partial(_adamw_update, hyper))
 
 
 def _adamw_init(hyper: _AdamWHyper, params: Any) -> AdamWState:
-    return AdamWState(0, _zeros_like_tree(params), _zeros_like_tree(params))
+    mw = hyper.master_weights
+    return AdamWState(
+        0,
+        _zeros_like_tree(params, mw),
+        _zeros_like_tree(params, mw),
+        _master_tree(params) if mw else None,
+    )
 
 
 def _adamw_update(
@@ -364,17 +514,20 @@ def _adamw_update(
     spec, where, (g_l, p_l, mu_l, nu_l) = _align(
         grads, params, {"state.mu": state.mu, "state.nu": state.nu}
     )
+    m_l = _masters(spec, where, p_l, state.master, hyper.master_weights, grads)
+    work = [p if m is None else m for p, m in zip(p_l, m_l, strict=True)]
     b1, b2 = hyper.betas
     t = count + 1
     step_size = lr_t / (1 - b1**t)
     bc2_sqrt = (1 - b2**t) ** 0.5
     new_p: dict[int, Tensor] = {}
+    new_m: dict[int, Tensor] = {}
     new_mu: dict[int, Tensor] = {}
     new_nu: dict[int, Tensor] = {}
     with torch.no_grad():
-        for idx in _groups(where, p_l):
-            p = [p_l[i] for i in idx]
-            g = [g_l[i].to(p_l[i].dtype) for i in idx]
+        for idx in _groups(where, work, m_l):
+            p = [work[i] for i in idx]
+            g = [g_l[i].to(work[i].dtype) for i in idx]
             out: Any
             if hyper.weight_decay:
                 out = torch._foreach_mul(p, 1 - lr_t * hyper.weight_decay)
@@ -387,11 +540,14 @@ def _adamw_update(
             torch._foreach_div_(denom, bc2_sqrt)
             torch._foreach_add_(denom, hyper.eps)
             torch._foreach_addcdiv_(out, mu, denom, value=-step_size)
-            new_p.update(zip(idx, out, strict=True))
+            ps, ms = _outputs(idx, out, p_l, m_l)
+            new_p.update(ps)
+            new_m.update(ms)
             new_mu.update(zip(idx, mu, strict=True))
             new_nu.update(zip(idx, nu, strict=True))
+    master = _rebuild(spec, m_l, new_m) if hyper.master_weights else None
     return _rebuild(spec, p_l, new_p), AdamWState(
-        t, _rebuild(spec, mu_l, new_mu), _rebuild(spec, nu_l, new_nu)
+        t, _rebuild(spec, mu_l, new_mu), _rebuild(spec, nu_l, new_nu), master
     )
 
 

@@ -173,35 +173,51 @@ def vocab_parallel_embedding_layout(*, axis: str = "tensor") -> OpLayout:
 
 
 class _VocabCrossEntropy(torch.autograd.Function):
+    # The max, the exponentials and the sums run in float32 (float64 stays float64) whatever
+    # the logits' dtype: in bfloat16 a confident prediction's exp-sum 1 + 1e-3 rounds to 1 (a
+    # loss of 0) and a float16 exp-sum over a large vocabulary overflows. The logits are saved
+    # in their own dtype with the row max and exp-sum, and the softmax is recomputed in the
+    # backward, so no [b, s, V/t] float32 tensor is kept between the passes.
     @staticmethod
     def forward(ctx: Any, logits: Tensor, target: Tensor, axis: Axis) -> Tensor:
         n = logits.shape[-1]
         start = axis.coord * n
-        gmax = C.all_reduce_max(logits.detach().amax(-1), axis)
-        shifted = logits - gmax.unsqueeze(-1)
-        exp = shifted.exp()
+        wide = logits.detach().to(_wide(logits.dtype))
+        gmax = C.all_reduce_max(wide.amax(-1), axis)
+        shifted = wide - gmax.unsqueeze(-1)
         local = target - start
         outside = (local < 0) | (local >= n)
         idx = local.masked_fill(outside, 0).unsqueeze(-1)
         tgt = shifted.gather(-1, idx).squeeze(-1).masked_fill(outside, 0.0)
-        sums = C._raw_all_reduce(torch.stack([exp.sum(-1), tgt]), axis, "forward")
-        ctx.save_for_backward(exp / sums[0].unsqueeze(-1), idx, outside)
+        sums = C._raw_all_reduce(torch.stack([shifted.exp().sum(-1), tgt]), axis, "forward")
+        ctx.save_for_backward(logits, idx, outside, gmax, sums[0])
         return sums[0].log() - sums[1]
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        softmax, idx, outside = ctx.saved_tensors
-        onehot = torch.zeros_like(softmax).scatter(
-            -1, idx, (~outside).unsqueeze(-1).to(softmax.dtype)
-        )
-        return (softmax - onehot) * g.unsqueeze(-1), None, None
+        logits, idx, outside, gmax, total = ctx.saved_tensors
+        wide = logits.to(_wide(logits.dtype))
+        grad = (wide - gmax.unsqueeze(-1)).exp() / total.unsqueeze(-1)  # the softmax
+        grad.scatter_add_(-1, idx, -(~outside).unsqueeze(-1).to(grad.dtype))
+        grad *= g.to(grad.dtype).unsqueeze(-1)
+        return grad.to(logits.dtype), None, None
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the cross-entropy computes in: float32, or float64 for float64 logits."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, *, axis: Axis) -> Tensor:
     """Per-token loss ``-log softmax(logits)[target]`` from ``logits[..., V/t]`` split over the
     vocabulary, without materialising the full logits: all-reduce MAX of the row max, one
     all-reduce SUM of (exp-sum, target logit); local backward. ``target[...]`` holds global ids in
-    ``[0, V)``; the loss ``[...]`` is replicated."""
+    ``[0, V)``; the loss ``[...]`` is replicated.
+
+    The arithmetic is float32 whatever the logits' dtype (float64 logits stay float64): the
+    loss is float32, the logits' gradient has the logits' dtype. For bfloat16 or float16 logits
+    this is ``F.cross_entropy(logits.float(), target, reduction="none")`` (to float32 rounding),
+    without a float32 copy of the logits kept for the backward."""
     if target.shape != logits.shape[:-1]:
         raise InvalidArgument(
             f"vocab_parallel_cross_entropy: target shape {tuple(target.shape)} must be the "

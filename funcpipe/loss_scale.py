@@ -1,0 +1,313 @@
+"""Dynamic loss scaling for float16 training, as pure functions of a small state.
+
+float16 has 5 exponent bits: gradients below about ``6e-8`` flush to zero and values above
+``65504`` overflow. Multiplying the loss by a large ``scale`` moves the whole backward pass up
+into float16's range; the gradients are divided by the same ``scale`` (in float32) before the
+optimizer sees them. The scale is chosen dynamically: an overflow (an ``inf`` or ``NaN`` in any
+gradient) skips the step and multiplies the scale by ``backoff_factor``; ``growth_interval``
+finite steps in a row multiply it by ``growth_factor``. The rule is the one of
+``torch.amp.GradScaler``.
+
+One step::
+
+    loss_fn_s = loss_scale.scaled_loss_fn(loss_fn, lambda: ls)   # reads ls when called
+    grads = ...                                                  # backward of the scaled loss
+    grads, finite = loss_scale.unscale(grads, ls)                # float32, and a bool tensor
+    new_params, new_opt = opt.update(grads, opt_state, params)
+    params, opt_state = loss_scale.apply_if_finite(finite, (new_params, new_opt), (params, opt_state))
+    ls = loss_scale.update(ls, finite)
+
+bfloat16 has float32's exponent range and needs no loss scaling. :func:`all_finite` alone is
+still useful there, to skip a step whose gradients hold a ``NaN``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import optree
+import torch
+
+from funcpipe.errors import InvalidArgument
+from funcpipe.optim import _all_reduce_sum, _check_number, _low, _real
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = [
+    "LossScaleState",
+    "all_finite",
+    "apply_if_finite",
+    "init",
+    "scale_loss",
+    "scaled_loss_fn",
+    "unscale",
+    "update",
+]
+
+Tensor = torch.Tensor
+
+
+class LossScaleState(NamedTuple):
+    """``scale``: the current loss scale (a float32 0-dim tensor); ``good_steps``: finite steps
+    since the scale last changed (an int64 0-dim tensor); the hyperparameters, carried in the
+    state so that :func:`update` needs nothing else and a checkpoint restores them (see
+    :func:`init`)."""
+
+    scale: Tensor
+    good_steps: Tensor
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+
+
+def init(
+    initial: float = 2.0**16,
+    *,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    device: torch.device | str | None = None,
+) -> LossScaleState:
+    """A dynamic loss scale starting at ``initial``.
+
+    Args:
+        initial: the first scale, a finite number > 0 (a power of two keeps scaling exact).
+        growth_factor: > 1; the scale is multiplied by it after ``growth_interval`` finite
+            steps in a row (unless that would make it infinite).
+        backoff_factor: in (0, 1); the scale is multiplied by it after a step that overflowed.
+        growth_interval: an int >= 1.
+        device: where the scale lives (default CPU; the training step's device avoids copies).
+    """
+    initial = _check_number(
+        "initial", initial, "the first loss scale, a finite number > 0, e.g. 2.**16", _pos
+    )
+    growth_factor = _check_number(
+        "growth_factor", growth_factor, "must be a finite number > 1, e.g. 2.0", lambda v: v > 1
+    )
+    backoff_factor = _check_number(
+        "backoff_factor", backoff_factor, "must be a number in (0, 1), e.g. 0.5", _fraction
+    )
+    if type(growth_interval) is not int or growth_interval < 1:
+        raise InvalidArgument(
+            f"growth_interval={growth_interval!r}: the number of finite steps in a row after "
+            "which the scale grows, an int >= 1, e.g. 2000"
+        )
+    return LossScaleState(
+        torch.tensor(initial, dtype=torch.float32, device=device),
+        torch.zeros((), dtype=torch.int64, device=device),
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+    )
+
+
+def _pos(v: float) -> bool:
+    return v > 0
+
+
+def _fraction(v: float) -> bool:
+    return 0 < v < 1
+
+
+def _check_state(state: Any, fn: str) -> LossScaleState:
+    if not isinstance(state, LossScaleState):
+        raise InvalidArgument(
+            f"state={type(state).__name__}(...): {fn} needs the LossScaleState that "
+            "funcpipe.loss_scale.init(...) (or update) returned"
+        )
+    return state
+
+
+# ------------------------------------------------------------------------------ the loss
+ScaleLike = LossScaleState | Tensor | float
+
+
+def _scale_of(scale: Any, what: str) -> Tensor | float:
+    if isinstance(scale, LossScaleState):
+        return scale.scale
+    if isinstance(scale, Tensor) and scale.numel() == 1 and scale.is_floating_point():
+        return scale.reshape(())
+    if _real(scale) and math.isfinite(scale) and scale > 0:
+        return float(scale)
+    raise InvalidArgument(
+        f"{what}={scale!r}: a LossScaleState, a one-element float tensor or a number > 0"
+    )
+
+
+def scale_loss(loss: Tensor, scale: ScaleLike) -> Tensor:
+    """``loss * scale``, computed in at least float32 (a float16 loss times ``2**16`` would
+    overflow): its gradient with respect to everything upstream is multiplied by ``scale``."""
+    if not isinstance(loss, Tensor) or not loss.is_floating_point():
+        raise InvalidArgument(f"loss={loss!r}: scale_loss needs the floating-point loss tensor")
+    s = _scale_of(scale, "scale")
+    wide = loss.to(torch.promote_types(loss.dtype, torch.float32))
+    if isinstance(s, Tensor):
+        s = s.to(wide.device)
+    return wide * s
+
+
+def scaled_loss_fn(
+    loss_fn: Callable[..., Tensor], scale: ScaleLike | Callable[[], ScaleLike]
+) -> Callable[..., Tensor]:
+    """``loss_fn`` with its result multiplied by ``scale`` (see :func:`scale_loss`).
+
+    ``scale`` is a :class:`LossScaleState`, a tensor or a number, or a function of no arguments
+    returning one, called at every call of the loss function. The function form lets a
+    :class:`funcpipe.Pipeline`, which is built once with its ``loss_fn``, follow a scale that
+    changes every step: ``scaled_loss_fn(loss_fn, lambda: ls)`` reads the variable ``ls`` when
+    the loss is computed, so rebinding ``ls = loss_scale.update(ls, finite)`` is enough.
+
+    The returned loss (and a pipeline's ``result.loss``) is the scaled one: divide it by the
+    scale used for that step to log it.
+    """
+    if not callable(loss_fn):
+        raise InvalidArgument(
+            f"loss_fn={loss_fn!r}: the loss function to scale, loss_fn(outputs, targets)"
+        )
+    if not callable(scale):
+        _scale_of(scale, "scale")  # checked now rather than in the middle of a step
+
+    def scaled(*args: Any, **kwargs: Any) -> Tensor:
+        s = scale() if callable(scale) else scale
+        return scale_loss(loss_fn(*args, **kwargs), _scale_of(s, "scale()"))
+
+    scaled.__name__ = f"scaled_{getattr(loss_fn, '__name__', 'loss_fn')}"
+    scaled.__qualname__ = scaled.__name__
+    return scaled
+
+
+# ------------------------------------------------------------------------- the gradients
+def _float_leaves(tree: Any, name: str) -> tuple[list[Tensor], Any]:
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=False)
+    for path, leaf in zip(optree.tree_paths(tree, none_is_leaf=False), leaves, strict=True):
+        if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
+            raise InvalidArgument(
+                f"{name} leaf at {path!r} is {leaf!r}; {name} must be a pytree of floating-point "
+                "tensors (None for subtrees this rank does not hold)"
+            )
+    return leaves, spec
+
+
+def _nonfinite_count(leaves: list[Tensor], device: torch.device) -> Tensor:
+    """How many of ``leaves`` hold an ``inf`` or ``NaN`` (a float32 0-dim tensor)."""
+    count = torch.zeros((), dtype=torch.float32, device=device)
+    by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in leaves:
+        by_key.setdefault((t.device, t.dtype), []).append(t)
+    for ts in by_key.values():
+        peaks = torch.stack(torch._foreach_norm(ts, ord=math.inf))  # NaN stays NaN, inf stays inf
+        count = count + (~peaks.isfinite()).sum().to(device, torch.float32)
+    return count
+
+
+def _finite_over(count: Tensor, group: ProcessGroup | None) -> Tensor:
+    if group is not None:
+        count = _all_reduce_sum(count, group)
+    return count == 0
+
+
+def all_finite(tree: Any, *, group: ProcessGroup | None = None) -> Tensor:
+    """Whether every leaf of ``tree`` is free of ``inf`` and ``NaN``: a 0-dim bool tensor.
+
+    ``None`` subtrees are skipped. With ``group`` the answer covers the leaves of every rank of
+    the group (one all-reduce), so all ranks agree; every rank of ``group`` must call it.
+    """
+    leaves, _ = _float_leaves(tree, "tree")
+    device = leaves[0].device if leaves else torch.device("cpu")
+    with torch.no_grad():
+        return _finite_over(_nonfinite_count(leaves, device), group)
+
+
+def unscale(
+    grads: Any, state: LossScaleState, *, group: ProcessGroup | None = None
+) -> tuple[Any, Tensor]:
+    """``(grads / state.scale, finite)``.
+
+    New tensors are returned (``grads`` is not modified) and ``None`` subtrees stay ``None``.
+    Low-precision leaves (float16, bfloat16) come back as **float32**: divided in float16, the
+    small gradients that the scale rescued would underflow again. The optimizer (with
+    ``master_weights=True``) takes float32 gradients as they are.
+
+    ``finite`` is a 0-dim bool tensor: no leaf holds an ``inf`` or ``NaN``. With ``group`` (a
+    ``torch.distributed`` process group: in a pipeline, all its ranks) the flag covers the
+    leaves of every rank of the group, so that all ranks skip or take the same steps; every
+    rank of ``group`` must call it, also one that holds no gradient.
+    """
+    state = _check_state(state, "unscale")
+    leaves, spec = _float_leaves(grads, "grads")
+    device = leaves[0].device if leaves else state.scale.device
+    out: list[Tensor] = list(leaves)
+    with torch.no_grad():
+        by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, t in enumerate(leaves):
+            dtype = torch.float32 if _low(t) else t.dtype
+            by_key.setdefault((t.device, dtype), []).append(i)
+        for (dev, dtype), idx in by_key.items():
+            wide = [leaves[i].to(dtype) for i in idx]
+            for i, t in zip(idx, torch._foreach_div(wide, state.scale.to(dev, dtype)), strict=True):
+                out[i] = t
+        finite = _finite_over(_nonfinite_count(out, device), group)
+    return optree.tree_unflatten(spec, out), finite
+
+
+# ------------------------------------------------------------------------------ the scale
+def _finite_flag(finite: Any, what: str) -> bool | Tensor:
+    if isinstance(finite, bool):
+        return finite
+    if isinstance(finite, Tensor) and finite.numel() == 1 and finite.dtype == torch.bool:
+        return finite.reshape(())
+    raise InvalidArgument(
+        f"{what}={finite!r}: the flag that unscale (or all_finite) returned, a bool or a "
+        "one-element bool tensor"
+    )
+
+
+def update(state: LossScaleState, finite: bool | Tensor) -> LossScaleState:
+    """The scale for the next step.
+
+    After an overflow (``finite`` false) the scale is multiplied by ``backoff_factor`` and the
+    count of good steps restarts; after ``growth_interval`` finite steps in a row it is
+    multiplied by ``growth_factor`` (kept as it is if that would overflow float32) and the count
+    restarts. Tensor arithmetic only: no synchronisation with the device.
+    """
+    state = _check_state(state, "update")
+    flag = _finite_flag(finite, "finite")
+    scale, good = state.scale, state.good_steps
+    ok = torch.as_tensor(flag, device=scale.device)
+    counted = torch.where(ok, good + 1, torch.zeros_like(good))
+    grown = scale * state.growth_factor
+    due = counted >= state.growth_interval
+    new_scale = torch.where(
+        ok,
+        torch.where(due & grown.isfinite(), grown, scale),
+        scale * state.backoff_factor,
+    )
+    new_good = torch.where(due, torch.zeros_like(counted), counted)
+    return state._replace(scale=new_scale, good_steps=new_good)
+
+
+def apply_if_finite(finite: bool | Tensor, new: Any, old: Any) -> Any:
+    """``new`` if ``finite`` else ``old``: take a step's new params and optimizer state, or keep
+    the previous ones after an overflow.
+
+    ``new`` and ``old`` are pytrees of the same structure (any leaves: tensors, the optimizer's
+    step count, ``None`` subtrees). Reading a tensor flag synchronises with its device once.
+    """
+    flag = _finite_flag(finite, "finite")
+    new_spec = optree.tree_structure(new, none_is_leaf=True)
+    old_spec = optree.tree_structure(old, none_is_leaf=True)
+    if new_spec != old_spec:
+        raise InvalidArgument(
+            f"new and old must have the same structure (new {_short(new_spec)}, old "
+            f"{_short(old_spec)}); pass the same things before and after the update, e.g. "
+            "(params, opt_state) for both"
+        )
+    return new if bool(flag) else old
+
+
+def _short(spec: Any) -> str:
+    text = str(spec)
+    return text if len(text) <= 120 else text[:120] + "..."
