@@ -1,16 +1,32 @@
 """Run a function on N local processes, or unchanged under ``torchrun``; fail fast and by name.
 
-:func:`launch` starts one process per rank (gloo on CPU by default; NCCL when CUDA devices are
-there and ``backend="nccl"``), joins them in a process group and calls ``fn(rank, *args)`` in
-each. The rendezvous store lives in the launching process, so it outlives any rank; it and the
-ranks' gloo connections listen on 127.0.0.1 (loopback) only, unless ``host`` says otherwise
-(see docs/security.md). When a rank raises, it records its error in the store and exits; the
-ranks waiting on it see their connection drop, read the record and raise
+:func:`launch` starts one process per rank, joins them in a process group and calls
+``fn(rank, *args)`` in each. The backend is NCCL when CUDA is available and gloo otherwise
+(:func:`default_backend`); an explicit ``backend=`` is respected. Every rank's device follows one
+rule, :func:`rank_device`: a gloo rank computes on the CPU, an NCCL rank gets the GPU of its local
+rank (``cuda:<local rank>``), set with ``torch.cuda.set_device`` before the process group starts
+(and passed as ``device_id=`` where torch takes it). More ranks on a host than GPUs is an
+:class:`~funcpipe.errors.InvalidArgument` before any process starts, unless sharing is asked for
+(``share_gpus=True`` or ``FUNCPIPE_SHARE_GPUS=1``). CPU ranks started here use one intra-op
+thread each; GPU ranks keep torch's default.
+
+The rendezvous store lives in the launching process, so it outlives any rank; it and the ranks'
+gloo connections listen on 127.0.0.1 (loopback) only, unless ``host`` says otherwise (see
+docs/security.md). When a rank raises, it records its error in the store and exits; the ranks
+waiting on it see their connection drop, read the record and raise
 :class:`~funcpipe.errors.RankFailed` naming it; the launcher stops every rank left after
 ``grace`` seconds and raises ``RankFailed`` with the first failure's traceback. A rank process
 that dies without a word (SIGKILL, out of memory) is recorded by the launcher, which sees it
-exit: the others then name it the same way. Under ``torchrun`` (``RANK`` and ``WORLD_SIZE``
-set), ``launch`` runs ``fn`` in this process only, with the process group torchrun describes.
+exit: the others then name it the same way. None of this waits on a collective: NCCL reports
+errors asynchronously (a rank blocked in an NCCL operation on a dead peer may never return), so
+the launcher names the failed rank from its pipes, the processes' exits and the store, and then
+stops the ranks still blocked.
+
+Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set), ``launch`` runs ``fn`` in
+this process only, with the process group torchrun describes, under the same rules: the backend
+from :func:`default_backend`, the device from ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` checked
+against the GPUs. A rank whose ``fn`` raises records its error in torchrun's store too, so that
+peers blocked on it name it.
 
 :class:`Pool` keeps such a group of processes alive and runs one function after another on it:
 starting processes costs seconds, so tests start one pool per session.
@@ -20,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import ipaddress
 import os
 import pickle
@@ -29,11 +46,21 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from funcpipe.errors import CommunicationError, InvalidArgument, RankFailed
 
-__all__ = ["Pool", "failure_handler", "launch", "under_torchrun"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "Pool",
+    "default_backend",
+    "failure_handler",
+    "launch",
+    "rank_device",
+    "under_torchrun",
+]
 
 FAIL_KEY = "funcpipe/failed"
 _STORE: Any = None  # this process's rendezvous store (set in ranks started by funcpipe)
@@ -43,6 +70,154 @@ _RANK: int | None = None
 def under_torchrun() -> bool:
     """True when the environment describes this process as one rank of a larger job."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+# ------------------------------------------------------------------------ backends and devices
+SHARE_ENV = "FUNCPIPE_SHARE_GPUS"  # "1": NCCL ranks may share GPUs when they outnumber them
+BACKENDS = ("gloo", "nccl")
+# Set in NCCL ranks unless the environment already says otherwise (read when the group starts):
+NCCL_ENV = {
+    # An NCCL error or timeout seen by the watchdog tears the process down (torch's default since
+    # 2.2, pinned here): a rank never lingers blocked on a dead peer, and the launcher (or
+    # torchrun) sees it exit. TORCH_NCCL_BLOCKING_WAIT is left off: it would make every wait()
+    # block the CPU until the GPU finished the operation, serialising compute and communication.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+}
+
+
+def default_backend() -> str:
+    """``"nccl"`` when CUDA is available, else ``"gloo"``: what :func:`launch` uses by default."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _options(backend: str | None, share_gpus: bool | None) -> bool:
+    """Check ``launch``'s and ``Pool``'s ``backend`` and ``share_gpus``; whether ranks may share
+    GPUs (``share_gpus=None``: whether ``FUNCPIPE_SHARE_GPUS`` is ``1``, ``true`` or ``yes``)."""
+    if backend is not None and backend not in BACKENDS:
+        raise InvalidArgument(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
+    if share_gpus is not None and not isinstance(share_gpus, bool):
+        raise InvalidArgument(
+            f"share_gpus={share_gpus!r}: True lets NCCL ranks share GPUs when they outnumber "
+            f"them; False forbids it; None reads {SHARE_ENV} from the environment"
+        )
+    if share_gpus is not None:
+        return share_gpus
+    return os.environ.get(SHARE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def rank_device(local_rank: int, backend: str, *, share: bool = False) -> torch.device:
+    """The device of the rank that is number ``local_rank`` among the ranks of its host.
+
+    A gloo rank computes on the CPU: ``cpu``. An NCCL rank gets a GPU of its own:
+    ``cuda:<local_rank>`` (of the devices ``CUDA_VISIBLE_DEVICES`` leaves visible). A local rank
+    with no GPU of its own is an :class:`InvalidArgument`, unless ``share`` is true: ranks then
+    wrap around, ``cuda:<local_rank % device_count>``. (NCCL 2.5 and later refuses two ranks of
+    one process group on one GPU, "Duplicate GPU detected", so sharing is an explicit choice for
+    setups that allow it, never a silent fallback.) ``backend="nccl"`` without CUDA is an
+    :class:`InvalidArgument` too.
+    """
+    import torch
+
+    if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
+        raise InvalidArgument(f"local_rank={local_rank!r}: this rank's index on its host, >= 0")
+    _check_backend(backend)
+    if backend == "gloo":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank < count:
+        return torch.device("cuda", local_rank)
+    if share:
+        return torch.device("cuda", local_rank % count)
+    raise InvalidArgument(
+        f"local rank {local_rank} has no GPU of its own: {_gpus(count)}. " + _outnumber_fix(count)
+    )
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise InvalidArgument(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
+    if backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+            raise InvalidArgument(
+                "backend='nccl' needs CUDA, but torch.cuda.is_available() is False here "
+                f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use backend='gloo' for CPU "
+                "ranks, or leave backend unset (NCCL when CUDA is available, else gloo)"
+            )
+
+
+def _gpus(count: int) -> str:
+    """``this host has 2 CUDA devices (cuda:0, cuda:1)``."""
+    names = ", ".join(f"cuda:{i}" for i in range(count))
+    return f"this host has {count} CUDA device{'s' if count != 1 else ''} ({names})"
+
+
+def _outnumber_fix(count: int) -> str:
+    return (
+        f"NCCL ranks get one GPU each: start at most {count} rank{'s' if count != 1 else ''} per "
+        f"host (torchrun --nproc-per-node {count}), use backend='gloo' for CPU ranks, or opt in "
+        f"to sharing with share_gpus=True or {SHARE_ENV}=1 in the environment (local rank r "
+        f"then uses cuda:r % {count}; NCCL itself refuses two ranks of one group on one GPU)"
+    )
+
+
+def _choose_backend(backend: str | None, ranks_here: int | None, *, share: bool) -> str:
+    """The backend for ``ranks_here`` ranks on this host (``None``: unknown), checked against
+    this host's GPUs before any process starts; ``backend=None`` means :func:`default_backend`."""
+    chosen = default_backend() if backend is None else backend
+    _check_backend(chosen)
+    if chosen == "nccl" and ranks_here is not None and not share:
+        import torch
+
+        count = torch.cuda.device_count()
+        if ranks_here > count:
+            raise InvalidArgument(
+                f"{ranks_here} ranks on this host (local ranks 0..{ranks_here - 1}) but "
+                f"{_gpus(count)}. " + _outnumber_fix(count)
+            )
+    return chosen
+
+
+def _claim_device(local_rank: int, backend: str, *, share: bool) -> torch.device:
+    """This process's device (:func:`rank_device`), made current before its group starts."""
+    import torch
+
+    device = rank_device(local_rank, backend, share=share)
+    if device.type == "cuda":
+        for name, value in NCCL_ENV.items():
+            os.environ.setdefault(name, value)
+        torch.cuda.set_device(device)
+    return device
+
+
+def _device_id(device: torch.device) -> dict[str, Any]:
+    """``{"device_id": device}`` for ``init_process_group`` where torch takes it (2.3 and later):
+    the NCCL communicator then starts at once, bound to this rank's GPU."""
+    if device.type != "cuda":
+        return {}
+    import torch.distributed as dist
+
+    try:
+        params = inspect.signature(dist.init_process_group).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"device_id": device} if "device_id" in params else {}
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidArgument(
+            f"{name}={raw!r} in the environment: an int (torchrun sets it)"
+        ) from None
 
 
 def _listen(host: str) -> tuple[int, int]:
@@ -148,12 +323,19 @@ def failure_handler() -> Callable[[BaseException, str], BaseException]:
     return handle
 
 
-def _init_group(rank: int, world: int, host: str, port: int, backend: str, timeout: float) -> None:
+def _init_group(
+    rank: int, world: int, host: str, port: int, backend: str, timeout: float, share: bool
+) -> None:
+    """Join the launcher's process group as ``rank`` (every rank of the launcher is on its host,
+    so the rank is also the local rank that picks the device)."""
     global _STORE, _RANK
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    # the device first: NCCL binds this process's communicators to the current device
+    device = _claim_device(rank, backend, share=share)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # ranks share the host's cores; GPU ranks keep torch's default
     if backend == "gloo" and _is_loopback(host) and "GLOO_SOCKET_IFNAME" not in os.environ:
         # gloo otherwise listens on the address the machine's hostname resolves to
         iface = _loopback_interface()
@@ -169,9 +351,8 @@ def _init_group(rank: int, world: int, host: str, port: int, backend: str, timeo
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout),
+        **_device_id(device),
     )
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
 
 
 def _worker(
@@ -181,6 +362,7 @@ def _worker(
     port: int,
     backend: str,
     timeout: float,
+    share: bool,
     conn: Any,
     paths: Sequence[str],
 ) -> None:
@@ -188,7 +370,7 @@ def _worker(
         if p not in sys.path:
             sys.path.insert(0, p)
     try:
-        _init_group(rank, world, host, port, backend, timeout)
+        _init_group(rank, world, host, port, backend, timeout, share)
     except BaseException as e:
         conn.send(("error", f"rank {rank} could not join the process group: {e!r}"))
         return
@@ -221,13 +403,20 @@ class Pool:
     ``pool.run(fn, *args)`` calls ``fn(rank, *args)`` on every rank and returns the results by
     rank; ``fn`` must be importable (a module-level function). A job that fails or exceeds
     ``timeout`` seconds stops the whole pool and raises :class:`RankFailed` naming the rank.
+
+    ``backend`` is ``"gloo"`` by default (a pool serves CPU jobs, as the tests' pools do);
+    ``backend=None`` picks as :func:`launch` does (:func:`default_backend`). Rank ``r`` runs on
+    :func:`rank_device` ``(r, backend, share=share_gpus)``; ``share_gpus=None`` reads
+    ``FUNCPIPE_SHARE_GPUS``. An NCCL pool larger than the host's GPU count, or one on a host
+    without CUDA, is an :class:`InvalidArgument` before any process starts.
     """
 
     def __init__(
         self,
         size: int,
         *,
-        backend: str = "gloo",
+        backend: str | None = "gloo",
+        share_gpus: bool | None = None,
         host: str = "127.0.0.1",
         timeout: float = 60.0,
         grace: float = 5.0,
@@ -235,8 +424,7 @@ class Pool:
     ) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise InvalidArgument(f"size={size!r}: the number of processes, an int >= 1")
-        if backend not in ("gloo", "nccl"):
-            raise InvalidArgument(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
+        share = _options(backend, share_gpus)
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise InvalidArgument(f"timeout={timeout!r}: seconds, > 0")
         if not isinstance(grace, (int, float)) or grace < 0:
@@ -246,11 +434,13 @@ class Pool:
             )
         if not isinstance(host, str) or not host:
             raise InvalidArgument(f"host={host!r}: an address to bind, e.g. '127.0.0.1'")
+        backend = _choose_backend(backend, size, share=share)
         import multiprocessing as mp
 
         import torch.distributed as dist
 
         self.size, self.timeout, self.grace = size, float(timeout), float(grace)
+        self.backend = backend
         self.host = host
         fd, port = _listen(host)
         # the store lives here, in the launcher: it survives any rank. It serves on a socket
@@ -271,7 +461,17 @@ class Pool:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker,
-                args=(rank, size, host, port, backend, timeout, child, [*paths, *sys.path[:1]]),
+                args=(
+                    rank,
+                    size,
+                    host,
+                    port,
+                    backend,
+                    timeout,
+                    share,
+                    child,
+                    [*paths, *sys.path[:1]],
+                ),
                 daemon=True,
             )
             proc.start()
@@ -302,6 +502,10 @@ class Pool:
             if left <= 0:
                 self.close(kill=True)
                 waiting = sorted(set(range(self.size)) - set(results))
+                if first is None:
+                    # a rank may have recorded its failure without its message arriving (NCCL
+                    # errors surface in the watchdog, not in the job): the store names it
+                    first = _read_store(self.store)
                 if first is not None:
                     raise RankFailed(
                         f"rank {first[0]} failed:\n{first[1]}", rank=first[0], cause=first[1]
@@ -347,10 +551,7 @@ class Pool:
                 while time.monotonic() < end and any(p.is_alive() for p in self.procs):
                     time.sleep(0.05)
                 self.close(kill=True)
-                rank, text = first
-                recorded = _read_store(self.store)
-                if recorded is not None and recorded[0] != rank and "died" not in text:
-                    rank, text = recorded[0], recorded[1]
+                rank, text = _first_failure(first, _read_store(self.store))
                 raise RankFailed(f"rank {rank} failed: {text}", rank=rank, cause=text)
         return [results[r] for r in range(self.size)]
 
@@ -387,6 +588,23 @@ def _pickle_job(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
         ) from None
 
 
+def _first_failure(seen: tuple[int, str], recorded: tuple[int, str] | None) -> tuple[int, str]:
+    """Which failure to report: the first the launcher saw (a rank's error message or its
+    process's exit), or the store's record (first failure wins there) when that names another
+    rank and the launcher saw no death, or saw only a ``SIGABRT`` -- NCCL's watchdog tearing a
+    rank down after a peer's failure -- while the record is an error of its own (not a
+    ``RankFailed`` or ``CommunicationError`` that itself names a peer)."""
+    rank, text = seen
+    if recorded is None or recorded[0] == rank:
+        return seen
+    if "died" not in text:
+        return recorded
+    secondary = recorded[1].startswith(("RankFailed", "CommunicationError"))
+    if "by SIGABRT" in text and not secondary:
+        return recorded
+    return seen
+
+
 def _read_store(store: Any) -> tuple[int, str] | None:
     try:
         raw = store.get(FAIL_KEY).decode()
@@ -401,30 +619,69 @@ def launch(
     fn: Callable[..., Any],
     nprocs: int,
     *args: Any,
-    backend: str = "gloo",
+    backend: str | None = None,
+    share_gpus: bool | None = None,
     timeout: float = 60.0,
     grace: float = 5.0,
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(rank, *args, **kwargs)`` on ``nprocs`` local processes; return the results.
 
+    ``backend``: ``"gloo"`` (CPU ranks), ``"nccl"`` (one GPU per rank) or ``None``, NCCL when
+    CUDA is available, else gloo (:func:`default_backend`). Rank ``r`` runs on
+    :func:`rank_device` ``(r, backend)``: the CPU under gloo (one intra-op thread per rank),
+    ``cuda:r`` under NCCL, made current before the process group starts. More NCCL ranks than
+    GPUs, or NCCL without CUDA, is an :class:`InvalidArgument` before any process starts;
+    ``share_gpus=True`` (or ``FUNCPIPE_SHARE_GPUS=1`` in the environment, read when
+    ``share_gpus`` is ``None``) lets local rank ``r`` use ``cuda:r % device_count`` instead.
+
     Under ``torchrun`` this process is already one rank: the process group is initialised from
-    the environment and ``[fn(rank, ...)]`` (this rank's result only) is returned. The local
-    processes bind to 127.0.0.1 (loopback) only.
+    the environment (unless it already is) under the same rules, the device taken from
+    ``LOCAL_RANK`` (``RANK`` when it is unset) and the host's rank count from
+    ``LOCAL_WORLD_SIZE``; ``nprocs`` is not used, and ``[fn(rank, ...)]`` (this rank's result
+    only) is returned. The local processes bind to 127.0.0.1 (loopback) only.
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise InvalidArgument(
             f"nprocs={nprocs!r}: the number of local processes to start, an int >= 1"
         )
+    share = _options(backend, share_gpus)
     if under_torchrun():
-        import torch.distributed as dist
-
-        global _RANK
-        if not dist.is_initialized():
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-        rank = dist.get_rank()
-        _RANK = rank
-        return [fn(rank, *args, **kwargs)]
+        rank = _join_torchrun(backend, share=share, timeout=timeout)
+        try:
+            return [fn(rank, *args, **kwargs)]
+        except BaseException as e:
+            record_failure(e)  # peers blocked on this rank read it from torchrun's store
+            raise
     _pickle_job(fn, args, kwargs)  # before starting any process
-    with Pool(nprocs, backend=backend, timeout=timeout, grace=grace) as pool:
+    with Pool(
+        nprocs,
+        backend=_choose_backend(backend, nprocs, share=share),
+        share_gpus=share,
+        timeout=timeout,
+        grace=grace,
+    ) as pool:
         return pool.run(fn, *args, **kwargs)
+
+
+def _join_torchrun(backend: str | None, *, share: bool, timeout: float) -> int:
+    """Join the process group torchrun describes (unless this process already has); its rank.
+
+    The device is made current from ``LOCAL_RANK`` before the group starts, as for the local
+    launcher's ranks; thread counts are left to torchrun (it sets ``OMP_NUM_THREADS``)."""
+    global _STORE, _RANK
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        local = _env_int("LOCAL_RANK")
+        if local is None:
+            local = _env_int("RANK")
+        chosen = _choose_backend(backend, _env_int("LOCAL_WORLD_SIZE"), share=share)
+        device = _claim_device(0 if local is None else local, chosen, share=share)
+        dist.init_process_group(
+            chosen, timeout=datetime.timedelta(seconds=timeout), **_device_id(device)
+        )
+    _RANK = dist.get_rank()
+    with contextlib.suppress(Exception):  # a group started elsewhere may have no store to share
+        _STORE = dist.distributed_c10d._get_default_store()
+    return _RANK

@@ -19,6 +19,9 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
+    # the example trains on CPU tensors: hide any GPU, so that launch's default backend is gloo
+    # (with CUDA it would be NCCL, one GPU per rank)
+    env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
