@@ -166,7 +166,8 @@ def test_float16_gradients_underflow_without_scaling_and_train_with_it() -> None
 # ------------------------------------------------------------------------------ a pipeline
 def test_a_pipeline_follows_a_changing_scale() -> None:
     """scaled_loss_fn(loss_fn, lambda: ls) reads ls at every step: a Pipeline built once gives
-    gradients scaled by the current scale, and they unscale to the reference's."""
+    gradients scaled by the current scale, the same as Pipeline.step(loss_scale=), and they
+    unscale to the reference's."""
     torch.manual_seed(0)
     stages = [
         fp.Stage(lambda p, x: torch.tanh(x @ p["a"]), name="a"),
@@ -184,10 +185,15 @@ def test_a_pipeline_follows_a_changing_scale() -> None:
         generate("1f1b", ranks=2, microbatches=4),
         loss_fn=loss_scale.scaled_loss_fn(mse, lambda: ls),
     )
+    plain = fp.Pipeline(stages, generate("1f1b", ranks=2, microbatches=4), loss_fn=mse)
     ref_loss, ref_grads = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
     for scale in (2.0**10, 2.0**3):
         ls = loss_scale.init(scale)
         loss, grads = pipe.step(params, x, y)
+        # the pipeline's own loss_scale= (the gradient seed scaled, the loss not): the same grads
+        other = plain.step(params, x, y, loss_scale=ls.scale)
+        assert_trees_close(other.grads, grads, **EXACT)
+        assert_trees_close(other.loss, loss / ls.scale, **EXACT)
         grads, finite = loss_scale.unscale(grads, ls)
         assert bool(finite)
         assert_trees_close(loss / ls.scale, ref_loss, rtol=1e-12, atol=0.0)
