@@ -29,7 +29,7 @@ from funcpipe.schedule.simulate import Event, Timeline
 from funcpipe.shapes import stage_device
 from funcpipe.stage import Stage, as_inputs
 from funcpipe.ties import TiePath, add_tie_reduce, check_ties, resolve, tie_values
-from funcpipe.tree import check_tensor_tree, tree_flatten, tree_unflatten
+from funcpipe.tree import check_tensor_tree, tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["Pipeline", "StepResult"]
 
@@ -450,11 +450,25 @@ class Pipeline:
             layouts.append(layout)
         return entry, side, tgt, layouts
 
-    def _place(self, params: tuple[Any, ...]) -> torch.device:
-        """Where this pipeline's tensors live: ``device=``, else the first parameter that is
-        not on meta, else the CPU."""
+    @property
+    def _dry(self) -> bool:
+        """``device="meta"``: a step without data (every tensor on meta), to check a setup."""
+        return self.device is not None and self.device.type == "meta"
+
+    def _place(self, params: tuple[Any, ...], local: Sequence[int] | None = None) -> torch.device:
+        """Where a rank's tensors live (received activations and gradients, the batch, the
+        loss): ``device=``, else where its stages' parameters are (``local``: the owner stages
+        it runs; default all), else, for a rank whose stages have no parameters, the device of
+        the process group's backend (CUDA under NCCL), else the CPU."""
         if self.device is not None:
             return self.device
+        held = params if local is None else [params[o] for o in local]
+        for tree in held:
+            for leaf in tree_flatten(tree)[0]:
+                if not leaf.is_meta:
+                    return leaf.device
+        if self._world is not None:
+            return _world.transport_device(None)
         return stage_device(params)
 
     def _full_stages(self) -> list[Stage]:
@@ -479,7 +493,7 @@ class Pipeline:
             o = owners[s]
             if o not in prm:
                 leaves, tree = tree_flatten(params[o])
-                if any(t.is_meta for t in leaves):
+                if any(t.is_meta for t in leaves) and not self._dry:
                     raise InvalidArgument(
                         f"params[{o}] is on the meta device but rank {rank} runs stage {s}"
                     )
@@ -497,10 +511,13 @@ class Pipeline:
                     casts[o] = tuple(
                         None if k is None else t.dtype for t, k in zip(leaves, kept, strict=True)
                     )
-        device = self.device
-        if device is None:
-            first = next((ls[0] for ls, _ in prm.values() if ls), None)
-            device = first.device if first is not None else torch.device("cpu")
+        device = self._place(params, local=[owners[s] for s in local])
+        # this rank's part of the batch goes where its stages run, once per microbatch
+        if any(not p.producers(s) for s in local):
+            entry = [_to(e, device) for e in entry]
+        side = [{s: _to(kw, device) for s, kw in sd.items() if s in local} for sd in side]
+        if tgt is not None and any(not p.consumers(s) for s in local):
+            tgt = [_to(t, device) for t in tgt]
         ties: dict[str, list[tuple[int, int]]] = {}
         for name, members in self.ties.items():
             ties[name] = [(s, resolve(params[s], path, f"ties[{name!r}]")) for s, path in members]
@@ -584,6 +601,18 @@ def _timeline(program: Program, times: Sequence[Sequence[float]]) -> Timeline:
         for r, ts in enumerate(times)
     )
     return Timeline(program=program, events=events)
+
+
+def _to(tree: Any, device: torch.device) -> Any:
+    """``tree``'s tensors on ``device`` (no copy when they are there; asynchronous from pinned
+    memory)."""
+
+    def move(t: Any) -> Any:
+        if not isinstance(t, Tensor) or t.device == device:
+            return t
+        return t.to(device, non_blocking=t.is_pinned())
+
+    return tree_map(move, tree)
 
 
 def _loss_scale(value: float | Tensor | None) -> float:
