@@ -34,7 +34,7 @@ def _add_tour(subparsers: Subparsers) -> None:
         "tour",
         help="partition an MLP, infer its shapes, check the reference step and train it",
         description="Partition a float64 MLP into stages by parameter count, infer every "
-        "stage's shapes on the meta device, compare reference_step with plain autograd on "
+        "stage's shapes without data, compare reference_step with plain autograd on "
         "the whole module, then train with pure SGD updates (one process).",
     )
     parser.add_argument("--microbatches", type=int, default=4, metavar="M", help="default: 4")

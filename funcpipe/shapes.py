@@ -86,7 +86,7 @@ class StageSpec:
     """What one stage takes and returns for one microbatch.
 
     ``inputs`` has one pytree of :class:`TensorSpec` per positional input; ``outputs`` is the
-    pytree of :class:`TensorSpec` the stage returns; ``method`` is ``"meta"`` or ``"real"``
+    pytree of :class:`TensorSpec` the stage returns; ``method`` is ``"fake"`` (run without data) or ``"real"``
     (the stage had to run on a real microbatch).
     """
 
@@ -209,7 +209,7 @@ def infer_specs(
     specs = []
     given: Any = inputs  # stage i's inputs: fake, or real after a fallback
     for i, stage in enumerate(stages):
-        method = "meta"
+        method = "fake"
         dev = stage_device(params[i], device)
         try:
             with abstract():

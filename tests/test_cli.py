@@ -15,7 +15,7 @@ def test_demo_prints_comparison_and_falling_loss(capsys: pytest.CaptureFixture[s
     assert main(["tour", "--microbatches", "3", "--stages", "3", "--steps", "5"]) == 0
     out = capsys.readouterr().out
     assert "3 microbatches" in out
-    assert "stage 2" in out and "(meta)" in out
+    assert "stage 2" in out and "(fake)" in out
     match = re.search(r"loss (\S+) vs (\S+)\s+max \|grad diff\| (\S+)", out)
     assert match is not None
     assert match[1] == match[2] and float(match[3]) < 1e-10

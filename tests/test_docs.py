@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["docs/concepts.md", "README.md", "docs/pipeline.md"]
+DOCS = ["docs/concepts.md", "README.md", "docs/pipeline.md", "docs/precision.md"]
 
 
 def _python_blocks(text: str) -> list[str]:
@@ -20,7 +22,10 @@ def test_doc_code_blocks_run(doc: str) -> None:
     blocks = _python_blocks((ROOT / doc).read_text())
     if doc == "docs/concepts.md":
         assert len(blocks) >= 5
-    namespace: dict[str, object] = {"__name__": "__doc_test__"}
+    # a real module, as a script's __main__ is: torch.compile looks up a function's module
+    module = types.ModuleType("__doc_test__")
+    sys.modules[module.__name__] = module
+    namespace = module.__dict__
     for i, block in enumerate(blocks):
         try:
             exec(compile(block, f"{doc}[block {i}]", "exec"), namespace)

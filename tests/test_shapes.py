@@ -93,7 +93,7 @@ def test_inferred_specs_match_real_run(model: Any, batch: int, data: Any) -> Non
     for spec, (inputs, outputs) in zip(
         specs, _real_specs(part.stages, part.params, x), strict=True
     ):
-        assert spec.method == "meta"
+        assert spec.method == "fake"
         assert spec.inputs == inputs
         assert spec.outputs == outputs
 
@@ -126,7 +126,7 @@ def test_meta_fallback_runs_real_microbatch() -> None:
         ShapeInferenceWarning, match=r"stage 1 \('filter'\) cannot run on tensors without data"
     ):
         specs = infer_specs(stages, [{}, {}, {}], x)
-    assert [s.method for s in specs] == ["meta", "real", "meta"]
+    assert [s.method for s in specs] == ["fake", "real", "fake"]
     assert specs[1].inputs == (TensorSpec((3, 4), torch.float32),)
     assert specs[1].outputs == TensorSpec((2, 4), torch.float32)  # two rows have x[:, 0] > 0
     assert specs[2].outputs == TensorSpec((2, 8), torch.float32)
