@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--ranks", type=int, default=2)
     args = ap.parse_args(argv)
-    return fp.launch(train, args.ranks, args.steps, args.schedule, args.ranks)
+    # CPU tensors: gloo (launch picks NCCL by default where CUDA is present)
+    return fp.launch(train, args.ranks, args.steps, args.schedule, args.ranks, backend="gloo")
 
 
 if __name__ == "__main__":
