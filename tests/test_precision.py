@@ -15,20 +15,10 @@ from torch._dynamo.utils import counters
 
 import funcpipe as fp
 from funcpipe.models import gpt
-from funcpipe.schedule.generators import generate
+from funcpipe.schedule.generators import GENERATORS, generate
 from tests import jobs_precision as J
 
-NAMES = [
-    "gpipe",
-    "1f1b",
-    "interleaved",
-    "looped-bfs",
-    "zb-h1",
-    "zb-h2",
-    "zbv",
-    "dualpipev",
-    "chimera",
-]
+NAMES = [name for name in GENERATORS if name != "forward"]  # every training schedule
 
 
 CROSSING = {"compile": "torch.float64", "inductor": "torch.float32"}
@@ -52,12 +42,14 @@ def test_over_gloo(pool, name: str, mode: str) -> None:
         assert got["crossing"] == [CROSSING.get(mode, "torch.bfloat16")]
 
 
-def test_shape_inference_sees_autocast() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_shape_inference_sees_autocast(dtype: torch.dtype) -> None:
     """The issue's failure: inference on meta saw float32 where the stage returns bf16."""
-    stages = J.stages(2, "autocast")
+    stages = [fp.autocast_stage(fp.Stage(J.layer, name=f"l{k}"), dtype) for k in range(2)]
     specs = fp.infer_specs(stages, J.params(2, torch.float32), torch.zeros(4, J.D))
-    assert repr(specs[0].outputs) == "bf16[4, 8]"
-    assert repr(specs[1].inputs[0]) == "bf16[4, 8]"
+    short = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+    assert repr(specs[0].outputs) == f"{short}[4, 8]" == repr(specs[1].inputs[0])
+    assert specs[0].method == "fake"
 
 
 # dynamo reads .grad of a non-leaf input while building guards (reference_step passes one stage's
