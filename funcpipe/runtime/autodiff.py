@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch._functorch.config as _functorch_config
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 __all__ = [
@@ -288,7 +289,9 @@ def backward_input(
     arrived: dict[Node, tuple[Tensor | None, ...]] = {}  # a join's incoming gradients
     made: dict[Node, tuple[Tensor | None, ...]] = {}  # the gradients a join passed on
     handles = [n.register_prehook(_capture(arrived, n)) for n in joins]
-    handles += [n.register_hook(_capture_made(made, n)) for n in joins]
+    # a Python-defined backward (a compiled region's, an autograd.Function's) may compute every
+    # gradient whatever is asked; torch's own nodes compute only those the backward needs
+    handles += [n.register_hook(_capture_made(made, n)) for n in joins if _python_node(n)]
     try:
         with _retain_compiled(closure):
             grads_in = _grad(outs, saved.inputs, gs, retain=True)
@@ -338,6 +341,10 @@ class _Branch:
     node: Node
     nr: int  # the input of ``node`` the edge feeds
     params: set[int]
+
+
+def _python_node(node: Node) -> bool:
+    return isinstance(node, BackwardCFunction)
 
 
 def _compiled(node: Node) -> bool:

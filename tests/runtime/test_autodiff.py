@@ -185,3 +185,51 @@ def test_weight_gradients_record_no_graph() -> None:
         got = autodiff.backward_weight(saved, [w, b], accumulate=accumulate)
         grads = [w.grad, b.grad] if accumulate else got
         assert all(t is not None and not t.requires_grad and t.grad_fn is None for t in grads)
+
+
+class _Scaled(torch.autograd.Function):
+    """``x @ w * 2`` whose backward computes both gradients whatever is asked (as a compiled
+    region's does)."""
+
+    @staticmethod
+    def forward(ctx, x, w):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(x, w)
+        return x @ w * 2
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        x, w = ctx.saved_tensors
+        return g @ w.T * 2, x.T @ g * 2
+
+
+@pytest.mark.parametrize("kind", ["function", "compiled"])
+def test_a_join_that_computes_every_gradient_runs_once(kind: str) -> None:
+    """I keeps the parameter gradients such a join passed on; W starts below it and never runs
+    it again, and the gradients are B's."""
+    if kind == "function":
+
+        def inner(x, w):  # type: ignore[no-untyped-def]
+            return _Scaled.apply(x, w)
+
+    else:
+        inner = torch.compile(lambda x, w: x @ w * 2, backend="aot_eager")
+
+    def fn(params, inputs):  # type: ignore[no-untyped-def]
+        return [torch.tanh(inner(inputs[0], params[0])) + params[1]]
+
+    g = torch.Generator().manual_seed(0)
+    params = [
+        torch.randn(*shape, generator=g, dtype=F64).requires_grad_() for shape in ((4, 4), (4,))
+    ]
+    x = torch.randn(3, 4, generator=g, dtype=F64)
+    seed = [torch.randn(3, 4, generator=g, dtype=F64)]
+    _, saved = autodiff.forward(fn, params, [x])
+    want_in, want_p = autodiff.backward(saved, params, seed)
+    _, saved = autodiff.forward(fn, params, [x])
+    runs: list[int] = []
+    node = saved.outputs[0].grad_fn.next_functions[0][0].next_functions[0][0]  # inner's node
+    node.register_prehook(lambda grads: runs.append(1))
+    got_in = autodiff.backward_input(saved, params, seed)
+    got_p = autodiff.backward_weight(saved, params)
+    assert len(runs) == 1  # in I only
+    assert_trees_close((got_in, got_p), (want_in, want_p))
