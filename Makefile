@@ -8,7 +8,7 @@ TORCH_PIP_ARGS ?=
 
 export HYPOTHESIS_PROFILE ?= ci
 
-.PHONY: demo test lint setup
+.PHONY: demo test lint setup gpu-check
 
 setup: $(STAMP)
 
@@ -32,3 +32,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check funcpipe tests
 	$(BIN)/ruff format --check funcpipe tests examples
 	$(BIN)/mypy funcpipe
+
+# On a machine with CUDA: the CUDA tests and the demo on a GPU, one report (gpu-check.md); without
+# CUDA it says so and exits 0. It needs no venv and no network (GPU machines come with torch):
+# the venv's python when there is one, else python3 with the repository on PYTHONPATH. docs/gpu.md.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+GPU_CHECK_ARGS ?=
+
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) funcpipe/gpu_check.py $(GPU_CHECK_ARGS)

@@ -5,7 +5,9 @@
 backward_weight, backward on flat tensor lists), chaining each stage's outputs into the next
 stage's inputs (:func:`funcpipe.stage.as_inputs`), and returns the medians as a
 :class:`~funcpipe.schedule.simulate.Costs`. :func:`measure_stages` returns every number it took,
-the full backward ``B`` included (a :class:`~funcpipe.schedule.costs.StageTimes`).
+the full backward ``B`` included (a :class:`~funcpipe.schedule.costs.StageTimes`). They time
+with the clock a traced step uses (:mod:`funcpipe.runtime.clock`): on CUDA, events on the
+stream, so the numbers are the kernels' times, comparable with an executed timeline's.
 :func:`measure_memory` counts the bytes each stage keeps for its backward (a
 :class:`~funcpipe.schedule.costs.StageMemory`).
 
@@ -18,7 +20,6 @@ reads the same costs off executed steps).
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from funcpipe.errors import InvalidArgument
 from funcpipe.runtime import autodiff
+from funcpipe.runtime.clock import step_clock, timer
 from funcpipe.runtime.saved import SavedBytes
 from funcpipe.schedule.costs import StageMemory, StageTimes
 from funcpipe.schedule.simulate import Costs
@@ -244,14 +246,10 @@ def _time_stage(
     fn, flat_params, in_leaves, out_tree = _flat_stage(
         "profile_stages", stage, params, inputs, k, None
     )
-    device = next((t.device for t in [*flat_params, *in_leaves]), torch.device("cpu"))
-    sync: Callable[[], None] = (
-        (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    device = next(
+        (t.device for t in [*flat_params, *in_leaves] if isinstance(t, torch.Tensor)),
+        torch.device("cpu"),
     )
-
-    def clock() -> float:
-        sync()
-        return time.perf_counter()
 
     def forward() -> tuple[list[Any], Any]:
         outs, saved = autodiff.forward(fn, flat_params, in_leaves)
@@ -260,21 +258,25 @@ def _time_stage(
                 t.requires_grad_(False)
         return outs, saved
 
+    # timed as a traced step times its instructions (funcpipe.runtime.clock): on CUDA, events on
+    # the stream, resolved after each run, so the numbers are kernel times, not launch times;
     # as the interpreter: parameter gradients summed in place into the leaves' .grad
     times: dict[str, list[float]] = {"f": [], "i": [], "w": [], "b": []}
     outputs: list[Any] = []
     for run in range(warmup + repeats):
-        t0 = clock()
+        clock = step_clock(device)
+        stamps = [clock.stamp()]
         outputs, saved = forward()
-        t1 = clock()
+        stamps.append(clock.stamp())
         autodiff.backward_input(saved, flat_params, _seeds(outputs))
-        t2 = clock()
+        stamps.append(clock.stamp())
         autodiff.backward_weight(saved, flat_params, accumulate=True)
-        t3 = clock()
+        stamps.append(clock.stamp())
         _, saved = forward()
-        t4 = clock()
+        stamps.append(clock.stamp())
         autodiff.backward(saved, flat_params, _seeds(outputs), accumulate=True)  # the runtime's B
-        t5 = clock()
+        stamps.append(clock.stamp())
+        t0, t1, t2, t3, t4, t5 = clock.resolve(stamps)
         if run >= warmup:
             times["f"] += [t1 - t0, t4 - t3]
             times["i"].append(t2 - t1)
@@ -295,9 +297,11 @@ def _measure_comm(payload: Sequence[Any], *, rounds: int = 10) -> float:
         tensors = [torch.zeros(1)]
     if dist.get_backend() == "nccl":
         tensors = [t.cuda() for t in tensors]
+    # NCCL's send and recv return once queued: wait for the device before reading the clock
+    now = timer(tensors[0].device)
     samples = []
     for _ in range(rounds + 1):
-        t0 = time.perf_counter()
+        t0 = now()
         for t in tensors:
             if rank == 0:
                 dist.send(t, 1)
@@ -305,7 +309,7 @@ def _measure_comm(payload: Sequence[Any], *, rounds: int = 10) -> float:
             elif rank == 1:
                 dist.recv(t, 0)
                 dist.send(t, 0)
-        samples.append((time.perf_counter() - t0) / 2)
+        samples.append((now() - t0) / 2)
     result = torch.tensor([statistics.median(samples[1:]) if rank == 0 else 0.0])
     if dist.get_backend() == "nccl":
         result = result.cuda()

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import os
 import socket
+import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -188,19 +190,44 @@ def transport_device(device: torch.device | None) -> torch.device:
 def gather_times(
     program: Program, world: DistWorld, times: list[float], device: torch.device | None
 ) -> list[list[float]]:
-    """Every program rank's instruction times (of this rank's copy and coordinate)."""
+    """Every program rank's instruction times (of this rank's copy and coordinate), in this
+    process's ``time.perf_counter`` seconds.
+
+    Each rank's times are ``perf_counter`` readings (on CUDA, events anchored to one:
+    :mod:`funcpipe.runtime.clock`). Processes of one machine share that clock and their times
+    are taken as they are. A process on another machine has a clock of its own: its times are
+    moved through the wall clock (each process sends ``time.time() - perf_counter()`` with its
+    times), so they are as good as the machines' clock synchronisation (NTP: about a
+    millisecond).
+    """
     import torch.distributed as dist
 
     longest = 2 * max(len(r) for r in program.ranks)
-    mine = torch.full((longest,), float("nan"), dtype=torch.float64)
+    mine = torch.full((longest + 2,), float("nan"), dtype=torch.float64)
     mine[: len(times)] = torch.tensor(times, dtype=torch.float64)
-    dev = transport_device(device)
+    mine[-2] = float(zlib.crc32(_host_id().encode()))  # which machine (exact in a float64)
+    mine[-1] = time.time() - time.perf_counter()
+    if dist.get_backend() == "nccl":  # NCCL collectives take CUDA tensors; others the CPU's
+        on_cuda = device is not None and device.type == "cuda"
+        dev = device if on_cuda else torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
     everyone = [torch.empty_like(mine, device=dev) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine.to(dev))
+    rows = torch.stack(everyone).cpu()  # one copy back
     return [
-        everyone[g].cpu()[: 2 * len(program.ranks[r])].tolist()
+        _on_my_clock(rows[g], mine, 2 * len(program.ranks[r]))
         for r, g in enumerate(world.pipe_ranks)
     ]
+
+
+def _on_my_clock(row: torch.Tensor, mine: torch.Tensor, n: int) -> list[float]:
+    """The first ``n`` times of a gathered ``row`` (``[times..., machine, wall - perf_counter]``)
+    on the clock of the process that sent ``mine``."""
+    ts = row[:n]
+    if row[-2] != mine[-2]:  # another machine: its perf_counter -> wall clock -> ours
+        ts = ts + (row[-1] - mine[-1])
+    return ts.tolist()
 
 
 _EXCHANGES: dict[str, int] = {}  # host exchanges by this process, per kind (their store keys)

@@ -1,8 +1,12 @@
 """The same steps on every device this machine has: CPU always, CUDA when it is there (skipped
 with a reason otherwise; CI has no GPU). Each is checked against ``reference_step`` on that
-device, and everything the step returns must be on the device it was given."""
+device, and everything the step returns must be on the device it was given. Traced steps and
+profiling time each instruction with the device's clock (funcpipe.runtime.clock: CUDA events
+on a GPU). tests/test_cuda.py has the rest of the CUDA checks (``make gpu-check`` runs both)."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ import torch
 import funcpipe as fp
 from funcpipe.pipeline import Pipeline
 from funcpipe.schedule import generate
+from funcpipe.schedule.ir import COMPUTE_OPS
 from funcpipe.testing import assert_trees_close
 from tests.jobs_runtime import data, mse, one_by_one_1f1b, toy
 
@@ -53,3 +58,36 @@ def test_a_cuda_pipeline_checks_its_program_under_nccl_rules() -> None:
         Pipeline(stages, bad, loss_fn=mse, device="cuda")
     lowered = Pipeline(stages, generate("1f1b", ranks=2, microbatches=4), loss_fn=mse).program
     Pipeline(stages, lowered, loss_fn=mse, device="cuda")  # funcpipe's lowering: accepted
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_a_traced_step_on_the_device_times_every_instruction(device: str, name: str) -> None:
+    program = generate(name, ranks=2, microbatches=4)
+    stages, params = toy(len(set(program.replica_of or range(program.n_stages))))
+    params = [{k: v.to(device) for k, v in p.items()} for p in params]
+    x, y = (t.to(device) for t in data(8))
+    pipe = Pipeline(stages, program, loss_fn=mse)
+    got = pipe.step(params, x, y, trace=True)
+    ref = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
+    assert_trees_close((got.loss, got.grads), ref)  # tracing changes nothing computed
+    tl = got.timeline
+    assert [len(r) for r in tl.events] == [len(r) for r in pipe.program.ranks]
+    for events in tl.events:
+        assert all(e.end >= e.start >= 0 for e in events)
+        assert all(a.end <= b.start + 1e-9 for a, b in itertools.pairwise(events))
+        if device == "cuda":  # each compute instruction runs kernels: events time them
+            assert all(e.end > e.start for e in events if e.instr.op in COMPUTE_OPS)
+    assert 0 <= tl.bubble_fraction < 1 and tl.makespan > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_profiling_on_the_device_times_every_stage(device: str) -> None:
+    stages, params = toy(3)
+    params = [{k: v.to(device) for k, v in p.items()} for p in params]
+    x, _ = data(8)
+    times = fp.measure_stages(stages, params, x.to(device), repeats=2)
+    for name in ("f", "i", "w", "b"):
+        values = getattr(times, name)
+        assert len(values) == 3 and all(0 <= t < 10 for t in values), (name, values)
+    assert all(t > 0 for t in times.f + times.b)

@@ -18,7 +18,6 @@ gradient tensors to allocate, add and free); the rank hands those sums back as v
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 
 from funcpipe.errors import InvalidArgument, NonFiniteError
 from funcpipe.runtime import autodiff
+from funcpipe.runtime.clock import step_clock
 from funcpipe.runtime.plan import Layout, OutputSpec, rebuild
 from funcpipe.runtime.transport import P2P, RECV, SEND, Handle, Transport
 from funcpipe.schedule.check import in_program
@@ -61,7 +61,7 @@ class RankInputs:
         default_factory=dict
     )  # name -> (owner, leaf)
     data_size: int = 1
-    trace: bool = False  # record when each instruction starts and ends (time.perf_counter)
+    trace: bool = False  # record when each instruction starts and ends (runtime.clock)
     check_finite: bool = False  # raise NonFiniteError at the first NaN/inf (stage, microbatch)
     # owner stage -> per parameter leaf, the dtype the stage computes with when the leaf is kept
     # in another (Pipeline(grad_dtype=...): float32 leaves summing float32 gradients, cast to
@@ -80,7 +80,8 @@ class RankResult:
     grads: dict[int, list[Tensor]] = field(default_factory=dict)  # owner stage -> flat grads
     outputs: dict[int, Any] = field(default_factory=dict)  # microbatch -> sink outputs
     peak_activations: int = 0  # most (stage, microbatch) activations alive at once
-    times: list[float] = field(default_factory=list)  # with trace: start, end of each instruction
+    # with trace: start, end of each instruction, perf_counter seconds (CUDA: from events)
+    times: list[float] = field(default_factory=list)
     # with RankInputs.scalars_group: (float64 [loss sum, metric sum, has loss], its reduction)
     scalars: tuple[Tensor, Handle] | None = None
 
@@ -562,8 +563,9 @@ class _Rank:
     # ------------------------------------------------------------------ the loop
     def run(self) -> Generator[Handle, None, RankResult]:
         x = self.x
-        trace = self.result.times if x.trace else None
-        clock = time.perf_counter
+        clock = step_clock(x.device if x.trace else None)  # (CUDA events only when traced)
+        stamp = clock.stamp
+        trace: list[Any] | None = [] if x.trace else None
         instrs = self.p.ranks[x.rank]
         group_of = {g[0]: g for g in groups(instrs)}  # first step -> the group's steps
         scalars_after = -1
@@ -580,7 +582,7 @@ class _Rank:
             if op in COMPUTE_OPS:  # (its start is after its inputs are in)
                 yield from self.inputs_in(i)
             if trace is not None:
-                trace.append(clock())
+                trace.append(stamp())
             if op is Op.F:
                 self.forward(i)
             elif op is Op.B:
@@ -604,7 +606,7 @@ class _Rank:
             if t == scalars_after and scalars is not None:
                 self._post_scalars(scalars)
             if trace is not None:
-                trace.append(clock())
+                trace.append(stamp())
         for h, then in self.incoming.values():  # (none in a checked program: read by now)
             yield from _wait(h)
             if then is not None:
@@ -614,6 +616,8 @@ class _Rank:
             yield from pending.finish()
         self.reductions, self.inflight = [], {}  # their callbacks are done: let them go
         self.t.finish()
+        if trace is not None:  # (CUDA: waits for the step's work)
+            self.result.times = clock.resolve(trace)
         for o, leaves in self.leaves.items():
             self.result.grads[o] = [_take_grad(t) for t in leaves]
         return self.result
