@@ -90,6 +90,13 @@ def _label(c: Any) -> str:
     return f"Pipeline({name!r}, recompute={sorted(c.recompute)})"
 
 
+def _settle() -> None:
+    """Wait for the GPU's queued work, where CUDA is in use, so the host's clock times kernels
+    and not their launches."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def fastest(
     programs: Sequence[Any],
     step: Callable[[Any], Any],
@@ -142,6 +149,7 @@ def fastest(
     def run(k: int) -> float:
         if dist:
             torch.distributed.barrier()
+        _settle()
         t0 = time.perf_counter()
         try:
             step(progs[k])
@@ -150,6 +158,7 @@ def fastest(
             if note is not None:
                 note(f"(while timing candidate #{k}, {_label(progs[k])})")
             raise
+        _settle()
         return time.perf_counter() - t0
 
     for _ in range(warmup):
