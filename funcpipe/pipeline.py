@@ -291,7 +291,8 @@ class Pipeline:
         ``params[k]`` is stage k's params pytree; with ``transport="dist"`` the stages this rank
         does not hold may be meta tensors (only their shapes are read). ``grads`` has the same
         structure, with ``None`` for stages this rank does not hold. ``loss`` (and ``metric``) is
-        the mean over microbatches, on every rank.
+        the mean over microbatches, on every rank (over processes it is summed across ranks in
+        float64 and returned as float64; in one process it keeps the loss's dtype).
         """
         params = self._check_params(params)
         scale = _loss_scale(loss_scale)
