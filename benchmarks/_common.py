@@ -117,6 +117,81 @@ SCHEDULES: dict[str, ScheduleSpec] = {
 PEER_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 
 
+@dataclass(frozen=True)
+class Variant:
+    """How the timed steps compute: ``precision`` ``"fp32"``, or ``"bf16"`` (float32 weights,
+    every stage under bf16 autocast: :func:`funcpipe.autocast_stage` for funcpipe, the same
+    ``torch.autocast`` around each peer stage module's forward), and ``compile`` (a
+    ``torch.compile`` backend, or None: :func:`funcpipe.compile_stage` for funcpipe,
+    ``torch.compile(module)`` for each peer stage module). Autocast is inside, compile outside."""
+
+    precision: str = "fp32"
+    compile: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: one of {', '.join(PRECISIONS)}")
+
+    @property
+    def label(self) -> str:
+        return self.precision + (f" + compile ({self.compile})" if self.compile else "")
+
+    @property
+    def plain(self) -> bool:
+        return self.precision == "fp32" and self.compile is None
+
+    def stages(self, stages: Sequence[fp.Stage]) -> list[fp.Stage]:
+        out = list(stages)
+        if self.precision == "bf16":
+            out = [fp.autocast_stage(s, torch.bfloat16) for s in out]
+        if self.compile:
+            out = [fp.compile_stage(s, backend=self.compile) for s in out]
+        return out
+
+    def module(self, m: nn.Module) -> nn.Module:
+        if self.precision == "bf16":
+            m = _Autocast(m, torch.bfloat16)
+        if self.compile:
+            m = torch.compile(m, backend=self.compile)  # type: ignore[assignment]
+        return m
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+class _Autocast(nn.Module):
+    """``inner`` with its forward under ``torch.autocast`` for its input's device type."""
+
+    def __init__(self, inner: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inner, self.dtype = inner, dtype
+
+    def forward(self, *args: Tensor) -> Tensor:
+        with torch.autocast(args[0].device.type, dtype=self.dtype):
+            out: Tensor = self.inner(*args)
+            return out
+
+
+def variant_options(ap: Any) -> None:
+    """``--precision`` and ``--compile [BACKEND]``: :class:`Variant`'s options."""
+    ap.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="timed steps in fp32, or bf16: float32 weights, every stage under bf16 autocast "
+        "(both libraries)",
+    )
+    ap.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="compile every stage for the timed steps (funcpipe.compile_stage; torch.compile "
+        "of each peer stage module); BACKEND: torch.compile's, default inductor",
+    )
+
+
 def program_for(schedule: str, *, ranks: int, microbatches: int) -> Program:
     spec = SCHEDULES[schedule]
     chunks = spec.chunks if spec.name in ("interleaved",) else None
@@ -523,13 +598,21 @@ class StageTimer:
     machine as the steps: a shared VM's speed drifts within minutes."""
 
     def __init__(
-        self, size: Size, n_stages: int, *, seed: int = 0, dtype: torch.dtype = torch.float32
+        self,
+        size: Size,
+        n_stages: int,
+        *,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        variant: Variant | None = None,
     ) -> None:
         from funcpipe.runtime import autodiff
         from funcpipe.tree import tree_flatten
 
         model = build(size, seed=seed, dtype=dtype)
         stages, params = funcpipe_stages(model, size, n_stages)
+        if variant is not None:
+            stages = variant.stages(stages)
         x, y = data(size, seed=seed + 1, dtype=dtype)
         mb = size.batch // size.microbatches
         inputs: list[Tensor] = [x[:mb]]
@@ -624,10 +707,12 @@ def flat_stage(
     return fn
 
 
-def measure_stage_costs(size: Size, n_stages: int, *, reps: int = 20, seed: int = 0) -> StageCosts:
+def measure_stage_costs(
+    size: Size, n_stages: int, *, reps: int = 20, seed: int = 0, variant: Variant | None = None
+) -> StageCosts:
     """Median time of F, B, I and W of every stage on one microbatch (:class:`StageTimer`,
-    ``reps`` repetitions after 2 warm-ups)."""
-    timer = StageTimer(size, n_stages, seed=seed)
+    ``reps`` repetitions after 2 warm-ups; ``variant``: the stages in its precision, compiled)."""
+    timer = StageTimer(size, n_stages, seed=seed, variant=variant)
     for _ in range(reps + 2):
         timer.once()
     return timer.result(skip=2)

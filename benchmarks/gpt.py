@@ -123,5 +123,7 @@ def tokens(batch: int, seq: int, vocab: int, *, seed: int = 1) -> tuple[Tensor, 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Cross-entropy of ``(b, s, vocab)`` logits against ``(b, s)`` next-token ids (mean over
-    tokens)."""
+    tokens), in float32 when the logits are bf16 or float16 (stages under autocast)."""
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

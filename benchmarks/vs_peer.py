@@ -1,6 +1,7 @@
 """funcpipe against torch.distributed.pipelining: same model, ranks, schedule and processes.
 
     python benchmarks/vs_peer.py [--model gpt|mlp] [--ranks 2 4] [--pairs 20] [--json FILE]
+        [--precision fp32|bf16] [--compile [BACKEND]]
 
 The model (``--model``, default ``gpt``; ``--sizes`` names sizes of ``benchmarks._common.SIZES``)
 is one ``nn.Sequential`` cut at the same places for both: ``funcpipe.partition(model,
@@ -17,10 +18,14 @@ For every (size, ranks, schedule) cell, one job on a pool of gloo processes (one
    the whole model in one process (the peer averages the per-microbatch losses and divides
    its grads by the number of microbatches, funcpipe seeds each microbatch's loss with 1/m:
    both give the gradient of the mean loss);
-2. time: float32, ``--warmup`` steps of each, then ``--pairs`` pairs run A B A B (funcpipe then
-   peer), every step started after a barrier; a step's time is its slowest rank's. Between its
-   steps the peer clears its gradients with ``zero_grad(set_to_none=True)``, torch's default;
-   ``--peer-grads zeros`` keeps and zeroes them instead.
+2. time: float32 weights, ``--warmup`` steps of each, then ``--pairs`` pairs run A B A B
+   (funcpipe then peer), every step started after a barrier; a step's time is its slowest
+   rank's. Between its steps the peer clears its gradients with ``zero_grad(set_to_none=True)``,
+   torch's default; ``--peer-grads zeros`` keeps and zeroes them instead. ``--precision bf16``
+   runs every stage of both under bf16 autocast (funcpipe: ``autocast_stage``; the peer: a
+   module whose forward is under ``torch.autocast``), ``--compile [BACKEND]`` compiles every
+   stage of both (``compile_stage``; ``torch.compile`` of each peer stage module); the last
+   timed step's gradients of the two are compared (``grads fp vs peer (timed)``).
 
 Reported: the median step time of each, the median of the paired ratios funcpipe / peer, and the
 interquartile spread of those ratios. A peer schedule that fails records its error in the table.
@@ -55,6 +60,7 @@ COLUMNS: list[C.Column] = [
     ("size", "size", ""),
     ("ranks", "ranks", "d"),
     ("schedule", "schedule", ""),
+    ("variant", "timed as", ""),
     ("peer_class", "peer class", ""),
     ("funcpipe_ms", "funcpipe ms", ".1f"),
     ("peer_ms", "peer ms", ".1f"),
@@ -66,6 +72,7 @@ COLUMNS: list[C.Column] = [
     ("grad_diff", "grads fp vs peer", ".1e"),
     ("grad_ref", "fp vs 1-proc", ".1e"),
     ("peer_ref", "peer vs 1-proc", ".1e"),
+    ("grad_diff_timed", "grads fp vs peer (timed)", ".1e"),
     ("note", "note", ""),
     ("runnable", "runnable (mean)", ".1f"),
     ("attempts", "runs", "d"),
@@ -90,6 +97,7 @@ class _Peer:
         n: int,
         *,
         set_to_none: bool = True,
+        variant: C.Variant | None = None,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 
@@ -97,7 +105,9 @@ class _Peer:
         self.model = copy.deepcopy(model)
         self.modules = C.stage_modules(self.model, size, n)
         self.mine, self.n = mine, n
-        stages = [PipelineStage(self.modules[s], s, n, torch.device("cpu")) for s in mine]
+        wrap = variant.module if variant is not None else (lambda m: m)
+        cpu = torch.device("cpu")
+        stages = [PipelineStage(wrap(self.modules[s]), s, n, cpu) for s in mine]
         cls = getattr(schedules, spec.peer or "")
         loss = C.loss_fn(size)
         m = size.microbatches
@@ -143,6 +153,7 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import funcpipe as fp
 
     size = C.Size(**cfg["size"])
+    variant = C.Variant(**cfg["variant"])
     spec = C.SCHEDULES[cfg["schedule"]]
     ranks = dist.get_world_size()
     program = C.program_for(spec.name, ranks=ranks, microbatches=size.microbatches)
@@ -150,9 +161,13 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     mine = sorted(program.stages_on(rank))
     out: dict[str, Any] = {"rank": rank, "errors": {}, "dirty": False}
 
-    def build(dtype: torch.dtype) -> tuple[Any, torch.nn.Sequential, list[Any], Any, Any]:
+    def build(
+        dtype: torch.dtype, timed: bool = False
+    ) -> tuple[Any, torch.nn.Sequential, list[Any], Any, Any]:
         model = C.build(size, dtype=dtype, seed=cfg["seed"])
         stages, params = C.funcpipe_stages(model, size, n)
+        if timed:
+            stages = variant.stages(stages)
         pipe = fp.Pipeline(stages, program, loss_fn=C.loss_fn(size), transport="dist")
         x, y = C.data(size, dtype=dtype, seed=cfg["seed"] + 1)
         return pipe, model, params, x, y
@@ -201,13 +216,18 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     if peer_ok:
         del peer
 
-    # ---- time, float32, A B A B
-    pipe, model, params, x, y = build(torch.float32)
-    peer32 = (
-        _Peer(spec, model, size, mine, n, set_to_none=cfg["peer_grads"] == "none")
-        if peer_ok
-        else None
-    )
+    # ---- time, float32 weights (in the variant's precision, compiled or not), A B A B
+    pipe, model, params, x, y = build(torch.float32, timed=True)
+    peer32: _Peer | None = None
+    if peer_ok:
+        try:
+            none = cfg["peer_grads"] == "none"
+            peer32 = _Peer(spec, model, size, mine, n, set_to_none=none, variant=variant)
+        except Exception as e:  # torch's zero-bubble schedules refuse compiled stage modules
+            out["errors"]["peer (timed)"] = _short(e)
+        if _any(peer32 is None):  # every rank times the same steps
+            peer32 = None
+    last: list[Any] = [None]
 
     def timed(f: Any) -> float:
         dist.barrier()
@@ -216,30 +236,46 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         return time.perf_counter() - t0
 
     def run_fp() -> None:
-        pipe.step(params, x, y)
+        last[0] = pipe.step(params, x, y)
 
     def run_peer() -> None:
         assert peer32 is not None
         peer32.step(x, y)
 
-    for _ in range(cfg["warmup"]):
-        timed(run_fp)
-        if peer32 is not None:
-            timed(run_peer)
     fp_t, peer_t = [], []
-    for _ in range(cfg["pairs"]):
-        fp_t.append(timed(run_fp))
-        if peer32 is not None:
-            peer_t.append(timed(run_peer))
+    try:
+        for _ in range(cfg["warmup"]):
+            timed(run_fp)
+            if peer32 is not None:
+                timed(run_peer)
+        for _ in range(cfg["pairs"]):
+            fp_t.append(timed(run_fp))
+            if peer32 is not None:
+                peer_t.append(timed(run_peer))
+    except Exception as e:  # e.g. the peer cannot run a compiled stage in this schedule
+        out["errors"]["timed"] = _short(e)
+        out["dirty"] = True
+        out["traceback"] = traceback.format_exc()
+        return out
     out["funcpipe"], out["peer"] = fp_t, peer_t
+    if peer32 is not None and last[0] is not None:  # the last timed step's gradients
+        out["grad_diff_timed"] = C.max_rel_diff(
+            _fp_grads(last[0].grads, names), peer32.grads(names)
+        )
     return out
 
 
 def ideal(program: Any, size: C.Size, args: argparse.Namespace) -> tuple[float, C.StageCosts]:
     """The compute floor (s): the schedule's simulated makespan from each stage's F, B, I and
     W measured now in this process (one thread), and those costs."""
-    costs = C.measure_stage_costs(size, program.n_stages, reps=args.ideal_reps, seed=args.seed)
+    costs = C.measure_stage_costs(
+        size, program.n_stages, reps=args.ideal_reps, seed=args.seed, variant=_variant(args)
+    )
     return C.ideal_makespan(program, costs), costs
+
+
+def _variant(args: argparse.Namespace) -> C.Variant:
+    return C.Variant(precision=args.precision, compile=args.compile)
 
 
 def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
@@ -268,6 +304,9 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                     "microbatches": size.microbatches,
                     "ranks": ranks,
                     "schedule": sched,
+                    "variant": _variant(args).label,
+                    "precision": args.precision,
+                    "compile": args.compile,
                     "peer_class": spec.peer or "-",
                     "pairs": args.pairs,
                     "warmup": args.warmup,
@@ -276,6 +315,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 cfg = {
                     "size": vars(size),
                     "schedule": sched,
+                    "variant": vars(_variant(args)),
                     "seed": args.seed,
                     "pairs": args.pairs,
                     "warmup": args.warmup,
@@ -330,6 +370,8 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                     if peer_ran
                     else None
                 )
+                timed_diffs = [r["grad_diff_timed"] for r in results if "grad_diff_timed" in r]
+                row["grad_diff_timed"] = max(timed_diffs) if timed_diffs else None
                 if "funcpipe" in results[0]:
                     fp_t = C.step_times([r["funcpipe"] for r in results])
                     row["funcpipe_ms"] = C.median(fp_t) * 1e3
@@ -399,6 +441,7 @@ def parser() -> argparse.ArgumentParser:
         help="between the peer's steps: zero_grad(set_to_none=True), torch's default (none: "
         "every step allocates new gradients), or set_to_none=False (zeros: they are reused)",
     )
+    C.variant_options(ap)
     ap.add_argument("--verbose", action="store_true")
     C.pool_options(ap)
     return ap

@@ -7,8 +7,14 @@ vocabulary-parallel embedding and cross-entropy), trained with the pure AdamW of
 split, writes a loss curve, the executed timeline of one step (picture and Chrome trace) and a
 checkpoint, and prints a summary with the measured against the simulated bubble.
 
-It starts ``pipeline x tensor x data`` local gloo processes with :func:`funcpipe.launch`, or,
-under ``torchrun``, runs as one rank of the job torchrun describes (the same script).
+It starts ``pipeline x tensor x data`` local processes with :func:`funcpipe.launch`: CPU ranks
+over gloo, or with ``--device cuda`` one GPU per rank over NCCL (``auto``, the default, takes the
+GPUs when there is one per rank); or, under ``torchrun``, runs as one rank of the job torchrun
+describes (the same script). ``--size`` picks the model and batch, ``--precision bf16`` runs every
+stage under bf16 autocast on float32 parameters (:func:`funcpipe.autocast_stage`), ``--compile``
+compiles every stage (:func:`funcpipe.compile_stage`). The summary reports tokens/s over the
+steps after the warm-up and, on GPUs of known peak (:data:`PEAK_FLOPS`), the model FLOPs
+utilisation: ``tokens/s x`` :func:`funcpipe.models.gpt.flops_per_token` ``/ (peak x GPUs)``.
 """
 
 from __future__ import annotations
@@ -21,13 +27,50 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from funcpipe.errors import InvalidArgument
 
-__all__ = ["DemoOptions", "main", "parse", "run"]
+__all__ = [
+    "SIZES",
+    "DemoOptions",
+    "Size",
+    "main",
+    "parse",
+    "peak_flops",
+    "resolve_device",
+    "run",
+    "throughput",
+]
+
+
+class Size(NamedTuple):
+    """The model and workload of a ``--size``: the GPT's shape, the batch (sequences per data
+    rank and step) in its microbatches, and the peak learning rate."""
+
+    d_model: int
+    layers: int
+    heads: int
+    context: int
+    batch: int
+    microbatches: int
+    lr: float
+
+
+# "small" is the CPU default (about a minute on two cores); "large" the CUDA default: 302M
+# parameters, 1024 tokens of context, 32 x 1024 tokens a step (at pipeline 2 x tensor 2 about
+# 1.2 GB of float32 params, grads and AdamW state per rank, activations in bf16 on top).
+SIZES: dict[str, Size] = {
+    "tiny": Size(16, 2, 2, 16, batch=4, microbatches=2, lr=3e-3),
+    "small": Size(64, 4, 4, 64, batch=8, microbatches=4, lr=3e-3),
+    "medium": Size(256, 8, 8, 256, batch=16, microbatches=8, lr=1e-3),
+    "large": Size(1024, 24, 16, 1024, batch=32, microbatches=8, lr=3e-4),
+}
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("fp32", "bf16")
+COMPILE_BACKEND = "inductor"  # torch.compile's default; tests pass --compile-backend aot_eager
 
 
 @dataclass(frozen=True)
@@ -52,6 +95,11 @@ class DemoOptions:
     stop_after: int = 0  # stop (with a checkpoint) after this many steps: 0 = run to --steps
     timeout: float = 1800.0
     corpus_bytes: int = 3_000_000
+    device: str = "auto"  # "auto": CUDA when this host has a GPU per rank, else the CPU
+    size: str = "small"  # the name of the size the model fields came from (a label)
+    precision: str = "fp32"  # "bf16": float32 params, the stages under bf16 autocast
+    compile: bool = False  # every stage through funcpipe.compile_stage
+    compile_backend: str = COMPILE_BACKEND
 
     @property
     def world(self) -> int:
@@ -59,11 +107,15 @@ class DemoOptions:
 
 
 def parse(argv: Sequence[str] | None = None) -> DemoOptions:
+    """The options of ``argv``: ``--device auto`` resolved to ``cpu`` or ``cuda`` and the
+    model's fields filled from ``--size`` (default: ``small`` on CPU, ``large`` on CUDA) where
+    they are not given, each given one overriding the size's."""
     d = DemoOptions()
     ap = argparse.ArgumentParser(
         prog="funcpipe demo",
         description="Train a byte-level GPT with pipeline x tensor x data parallelism on local "
-        "CPU processes (gloo), or as one rank under torchrun.",
+        "processes: CPU ranks over gloo, or one GPU per rank over NCCL (--device); or as one "
+        "rank under torchrun.",
     )
     ap.add_argument(
         "--pipeline", type=int, default=d.pipeline, help=f"pipeline ranks (default {d.pipeline})"
@@ -75,14 +127,53 @@ def parse(argv: Sequence[str] | None = None) -> DemoOptions:
         "--data", type=int, default=d.data, help=f"data-parallel copies (default {d.data})"
     )
     ap.add_argument("--schedule", default=d.schedule, help=f"schedule name (default {d.schedule})")
-    ap.add_argument("--microbatches", type=int, default=d.microbatches)
+    ap.add_argument(
+        "--device",
+        default=d.device,
+        choices=DEVICES,
+        help="cpu: local processes over gloo; cuda: one GPU per rank over NCCL; auto (the "
+        "default): cuda when torch sees at least pipeline x tensor x data GPUs, else cpu",
+    )
+    ap.add_argument(
+        "--size",
+        default=None,
+        choices=list(SIZES),
+        help="the model and batch: "
+        + "; ".join(
+            f"{k}: d_model {v.d_model}, {v.layers} layers, context {v.context}, batch {v.batch}"
+            for k, v in SIZES.items()
+        )
+        + " (default: small on CPU, large on CUDA; --d-model, --layers, ... override it)",
+    )
+    ap.add_argument(
+        "--precision",
+        default=None,
+        choices=PRECISIONS,
+        help="fp32, or bf16: float32 params and optimizer, every stage under bf16 autocast "
+        "(default: bf16 on CUDA, fp32 on CPU)",
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile every stage with torch.compile (funcpipe.compile_stage; the first steps "
+        "compile, and are left out of the throughput)",
+    )
+    ap.add_argument(
+        "--compile-backend",
+        default=d.compile_backend,
+        dest="compile_backend",
+        help=argparse.SUPPRESS,  # tests: aot_eager compiles in a fraction of inductor's time
+    )
+    ap.add_argument("--microbatches", type=int, default=None, help="default: the size's")
     ap.add_argument("--steps", type=int, default=d.steps)
-    ap.add_argument("--batch", type=int, default=d.batch, help="sequences per data rank per step")
-    ap.add_argument("--context", type=int, default=d.context)
-    ap.add_argument("--d-model", type=int, default=d.d_model, dest="d_model")
-    ap.add_argument("--layers", type=int, default=d.layers)
-    ap.add_argument("--heads", type=int, default=d.heads)
-    ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument(
+        "--batch", type=int, default=None, help="sequences per data rank per step (the size's)"
+    )
+    ap.add_argument("--context", type=int, default=None, help="tokens per sequence (the size's)")
+    ap.add_argument("--d-model", type=int, default=None, dest="d_model", help="the size's")
+    ap.add_argument("--layers", type=int, default=None, help="the size's")
+    ap.add_argument("--heads", type=int, default=None, help="the size's")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (the size's)")
     ap.add_argument("--eval-every", type=int, default=d.eval_every, dest="eval_every")
     ap.add_argument("--eval-batches", type=int, default=d.eval_batches, dest="eval_batches")
     ap.add_argument("--seed", type=int, default=d.seed)
@@ -99,10 +190,65 @@ def parse(argv: Sequence[str] | None = None) -> DemoOptions:
         "--timeout", type=float, default=d.timeout, help="seconds before the job is stopped"
     )
     ap.add_argument("--corpus-bytes", type=int, default=d.corpus_bytes, dest="corpus_bytes")
-    args = ap.parse_args(argv)
-    opts = DemoOptions(**vars(args))
+    args = vars(ap.parse_args(argv))
+    device = resolve_device(
+        args["device"], args["pipeline"] * args["tensor"] * args["data"], announce=True
+    )
+    size = args["size"] or ("large" if device == "cuda" else "small")
+    for name in Size._fields:
+        if args[name] is None:
+            args[name] = getattr(SIZES[size], name)
+    args["size"] = size
+    args["device"] = device
+    args["precision"] = args["precision"] or ("bf16" if device == "cuda" else "fp32")
+    opts = DemoOptions(**args)
     _validate(opts)
     return opts
+
+
+def _gpus(world: int) -> tuple[int, int]:
+    """(GPUs this host's ranks need, GPUs torch sees): under torchrun only this host's ranks."""
+    need = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if _under_torchrun() else world
+    return need, torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _under_torchrun() -> bool:
+    from funcpipe.launcher import under_torchrun
+
+    return under_torchrun()
+
+
+def resolve_device(device: str, world: int, *, announce: bool = False) -> str:
+    """``"cpu"`` or ``"cuda"`` for ``--device``; ``cuda`` needs one GPU per rank of this host
+    (NCCL refuses two ranks of one group on one GPU); ``auto`` is ``cuda`` when that holds."""
+    if device not in DEVICES:
+        raise InvalidArgument(f"--device {device!r}: use one of {', '.join(DEVICES)}")
+    need, have = _gpus(world)
+    if device == "cpu" or (device == "auto" and have == 0):
+        return "cpu"
+    if device == "auto" and have < need:
+        if announce and int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"funcpipe demo: {need} ranks but {have} GPU{'s' if have != 1 else ''} here: "
+                "running on the CPU (pass --device cuda with --pipeline x --tensor x --data "
+                f"<= {have} to train on the GPUs)",
+                file=sys.stderr,
+            )
+        return "cpu"
+    if have == 0:
+        raise InvalidArgument(
+            f"--device cuda, but torch.cuda.is_available() is False here (torch "
+            f"{torch.__version__}, CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): use --device cpu (or auto), or "
+            "install a CUDA build of torch on a machine with a GPU"
+        )
+    if have < need:
+        raise InvalidArgument(
+            f"--device cuda: pipeline x tensor x data = {need} ranks on this host, one GPU "
+            f"each, but torch sees {have} GPU{'s' if have != 1 else ''}: lower --pipeline, "
+            f"--tensor or --data to a product <= {have}, or use --device cpu"
+        )
+    return "cuda"
 
 
 def _validate(o: DemoOptions) -> None:
@@ -123,6 +269,13 @@ def _validate(o: DemoOptions) -> None:
         value = getattr(o, name)
         if not isinstance(value, int) or value < 1:
             raise InvalidArgument(f"--{name.replace('_', '-')}={value!r}: must be an int >= 1")
+    for name, allowed in (("device", DEVICES), ("size", tuple(SIZES)), ("precision", PRECISIONS)):
+        if getattr(o, name) not in allowed:
+            raise InvalidArgument(f"--{name} {getattr(o, name)!r}: use one of {', '.join(allowed)}")
+    if not isinstance(o.compile, bool):
+        raise InvalidArgument(f"compile={o.compile!r}: True or False")
+    if not (isinstance(o.lr, (int, float)) and o.lr > 0):
+        raise InvalidArgument(f"--lr {o.lr!r}: a learning rate > 0")
     if o.stop_after < 0 or o.stop_after > o.steps:
         raise InvalidArgument(f"--stop-after={o.stop_after}: must be in 0..--steps ({o.steps})")
     if o.eval_every < 0:
@@ -143,12 +296,14 @@ def _validate(o: DemoOptions) -> None:
 
 
 # ------------------------------------------------------------------------------ one rank
-def _shard(tree: Any, layouts: Any, place: Any, local: bool) -> Any:
+def _shard(tree: Any, layouts: Any, place: Any, device: torch.device | None) -> Any:
+    """This rank's shard of ``tree`` on ``device`` (``None``: a stage it does not run, meta)."""
     from funcpipe.parallel.layout import shard_tree
     from funcpipe.tree import tree_map
 
     sharded = shard_tree(tree, layouts, place)
-    return sharded if local else tree_map(lambda t: t.to("meta"), sharded)
+    where = torch.device("meta") if device is None else device
+    return tree_map(lambda t: t.to(where), sharded)
 
 
 def _clip_weights(layouts: Any, n_stages: int, o: DemoOptions) -> Any:
@@ -170,6 +325,105 @@ def _clip_weights(layouts: Any, n_stages: int, o: DemoOptions) -> Any:
     return tuple(out)
 
 
+def _rank_device(o: DemoOptions) -> torch.device:
+    """This rank's device: the CPU, or the GPU of its local rank (``cuda:<LOCAL_RANK>``, the
+    launcher's and torchrun's rule), made the current device."""
+    import torch.distributed as dist
+
+    if o.device != "cuda":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    device = torch.device("cuda", local)
+    torch.cuda.set_device(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return device
+
+
+def _transform(stages: list[Any], o: DemoOptions) -> list[Any]:
+    """The stages under ``--precision`` and ``--compile``: autocast inside, compile outside (the
+    compiled graph then holds the casts)."""
+    from funcpipe.compile import compile_stage
+    from funcpipe.precision import autocast_stage
+
+    if o.precision == "bf16":
+        stages = [autocast_stage(s, torch.bfloat16) for s in stages]
+    if o.compile:
+        backend = {} if o.compile_backend == COMPILE_BACKEND else {"backend": o.compile_backend}
+        stages = [compile_stage(s, **backend) for s in stages]
+    return stages
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_memory(device: torch.device) -> list[int] | None:
+    """Every rank's ``torch.cuda.max_memory_allocated`` (bytes) on rank 0; None on the CPU."""
+    import torch.distributed as dist
+
+    if device.type != "cuda":
+        return None
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, int(torch.cuda.max_memory_allocated(device)))
+    return [int(v) for v in out]
+
+
+def _warmup_steps(n: int, compiled: bool) -> int:
+    """Steps left out of the throughput: the first quarter (compiling, warming caches and
+    allocators), at least the first step (two when compiled), never all of them."""
+    least = 2 if compiled else 1
+    return min(max(least, n // 4), n - 1) if n > 1 else 0
+
+
+# Dense peak FLOP/s of one GPU per precision, from the vendors' spec sheets (NVIDIA H100/H200
+# and A100 datasheets; the sparse figures there are twice these). Matched by substring of
+# torch.cuda.get_device_name, first match wins; "tf32" applies to fp32 when
+# torch.get_float32_matmul_precision() is not "highest".
+PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 PCIe", {"bf16": 756e12, "tf32": 378e12, "fp32": 51e12}),
+    ("H100", {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12}),  # SXM
+    ("H200", {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12}),  # SXM
+    ("A100", {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+)
+
+
+def peak_flops(device: torch.device | str, precision: str) -> float | None:
+    """The device's dense peak FLOP/s for ``precision`` (:data:`PEAK_FLOPS`); None for the CPU
+    and GPUs not in the table (MFU is then not reported)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    key = precision
+    if precision == "fp32" and torch.get_float32_matmul_precision() != "highest":
+        key = "tf32"
+    return next((peaks[key] for sub, peaks in PEAK_FLOPS if sub in name), None)
+
+
+def throughput(
+    step_times: Sequence[float],
+    *,
+    tokens_per_step: int,
+    flops_per_token: float,
+    peak: float | None,
+    devices: int,
+) -> dict[str, Any]:
+    """Tokens/s over ``step_times`` (seconds of the timed steps) and the model FLOPs
+    utilisation: achieved model FLOP/s over ``peak`` (one device's) x ``devices``."""
+    timed = sum(step_times)
+    tps = tokens_per_step * len(step_times) / timed if step_times and timed > 0 else None
+    achieved = tps * flops_per_token if tps is not None else None
+    return {
+        "tokens_per_s": tps,
+        "flops_per_token": flops_per_token,
+        "model_flops_per_s": achieved,
+        "peak_flops_per_device": peak,
+        "mfu": achieved / (peak * devices) if achieved is not None and peak else None,
+        "timed_steps": len(step_times) if tps is not None else 0,
+    }
+
+
 def train_rank(rank: int, o: DemoOptions) -> dict[str, Any] | None:
     """Everything one rank does; returns the summary on the first rank."""
     import torch.distributed as dist
@@ -183,6 +437,7 @@ def train_rank(rank: int, o: DemoOptions) -> dict[str, Any] | None:
     from funcpipe.schedule.simulate import simulate
 
     torch.manual_seed(o.seed)
+    device = _rank_device(o)
     mesh = build_mesh({"pipeline": o.pipeline, "tensor": o.tensor})
     place = mesh.place
     axis = mesh["tensor"]
@@ -192,12 +447,17 @@ def train_rank(rank: int, o: DemoOptions) -> dict[str, Any] | None:
     )
     program = generate(o.schedule, ranks=o.pipeline, microbatches=o.microbatches)
     n = program.n_stages
+    # drawn on the CPU (the same values on every rank and device), each shard then moved
     full = gpt.split(gpt.init(cfg, seed=o.seed), cfg, n)
     layouts = gpt.layouts(cfg, n)
     mine = set(program.stages_on(prank))
-    params = tuple(_shard(full[s], layouts[s], place, s in mine) for s in range(n))
-    stages = gpt.stages(cfg, n, axis=axis)
+    params = tuple(
+        _shard(full[s], layouts[s], place, device if s in mine else None) for s in range(n)
+    )
+    del full
+    stages = _transform(gpt.stages(cfg, n, axis=axis), o)
     loss = gpt.loss_fn(axis=axis)
+    on_gpu = device if device.type == "cuda" else None  # CPU: where the params are
     pipe = Pipeline(
         stages,
         program,
@@ -206,8 +466,11 @@ def train_rank(rank: int, o: DemoOptions) -> dict[str, Any] | None:
         transport="dist",
         mesh=mesh,
         scatter_gather=o.tensor > 1,  # each tensor rank sends 1/t of every boundary tensor
+        device=on_gpu,
     )
-    evaluate = Pipeline(stages, to_eval(program), loss_fn=loss, transport="dist", mesh=mesh)
+    evaluate = Pipeline(
+        stages, to_eval(program), loss_fn=loss, transport="dist", mesh=mesh, device=on_gpu
+    )
     schedule = optim.warmup_cosine(
         o.lr, warmup=max(1, o.steps // 10), total=o.steps, final=o.lr / 10
     )
@@ -266,6 +529,7 @@ def train_rank(rank: int, o: DemoOptions) -> dict[str, Any] | None:
             data_rank=drank,
             data_size=o.data,
         )
+        _sync(device)  # on a GPU: the step's kernels, not their launches, are timed
         t0 = time.perf_counter()
         result = pipe.step(params, x, y)
         held = tuple(
@@ -275,6 +539,7 @@ def train_rank(rank: int, o: DemoOptions) -> dict[str, Any] | None:
             result.grads, 1.0, group=dist.group.WORLD, weights=held
         )
         params, state = opt.update(grads, state, params)
+        _sync(device)
         step_times.append(time.perf_counter() - t0)
         last = float(result.loss)  # type: ignore[arg-type]
         history["train"].append([step, last])
@@ -308,21 +573,37 @@ def train_rank(rank: int, o: DemoOptions) -> dict[str, Any] | None:
     costs = _measured_costs(traced)
     simulated = simulate(pipe.program, costs)
     checkpoint.save(ckpt_dir, {tag: {"params": params, "opt": state}, "step": o.steps})
+    peak_memory = _peak_memory(device)  # every rank takes part (a gather)
     if not first:
         return None
     os.makedirs(o.out, exist_ok=True)
     with open(os.path.join(o.out, "history.json"), "w") as f:
         json.dump(history, f)
     files = _pictures(o, history, traced)
-    measured = step_times[len(step_times) // 4 :] or step_times
+    skipped = _warmup_steps(len(step_times), o.compile)
+    speed = throughput(
+        step_times[skipped:],
+        tokens_per_step=tokens_per_step,
+        flops_per_token=gpt.flops_per_token(cfg),
+        peak=peak_flops(device, o.precision),
+        devices=o.world,
+    )
     summary = {
         "options": asdict(o),
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "precision": o.precision,
+        "compile": o.compile,
+        "size": o.size,
+        "params": gpt.matmul_params(cfg) + cfg.context * cfg.d_model,
+        "stages": [repr(st) for st in stages],  # shows the autocast / compile wrapping
+        "warmup_steps_excluded": skipped,
+        **speed,
+        "peak_memory_bytes_per_rank": peak_memory,
         "steps": o.steps,
         "start_step": start,
         "final_train_loss": _mean_last(history["train"], 10),
         "first_val_loss": history["val"][0][1] if history["val"] else None,
         "final_val_loss": final_val,
-        "tokens_per_s": tokens_per_step * len(measured) / sum(measured) if measured else None,
         "wall_s": time.perf_counter() - t_start,
         "bubble_measured": traced.bubble_fraction,
         "bubble_simulated": simulated.bubble_fraction,
@@ -435,8 +716,12 @@ def _pictures(o: DemoOptions, history: dict[str, list[list[float]]], traced: Any
 
 # ------------------------------------------------------------------------------ entry
 def run(o: DemoOptions) -> dict[str, Any] | None:
+    from dataclasses import replace
+
     from funcpipe.launcher import launch, under_torchrun
 
+    _validate(o)
+    o = replace(o, device=resolve_device(o.device, o.world))
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if world != o.world:
@@ -444,7 +729,8 @@ def run(o: DemoOptions) -> dict[str, Any] | None:
                 f"torchrun started {world} processes but pipeline x tensor x data = {o.world}; "
                 f"pass --nproc-per-node {o.world} (or change the sizes)"
             )
-    results = launch(train_rank, o.world, o, timeout=o.timeout)
+    backend = "nccl" if o.device == "cuda" else "gloo"
+    results = launch(train_rank, o.world, o, backend=backend, timeout=o.timeout)
     summary = next((r for r in results if r is not None), None)
     if summary is not None:
         _print_summary(summary)
@@ -463,7 +749,23 @@ def _print_summary(s: dict[str, Any]) -> None:
         f"  validation loss             {s['first_val_loss']:.3f} -> {s['final_val_loss']:.3f}"
         f"   (uniform over bytes: {math.log(256):.3f})"
     )
-    print(f"  throughput                  {s['tokens_per_s'] / 1000:.1f}k tokens/s")
+    mfu = f"MFU {100 * s['mfu']:.1f}%" if s["mfu"] is not None else "MFU n/a (no peak known)"
+    print(
+        f"  device                      {s['device']}, {s['precision']}"
+        + (", compiled" if s["compile"] else "")
+        + f", {_count(s['params'])} params ({s['size']})"
+    )
+    first, last = s["warmup_steps_excluded"] + 1, s["warmup_steps_excluded"] + s["timed_steps"]
+    if s["tokens_per_s"] is None:
+        print("  throughput                  n/a (no step ran in this run)")
+    else:
+        print(
+            f"  throughput                  {s['tokens_per_s'] / 1000:.1f}k tokens/s, {mfu} "
+            f"(steps {first}-{last} of this run)"
+        )
+    if s["peak_memory_bytes_per_rank"]:
+        gib = ", ".join(f"{b / 2**30:.2f}" for b in s["peak_memory_bytes_per_rank"])
+        print(f"  peak memory per rank        {gib} GiB (torch.cuda.max_memory_allocated)")
     print(
         f"  one step: makespan {s['makespan_measured_ms']:.1f} ms measured, "
         f"{s['makespan_simulated_ms']:.1f} ms simulated from its own F/B times"
@@ -474,6 +776,10 @@ def _print_summary(s: dict[str, Any]) -> None:
     )
     for name, path in s["files"].items():
         print(f"  {name:<28}{path}")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

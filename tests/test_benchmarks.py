@@ -82,6 +82,39 @@ def test_vs_peer_gradients_agree(pool: Pool, tmp_path: Any) -> None:
     assert (tmp_path / "peer.png").stat().st_size > 0
 
 
+@pytest.mark.timeout(180)
+def test_vs_peer_bf16_and_compiled_cells(pool: Pool) -> None:
+    """The timed steps of both libraries in bf16 autocast and compiled (aot_eager: inductor's
+    C++ build is minutes here); their last gradients agree; a peer schedule that refuses
+    compiled stage modules (torch's ZB-V) leaves funcpipe's time and says why."""
+    argv = ["--sizes", "gpt-tiny", "--ranks", "2", "--schedules", "1f1b", "zbv"]
+    argv += ["--pairs", "2", "--warmup", "1", "--ideal-reps", "1"]
+    rows = vs_peer.main([*argv, "--precision", "bf16", "--compile", "aot_eager"], pool=pool)
+    one, zbv = rows
+    for r in rows:
+        assert r["variant"] == "bf16 + compile (aot_eager)" and r["precision"] == "bf16"
+        assert r["compile"] == "aot_eager" and r["funcpipe_ms"] > 0 and r["ideal_ms"] > 0
+        assert r["grad_diff"] < 1e-10  # the float64 check runs the plain stages
+    assert one["note"] == "" and one["peer_ms"] > 0 and one["grad_diff_timed"] < 1e-2
+    assert zbv.get("peer_ms") or "peer (timed) failed" in zbv["note"], zbv["note"]
+
+
+def test_variant_wraps_both_libraries_stages() -> None:
+    size = C.SIZES["gpt-tiny"]
+    model = C.build(size)
+    stages, _ = C.funcpipe_stages(model, size, 2)
+    plain = C.Variant()
+    assert plain.plain and plain.label == "fp32" and plain.stages(stages) == stages
+    v = C.Variant("bf16", "aot_eager")
+    assert [repr(s).count("compile(autocast(") for s in v.stages(stages)] == [1, 1]
+    x, _ = C.data(size)
+    out = v.module(C.stage_modules(model, size, 1)[0])(x)
+    assert out.dtype == torch.bfloat16  # the head's Linear under autocast
+    assert gpt.lm_loss(out, x).dtype == torch.float32
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        C.Variant("fp16")
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("variant", ab.VARIANTS)
 def test_ab_variants_give_the_same_gradients(pool: Pool, variant: str) -> None:

@@ -89,3 +89,227 @@ def test_demo_rejects_bad_layouts(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--tensor", "3"]) == 2
     assert "divisible" in capsys.readouterr().err
     assert main(["demo", "--stop-after", "99", "--steps", "5"]) == 2
+
+
+# ------------------------------------------------------------------------------ options
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This host as one without GPUs (whatever it has)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+def _gpus(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """This host as one with ``n`` GPUs (nothing runs on them: only the options are resolved)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+def test_sizes_fill_the_model_and_given_options_override(no_cuda: None) -> None:
+    from funcpipe.demo import SIZES, DemoOptions, parse
+
+    o = parse([])
+    assert (o.device, o.size, o.precision, o.compile) == ("cpu", "small", "fp32", False)
+    d = DemoOptions()  # the CPU default is the model it always was
+    assert (o.d_model, o.layers, o.heads, o.context, o.batch, o.lr) == (
+        d.d_model,
+        d.layers,
+        d.heads,
+        d.context,
+        d.batch,
+        d.lr,
+    )
+    o = parse(["--size", "medium", "--d-model", "128", "--precision", "bf16", "--compile"])
+    assert o.d_model == 128 and o.layers == SIZES["medium"].layers and o.size == "medium"
+    assert o.precision == "bf16" and o.compile and o.compile_backend == "inductor"
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--device", "tpu"], ["--device", "invalid choice: 'tpu'"]),
+        (["--precision", "fp16"], ["--precision", "invalid choice: 'fp16'"]),
+        (["--size", "huge"], ["--size", "invalid choice: 'huge'"]),
+    ],
+)
+def test_demo_refuses_bad_choices(
+    argv: list[str], words: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from funcpipe.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["demo", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
+def test_cuda_without_cuda_names_the_fix(no_cuda: None, capsys: pytest.CaptureFixture[str]) -> None:
+    from funcpipe.cli import main
+    from funcpipe.demo import DemoOptions, parse, run
+    from funcpipe.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match=r"is_available\(\) is False.*use --device cpu"):
+        parse(["--device", "cuda"])
+    with pytest.raises(InvalidArgument, match="--device cpu"):  # also when built in code
+        run(DemoOptions(device="cuda"))
+    assert main(["demo", "--device", "cuda"]) == 2
+    assert "--device cpu" in capsys.readouterr().err
+
+
+def test_cuda_needs_a_gpu_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from funcpipe.demo import parse
+    from funcpipe.errors import InvalidArgument
+
+    _gpus(monkeypatch, 2)
+    with pytest.raises(InvalidArgument, match="= 4 ranks on this host.*sees 2 GPUs.*<= 2"):
+        parse(["--device", "cuda"])  # pipeline 2 x tensor 2
+    o = parse(["--device", "cuda", "--tensor", "1"])
+    assert (o.device, o.size, o.precision) == ("cuda", "large", "bf16")  # the GPU defaults
+    assert (o.d_model, o.layers, o.context) == (1024, 24, 1024)
+
+
+def test_auto_takes_the_gpus_only_when_there_is_one_per_rank(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from funcpipe.demo import parse
+
+    _gpus(monkeypatch, 4)
+    assert parse([]).device == "cuda"
+    _gpus(monkeypatch, 2)
+    o = parse([])
+    assert (o.device, o.size, o.precision) == ("cpu", "small", "fp32")
+    assert "4 ranks but 2 GPUs here: running on the CPU" in capsys.readouterr().err
+    assert parse(["--precision", "bf16", "--size", "tiny"]).precision == "bf16"
+
+
+def test_help_lists_device_size_precision_compile(capsys: pytest.CaptureFixture[str]) -> None:
+    from funcpipe.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--device {auto,cpu,cuda}", "--size {tiny,small,medium,large}"):
+        assert flag in out
+    assert "--precision {fp32,bf16}" in out and "--compile " in out
+    assert "--compile-backend" not in out  # the tests' option stays hidden
+
+
+# ------------------------------------------------------------------------------ throughput
+def test_model_flops_of_the_gpu_default() -> None:
+    """6 N + 12 L d T for d_model 1024, 24 layers, context 1024, byte vocabulary: N counts
+    each layer's 12 d^2 + 13 d (q, k, v, o, fc1, fc2 with biases, two norms), the tied
+    embedding once and the final norm; not the position embedding."""
+    from funcpipe.models import gpt
+
+    cfg = gpt.GPTConfig(vocab=256, context=1024, d_model=1024, heads=16, layers=24)
+    d, L = 1024, 24
+    n = L * (12 * d * d + 13 * d) + 256 * d + 2 * d
+    assert gpt.matmul_params(cfg) == n == 302_573_568
+    assert gpt.flops_per_token(cfg) == 6 * n + 12 * L * d * 1024 == 2_117_431_296
+    assert gpt.flops_per_token(cfg, training=False) == 2 * n + 4 * L * d * 1024
+
+
+def test_matmul_params_are_all_but_the_position_embedding() -> None:
+    from funcpipe.models import gpt
+    from funcpipe.tree import tree_leaves
+
+    cfg = gpt.GPTConfig(vocab=256, context=20, d_model=32, heads=4, layers=3, mlp=80)
+    full = gpt.init(cfg)
+    total = sum(t.numel() for t in tree_leaves(full))
+    assert gpt.matmul_params(cfg) == total - full["wpe"].numel()
+
+
+def test_throughput_and_mfu() -> None:
+    from funcpipe.demo import throughput
+
+    got = throughput([0.5, 0.5], tokens_per_step=1000, flops_per_token=1e9, peak=1e13, devices=2)
+    assert got["tokens_per_s"] == pytest.approx(2000.0)
+    assert got["model_flops_per_s"] == pytest.approx(2e12)
+    assert got["mfu"] == pytest.approx(2e12 / (1e13 * 2))
+    unknown = throughput([0.25], tokens_per_step=1000, flops_per_token=1e9, peak=None, devices=1)
+    assert unknown["tokens_per_s"] == pytest.approx(4000.0) and unknown["mfu"] is None
+    none = throughput([], tokens_per_step=1000, flops_per_token=1e9, peak=1e13, devices=1)
+    assert none["tokens_per_s"] is None and none["mfu"] is None and none["timed_steps"] == 0
+
+
+def test_peak_flops_by_device_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from funcpipe.demo import peak_flops
+
+    assert peak_flops("cpu", "bf16") is None and peak_flops("cpu", "fp32") is None
+    names = iter(
+        [
+            "NVIDIA H100 80GB HBM3",
+            "NVIDIA H100 PCIe",
+            "NVIDIA H200",
+            "NVIDIA A100-SXM4-80GB",
+            "NVIDIA GeForce RTX 4090",
+            "NVIDIA H100 80GB HBM3",
+        ]
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: next(names))
+    assert peak_flops("cuda:0", "bf16") == 989e12
+    assert peak_flops("cuda:0", "bf16") == 756e12
+    assert peak_flops("cuda:0", "fp32") == 67e12
+    assert peak_flops("cuda:0", "bf16") == 312e12
+    assert peak_flops("cuda:0", "bf16") is None  # not in the table: MFU n/a
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 matmuls
+    try:
+        assert peak_flops("cuda:0", "fp32") == 494e12
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_warmup_steps_left_out() -> None:
+    from funcpipe.demo import _warmup_steps
+
+    assert [_warmup_steps(n, False) for n in (1, 2, 4, 150)] == [0, 1, 1, 37]
+    assert [_warmup_steps(n, True) for n in (2, 3, 4, 150)] == [1, 2, 2, 37]
+
+
+# ------------------------------------------------------------------------------ bf16, compile
+def _summary(out: subprocess.CompletedProcess[str], where: Path) -> dict:
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads((where / "summary.json").read_text())
+
+
+@pytest.mark.timeout(120)
+def test_bf16_demo_trains(tmp_path: Path) -> None:
+    """Pipeline 2 x tensor 2 under bf16 autocast (bf16 all-reduces inside the stages)."""
+    import math
+
+    out = _demo(
+        "--pipeline", "2", "--tensor", "2", "--steps", "4", "--precision", "bf16",
+        "--device", "cpu", "--out", str(tmp_path),
+    )  # fmt: skip
+    s = _summary(out, tmp_path)
+    assert s["precision"] == "bf16" and s["device"] == "cpu" and not s["compile"]
+    assert all("bfloat16" in r and "autocast(" in r for r in s["stages"])
+    assert math.isfinite(s["last_loss"]) and s["final_val_loss"] < s["first_val_loss"]
+    assert s["tokens_per_s"] > 0 and s["mfu"] is None and s["peak_memory_bytes_per_rank"] is None
+    assert s["warmup_steps_excluded"] == 1 and s["timed_steps"] == 3
+    assert "MFU n/a" in out.stdout and "cpu, bf16" in out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_compiled_demo_trains(tmp_path: Path) -> None:
+    """Every stage through compile_stage (aot_eager here: inductor's C++ build takes minutes on
+    two cores; the user's --compile keeps torch.compile's default backend)."""
+    import math
+
+    out = _demo(
+        "--pipeline", "2", "--tensor", "1", "--steps", "3", "--eval-every", "0", "--compile",
+        "--compile-backend", "aot_eager", "--out", str(tmp_path),
+    )  # fmt: skip
+    s = _summary(out, tmp_path)
+    assert s["compile"] and s["precision"] == "fp32"
+    assert all("compile(" in r and "aot_eager" in r for r in s["stages"])
+    assert math.isfinite(s["last_loss"]) and s["final_val_loss"] < s["first_val_loss"]
+    assert s["warmup_steps_excluded"] == 2 and s["timed_steps"] == 1 and s["tokens_per_s"] > 0

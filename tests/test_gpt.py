@@ -73,3 +73,35 @@ def test_scatter_gather_sends_a_tensor_share_and_matches(pool) -> None:
     _check(split, "1f1b", 2, 2)
     for a, b in zip(whole, split, strict=True):
         assert a["bytes_sent"] > 0 and b["bytes_sent"] * 2 == a["bytes_sent"]
+
+
+def test_init_lands_on_the_asked_device_with_the_same_tree() -> None:
+    """``device="meta"`` stands in for a GPU: every leaf is there, with the CPU init's shapes and
+    dtypes; the CPU init is the same on every call (every rank draws the same params)."""
+    from funcpipe.errors import InvalidArgument
+    from funcpipe.tree import tree_leaves, tree_structure
+
+    cfg = gpt.GPTConfig(layers=3, d_model=32, heads=4, context=20)
+    cpu = gpt.init(cfg, seed=5, dtype=torch.bfloat16)
+    meta = gpt.init(cfg, seed=5, dtype=torch.bfloat16, device="meta")
+    assert tree_structure(meta) == tree_structure(cpu)
+    for a, b in zip(tree_leaves(meta), tree_leaves(cpu), strict=True):
+        assert a.device.type == "meta" and b.device.type == "cpu"
+        assert a.shape == b.shape and a.dtype == b.dtype == torch.bfloat16
+    assert_trees_close(gpt.init(cfg, seed=5, dtype=torch.bfloat16), cpu, rtol=0, atol=0)
+    on = gpt.init(cfg, seed=5, device=torch.device("cpu"))
+    assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tree_leaves(on))
+    with pytest.raises(InvalidArgument, match="device='nowhere'"):
+        gpt.init(cfg, device="nowhere")
+    with pytest.raises(InvalidArgument, match="dtype=torch.int64"):
+        gpt.init(cfg, dtype=torch.int64)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_init_on_cuda_is_the_cpu_init_moved() -> None:
+    from funcpipe.tree import tree_leaves
+
+    cfg = gpt.GPTConfig(layers=2, d_model=32, heads=4, context=16)
+    gpu, cpu = gpt.init(cfg, seed=1, device="cuda"), gpt.init(cfg, seed=1)
+    for a, b in zip(tree_leaves(gpu), tree_leaves(cpu), strict=True):
+        assert a.device.type == "cuda" and torch.equal(a.cpu(), b)

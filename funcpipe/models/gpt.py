@@ -34,10 +34,12 @@ from funcpipe.stage import Stage
 __all__ = [
     "GPTConfig",
     "blocks_per_stage",
+    "flops_per_token",
     "full_forward",
     "init",
     "layouts",
     "loss_fn",
+    "matmul_params",
     "single_axis",
     "split",
     "stages",
@@ -85,39 +87,98 @@ def single_axis() -> Axis:
 
 
 # ------------------------------------------------------------------------------ parameters
-def _linear(
-    g: torch.Generator, out: int, inp: int, dtype: torch.dtype, scale: float = 1.0
-) -> dict[str, Tensor]:
-    w = torch.randn(out, inp, generator=g, dtype=dtype) * (scale / math.sqrt(inp))
-    return {"weight": w, "bias": torch.zeros(out, dtype=dtype)}
+class _Draw:
+    """Leaves drawn on the CPU from one seeded generator, then moved to ``device`` (on the meta
+    device nothing is drawn: shapes and dtypes only)."""
+
+    def __init__(self, seed: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.g = torch.Generator().manual_seed(seed)
+        self.dtype, self.device = dtype, device
+
+    def _put(self, t: Tensor) -> Tensor:
+        return t if self.device.type == "cpu" else t.to(self.device)
+
+    def normal(self, *shape: int, std: float) -> Tensor:
+        if self.device.type == "meta":
+            return torch.empty(shape, dtype=self.dtype, device="meta")
+        return self._put(torch.randn(shape, generator=self.g, dtype=self.dtype) * std)
+
+    def const(self, value: float, *shape: int) -> Tensor:
+        return torch.full(shape, value, dtype=self.dtype, device=self.device)
+
+    def linear(self, out: int, inp: int, scale: float = 1.0) -> dict[str, Tensor]:
+        return {
+            "weight": self.normal(out, inp, std=scale / math.sqrt(inp)),
+            "bias": self.const(0.0, out),
+        }
+
+    def norm(self, d: int) -> dict[str, Tensor]:
+        return {"weight": self.const(1.0, d), "bias": self.const(0.0, d)}
 
 
-def _norm(d: int, dtype: torch.dtype) -> dict[str, Tensor]:
-    return {"weight": torch.ones(d, dtype=dtype), "bias": torch.zeros(d, dtype=dtype)}
+def init(
+    config: GPTConfig,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> dict[str, Any]:
+    """The full parameters, drawn from ``seed``, on ``device`` (default: the CPU).
 
-
-def init(config: GPTConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The full parameters (every rank computes the same ones from ``seed``)."""
-    g = torch.Generator().manual_seed(seed)
+    Every value is drawn on the CPU from one seeded ``torch.Generator`` and then moved, so every
+    rank and every device gets the same parameters bit for bit (a CUDA generator would draw other
+    numbers than the CPU's). ``device="meta"`` gives the shapes and dtypes without drawing.
+    """
+    if not isinstance(config, GPTConfig):
+        raise InvalidArgument(f"init(config={config!r}): pass a GPTConfig")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InvalidArgument(f"init(dtype={dtype!r}): a floating dtype such as torch.float32")
+    try:
+        where = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgument(f"init(device={device!r}): not a device ({e})") from None
+    draw = _Draw(seed, dtype, where)
     d, c = config.d_model, config
     resid = 1.0 / math.sqrt(2 * c.layers)  # keep the residual stream's scale with depth
     blocks = []
     for _ in range(c.layers):
-        attn = {n: _linear(g, d, d, dtype) for n in ("q", "k", "v")}
-        attn["o"] = _linear(g, d, d, dtype, resid)
-        attn["norm"] = _norm(d, dtype)
+        attn = {n: draw.linear(d, d) for n in ("q", "k", "v")}
+        attn["o"] = draw.linear(d, d, resid)
+        attn["norm"] = draw.norm(d)
         mlp = {
-            "fc1": _linear(g, c.mlp, d, dtype),
-            "fc2": _linear(g, d, c.mlp, dtype, resid),
-            "norm": _norm(d, dtype),
+            "fc1": draw.linear(c.mlp, d),
+            "fc2": draw.linear(d, c.mlp, resid),
+            "norm": draw.norm(d),
         }
         blocks.append({"attn": attn, "mlp": mlp})
     return {
-        "wte": torch.randn(c.vocab, d, generator=g, dtype=dtype) * 0.02,
-        "wpe": torch.randn(c.context, d, generator=g, dtype=dtype) * 0.02,
+        "wte": draw.normal(c.vocab, d, std=0.02),
+        "wpe": draw.normal(c.context, d, std=0.02),
         "blocks": blocks,
-        "norm": _norm(d, dtype),
+        "norm": draw.norm(d),
     }
+
+
+def matmul_params(config: GPTConfig) -> int:
+    """``N`` of :func:`flops_per_token`: every parameter but the position embedding (a lookup,
+    nothing multiplies it); the token embedding counts once, as the tied LM head's weight.
+    Biases and norms are included (about 0.1% of ``N`` at d_model 1024)."""
+    d, c = config.d_model, config
+    attn = 4 * (d * d + d) + 2 * d
+    mlp = (c.mlp * d + c.mlp) + (d * c.mlp + d) + 2 * d
+    return c.layers * (attn + mlp) + c.vocab * d + 2 * d
+
+
+def flops_per_token(config: GPTConfig, *, training: bool = True) -> float:
+    """Model FLOPs per token: ``6 N + 12 L d T`` for a training step (``2 N + 4 L d T`` for a
+    forward only), where ``N`` = :func:`matmul_params`, ``L`` layers, ``d`` d_model and ``T`` the
+    context. ``6 N``: a multiply-add per parameter forward, two backward; ``12 L d T``: the
+    attention scores ``q k^T`` and ``softmax @ v``, ``2 d T`` each forward per token and layer,
+    times three for the backward (counted over the full square, as in PaLM's MFU, though half of
+    a causal mask is zero). Recomputation is not counted: these are model FLOPs, not the
+    hardware's."""
+    n, attn = matmul_params(config), config.layers * config.d_model * config.context
+    return float(6 * n + 12 * attn) if training else float(2 * n + 4 * attn)
 
 
 def blocks_per_stage(config: GPTConfig, n_stages: int) -> list[range]:
@@ -226,9 +287,12 @@ def stages(config: GPTConfig, n_stages: int, *, axis: Axis) -> list[Stage]:
 
 
 def loss_fn(*, axis: Axis) -> Callable[[Tensor, Tensor], Tensor]:
-    """Mean next-token cross-entropy from vocabulary-parallel logits ``[b, s, V/t]``."""
+    """Mean next-token cross-entropy from vocabulary-parallel logits ``[b, s, V/t]``, computed
+    in float32 when the logits are in a lower precision (bf16 stages under autocast)."""
 
     def loss(logits: Tensor, targets: Tensor) -> Tensor:
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            logits = logits.float()
         return ops.vocab_parallel_cross_entropy(logits, targets, axis=axis).mean()
 
     return loss
