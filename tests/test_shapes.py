@@ -104,7 +104,7 @@ def test_module_stages_with_buffers_and_tuple_example() -> None:
     specs = infer_specs(part.stages, part.params, (torch.zeros(5, 3, dtype=torch.float64),))
     assert [repr(s.inputs) for s in specs] == ["(f64[5, 3],)", "(f64[5, 4],)"]
     assert repr(specs[-1].outputs) == "f64[5, 2]"
-    assert repr(specs[0]) == "StageSpec(inputs=(f64[5, 3],), outputs=f64[5, 4], method='meta')"
+    assert repr(specs[0]) == "StageSpec(inputs=(f64[5, 3],), outputs=f64[5, 4], method='fake')"
 
 
 def _filter_positive(params: Any, x: torch.Tensor) -> torch.Tensor:
