@@ -402,8 +402,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--demo-args", default="", help="more demo options, one string (e.g. '--size small')"
     )
     ap.add_argument("--no-demo", action="store_true", help="run the tests only")
-    ap.add_argument("--test-timeout", type=float, default=1200.0, help="seconds (default 1200)")
-    ap.add_argument("--demo-timeout", type=float, default=600.0, help="seconds (default 600)")
+    ap.add_argument("--test-timeout", type=float, default=420.0, help="seconds (default 420)")
+    ap.add_argument("--demo-timeout", type=float, default=300.0, help="seconds (default 300)")
     return ap.parse_args(argv)
 
 
