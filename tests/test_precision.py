@@ -92,8 +92,9 @@ def _graphs() -> int:
 
 def test_no_recompilation_after_the_first_step() -> None:
     """8 GPT stages (closures of one function) compiled per stage, ZB-V on 4 ranks with
-    recompute: every graph is made in the first step (one per stage and grad mode); the next
-    steps, with a smaller last batch among them, compile nothing."""
+    recompute: every graph is made in the first step; the next steps compile nothing. With a
+    batch of 8 in 4 microbatches, one graph per stage and grad mode; with a batch of 7 (the last
+    microbatch smaller) the first step also makes each stage's graphs for the new size."""
     torch._dynamo.reset()
     counters.clear()
     cfg = gpt.GPTConfig(vocab=32, context=8, d_model=16, heads=2, layers=8)
@@ -121,7 +122,13 @@ def test_no_recompilation_after_the_first_step() -> None:
     for _ in range(3):
         step(8)
     assert _graphs() == first
-    assert counters["stats"]["unique_graphs"] == first
+    step(7)  # microbatches of 2, 2, 2 and 1 sequences: a new shape, compiled in this step
+    uneven = _graphs()
+    assert uneven > first
+    for _ in range(2):
+        step(7)
+        step(8)
+    assert _graphs() == uneven
 
 
 def test_float32_gradient_sums_for_bf16_parameters() -> None:
