@@ -7,17 +7,21 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import torch
 
 import funcpipe as fp
 from funcpipe.microbatch import split
 from funcpipe.pipeline import Pipeline
-from funcpipe.schedule.generators import generate
+from funcpipe.schedule.generators import GENERATORS, generate
 from funcpipe.schedule.ir import Instr, Program
 from funcpipe.stage import Stage, as_inputs
 from funcpipe.testing import assert_trees_close
 
 D = 6  # width of the toy models
+TRAINING = [name for name in GENERATORS if name != "forward"]  # every training schedule
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]  # device-parameterised tests
 F64 = torch.float64
 
 

@@ -35,21 +35,9 @@ from funcpipe.schedule import generate
 from funcpipe.schedule.ir import Op
 from funcpipe.testing import assert_trees_close
 from funcpipe.tree import tree_leaves, tree_map
-from tests.jobs_runtime import data, mse, toy
+from tests.jobs_runtime import CUDA, DEVICES, TRAINING, data, mse, toy
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
-NAMES = [
-    "gpipe",
-    "1f1b",
-    "interleaved",
-    "looped-bfs",
-    "zb-h1",
-    "zb-h2",
-    "zbv",
-    "dualpipev",
-    "chimera",
-]
+NAMES = TRAINING
 F32 = {"rtol": 1e-4, "atol": 1e-5}
 GPT32 = {"rtol": 1e-3, "atol": 1e-5}
 BF16 = {"rtol": 1e-2, "atol": 1e-3}

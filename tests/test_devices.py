@@ -9,28 +9,15 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
 import funcpipe as fp
 from funcpipe.pipeline import Pipeline
 from funcpipe.schedule import generate
 from funcpipe.schedule.ir import COMPUTE_OPS
 from funcpipe.testing import assert_trees_close
-from tests.jobs_runtime import data, mse, one_by_one_1f1b, toy
+from tests.jobs_runtime import DEVICES, TRAINING, data, mse, one_by_one_1f1b, toy
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
-NAMES = [
-    "gpipe",
-    "1f1b",
-    "interleaved",
-    "looped-bfs",
-    "zb-h1",
-    "zb-h2",
-    "zbv",
-    "dualpipev",
-    "chimera",
-]
+NAMES = TRAINING
 
 
 @pytest.mark.parametrize("device", DEVICES)

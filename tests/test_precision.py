@@ -15,11 +15,9 @@ from torch._dynamo.utils import counters
 
 import funcpipe as fp
 from funcpipe.models import gpt
-from funcpipe.schedule.generators import GENERATORS, generate
+from funcpipe.schedule.generators import generate
 from tests import jobs_precision as J
-
-NAMES = [name for name in GENERATORS if name != "forward"]  # every training schedule
-
+from tests.jobs_runtime import TRAINING as NAMES
 
 CROSSING = {"compile": "torch.float64", "inductor": "torch.float32"}
 
