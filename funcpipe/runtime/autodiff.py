@@ -277,7 +277,10 @@ def backward_input(
     closure = _input_closure(outs, saved.inputs, kids)
     # join nodes: on the input path, with edges leaving it towards parameters
     joins: dict[Node, list[_Branch]] = {}
+    python: list[Node] = []  # Python-defined backwards on the path (compiled regions among them)
     for n in closure:
+        if isinstance(n, BackwardCFunction):
+            python.append(n)
         branches = []
         for k, (m, nr) in enumerate(n.next_functions):
             if m is not None and m not in closure:
@@ -291,9 +294,9 @@ def backward_input(
     handles = [n.register_prehook(_capture(arrived, n)) for n in joins]
     # a Python-defined backward (a compiled region's, an autograd.Function's) may compute every
     # gradient whatever is asked; torch's own nodes compute only those the backward needs
-    handles += [n.register_hook(_capture_made(made, n)) for n in joins if _python_node(n)]
+    handles += [n.register_hook(_capture_made(made, n)) for n in python if n in joins]
     try:
-        with _retain_compiled(closure):
+        with _retain_compiled(python):
             grads_in = _grad(outs, saved.inputs, gs, retain=True)
     finally:
         for h in handles:
@@ -341,10 +344,6 @@ class _Branch:
     node: Node
     nr: int  # the input of ``node`` the edge feeds
     params: set[int]
-
-
-def _python_node(node: Node) -> bool:
-    return isinstance(node, BackwardCFunction)
 
 
 def _compiled(node: Node) -> bool:
