@@ -10,8 +10,7 @@ finite steps in a row multiply it by ``growth_factor``. The rule is the one of
 
 One step::
 
-    loss_fn_s = loss_scale.scaled_loss_fn(loss_fn, lambda: ls)   # reads ls when called
-    grads = ...                                                  # backward of the scaled loss
+    loss, grads = pipe.step(params, x, y, loss_scale=ls.scale)   # grads of the scaled loss
     grads, finite = loss_scale.unscale(grads, ls)                # float32, and a bool tensor
     new_params, new_opt = opt.update(grads, opt_state, params)
     params, opt_state = loss_scale.apply_if_finite(finite, (new_params, new_opt), (params, opt_state))
@@ -24,7 +23,6 @@ still useful there, to skip a step whose gradients hold a ``NaN``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import optree
@@ -42,7 +40,6 @@ __all__ = [
     "apply_if_finite",
     "init",
     "scale_loss",
-    "scaled_loss_fn",
     "unscale",
     "update",
 ]
@@ -147,36 +144,6 @@ def scale_loss(loss: Tensor, scale: ScaleLike) -> Tensor:
     if isinstance(s, Tensor):
         s = s.to(wide.device)
     return wide * s
-
-
-def scaled_loss_fn(
-    loss_fn: Callable[..., Tensor], scale: ScaleLike | Callable[[], ScaleLike]
-) -> Callable[..., Tensor]:
-    """``loss_fn`` with its result multiplied by ``scale`` (see :func:`scale_loss`).
-
-    ``scale`` is a :class:`LossScaleState`, a tensor or a number, or a function of no arguments
-    returning one, called at every call of the loss function. The function form lets a
-    :class:`funcpipe.Pipeline`, which is built once with its ``loss_fn``, follow a scale that
-    changes every step: ``scaled_loss_fn(loss_fn, lambda: ls)`` reads the variable ``ls`` when
-    the loss is computed, so rebinding ``ls = loss_scale.update(ls, finite)`` is enough.
-
-    The returned loss (and a pipeline's ``result.loss``) is the scaled one: divide it by the
-    scale used for that step to log it.
-    """
-    if not callable(loss_fn):
-        raise InvalidArgument(
-            f"loss_fn={loss_fn!r}: the loss function to scale, loss_fn(outputs, targets)"
-        )
-    if not callable(scale):
-        _scale_of(scale, "scale")  # checked now rather than in the middle of a step
-
-    def scaled(*args: Any, **kwargs: Any) -> Tensor:
-        s = scale() if callable(scale) else scale
-        return scale_loss(loss_fn(*args, **kwargs), _scale_of(s, "scale()"))
-
-    scaled.__name__ = f"scaled_{getattr(loss_fn, '__name__', 'loss_fn')}"
-    scaled.__qualname__ = scaled.__name__
-    return scaled
 
 
 # ------------------------------------------------------------------------- the gradients

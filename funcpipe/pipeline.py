@@ -279,7 +279,9 @@ class Pipeline:
         """One training step (or one evaluation, for an eval program): ``(loss, grads)``.
 
         ``loss_scale``: multiply the loss's gradient by this (loss scaling for float16, see
-        :mod:`funcpipe.loss_scale`): the gradients come back scaled by it, the loss does not.
+        :mod:`funcpipe.loss_scale`): the gradients come back scaled by it, the loss does not. A
+        one-element tensor (``LossScaleState.scale``) is used where it is, without reading it,
+        so the step does not wait for the device.
 
         With ``trace=True`` every rank records when each instruction starts and ends and
         ``result.timeline`` is the executed :class:`funcpipe.schedule.Timeline` (over processes
@@ -314,7 +316,7 @@ class Pipeline:
         step = StepResult(loss, grads, metric, outputs)
         step.peak_activations = {self.rank: result.peak_activations}
         if trace:
-            times = _world.gather_times(program, self._world, result.times, self.device)
+            times = _world.gather_times(program, self._world, result.times)
             step.timeline = _timeline(program, times)
         return step
 
@@ -325,7 +327,7 @@ class Pipeline:
         targets: Any,
         return_outputs: bool,
         trace: bool,
-        scale: float,
+        scale: float | Tensor,
     ) -> StepResult:
         program = self.program
         n, m = program.n_ranks, program.microbatches
@@ -464,13 +466,8 @@ class Pipeline:
         if self.device is not None:
             return self.device
         held = params if local is None else [params[o] for o in local]
-        for tree in held:
-            for leaf in tree_flatten(tree)[0]:
-                if not leaf.is_meta:
-                    return leaf.device
-        if self._world is not None:
-            return _world.transport_device(None)
-        return stage_device(params)
+        backend = _world.transport_device(None) if self._world is not None else None
+        return stage_device(held, backend)
 
     def _full_stages(self) -> list[Stage]:
         return [self.stages[o] for o in (self.program.replica_of or range(self.program.n_stages))]
@@ -616,16 +613,18 @@ def _to(tree: Any, device: torch.device) -> Any:
     return tree_map(move, tree)
 
 
-def _loss_scale(value: float | Tensor | None) -> float:
+def _loss_scale(value: float | Tensor | None) -> float | Tensor:
+    """A number is checked here; a tensor (a loss scaler's state, on the device) only for its
+    shape and dtype: reading its value would wait for the device once a step."""
     if value is None:
         return 1.0
     if isinstance(value, Tensor):
-        if value.numel() != 1:
+        if value.numel() != 1 or not value.is_floating_point():
             raise InvalidArgument(
-                f"loss_scale must be a number or a one-element tensor; got a tensor of shape "
-                f"{tuple(value.shape)}"
+                f"loss_scale must be a number or a one-element floating tensor; got a "
+                f"{value.dtype} tensor of shape {tuple(value.shape)}"
             )
-        value = float(value)
+        return value.detach().reshape(())
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise InvalidArgument(
             f"loss_scale={value!r}: a positive number (the factor the loss's gradient is "

@@ -187,9 +187,7 @@ def transport_device(device: torch.device | None) -> torch.device:
     return torch.device("cpu")
 
 
-def gather_times(
-    program: Program, world: DistWorld, times: list[float], device: torch.device | None
-) -> list[list[float]]:
+def gather_times(program: Program, world: DistWorld, times: list[float]) -> list[list[float]]:
     """Every program rank's instruction times (of this rank's copy and coordinate), in this
     process's ``time.perf_counter`` seconds.
 
@@ -207,11 +205,7 @@ def gather_times(
     mine[: len(times)] = torch.tensor(times, dtype=torch.float64)
     mine[-2] = float(zlib.crc32(_host_id().encode()))  # which machine (exact in a float64)
     mine[-1] = time.time() - time.perf_counter()
-    if dist.get_backend() == "nccl":  # NCCL collectives take CUDA tensors; others the CPU's
-        on_cuda = device is not None and device.type == "cuda"
-        dev = device if on_cuda else torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cpu")
+    dev = transport_device(None)  # NCCL: this rank's current GPU; gloo: the CPU
     everyone = [torch.empty_like(mine, device=dev) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine.to(dev))
     rows = torch.stack(everyone).cpu()  # one copy back

@@ -165,9 +165,9 @@ def test_float16_gradients_underflow_without_scaling_and_train_with_it() -> None
 
 # ------------------------------------------------------------------------------ a pipeline
 def test_a_pipeline_follows_a_changing_scale() -> None:
-    """scaled_loss_fn(loss_fn, lambda: ls) reads ls at every step: a Pipeline built once gives
-    gradients scaled by the current scale, the same as Pipeline.step(loss_scale=), and they
-    unscale to the reference's."""
+    """Pipeline.step(loss_scale=ls.scale) with a scale that changes between steps: gradients
+    bitwise those of the scaled loss (scale_loss in the loss function), an unscaled loss, and
+    after unscale the reference's."""
     torch.manual_seed(0)
     stages = [
         fp.Stage(lambda p, x: torch.tanh(x @ p["a"]), name="a"),
@@ -179,24 +179,20 @@ def test_a_pipeline_follows_a_changing_scale() -> None:
     def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return ((out - target) ** 2).mean()
 
-    ls = loss_scale.init(2.0**10)
-    pipe = fp.Pipeline(
-        stages,
-        generate("1f1b", ranks=2, microbatches=4),
-        loss_fn=loss_scale.scaled_loss_fn(mse, lambda: ls),
-    )
-    plain = fp.Pipeline(stages, generate("1f1b", ranks=2, microbatches=4), loss_fn=mse)
+    program = generate("1f1b", ranks=2, microbatches=4)
+    pipe = fp.Pipeline(stages, program, loss_fn=mse)  # built once
     ref_loss, ref_grads = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
     for scale in (2.0**10, 2.0**3):
         ls = loss_scale.init(scale)
-        loss, grads = pipe.step(params, x, y)
-        # the pipeline's own loss_scale= (the gradient seed scaled, the loss not): the same grads
-        other = plain.step(params, x, y, loss_scale=ls.scale)
-        assert_trees_close(other.grads, grads, **EXACT)
-        assert_trees_close(other.loss, loss / ls.scale, **EXACT)
+        loss, grads = pipe.step(params, x, y, loss_scale=ls.scale)
+        scaled = fp.Pipeline(
+            stages, program, loss_fn=lambda out, t, s=ls: loss_scale.scale_loss(mse(out, t), s)
+        ).step(params, x, y)
+        assert_trees_close(scaled.grads, grads, **EXACT)
+        assert_trees_close(scaled.loss / ls.scale, loss, **EXACT)  # the step's loss: unscaled
         grads, finite = loss_scale.unscale(grads, ls)
         assert bool(finite)
-        assert_trees_close(loss / ls.scale, ref_loss, rtol=1e-12, atol=0.0)
+        assert_trees_close(loss, ref_loss, rtol=1e-12, atol=0.0)
         assert_trees_close(grads, ref_grads, rtol=1e-12, atol=1e-15)
 
 
@@ -241,6 +237,4 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(InvalidArgument, match="new and old must have the same structure"):
         loss_scale.apply_if_finite(True, (1, 2), (1,))
     with pytest.raises(InvalidArgument, match=r"scale=-1.0: a LossScaleState"):
-        loss_scale.scaled_loss_fn(lambda out: out.sum(), -1.0)
-    with pytest.raises(InvalidArgument, match="loss_fn=3: the loss function to scale"):
-        loss_scale.scaled_loss_fn(3, state)  # type: ignore[arg-type]
+        loss_scale.scale_loss(torch.ones(()), -1.0)

@@ -67,7 +67,8 @@ class RankInputs:
     # in another (Pipeline(grad_dtype=...): float32 leaves summing float32 gradients, cast to
     # bf16 inside each forward); None: the leaf as it is
     casts: Mapping[int, tuple[torch.dtype | None, ...]] = field(default_factory=dict)
-    loss_scale: float = 1.0  # the loss's gradient is multiplied by this (loss scaling)
+    # the loss's gradient is multiplied by this (loss scaling); a tensor stays on its device
+    loss_scale: float | Tensor = 1.0
     # reduce (loss sum, metric sum, has loss) over this transport group as soon as this rank's
     # last sink forward is done (at the start on ranks without one); None: the caller does it
     scalars_group: str | None = None
@@ -113,7 +114,9 @@ class _Rank:
         self.p = p
         self.owner = p.replica_of or tuple(range(p.n_stages))
         self.m = p.microbatches
-        self.scale = x.loss_scale / self.m
+        scale = x.loss_scale
+        self.scale = scale / self.m if isinstance(scale, float) else 1.0 / self.m
+        self.scale_by = None if isinstance(scale, float) else scale  # a tensor: on its device
         self.acts: dict[tuple[int, int, int], list[Tensor]] = {}  # (producer, consumer, mb)
         self.to_send: dict[tuple[str, int, int, int], list[Tensor]] = {}  # (kind, p, c, mb)
         self.out_grads: dict[tuple[int, int], list[Tensor | None]] = {}  # (stage, mb)
@@ -293,6 +296,8 @@ class _Rank:
             if not loss:
                 raise RuntimeError(f"backward of stage {s} microbatch {m} has no graph")
             seed = torch.full_like(loss[0], self.scale)
+            if self.scale_by is not None:  # (a 0-dim tensor keeps the seed's dtype)
+                seed = seed * self.scale_by.to(seed.device, non_blocking=True)
             extras: list[Tensor | None] = [None] * (self._sink_extras() - 1)
             return [seed, *extras, *([None] * n_out)]
         return self.out_grads.pop((s, m), [None] * len(self.spec(s, m).leaves))
