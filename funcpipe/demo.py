@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcpipe.errors import InvalidArgument
+from funcpipe.runtime.clock import timer
 from funcpipe.throughput import peak_flops, throughput, warmup_steps
 
 __all__ = [
@@ -325,15 +326,11 @@ def _clip_weights(layouts: Any, n_stages: int, o: DemoOptions) -> Any:
 
 
 def _rank_device(o: DemoOptions) -> torch.device:
-    """This rank's device: the CPU, or the GPU of its local rank (``cuda:<LOCAL_RANK>``, the
-    launcher's and torchrun's rule), made the current device."""
-    import torch.distributed as dist
-
+    """This rank's device: the CPU, or the GPU the launcher (or its torchrun path) made current
+    before the process group started (:func:`funcpipe.launcher.rank_device`)."""
     if o.device != "cuda":
         return torch.device("cpu")
-    local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-    device = torch.device("cuda", local)
-    torch.cuda.set_device(device)
+    device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.reset_peak_memory_stats(device)
     return device
 
@@ -350,11 +347,6 @@ def _transform(stages: list[Any], o: DemoOptions) -> list[Any]:
         backend = {} if o.compile_backend == COMPILE_BACKEND else {"backend": o.compile_backend}
         stages = [compile_stage(s, **backend) for s in stages]
     return stages
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _peak_memory(device: torch.device) -> list[int] | None:
@@ -382,6 +374,7 @@ def train_rank(rank: int, o: DemoOptions) -> dict[str, Any] | None:
 
     torch.manual_seed(o.seed)
     device = _rank_device(o)
+    now = timer(device)
     mesh = build_mesh({"pipeline": o.pipeline, "tensor": o.tensor})
     place = mesh.place
     axis = mesh["tensor"]
@@ -473,8 +466,7 @@ def train_rank(rank: int, o: DemoOptions) -> dict[str, Any] | None:
             data_rank=drank,
             data_size=o.data,
         )
-        _sync(device)  # on a GPU: the step's kernels, not their launches, are timed
-        t0 = time.perf_counter()
+        t0 = now()  # on a GPU after its queued work: the step's kernels are timed, not launches
         result = pipe.step(params, x, y)
         held = tuple(
             w if g is not None else None for w, g in zip(weights, result.grads, strict=True)
@@ -483,8 +475,7 @@ def train_rank(rank: int, o: DemoOptions) -> dict[str, Any] | None:
             result.grads, 1.0, group=dist.group.WORLD, weights=held
         )
         params, state = opt.update(grads, state, params)
-        _sync(device)
-        step_times.append(time.perf_counter() - t0)
+        step_times.append(now() - t0)
         last = float(result.loss)  # type: ignore[arg-type]
         history["train"].append([step, last])
         if o.eval_every and (step + 1) % o.eval_every == 0 and step + 1 < o.steps:

@@ -11,8 +11,8 @@ that says so and exits 0. With CUDA it runs
 1. ``pytest tests/test_cuda.py tests/test_devices.py`` (every schedule against the reference on
    the GPU, bf16 autocast, the GPT, a one-rank NCCL group through ``transport="dist"``,
    checkpoints, clipping, kernel timing), each test's result read from pytest's JUnit XML;
-2. the demo on CUDA for a few steps (``funcpipe demo --device cuda``, one GPU per rank), when
-   the demo has a ``--device`` option: its tokens/s, model FLOPs utilisation, each rank's peak
+2. the demo on CUDA for a few steps (``funcpipe demo --device cuda``, one GPU per rank): its
+   tokens/s, model FLOPs utilisation, each rank's peak
    ``torch.cuda.max_memory_allocated``, measured and simulated bubble (its ``summary.json``);
 
 and writes ``gpu-check.md`` (``--out``): the date, the device, torch, CUDA and NCCL versions,
@@ -31,7 +31,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import shlex
 import subprocess
 import sys
@@ -235,11 +234,6 @@ def _first_line(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------- the demo
-def demo_options(help_text: str) -> set[str]:
-    """The long options a ``--help`` text lists."""
-    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", help_text))
-
-
 def run_demo(
     work: str,
     *,
@@ -253,24 +247,6 @@ def run_demo(
     """``funcpipe demo --device <device>`` for ``steps`` steps (``pipeline x tensor`` ranks, one
     GPU each); its numbers from the ``summary.json`` it writes."""
     env = _env()
-    try:
-        helped = subprocess.run(
-            [sys.executable, "-m", "funcpipe", "demo", "--help"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    except subprocess.TimeoutExpired:
-        return Demo(note="`funcpipe demo --help` did not answer in 120 s")
-    if helped.returncode != 0:
-        return Demo(note=f"`funcpipe demo --help` failed: {_first_line(helped.stderr)}")
-    if "--device" not in demo_options(helped.stdout):
-        return Demo(
-            note="the demo has no --device option (funcpipe demo --help does not list it): "
-            "it would run on the CPU, so it was not run"
-        )
     out = os.path.join(work, "demo")
     args = ["--device", device, "--steps", str(steps), "--pipeline", str(pipeline)]
     args += ["--tensor", str(tensor), "--data", "1", "--out", out, *extra]
