@@ -92,11 +92,9 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _options(backend: str | None, share_gpus: bool | None) -> bool:
-    """Check ``launch``'s and ``Pool``'s ``backend`` and ``share_gpus``; whether ranks may share
-    GPUs (``share_gpus=None``: whether ``FUNCPIPE_SHARE_GPUS`` is ``1``, ``true`` or ``yes``)."""
-    if backend is not None and backend not in BACKENDS:
-        raise InvalidArgument(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
+def _share(share_gpus: bool | None) -> bool:
+    """Whether ranks may share GPUs: ``share_gpus``, or for ``None`` whether
+    ``FUNCPIPE_SHARE_GPUS`` is ``1``, ``true`` or ``yes``."""
     if share_gpus is not None and not isinstance(share_gpus, bool):
         raise InvalidArgument(
             f"share_gpus={share_gpus!r}: True lets NCCL ranks share GPUs when they outnumber "
@@ -424,7 +422,7 @@ class Pool:
     ) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise InvalidArgument(f"size={size!r}: the number of processes, an int >= 1")
-        share = _options(backend, share_gpus)
+        share = _share(share_gpus)
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise InvalidArgument(f"timeout={timeout!r}: seconds, > 0")
         if not isinstance(grace, (int, float)) or grace < 0:
@@ -645,7 +643,7 @@ def launch(
         raise InvalidArgument(
             f"nprocs={nprocs!r}: the number of local processes to start, an int >= 1"
         )
-    share = _options(backend, share_gpus)
+    share = _share(share_gpus)
     if under_torchrun():
         rank = _join_torchrun(backend, share=share, timeout=timeout)
         try:

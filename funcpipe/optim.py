@@ -180,7 +180,6 @@ def _align(grads: Any, params: Any, states: dict[str, Any]) -> tuple[Any, list[i
                 f"like params (None allowed for subtrees this rank does not hold){source}."
             ) from None
         out.append(subs)
-    paths = None
     for i in where:
         g = g_leaves[i]
         for name, subs in zip(("grads", "params", *states), out, strict=True):
@@ -193,14 +192,17 @@ def _align(grads: Any, params: Any, states: dict[str, Any]) -> tuple[Any, list[i
             elif not leaf.is_floating_point():
                 bad = f"has dtype {leaf.dtype}; optimizers update floating-point tensors"
             if bad is not None:
-                if paths is None:
-                    paths = [a.codify("") for a in optree.tree_accessors(grads, none_is_leaf=True)]
                 raise InvalidArgument(
-                    f"{name}{paths[i]} {bad}. grads, params and the optimizer state must have "
+                    f"{name}{_path(grads, i)} {bad}. grads, params and the optimizer state must have "
                     "the same structure and shapes (as returned by init(params)); pass the "
                     "gradients of these params."
                 )
     return spec, where, out
+
+
+def _path(grads: Any, i: int) -> str:
+    """The path of leaf ``i`` of ``grads`` (``None`` a leaf), as in ``['blocks'][0]``."""
+    return optree.tree_accessors(grads, none_is_leaf=True)[i].codify("")
 
 
 def _low(t: Any) -> bool:
@@ -259,7 +261,6 @@ def _masters(
                 "state.master does not have the structure of grads; it must be the state.master "
                 "that init(params) returned for these params"
             ) from None
-    paths = None
     for i in where:
         p, m = p_l[i], m_l[i]
         bad = None
@@ -275,22 +276,20 @@ def _masters(
         elif m is not None:
             bad = f"is a tensor, but the param is {p.dtype}: only low-precision params have one"
         if bad is not None:
-            if paths is None:
-                paths = [a.codify("") for a in optree.tree_accessors(grads, none_is_leaf=True)]
             raise InvalidArgument(
-                f"state.master{paths[i]} {bad}. With master_weights=True the state must come "
+                f"state.master{_path(grads, i)} {bad}. With master_weights=True the state must come "
                 "from init(params) of these params (same dtypes and devices)."
             )
     return m_l
 
 
-def _groups(where: list[int], work: list[Any], m_l: list[Any]) -> list[list[int]]:
-    """Positions grouped for the foreach kernels by (device, dtype) of what is updated (the
-    master or the param), masters apart so that the other params' groups are as without them."""
-    groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
+def _groups(where: list[int], work: list[Any]) -> list[list[int]]:
+    """Positions grouped by (device, dtype) of what is updated (the master or the param), for
+    the foreach kernels."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i in where:
         t = work[i]
-        groups.setdefault((t.device, t.dtype, m_l[i] is not None), []).append(i)
+        groups.setdefault((t.device, t.dtype), []).append(i)
     return list(groups.values())
 
 
@@ -421,7 +420,7 @@ def _sgd_update(
     new_m: dict[int, Tensor] = {}
     new_b: dict[int, Tensor] = {}
     with torch.no_grad():
-        for idx in _groups(where, work, m_l):
+        for idx in _groups(where, work):
             p = [work[i] for i in idx]
             g: Any = [g_l[i].to(work[i].dtype) for i in idx]
             if hyper.weight_decay:
@@ -464,13 +463,8 @@ def adamw(
         betas: ``(b1, b2)``, each in ``[0, 1)``.
         eps: > 0 (added to the denominator).
         weight_decay: >= 0 (decoupled: scaled by ``lr``, not added to the gradient).
-        master_weights: keep a float32 master copy of every low-precision (bfloat16,
-            float16) param in ``state.master`` and that param's optimizer state in float32;
-            the update runs in float32 from the master (gradients are upcast) and the returned
-            param is the new master rounded to the param's dtype. For those leaves the params'
-            own values are not read: the master is the truth. Other params (float32, float64)
-            are updated exactly as with ``False``, which keeps and computes everything, the
-            state included, in each param's dtype (as ``torch.optim`` does).
+        master_weights: float32 master copies and float32 state for low-precision params,
+            as for :func:`sgd`.
     """
     lr = _check_lr("lr", lr)
     if (
@@ -525,7 +519,7 @@ def _adamw_update(
     new_mu: dict[int, Tensor] = {}
     new_nu: dict[int, Tensor] = {}
     with torch.no_grad():
-        for idx in _groups(where, work, m_l):
+        for idx in _groups(where, work):
             p = [work[i] for i in idx]
             g = [g_l[i].to(work[i].dtype) for i in idx]
             out: Any
