@@ -7,8 +7,8 @@ Dynamo keeps compiled graphs per Python code object and stops compiling a code o
 ``torch._dynamo.config.recompile_limit`` (8) variants, falling back to eager from then on.
 Pipeline stages are usually closures of *one* function (one code object) that differ in which
 blocks they run, and each stage needs a graph per grad mode (recompute runs the forward once
-without a graph): an 8-stage model compiled as ``torch.compile(fn)`` per stage reaches the limit
-in its first step and silently runs most stages eagerly. :func:`compile_stage` wraps each
+without a graph): an 8-stage model with recompute compiled as ``torch.compile(fn)`` per stage
+reaches the limit in its first step and silently runs half its variants eagerly. :func:`compile_stage` wraps each
 stage's function in a small function with its own code object, so every stage has its own
 cache and its own limit.
 
