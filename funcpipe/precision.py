@@ -41,9 +41,10 @@ class _Autocast:
     def _device_type(self, params: Any, inputs: tuple[Any, ...]) -> str:
         if self.device_type is not None:
             return self.device_type
-        for leaf in tree_leaves((params, inputs)):
-            if isinstance(leaf, torch.Tensor):
-                return leaf.device.type
+        for tree in (inputs, params):  # the inputs first: a few leaves, not every parameter
+            for leaf in tree_leaves(tree):
+                if isinstance(leaf, torch.Tensor):
+                    return leaf.device.type
         return "cpu"
 
     def __call__(self, params: Any, *inputs: Any, **side: Any) -> Any:
