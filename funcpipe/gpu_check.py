@@ -2,8 +2,15 @@
 
 Run from the repository root::
 
-    python3 -m funcpipe.gpu_check [--out gpu-check.md] [--steps 20]
+    python3 -m funcpipe.gpu_check [--out gpu-check] [--steps 20]
     python3 funcpipe/gpu_check.py ...      # the same, with funcpipe neither installed nor importable
+
+``--out`` is a folder (on the device tool: ``--out $OUT/gpu-check``). Everything is written there
+as it happens, so a check killed at any point still leaves what ran: ``gpu-check.md`` (the report,
+rewritten after each part), ``pytest.log`` and ``demo.log`` (streamed), ``junit.xml``, and the
+demo's ``summary.json`` and ``step_timeline.png``. By default the tests get 270 s and the demo
+180 s: the whole check fits 8 minutes of one device session. A part that runs past its time is
+killed with every process it started (the demo's rank processes too).
 
 Without CUDA it prints one line, ``no CUDA device: gpu-check skipped (<why>)``, writes a report
 that says so and exits 0. With CUDA it runs
@@ -15,7 +22,7 @@ that says so and exits 0. With CUDA it runs
    tokens/s, model FLOPs utilisation, each rank's peak
    ``torch.cuda.max_memory_allocated``, measured and simulated bubble (its ``summary.json``);
 
-and writes ``gpu-check.md`` (``--out``): the date, the device, torch, CUDA and NCCL versions,
+and writes ``gpu-check.md``: the date, the device, torch, CUDA and NCCL versions,
 each check's result (pass, fail or skip with the reason) and the demo's numbers. The exit status
 is 1 when a check failed, else 0.
 
@@ -32,6 +39,8 @@ import json
 import os
 import platform
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -165,31 +174,81 @@ def _env() -> dict[str, str]:
     return env
 
 
+def run_logged(cmd: Sequence[str], log: str, timeout: float) -> tuple[int, str]:
+    """Run ``cmd`` in a process session of its own with its output streamed to ``log``; past
+    ``timeout`` seconds kill the whole session (every process it started). Returns the exit
+    status (-1: timed out) and the output."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            list(cmd),
+            cwd=ROOT,
+            env=_env(),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_session(proc)
+            code = -1
+    with open(log, errors="replace") as f:
+        text = f.read()
+    return code, text
+
+
+def _kill_session(proc: subprocess.Popen[Any]) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+            if sig == signal.SIGTERM:  # the leader is gone; its children may not be
+                os.killpg(proc.pid, signal.SIGKILL)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            return
+
+
 def _tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
 # ----------------------------------------------------------------------------- the tests
-def run_tests(work: str, timeout: float) -> tuple[list[Check], str]:
-    """Run the CUDA tests; each test's result and, when pytest failed, the end of its output."""
-    xml = os.path.join(work, "junit.xml")
-    cmd = [sys.executable, "-m", "pytest", *TESTS, "-q", "-rA", "-p", "no:cacheprovider"]
+def run_tests(out: str, timeout: float) -> tuple[list[Check], str]:
+    """Run the CUDA tests (output streamed to ``out/pytest.log``, results in ``out/junit.xml``);
+    each test's result and, when pytest failed, the end of its output."""
+    xml = os.path.join(out, "junit.xml")
+    cmd = [sys.executable, "-m", "pytest", *TESTS, "-v", "-rA", "-p", "no:cacheprovider"]
     cmd += [f"--junitxml={xml}", "-o", "junit_family=xunit1"]
     if importlib.util.find_spec("pytest_timeout") is None:  # pyproject's `timeout` is unknown then
         cmd += ["-W", "ignore::pytest.PytestConfigWarning"]
-    try:
-        out = subprocess.run(
-            cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
-        )
-        text, code = out.stdout + out.stderr, out.returncode
-    except subprocess.TimeoutExpired as e:
-        text, code = _text(e.stdout) + _text(e.stderr), -1
+    code, text = run_logged(cmd, os.path.join(out, "pytest.log"), timeout)
+    if code == -1:
         text += f"\n(gpu-check: pytest stopped after {timeout:.0f} s)"
     checks = parse_junit(xml) if os.path.exists(xml) else []
     if code not in (0, 1) or not checks:  # 1: some tests failed (listed); else pytest broke
         reason = "timed out" if code == -1 else f"exit status {code}"
+        if not checks:
+            checks = parse_verbose(text)
         checks.append(Check("pytest " + " ".join(TESTS), "fail", f"pytest: {reason}"))
     return checks, ("" if code == 0 else _tail(text))
+
+
+def parse_verbose(text: str) -> list[Check]:
+    """Each result line of ``pytest -v`` output (``path::name PASSED``): what had finished when
+    pytest was killed before writing its XML."""
+    words = {"PASSED": "pass", "FAILED": "fail", "ERROR": "fail", "SKIPPED": "skip"}
+    checks = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and "::" in parts[0] and parts[1] in words:
+            checks.append(Check(parts[0], words[parts[1]], "before the kill"))
+    return checks
 
 
 def _text(data: Any) -> str:
@@ -237,6 +296,7 @@ def _first_line(text: str) -> str:
 def run_demo(
     work: str,
     *,
+    out: str | None = None,
     device: str = "cuda",
     steps: int,
     pipeline: int,
@@ -245,32 +305,27 @@ def run_demo(
     timeout: float,
 ) -> Demo:
     """``funcpipe demo --device <device>`` for ``steps`` steps (``pipeline x tensor`` ranks, one
-    GPU each); its numbers from the ``summary.json`` it writes."""
-    env = _env()
-    out = os.path.join(work, "demo")
+    GPU each); its numbers from the ``summary.json`` it writes in ``work/demo``. With ``out``, its
+    output is streamed to ``out/demo.log`` and its summary and timeline picture copied there."""
+    folder = os.path.join(work, "demo")
     args = ["--device", device, "--steps", str(steps), "--pipeline", str(pipeline)]
-    args += ["--tensor", str(tensor), "--data", "1", "--out", out, *extra]
+    args += ["--tensor", str(tensor), "--data", "1", "--out", folder, *extra]
     demo = Demo(ran=True, command="funcpipe demo " + shlex.join(args))
     start = time.perf_counter()
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "funcpipe", "demo", *args],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        text, code = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as e:
-        text, code = _text(e.stdout) + _text(e.stderr), -1
+    log = os.path.join(out if out is not None else work, "demo.log")
+    code, text = run_logged([sys.executable, "-m", "funcpipe", "demo", *args], log, timeout)
+    if code == -1:
         text += f"\n(gpu-check: the demo was stopped after {timeout:.0f} s)"
     demo.seconds = time.perf_counter() - start
     demo.ok = code == 0
     if not demo.ok:
         demo.note = "timed out" if code == -1 else f"exit status {code}"
         demo.tail = _tail(text)
-    summary = _read_json(os.path.join(out, "summary.json"))
+    if out is not None:
+        for name in ("summary.json", "step_timeline.png"):
+            if os.path.exists(os.path.join(folder, name)):
+                shutil.copy(os.path.join(folder, name), os.path.join(out, name))
+    summary = _read_json(os.path.join(folder, "summary.json"))
     if not isinstance(summary, dict):
         if demo.ok:
             demo.ok, demo.note, demo.tail = False, "the demo wrote no summary.json", _tail(text)
@@ -370,7 +425,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Run funcpipe's CUDA checks and the demo on CUDA; write one report. "
         "Without CUDA: say so and exit 0.",
     )
-    ap.add_argument("--out", default="gpu-check.md", help="the report (default gpu-check.md)")
+    ap.add_argument(
+        "--out",
+        default="gpu-check",
+        help="the folder written as the check goes: gpu-check.md, logs, junit.xml, the demo's "
+        "summary.json and timeline (default gpu-check; on the device tool: $OUT/gpu-check)",
+    )
     ap.add_argument("--steps", type=int, default=20, help="demo steps (default 20)")
     ap.add_argument("--pipeline", type=int, default=1, help="demo pipeline ranks (default 1)")
     ap.add_argument("--tensor", type=int, default=1, help="demo tensor size (default 1)")
@@ -378,19 +438,21 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--demo-args", default="", help="more demo options, one string (e.g. '--size small')"
     )
     ap.add_argument("--no-demo", action="store_true", help="run the tests only")
-    ap.add_argument("--test-timeout", type=float, default=420.0, help="seconds (default 420)")
-    ap.add_argument("--demo-timeout", type=float, default=300.0, help="seconds (default 300)")
+    ap.add_argument("--test-timeout", type=float, default=270.0, help="seconds (default 270)")
+    ap.add_argument("--demo-timeout", type=float, default=180.0, help="seconds (default 180)")
     return ap.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     o = parse(argv)
+    os.makedirs(o.out, exist_ok=True)
+    report = os.path.join(o.out, "gpu-check.md")
     env = environment()
     reason = no_cuda_reason()
     if reason is not None:
         print(f"{SKIP_LINE} ({reason})", flush=True)
-        _write(o.out, render(env, skipped=reason))
+        _write(report, render(env, skipped=reason))
         return 0
     print(f"gpu-check: {env.get('cuda:0', 'cuda')}; torch {env['torch']}", flush=True)
     missing = missing_packages()
@@ -401,32 +463,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"gpu-check: {note}", file=sys.stderr, flush=True)
         checks = [Check("python packages", "fail", note)]
-        _write(o.out, render(env, checks=checks, demo=Demo(note="packages missing")))
+        _write(report, render(env, checks=checks, demo=Demo(note="packages missing")))
         return 1
-    with tempfile.TemporaryDirectory(prefix="funcpipe-gpu-check-") as work:
-        print("gpu-check: running " + " ".join(TESTS), flush=True)
-        checks, tail = run_tests(work, o.test_timeout)
-        counts = {r: sum(c.result == r for c in checks) for r in ("pass", "fail", "skip")}
-        print(
-            f"gpu-check: {counts['pass']} passed, {counts['fail']} failed, "
-            f"{counts['skip']} skipped",
-            flush=True,
-        )
-        demo = Demo(note="--no-demo was given")
-        if not o.no_demo:
-            print(f"gpu-check: the demo on CUDA, {o.steps} steps", flush=True)
+    pending = [Check("pytest " + " ".join(TESTS), "skip", "running (the check was killed here)")]
+    _write(report, render(env, checks=pending, demo=Demo(note="not reached")))
+    print("gpu-check: running " + " ".join(TESTS), flush=True)
+    checks, tail = run_tests(o.out, o.test_timeout)
+    counts = {r: sum(c.result == r for c in checks) for r in ("pass", "fail", "skip")}
+    print(
+        f"gpu-check: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped",
+        flush=True,
+    )
+    demo = Demo(note="--no-demo was given")
+    if not o.no_demo:
+        running = Demo(note="running (the check was killed here)")
+        _write(report, render(env, checks=checks, test_tail=tail, demo=running))
+        print(f"gpu-check: the demo on CUDA, {o.steps} steps", flush=True)
+        with tempfile.TemporaryDirectory(prefix="funcpipe-gpu-check-") as work:
             demo = run_demo(
                 work,
+                out=o.out,
                 steps=o.steps,
                 pipeline=o.pipeline,
                 tensor=o.tensor,
                 extra=shlex.split(o.demo_args),
                 timeout=o.demo_timeout,
             )
-            print(f"gpu-check: demo: {_demo_line(demo)}", flush=True)
-    _write(o.out, render(env, checks=checks, test_tail=tail, demo=demo))
+        print(f"gpu-check: demo: {_demo_line(demo)}", flush=True)
+    _write(report, render(env, checks=checks, test_tail=tail, demo=demo))
     bad = failed(checks, demo)
-    print(f"gpu-check: {'FAIL' if bad else 'PASS'}; report: {o.out}", flush=True)
+    print(f"gpu-check: {'FAIL' if bad else 'PASS'}; report: {report}", flush=True)
     return 1 if bad else 0
 
 
@@ -442,10 +508,13 @@ def _demo_line(demo: Demo) -> str:
 
 
 def _write(path: str, text: str) -> None:
+    """Whole or not at all: a kill mid-write leaves the previous report."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    with open(path, "w") as f:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
         f.write(text)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

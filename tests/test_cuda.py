@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._dynamo
 import torch.distributed as dist
 
 import funcpipe as fp
@@ -72,6 +73,23 @@ def test_bf16_autocast_matches_the_reference(device: str, name: str) -> None:
     # bf16 really ran: the float32 step's loss is another number
     f32 = Pipeline(plain, program, loss_fn=mse).step(params, x, y)
     assert not torch.equal(got.loss, f32.loss)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_bf16_compiled_stages_match_the_reference(device: str, name: str) -> None:
+    """bf16 autocast inside torch.compile'd stages (inductor on CUDA; aot_eager on the CPU, where
+    inductor's compile time would cost the suite minutes), I/W split included (ZB-V)."""
+    torch._dynamo.reset()
+    program = generate(name, ranks=2, microbatches=4)
+    plain, params, x, y = toy_on(device, program, torch.float32)
+    eager = [fp.autocast_stage(s, torch.bfloat16) for s in plain]
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    stages = [fp.compile_stage(s, backend=backend) for s in eager]
+    got = Pipeline(stages, program, loss_fn=mse).step(params, x, y)
+    ref = fp.reference_step(eager, params, x, mse, targets=y, microbatches=4)
+    assert_trees_close((got.loss, got.grads), ref, **BF16)
+    assert all_on(device, got.loss, got.grads)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -351,7 +369,7 @@ def test_profiling_on_cuda_times_kernels_not_launches() -> None:
 # ------------------------------------------------------------------------ the gpu-check command
 def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path: Path) -> None:
     """``CUDA_VISIBLE_DEVICES=""`` hides any GPU, so this runs the same on every machine."""
-    out = tmp_path / "report" / "gpu-check.md"
+    out = tmp_path / "report"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-m", "funcpipe.gpu_check", "--out", str(out)],
@@ -364,7 +382,7 @@ def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("no CUDA device: gpu-check skipped ("), lines
-    report = out.read_text()
+    report = (out / "gpu-check.md").read_text()
     assert "no CUDA device: gpu-check skipped" in report
     assert f"torch: {torch.__version__}" in report and "date: " in report
     assert "Nothing ran on a GPU" in report
@@ -459,12 +477,78 @@ def test_gpu_check_with_a_device_runs_the_tests_and_reports_each(
     )
     monkeypatch.setattr(gpu_check, "no_cuda_reason", lambda: None)
     monkeypatch.setattr(gpu_check, "TESTS", (str(sample),))
-    out = tmp_path / "gpu-check.md"
+    out = tmp_path / "gpu-check"
     assert gpu_check.main(["--out", str(out), "--no-demo"]) == 1  # a test failed
     printed = capsys.readouterr().out
-    assert "1 passed, 1 failed, 1 skipped" in printed and f"report: {out}" in printed
-    report = out.read_text()
+    report_path = out / "gpu-check.md"
+    assert "1 passed, 1 failed, 1 skipped" in printed and f"report: {report_path}" in printed
+    assert (out / "junit.xml").exists() and "test_sample.py::test_bad FAILED" in (
+        out / "pytest.log"
+    ).read_text()
+    report = report_path.read_text()
     assert "**Result: FAIL**: 1 passed, 1 failed, 1 skipped; demo not run." in report
     assert "test_sample.py::test_bad` | fail | AssertionError: one is not two" in report
     assert "test_sample.py::test_later` | skip | later |" in report
     assert "Not run: --no-demo was given." in report
+
+
+def test_gpu_check_writes_the_report_before_the_demo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kill during the demo (the device session's limit) still leaves the tests' results."""
+    sample = tmp_path / "test_sample.py"
+    sample.write_text("def test_ok():\n    pass\n")
+    monkeypatch.setattr(gpu_check, "no_cuda_reason", lambda: None)
+    monkeypatch.setattr(gpu_check, "TESTS", (str(sample),))
+    out = tmp_path / "gpu-check"
+    seen: dict[str, str] = {}
+
+    def demo(work: str, **kwargs: Any) -> gpu_check.Demo:
+        seen["report"] = (out / "gpu-check.md").read_text()
+        return gpu_check.Demo(ran=True, ok=True, tokens_per_s=1.0)
+
+    monkeypatch.setattr(gpu_check, "run_demo", demo)
+    assert gpu_check.main(["--out", str(out)]) == 0
+    assert "1 passed, 0 failed" in seen["report"]
+    assert "running (the check was killed here)" in seen["report"]
+    assert "**Result: PASS**" in (out / "gpu-check.md").read_text()
+
+
+def test_gpu_check_kills_every_process_of_a_part_that_runs_too_long(tmp_path: Path) -> None:
+    """The demo's rank processes die with it: the whole process session is killed."""
+    pid_file = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid))\n"
+        "print('started', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    log = tmp_path / "part.log"
+    start = time.perf_counter()
+    code, text = gpu_check.run_logged([sys.executable, "-c", script], str(log), timeout=3)
+    assert code == -1 and "started" in text and time.perf_counter() - start < 30
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_gpu_check_reads_verbose_results_when_pytest_was_killed() -> None:
+    text = (
+        "tests/test_cuda.py::test_a[cuda] PASSED      [ 10%]\n"
+        "tests/test_cuda.py::test_b[cuda] FAILED      [ 20%]\n"
+        "tests/test_cuda.py::test_c[cpu] SKIPPED (why) [ 30%]\n"
+        "some other line\n"
+    )
+    got = [(c.name.split("::")[1], c.result) for c in gpu_check.parse_verbose(text)]
+    assert got == [("test_a[cuda]", "pass"), ("test_b[cuda]", "fail"), ("test_c[cpu]", "skip")]
