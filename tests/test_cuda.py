@@ -370,7 +370,8 @@ def test_profiling_on_cuda_times_kernels_not_launches() -> None:
 def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path: Path) -> None:
     """``CUDA_VISIBLE_DEVICES=""`` hides any GPU, so this runs the same on every machine."""
     out = tmp_path / "report"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
     done = subprocess.run(
         [sys.executable, "-m", "funcpipe.gpu_check", "--out", str(out)],
         cwd=tmp_path,
