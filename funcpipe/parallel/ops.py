@@ -237,13 +237,15 @@ def vocab_parallel_cross_entropy_layout(*, axis: str = "tensor") -> OpLayout:
 
 # ------------------------------------------------------------------------------ attention, MLP
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False) -> Tensor:
-    """Single-device softmax attention over ``[..., s, e]`` (the local core of the parallel ops)."""
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        s_q, s_k = scores.shape[-2:]
-        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1 + s_k - s_q)
-        scores = scores.masked_fill(mask, float("-inf"))
-    return scores.softmax(-1) @ v
+    """Single-device softmax attention over ``[..., s, e]`` (the local core of the parallel ops):
+    ``F.scaled_dot_product_attention``, so CUDA runs a fused (flash / memory-efficient) kernel.
+    Causal masking aligns the last query with the last key (query ``i`` of ``s_q`` sees keys
+    ``<= i + s_k - s_q``), as for a chunk of queries at the end of a longer key sequence."""
+    s_q, s_k = q.shape[-2], k.shape[-2]
+    if not causal or s_q == s_k:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    allowed = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
 
 
 def _split_heads(y: Tensor, heads: int) -> Tensor:
