@@ -160,7 +160,9 @@ def estimate(
     for r in place:
         params[r] += per_chunk * block
     params[place[0]] += model.vocab * model.hidden / t
-    params[place[-1]] += model.vocab * model.hidden / t + 2 * model.hidden
+    if not model.tied or place[-1] != place[0]:  # the output layer (a tied copy on another rank)
+        params[place[-1]] += model.vocab * model.hidden / t
+    params[place[-1]] += 2 * model.hidden
     # data-parallel gradient reduction (and ZeRO-1's parameter gather), the tied embedding
     dlink = cluster.link(stride=t, size=d)
     top = max(params)

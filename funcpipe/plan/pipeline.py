@@ -8,7 +8,9 @@ together; ``B = I + W``; ``p`` ranks, ``m`` microbatches, ``v`` chunks per rank)
 - ``interleaved``: ``(m + (p - 1)/v)(F + B)``
 - ``zb-h1``: ``m(F + B) + (p - 1)(F + I - W)`` (for ``W <= min(F, I)``)
 - ``zb-h2``: ``m(F + B) + (p - 1) F``
-- ``zbv``: ``m(F + B) + (p - 1)(F + max(0, I - W)/2)/2``
+- ``zbv``: ``m(F + B) + ((p - 1)(F + max(0, I - F)) + (p - 2) max(0, F - I)) / 2``: exact
+  where ``I <= F`` or ``W >= I``, else low (by 30% of the fill for ``I = 2F``, ``W = F/2``; the
+  search prices its finalists with the simulator, which has no such gap)
 
 :func:`simulated` runs the real program instead, with one cost per stage (uneven stages: the
 embedding, the output layer): exactly for ``m <= 3p``, else at ``2p`` and ``3p`` microbatches and
@@ -38,20 +40,23 @@ def closed_form(schedule: str, p: int, m: int, v: int, f: float, i: float, w: fl
         return work + (p - 1) * max(f + i - w, f)
     if schedule == "zb-h2":
         return work + (p - 1) * f
-    if schedule == "zbv":
-        return work + (p - 1) * (f + max(0.0, i - w) / 2) / 2
+    if schedule == "zbv":  # exact for I <= F or W >= I (see the module docstring)
+        return work + ((p - 1) * (f + max(0.0, i - f)) + max(0, p - 2) * max(0.0, f - i)) / 2
     raise ValueError(schedule)
 
 
 def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
-    """Most (chunk, microbatch) activations rank ``rank`` keeps at once (closed forms matching
-    :func:`funcpipe.schedule.peak_activations` of the generated programs)."""
+    """Most (chunk, microbatch) activations rank ``rank`` keeps at once, counted until their W
+    (closed forms matching :func:`funcpipe.schedule.peak_activations` of the generated programs
+    for ``m >= p``)."""
     if schedule == "gpipe":
         return m * v
-    if schedule in ("1f1b", "zb-h1"):
+    if schedule == "1f1b":
         return min(p - rank, m)
+    if schedule == "zb-h1":  # a W runs late: every rank holds p until then
+        return min(p, m)
     if schedule == "zb-h2":
-        return min(2 * (p - 1 - rank) + 1, m)
+        return min(2 * p - 1, m)
     if schedule == "interleaved":
         return min((v - 1) * p + 2 * (p - 1 - rank) + 1, m * v)
     if schedule == "zbv":

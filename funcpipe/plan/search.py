@@ -2,7 +2,7 @@
 
 Every candidate is priced with the closed forms (:mod:`funcpipe.plan.pipeline`), those that do
 not fit are dropped, and the best few (``refine``, plus any within ``margin`` of the best, up to
-``4 * refine``) are priced again with the simulator, which sees uneven stages; the result is
+``2 * refine``) are priced again with the simulator, which sees uneven stages; the result is
 sorted by that price. 3,072 GPUs x 512 microbatches take seconds (benchmarks/plan_search.py).
 """
 
@@ -77,7 +77,7 @@ def search(
     global_batch: int,
     calibration: Calibration = DEFAULT,
     top: int = 1,
-    refine: int = 4,
+    refine: int = 3,
     margin: float = 0.02,
     simulate: bool = True,
     max_simulated_microbatches: int = 40_000,
@@ -122,7 +122,7 @@ def search(
     best = fast[0].step_time_s
     want = max(refine, top)
     chosen = [e for k, e in enumerate(fast) if k < want or e.step_time_s <= best * (1 + margin)]
-    chosen = chosen[: 4 * want]
+    chosen = chosen[: 2 * want]
     refined = []
     for e in chosen:
         lay = e.layout
