@@ -71,7 +71,9 @@ def main() -> None:
     out = {"cpu_peak_flops": peak, "matmul_overhead_s": overhead, "bandwidth": bw, "rows": []}
     print(f"one thread: {peak / 1e9:.1f} GFLOP/s float32, {overhead * 1e6:.1f} us per product, "
           f"{bw / 1e9:.1f} GB/s")  # fmt: skip
-    print(f"{'ranks':>5} {'schedule':<17} {'predicted ms':>12} {'measured ms':>11} {'pred/meas':>9}")
+    print(
+        f"{'ranks':>5} {'schedule':<17} {'predicted ms':>12} {'measured ms':>11} {'pred/meas':>9}"
+    )
     for row in measured:
         if row["schedule"] not in ("gpipe", "1f1b", "interleaved", "zbv"):
             continue

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.plan import GPU, GPUS, Calibration, Cluster, Layout, Link, Transformer, cluster
-from funcpipe.plan import comm
+from funcpipe.plan import GPU, GPUS, Calibration, Cluster, Layout, Link, Transformer, cluster, comm
 from funcpipe.plan.compute import layer_costs
 from funcpipe.plan.estimate import estimate
 from funcpipe.plan.pipeline import closed_form, in_flight, program
@@ -20,7 +19,7 @@ GPT = Transformer(layers=24, hidden=2304, heads=24, vocab=51200, seq=2048, flash
 
 
 def test_flops_per_token_is_6n_plus_attention() -> None:
-    L, h, s, V = 24, 2304, 2048, 51200  # noqa: N806
+    L, h, s, V = 24, 2304, 2048, 51200
     n = 12 * L * h * h + V * h  # matrices of the blocks and the output layer
     assert isclose(GPT.model_flops_per_token(), 6 * n + 12 * L * h * s)
     # Megatron-LM's form: 72 B s L h^2 (1 + s / 6h + V / 12 L h) model FLOPs for B sequences
@@ -160,7 +159,7 @@ def test_plan_package_imports_no_torch() -> None:
 
 def test_zbv_closed_form_is_close_outside_its_exact_regime() -> None:
     """I > F and W < I (full recompute): the fill is low, the step within 6% at m = 4p."""
-    for p in (2, 4, 8):
+    for p in (2, 4, 6):
         for f, i, w in ((1.0, 2.0, 0.5), (3.0, 1.0, 1.0), (1.0, 1.2, 1.0)):
             m = 4 * p
             tl = simulate(program("zbv", p, m, 2), Costs(f=f / 2, b=i / 2, w=w / 2))
