@@ -73,8 +73,6 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
-
-
 def zero_bubble() -> list[dict[str, object]]:
     """Illustrative only (docs/planner.md): 1F1B against ZB-H1 / ZB-H2 on an 8-GPU pipeline of a
     1.5B-class GPT (not the paper's exact configuration, which could not be confirmed)."""
