@@ -74,3 +74,9 @@ from funcpipe import parallel
 from funcpipe.parallel import ParallelConfig, build_mesh, shard_spec
 
 __all__ += ["ParallelConfig", "build_mesh", "parallel", "shard_spec"]
+
+# the cluster planner (pure Python, no torch): the package is callable, funcpipe.plan(...) is
+# funcpipe.plan.api.plan; funcpipe.plan.search, .estimate, .Transformer, .Layout ... beside it
+from funcpipe import plan  # noqa: E402
+
+__all__ += ["plan"]

@@ -63,6 +63,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from funcpipe.cli_schedule import register as add_schedule_commands  # schedule, check
 
     add_schedule_commands(subparsers)
+    from funcpipe.cli_plan import register as add_plan_command  # plan
+
+    add_plan_command(subparsers)
     return parser
 
 

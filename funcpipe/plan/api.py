@@ -1,0 +1,69 @@
+"""``funcpipe.plan(...)``: predict one layout, or search for the best."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from funcpipe.errors import InvalidArgument
+from funcpipe.plan.calibration import DEFAULT, Calibration
+from funcpipe.plan.cluster import Cluster, cluster
+from funcpipe.plan.estimate import Estimate, estimate
+from funcpipe.plan.layout import Layout
+from funcpipe.plan.model import Transformer
+from funcpipe.plan.search import search
+
+__all__ = ["plan"]
+
+
+def plan(
+    model: Transformer,
+    *,
+    gpus: int,
+    global_batch: int,
+    gpu: str | Cluster = "h100-sxm",
+    layout: Layout | None = None,
+    top: int = 1,
+    calibration: Calibration = DEFAULT,
+    overlap_grad_reduce: bool = True,
+    **space: Any,
+) -> list[Estimate]:
+    """Predict ``model``'s training step on ``gpus`` GPUs of ``gpu`` (a preset name of
+    :data:`funcpipe.plan.GPUS` or a :class:`~funcpipe.plan.Cluster`).
+
+    With ``layout`` given: a one-element list, that layout priced with the simulator (it may not
+    fit: see ``fits``). Without: the ``top`` fastest layouts that fit, best first
+    (:func:`funcpipe.plan.search`; ``space`` narrows it). ``global_batch`` is in sequences.
+    """
+    if not isinstance(model, Transformer):
+        raise InvalidArgument(f"plan(model={model!r}): pass a funcpipe.plan.Transformer")
+    for name, value in (("gpus", gpus), ("global_batch", global_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgument(f"plan({name}={value!r}): a positive integer")
+    where = cluster(gpu)
+    if layout is not None:
+        if layout.gpus != gpus:
+            raise InvalidArgument(
+                f"plan(gpus={gpus}, layout={layout.short()!r}): the layout has "
+                f"{layout.gpus} GPUs; make tensor x pipeline x data equal gpus"
+            )
+        return [
+            estimate(
+                model,
+                where,
+                layout,
+                global_batch=global_batch,
+                calibration=calibration,
+                simulate=True,
+                overlap_grad_reduce=overlap_grad_reduce,
+            )
+        ]
+    return search(
+        model,
+        where,
+        gpus=gpus,
+        global_batch=global_batch,
+        calibration=calibration,
+        top=top,
+        overlap_grad_reduce=overlap_grad_reduce,
+        **space,
+    )

@@ -1,0 +1,236 @@
+"""One layout's predicted step: time, FLOP rates and memory per GPU, with the breakdown."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from funcpipe.errors import InvalidArgument
+from funcpipe.plan import comm
+from funcpipe.plan.calibration import DEFAULT, Calibration
+from funcpipe.plan.cluster import Cluster
+from funcpipe.plan.compute import head_costs, layer_costs
+from funcpipe.plan.layout import Layout
+from funcpipe.plan.model import Transformer
+from funcpipe.plan.pipeline import closed_form, in_flight, placement, simulated
+
+__all__ = ["Estimate", "check_layout", "estimate"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A predicted training step. Times in seconds, memory in bytes (``*_gib`` in GiB)."""
+
+    layout: Layout
+    step_time_s: float
+    mfu: float
+    hardware_tflops_per_gpu: float
+    model_tflops_per_gpu: float
+    memory_bytes_per_gpu: float
+    fits: bool
+    microbatches: int
+    breakdown: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, float] = field(default_factory=dict)
+    simulated: bool = False
+
+    @property
+    def memory_gib_per_gpu(self) -> float:
+        return self.memory_bytes_per_gpu / GiB
+
+    def as_dict(self) -> dict[str, object]:
+        """The JSON the CLI prints."""
+        return {
+            "step_time_s": self.step_time_s,
+            "mfu": self.mfu,
+            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu,
+            "memory_gib_per_gpu": self.memory_gib_per_gpu,
+            "fits": self.fits,
+            "microbatches": self.microbatches,
+            "simulated": self.simulated,
+            "layout": self.layout.as_dict(),
+            "breakdown_s": dict(self.breakdown),
+            "memory_gib": {k: v / GiB for k, v in self.memory.items()},
+        }
+
+
+def check_layout(model: Transformer, layout: Layout, gpus: int, global_batch: int) -> int:
+    """Raise InvalidArgument unless ``layout`` fits the model and batch; return microbatches."""
+    t, p, d, b, v = (
+        layout.tensor,
+        layout.pipeline,
+        layout.data,
+        layout.microbatch,
+        layout.interleave,
+    )
+    if layout.gpus != gpus:
+        raise InvalidArgument(
+            f"layout {layout.short()}: tensor x pipeline x data = {layout.gpus} but gpus={gpus}; "
+            "the three must multiply to the GPU count"
+        )
+    if model.heads % t or model.kv % t:
+        raise InvalidArgument(
+            f"layout tensor={t}: heads={model.heads} and kv_heads={model.kv} must be multiples "
+            "of tensor"
+        )
+    if model.layers % (p * v):
+        raise InvalidArgument(
+            f"layout pipeline={p}, interleave={v}: layers={model.layers} must split evenly into "
+            f"pipeline x interleave = {p * v} stages"
+        )
+    if global_batch % (d * b):
+        raise InvalidArgument(
+            f"global_batch={global_batch} is not a multiple of data x microbatch = {d * b}; "
+            "pick a microbatch (and data) that divide it"
+        )
+    return global_batch // (d * b)
+
+
+def estimate(
+    model: Transformer,
+    cluster: Cluster,
+    layout: Layout,
+    *,
+    global_batch: int,
+    calibration: Calibration = DEFAULT,
+    simulate: bool = False,
+    overlap_grad_reduce: bool = True,
+    memory_limit: float | None = None,
+) -> Estimate:
+    """Predict one training step of ``model`` on ``cluster`` laid out as ``layout``.
+
+    ``simulate=True`` runs the schedule's program through :func:`funcpipe.schedule.simulate`
+    (uneven stages priced one by one) instead of the closed form. ``overlap_grad_reduce``:
+    the data-parallel gradient reduction runs bucket by bucket under the last microbatch's
+    backward (only what sticks out of it counts); ``False`` runs it after the pipeline drains
+    (Megatron-LM 2021). ``memory_limit`` bytes (default: the GPU's memory) decides ``fits``.
+    """
+    cal = calibration
+    m = check_layout(model, layout, layout.gpus, global_batch)
+    t, p, d, v = layout.tensor, layout.pipeline, layout.data, layout.interleave
+    nb = model.bytes
+    tokens = layout.microbatch * model.seq
+    lay = layer_costs(model, layout, cluster, cal)
+    head = head_costs(model, layout, cluster, cal)
+    per_chunk = model.layers // (p * v)
+    # tensor-parallel collectives per block: 2 in F, 2 in I (+2 in a full recompute)
+    tlink = cluster.link(stride=1, size=t)
+    act_bytes = tokens * model.hidden * nb
+    if layout.sequence_parallel:  # all-gather before, reduce-scatter after each block half
+        tp_f = 2 * (comm.all_gather(act_bytes, t, tlink) + comm.reduce_scatter(act_bytes, t, tlink))
+    else:  # one all-reduce after attention, one after the MLP
+        tp_f = 2 * comm.all_reduce(act_bytes, t, tlink)
+    tp_i = tp_f * (2 if layout.recompute == "full" else 1)
+    # point-to-point: one activation per F, one gradient per I; scatter/gather over tensor
+    plink = cluster.link(stride=t * d, size=p)
+    msg = comm.p2p(act_bytes / t, plink) if p > 1 else 0.0
+    stages = p * v
+    f = [per_chunk * (lay.f + tp_f) + msg for _ in range(stages)]
+    i = [per_chunk * (lay.i + tp_i) + msg for _ in range(stages)]
+    w = [per_chunk * lay.w for _ in range(stages)]
+    act = [per_chunk * lay.activation for _ in range(stages)]
+    f[-1] += head.f + comm.all_reduce(act_bytes, t, tlink)
+    i[-1] += head.i + comm.all_reduce(act_bytes, t, tlink)
+    w[-1] += head.w
+    act[-1] += head.activation
+    place = placement(layout.schedule, p, v)
+    rank_f, rank_i, rank_w = [0.0] * p, [0.0] * p, [0.0] * p
+    for s, r in enumerate(place):
+        rank_f[r] += f[s]
+        rank_i[r] += i[s]
+        rank_w[r] += w[s]
+    worst = max(range(p), key=lambda r: rank_f[r] + rank_i[r] + rank_w[r])
+    bf, bi, bw_ = rank_f[worst], rank_i[worst], rank_w[worst]
+    if simulate and p > 1:
+        pipe, peaks = simulated(layout.schedule, p, m, v, f, i, w, act)
+    else:
+        pipe = closed_form(layout.schedule, p, m, v, bf, bi, bw_)
+        peaks = tuple(
+            max(
+                in_flight(layout.schedule, p, m, v, r)
+                * max(act[s] for s in range(stages) if place[s] == r),
+                0.0,
+            )
+            for r in range(p)
+        )
+    # parameters per rank: blocks, the embedding on the first stage, the output layer on the last
+    block = model.layer_params() / t
+    params = [0.0] * p
+    for r in place:
+        params[r] += per_chunk * block
+    params[place[0]] += model.vocab * model.hidden / t
+    if not model.tied or place[-1] != place[0]:  # the output layer (a tied copy on another rank)
+        params[place[-1]] += model.vocab * model.hidden / t
+    params[place[-1]] += 2 * model.hidden
+    # data-parallel gradient reduction (and ZeRO-1's parameter gather), the tied embedding
+    dlink = cluster.link(stride=t, size=d)
+    top = max(params)
+    grads = comm.all_reduce(top * nb, d, dlink)
+    # ZeRO-1: a reduce-scatter under the backward, an all-gather of the parameters after the step
+    gather = comm.all_gather(top * nb, d, dlink) if layout.zero1 else 0.0
+    under = grads - gather
+    if overlap_grad_reduce:
+        window = bi + bw_  # the last microbatch's backward on this rank
+        buckets = max(per_chunk * v, 1)
+        dp_exposed = max(under / buckets, under - window) + gather
+    else:
+        dp_exposed = grads
+    emb = 0.0
+    if p > 1 and model.tied:
+        emb = comm.all_reduce(model.vocab * model.hidden / t * nb, 2, cluster.inter)
+    opt_params = top / (d if layout.zero1 else 1)
+    optimizer = opt_params * 30 / (cluster.gpu.bandwidth * cal.elementwise)
+    step = pipe + dp_exposed + emb + optimizer
+    # FLOPs
+    n_gpus = layout.gpus
+    all_tokens = global_batch * model.seq
+    model_flops = model.model_flops_per_token() * all_tokens
+    h, kvd = model.hidden, model.kv * model.head_dim
+    fwd_block = 2 * (2 * h * h + 2 * h * kvd + 2 * h * model.ff) + 4 * h * model.seq
+    selective = 0.0 if model.flash else 4.0 * h * model.seq  # the scores, recomputed
+    recompute = {"none": 0.0, "selective": selective, "full": float(fwd_block)}
+    hw_flops = model_flops + recompute[layout.recompute] * model.layers * all_tokens
+    peak = cluster.gpu.peak(model.dtype)
+    mfu = model_flops / (step * n_gpus * peak)
+    # memory of the fullest rank
+    opt_bytes = 12 / (d if layout.zero1 else 1)
+    mem_rank = []
+    for r in range(p):
+        weights = params[r] * nb
+        grads_b = params[r] * 4  # float32 main gradients
+        optim = params[r] * opt_bytes
+        acts = peaks[r] + lay.working
+        buffers = 4 * act_bytes / t + cal.workspace_bytes
+        total = weights + grads_b + optim + acts + buffers
+        mem_rank.append((total, weights, grads_b, optim, acts, buffers))
+    full = max(mem_rank)
+    limit = cluster.gpu.memory if memory_limit is None else memory_limit
+    return Estimate(
+        layout=layout,
+        step_time_s=step,
+        mfu=mfu,
+        hardware_tflops_per_gpu=hw_flops / step / n_gpus / 1e12,
+        model_tflops_per_gpu=model_flops / step / n_gpus / 1e12,
+        memory_bytes_per_gpu=full[0],
+        fits=full[0] <= limit,
+        microbatches=m,
+        breakdown={
+            "pipeline": pipe,
+            "compute_per_microbatch": bf + bi + bw_,
+            "tensor_comm_per_microbatch": per_chunk * v * (tp_f + tp_i),
+            "p2p_per_microbatch": 2 * v * msg,
+            "data_parallel_exposed": dp_exposed,
+            "data_parallel_total": grads,
+            "embedding_sync": emb,
+            "optimizer": optimizer,
+        },
+        memory={
+            "parameters": full[1],
+            "gradients": full[2],
+            "optimizer": full[3],
+            "activations": full[4],
+            "buffers": full[5],
+        },
+        simulated=simulate and p > 1,
+    )

@@ -1,0 +1,87 @@
+"""A parallel layout: how a training step is cut over GPUs and time."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from funcpipe.errors import InvalidArgument
+
+__all__ = ["RECOMPUTE", "SCHEDULES", "Layout"]
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "zb-h2", "zbv")
+"""Schedules the planner prices (names of :data:`funcpipe.schedule.GENERATORS`)."""
+
+_CHUNKS = {"1f1b": 1, "gpipe": 1, "zb-h1": 1, "zb-h2": 1, "zbv": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``tensor`` x ``pipeline`` x ``data`` GPUs; ``microbatch`` sequences per microbatch;
+    ``interleave`` stages (chunks) per pipeline rank; ``recompute`` one of
+    :data:`RECOMPUTE`; ``sequence_parallel`` shards norms and dropout over the tensor axis;
+    ``schedule`` one of :data:`SCHEDULES`; ``zero1`` shards optimizer state over ``data``."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+    microbatch: int = 1
+    interleave: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    zero1: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "pipeline", "data", "microbatch", "interleave"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"Layout({name}={value!r}): a positive integer")
+        if self.recompute not in RECOMPUTE:
+            raise InvalidArgument(
+                f"Layout(recompute={self.recompute!r}): one of {', '.join(RECOMPUTE)}"
+            )
+        if self.schedule not in SCHEDULES:
+            raise InvalidArgument(
+                f"Layout(schedule={self.schedule!r}): one of {', '.join(SCHEDULES)}"
+            )
+        fixed = _CHUNKS.get(self.schedule)
+        if fixed is not None and self.interleave != fixed:
+            raise InvalidArgument(
+                f"Layout(schedule={self.schedule!r}, interleave={self.interleave}): that "
+                f"schedule runs {fixed} stage(s) per rank; pass interleave={fixed} or "
+                "schedule='interleaved'"
+            )
+        if self.schedule == "interleaved" and self.interleave < 2:
+            raise InvalidArgument(
+                "Layout(schedule='interleaved', interleave=1): interleaving needs interleave >= 2"
+            )
+        if self.sequence_parallel and self.tensor == 1:
+            raise InvalidArgument(
+                "Layout(sequence_parallel=True, tensor=1): sequence parallelism shards over "
+                "the tensor axis; pass tensor > 1 or leave it off"
+            )
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def short(self) -> str:
+        """``t8 p8 d24 b1 v2 full sp interleaved``-style text."""
+        bits = [
+            f"t{self.tensor}",
+            f"p{self.pipeline}",
+            f"d{self.data}",
+            f"b{self.microbatch}",
+            f"v{self.interleave}",
+            self.recompute,
+        ]
+        if self.sequence_parallel:
+            bits.append("sp")
+        if self.zero1:
+            bits.append("zero1")
+        bits.append(self.schedule)
+        return " ".join(bits)

@@ -1,0 +1,108 @@
+"""The pipeline's time and in-flight activations: closed forms, or the simulator.
+
+Closed forms (``F``, ``I``, ``W`` the bottleneck rank's seconds per microbatch, all its chunks
+together; ``B = I + W``; ``p`` ranks, ``m`` microbatches, ``v`` chunks per rank), each equal to
+:func:`funcpipe.schedule.simulate`'s makespan on balanced stages (tests/plan pins them):
+
+- ``gpipe``, ``1f1b``: ``(m + p - 1)(F + B)``
+- ``interleaved``: ``(m + (p - 1)/v)(F + B)``
+- ``zb-h1``: ``m(F + B) + (p - 1)(F + I - W)`` (for ``W <= min(F, I)``)
+- ``zb-h2``: ``m(F + B) + (p - 1) F``
+- ``zbv``: ``m(F + B) + ((p - 1)(F + max(0, I - F)) + (p - 2) max(0, F - I)) / 2``: exact
+  where ``I <= F`` or ``W >= I``, else low (by 30% of the fill for ``I = 2F``, ``W = F/2``; the
+  search prices its finalists with the simulator, which has no such gap)
+
+:func:`simulated` runs the real program instead, with one cost per stage (uneven stages: the
+embedding, the output layer): exactly for ``m <= 3p``, else at ``2p`` and ``3p`` microbatches and
+extended linearly (a schedule's steady state adds the same time per microbatch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+from funcpipe.schedule.generators import generate
+from funcpipe.schedule.ir import Program
+from funcpipe.schedule.simulate import Costs, peak_memory, simulate
+
+__all__ = ["closed_form", "in_flight", "placement", "program", "simulated"]
+
+
+def closed_form(schedule: str, p: int, m: int, v: int, f: float, i: float, w: float) -> float:
+    """Seconds of the pipeline part of a step (see the module docstring)."""
+    work = m * (f + i + w)
+    if schedule in ("1f1b", "gpipe"):
+        return work + (p - 1) * (f + i + w)
+    if schedule == "interleaved":
+        return work + (p - 1) / v * (f + i + w)
+    if schedule == "zb-h1":
+        return work + (p - 1) * max(f + i - w, f)
+    if schedule == "zb-h2":
+        return work + (p - 1) * f
+    if schedule == "zbv":  # exact for I <= F or W >= I (see the module docstring)
+        return work + ((p - 1) * (f + max(0.0, i - f)) + max(0, p - 2) * max(0.0, f - i)) / 2
+    raise ValueError(schedule)
+
+
+def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
+    """Most (chunk, microbatch) activations rank ``rank`` keeps at once, counted until their W
+    (closed forms matching :func:`funcpipe.schedule.peak_activations` of the generated programs
+    for ``m >= p``)."""
+    if schedule == "gpipe":
+        return m * v
+    if schedule == "1f1b":
+        return min(p - rank, m)
+    if schedule == "zb-h1":  # a W runs late: every rank holds p until then
+        return min(p, m)
+    if schedule == "zb-h2":
+        return min(2 * p - 1, m)
+    if schedule == "interleaved":
+        return min((v - 1) * p + 2 * (p - 1 - rank) + 1, m * v)
+    if schedule == "zbv":
+        return min(2 * p, 2 * m)
+    raise ValueError(schedule)
+
+
+def placement(schedule: str, p: int, v: int) -> tuple[int, ...]:
+    """Rank of each of the ``p * v`` stages (loop, or V for ``zbv``)."""
+    if schedule == "zbv":
+        return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+    return tuple(s % p for s in range(p * v))
+
+
+@lru_cache(maxsize=64)
+def program(schedule: str, p: int, m: int, v: int) -> Program:
+    chunks = v if schedule == "interleaved" else None
+    return generate(schedule, ranks=p, microbatches=m, chunks=chunks)
+
+
+def simulated(
+    schedule: str,
+    p: int,
+    m: int,
+    v: int,
+    f: Sequence[float],
+    i: Sequence[float],
+    w: Sequence[float],
+    activation: Sequence[float],
+) -> tuple[float, tuple[float, ...]]:
+    """(seconds, peak activation bytes per rank) from the simulator, per-stage costs given."""
+    costs = Costs(f=list(f), b=list(i), w=list(w))
+    split = schedule.startswith("zb")
+    if not split:  # one B per backward: full = I + W
+        costs = Costs(
+            f=list(f), b=list(i), w=list(w), full=[x + y for x, y in zip(i, w, strict=True)]
+        )
+
+    def run(mb: int) -> tuple[float, tuple[float, ...]]:
+        prog = program(schedule, p, mb, v)
+        return simulate(prog, costs).makespan, peak_memory(prog, list(activation))
+
+    if m <= 3 * p:
+        return run(m)
+    t2, peaks = run(2 * p)
+    t3, _ = run(3 * p)
+    if schedule == "gpipe":  # keeps every microbatch: its peak grows with m
+        peaks = tuple(x * m / (2 * p) for x in peaks)
+    return t3 + (t3 - t2) / p * (m - 3 * p), peaks

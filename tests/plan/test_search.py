@@ -1,0 +1,115 @@
+"""The search against brute force, the API and the CLI, and the published runs pinned."""
+
+from __future__ import annotations
+
+import json
+from math import isclose
+
+import pytest
+
+import funcpipe
+from funcpipe.cli import main
+from funcpipe.errors import InvalidArgument
+from funcpipe.plan import Layout, Transformer, candidates, cluster, estimate, search
+from funcpipe.plan.published import MEGATRON_2021
+
+TINY = Transformer(layers=4, hidden=256, heads=4, vocab=1000, seq=128)
+
+
+@pytest.mark.parametrize("share", [None, 0.3])
+def test_search_finds_the_brute_force_optimum(share: float | None) -> None:
+    """Every candidate priced with the simulator; with a memory limit that only ``share`` of
+    them meet (the fastest ones among those cut, by construction: the limit sits below them)."""
+    where = cluster("h100-sxm", gpus_per_node=4)  # 8 GPUs on 2 nodes: the links differ
+    space = {"microbatches": (1, 2, 4), "interleaves": (2,)}
+    lays = list(candidates(TINY, 8, 16, gpus_per_node=4, **space))  # type: ignore[arg-type]
+    every = [estimate(TINY, where, lay, global_batch=16, simulate=True) for lay in lays]
+    limit = None
+    if share is not None:
+        limit = sorted(e.memory_bytes_per_gpu for e in every)[int(share * len(every))]
+    fitting = [e for e in every if limit is None or e.memory_bytes_per_gpu <= limit]
+    assert 0 < len(fitting) <= len(every)
+    best = min(fitting, key=lambda e: e.step_time_s)
+    fastest = min(every, key=lambda e: e.step_time_s)
+    if share is not None:
+        assert fastest.step_time_s < best.step_time_s  # the limit changes the answer
+    got = search(TINY, where, gpus=8, global_batch=16, memory_limit=limit, top=3, **space)
+    assert isclose(got[0].step_time_s, best.step_time_s)
+    assert got[0].layout == best.layout or isclose(got[0].step_time_s, best.step_time_s)
+    assert [e.step_time_s for e in got] == sorted(e.step_time_s for e in got)
+    assert all(e.fits for e in got)
+
+
+def test_candidates_are_the_valid_layouts() -> None:
+    lays = list(candidates(TINY, 8, 16, schedules=("1f1b",), recompute=("none",)))
+    assert lays and all(lay.gpus == 8 for lay in lays)
+    assert all(TINY.layers % (lay.pipeline * lay.interleave) == 0 for lay in lays)
+    assert all(16 % (lay.data * lay.microbatch) == 0 for lay in lays)
+    assert {lay.tensor for lay in lays} == {1, 2, 4}  # 8 does not divide 4 heads
+
+
+def test_plan_is_callable_from_the_package() -> None:
+    got = funcpipe.plan(TINY, gpus=4, global_batch=8, gpu="a100-40gb", top=2)
+    assert len(got) == 2 and got[0].step_time_s <= got[1].step_time_s
+    one = funcpipe.plan(TINY, gpus=4, global_batch=8, layout=Layout(pipeline=2, data=2))
+    assert one[0].layout == Layout(pipeline=2, data=2) and one[0].simulated
+    with pytest.raises(InvalidArgument, match="gpus=4"):
+        funcpipe.plan(TINY, gpus=4, global_batch=8, layout=Layout(pipeline=2))
+
+
+ARGS = ["plan", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "1000",
+        "--seq", "128", "--global-batch", "16", "--gpus", "8", "--gpu", "h100-sxm"]  # fmt: skip
+
+
+def test_cli_json_searches_without_layout_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*ARGS, "--json", "--top", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("step_time_s", "mfu", "hardware_tflops_per_gpu", "memory_gib_per_gpu", "layout"):
+        assert key in out
+    assert out["searched"] is True and len(out["next"]) == 2
+    assert out["layout"]["tensor"] * out["layout"]["pipeline"] * out["layout"]["data"] == 8
+    assert out["next"][0]["step_time_s"] >= out["step_time_s"]
+
+
+def test_cli_prices_a_given_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*ARGS, "--json", "--tensor", "2", "--pipeline", "2", "--schedule", "zbv",
+                 "--recompute", "full", "--sequence-parallel"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert out["searched"] is False
+    assert out["layout"] == {"tensor": 2, "pipeline": 2, "data": 2, "microbatch": 1,
+                             "interleave": 2, "recompute": "full", "sequence_parallel": True,
+                             "schedule": "zbv", "zero1": False}  # fmt: skip
+    assert main([*ARGS, "--tensor", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "t2 p1 d4" in table and "MFU" in table
+    assert main([*ARGS, "--tensor", "3"]) == 2
+    assert "tensor" in capsys.readouterr().err
+
+
+def _megatron(row: tuple[float, int, int, int, int, int, int, int, float]) -> tuple:  # type: ignore[type-arg]
+    size, layers, hidden, heads, t, p, gpus, batch, pub = row
+    model = Transformer(layers=layers, hidden=hidden, heads=heads, vocab=51200, seq=2048,
+                        flash=False)  # fmt: skip
+    v = 2 if size == 145.6 else 1
+    lay = Layout(tensor=t, pipeline=p, data=gpus // (t * p), interleave=v, recompute="full",
+                 schedule="interleaved" if v > 1 else "1f1b")  # fmt: skip
+    return model, lay, gpus, batch, pub
+
+
+@pytest.mark.parametrize("row", MEGATRON_2021, ids=lambda r: f"{r[0]}B")
+def test_megatron_2021_table_1_within_15_percent(row: tuple) -> None:  # type: ignore[type-arg]
+    """docs/planner.md: the closed form here (fast); the docs' table is simulated."""
+    model, lay, _, batch, pub = _megatron(row)
+    e = estimate(model, cluster("a100-80gb"), lay, global_batch=batch, overlap_grad_reduce=False)
+    assert e.fits
+    assert abs(e.hardware_tflops_per_gpu / pub - 1) <= 0.15, e.hardware_tflops_per_gpu
+
+
+@pytest.mark.parametrize("row", MEGATRON_2021[:3], ids=lambda r: f"{r[0]}B")
+def test_search_beats_the_published_layout(row: tuple) -> None:  # type: ignore[type-arg]
+    model, lay, gpus, batch, _ = _megatron(row)
+    a100 = cluster("a100-80gb")
+    published = estimate(model, a100, lay, global_batch=batch, overlap_grad_reduce=False,
+                         simulate=True)  # fmt: skip
+    best = search(model, a100, gpus=gpus, global_batch=batch, overlap_grad_reduce=False)[0]
+    assert best.step_time_s <= published.step_time_s
