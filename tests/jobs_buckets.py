@@ -70,12 +70,16 @@ def data_reduce_under_caps(rank: int, caps: Sequence[int]) -> dict[str, Any]:
     """A one-rank program on every process (two data-parallel copies): per bucket cap, the
     data-parallel all-reduces this process posted (numel, dtype, in order) and its gradients;
     and the single-device reference's gradients of the whole batch."""
+    import torch.distributed as dist
+
     from funcpipe.world import _scalars_group
 
     stage, params = mixed_stage()
     program = generate("1f1b", ranks=1, microbatches=2)
+    copies = dist.get_world_size()
     g = torch.Generator().manual_seed(4)
-    x, y = torch.randn(8, 6, generator=g, dtype=F64), torch.randn(8, 6, generator=g, dtype=F64)
+    x = torch.randn(4 * copies, 6, generator=g, dtype=F64)
+    y = torch.randn(4 * copies, 6, generator=g, dtype=F64)
     mine = slice(4 * rank, 4 * rank + 4)
     pipe = fp.Pipeline([stage], program, loss_fn=mse, transport="dist")
     out: dict[str, Any] = {"runs": []}
@@ -92,7 +96,9 @@ def data_reduce_under_caps(rank: int, caps: Sequence[int]) -> dict[str, Any]:
                 "loss": float(loss),
             }
         )
-    ref_loss, ref_grads = fp.reference_step([stage], [params], x, mse, targets=y, microbatches=4)
+    ref_loss, ref_grads = fp.reference_step(
+        [stage], [params], x, mse, targets=y, microbatches=2 * copies
+    )
     out["reference"] = (float(ref_loss), ref_grads[0])
     return out
 
