@@ -577,6 +577,10 @@ class DistTransport(_Counters):
     coordinate, and the receivers all-gather the slices. Point-to-point bytes drop by ``size``.
     ``bytes_sent`` counts what this rank handed to point-to-point sends.
 
+    ``all_reduce`` posts one all-reduce per bucket of its tensors (:mod:`funcpipe.runtime.buckets`:
+    same dtype and device, up to 25 MiB, in the order given) and copies the sums back into them
+    when it completes; a tensor alone is reduced in place.
+
     ``strict=True`` (for tests) adds NCCL's rules (:mod:`funcpipe.runtime.strict`) on top: the
     messages still travel over gloo or sockets, but a handle is done only once its group has
     completed under the rules, each rank publishing its side of every queue in ``store`` (default:
