@@ -66,10 +66,13 @@ def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y) ** 2).mean()
 
 
-def data_reduce_under_caps(rank: int, caps: Sequence[int]) -> dict[str, Any]:
-    """A one-rank program on every process (two data-parallel copies): per bucket cap, the
+def data_reduce_under_caps(rank: int, caps: Sequence[int], strict: bool = False) -> dict[str, Any]:
+    """A one-rank program on every process (data-parallel copies): per bucket cap, the
     data-parallel all-reduces this process posted (numel, dtype, in order) and its gradients;
-    and the single-device reference's gradients of the whole batch."""
+    and the single-device reference's gradients of the whole batch. ``strict``: under the strict
+    transport (NCCL's rules)."""
+    import os
+
     import torch.distributed as dist
 
     from funcpipe.world import _scalars_group
@@ -81,7 +84,12 @@ def data_reduce_under_caps(rank: int, caps: Sequence[int]) -> dict[str, Any]:
     x = torch.randn(4 * copies, 6, generator=g, dtype=F64)
     y = torch.randn(4 * copies, 6, generator=g, dtype=F64)
     mine = slice(4 * rank, 4 * rank + 4)
-    pipe = fp.Pipeline([stage], program, loss_fn=mse, transport="dist")
+    if strict:
+        os.environ["FUNCPIPE_STRICT_P2P"] = "1"
+    try:
+        pipe = fp.Pipeline([stage], program, loss_fn=mse, transport="dist")
+    finally:
+        os.environ.pop("FUNCPIPE_STRICT_P2P", None)
     out: dict[str, Any] = {"runs": []}
     for cap in caps:
         calls: list[tuple[Any, int, torch.dtype]] = []

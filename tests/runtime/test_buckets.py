@@ -60,9 +60,11 @@ CAPS = [0, 400, buckets.BUCKET_BYTES]  # per leaf; two float64 buckets; one per 
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("copies", [2, 4])
-def test_bucketed_sums_are_the_per_leaf_sums_and_the_reference(pool: Any, copies: int) -> None:
-    out = pool(copies).run(jobs_buckets.data_reduce_under_caps, CAPS)
+@pytest.mark.parametrize(("copies", "strict"), [(2, False), (4, False), (2, True)])
+def test_bucketed_sums_are_the_per_leaf_sums_and_the_reference(
+    pool: Any, copies: int, strict: bool
+) -> None:
+    out = pool(copies).run(jobs_buckets.data_reduce_under_caps, CAPS, strict)
     _, params = jobs_buckets.mixed_stage()
     names, leaves = ["a", "b", "c", "d"], [params[k] for k in ["a", "b", "c", "d"]]
     assert all(a is b for a, b in zip(tree_flatten(params)[0], leaves, strict=True))  # name order
