@@ -530,7 +530,7 @@ def run_main(
 
 def pool(size: int, *, timeout: float = 120.0) -> fp.Pool:
     """``size`` gloo processes, one thread each, able to import ``benchmarks``."""
-    return fp.Pool(size, timeout=timeout, paths=[str(ROOT)])
+    return fp.Pool(size, timeout=timeout, pg_timeout=timeout, paths=[str(ROOT)])
 
 
 PoolFactory = Callable[[int], fp.Pool]

@@ -1,6 +1,7 @@
 """funcpipe against funcpipe: does a mechanism earn its place? Paired steps of two variants.
 
     python benchmarks/ab.py --variant weights-after-sends [--ranks 2 4] [--pairs 20] [--json F]
+    python benchmarks/ab.py --variant per-leaf-reduce --ranks 1 2 --data 2
 
 Same model (default the GPT of ``benchmarks/gpt.py``), processes and schedule for both; A is the
 Pipeline as a user gets it, B the variant:
@@ -10,7 +11,12 @@ Pipeline as a user gets it, B the variant:
   gradients becomes I, those sends, W: the previous rank gets its gradient before this rank
   computes its weight gradients);
 - ``torch-p2p``: messages over ``torch.distributed`` send/recv (gloo) instead of the same-host
-  Unix-domain sockets funcpipe picks between CPU processes (``FUNCPIPE_P2P=torch``).
+  Unix-domain sockets funcpipe picks between CPU processes (``FUNCPIPE_P2P=torch``);
+- ``per-leaf-reduce``: the data-parallel gradients reduced with one all-reduce per leaf instead
+  of one per bucket (:mod:`funcpipe.runtime.buckets`); run it with ``--data 2`` or more.
+
+``--data k`` runs ``k`` data-parallel copies of a ``--ranks``-rank program (``ranks x k``
+processes; every copy steps on the same batch, which is all the timing needs).
 
 Each cell checks, in float64, that both variants give the same gradients, then times float32
 steps A B A B after ``--warmup`` steps of each (a step is its slowest rank's, started after a
@@ -33,11 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _common as C
 
-VARIANTS = ("weights-after-sends", "torch-p2p")
+VARIANTS = ("weights-after-sends", "torch-p2p", "per-leaf-reduce")
 
 COLUMNS: list[C.Column] = [
     ("size", "size", ""),
     ("ranks", "ranks", "d"),
+    ("data", "data", "d"),
     ("schedule", "schedule", ""),
     ("variant", "B", ""),
     ("a_ms", "A ms", ".1f"),
@@ -61,14 +68,19 @@ def _pipelines(cfg: dict[str, Any], dtype: torch.dtype) -> tuple[Any, Any, list[
 
     size = C.Size(**cfg["size"])
     program = C.program_for(
-        cfg["schedule"], ranks=dist.get_world_size(), microbatches=size.microbatches
+        cfg["schedule"],
+        ranks=dist.get_world_size() // cfg.get("data", 1),
+        microbatches=size.microbatches,
     )
     model = C.build(size, dtype=dtype, seed=cfg["seed"])
     stages, params = C.funcpipe_stages(model, size, program.n_stages)
     loss = C.loss_fn(size)
     a = fp.Pipeline(stages, program, loss_fn=loss, transport="dist")
+    b: Any
     if cfg["variant"] == "weights-after-sends":
         b = fp.Pipeline(stages, weights_after_sends(a.program), loss_fn=loss, transport="dist")
+    elif cfg["variant"] == "per-leaf-reduce":
+        b = _PerLeaf(fp.Pipeline(stages, program, loss_fn=loss, transport="dist"))
     else:
         os.environ["FUNCPIPE_P2P"] = "torch"
         try:
@@ -77,6 +89,22 @@ def _pipelines(cfg: dict[str, Any], dtype: torch.dtype) -> tuple[Any, Any, list[
             os.environ.pop("FUNCPIPE_P2P", None)
     x, y = C.data(size, dtype=dtype, seed=cfg["seed"] + 1)
     return a, b, params, x, y
+
+
+class _PerLeaf:
+    """A Pipeline whose steps reduce every gradient leaf alone (bucket cap 0)."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        from funcpipe.runtime import buckets
+
+        saved, buckets.BUCKET_BYTES = buckets.BUCKET_BYTES, 0
+        try:
+            return self.pipe.step(*args, **kwargs)
+        finally:
+            buckets.BUCKET_BYTES = saved
 
 
 def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -124,11 +152,12 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                     "pairs": args.pairs,
                     "warmup": args.warmup,
                     "variant": args.variant,
+                    "data": args.data,
                 }
-                pool = pools.get(ranks)
+                pool = pools.get(ranks * args.data)
                 results, info = C.measured_cell(
                     lambda pool=pool, cfg=cfg: pool.run(ab.cell, cfg, timeout=args.job_timeout),
-                    ranks=ranks,
+                    ranks=ranks * args.data,
                     quiet=args.quiet,
                     retries=args.retries,
                 )
@@ -139,6 +168,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
                 row = {
                     "size": size.name,
                     "ranks": ranks,
+                    "data": args.data,
                     "schedule": sched,
                     "variant": args.variant,
                     "a_ms": C.median(ta) * 1e3,
@@ -167,6 +197,9 @@ def parser() -> argparse.ArgumentParser:
         "--sizes", nargs="+", default=None, choices=sorted(C.SIZES), help="sizes to run instead"
     )
     ap.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
+    ap.add_argument(
+        "--data", type=C.int_at_least(1), default=1, help="data-parallel copies (processes: x)"
+    )
     ap.add_argument(
         "--schedules", nargs="+", default=list(C.PEER_SCHEDULES), choices=list(C.SCHEDULES)
     )

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcpipe.errors import InvalidArgument
+from funcpipe.errors import InvalidArgument, RankFailed
 from funcpipe.runtime.clock import timer
 from funcpipe.throughput import peak_flops, throughput, warmup_steps
 
@@ -93,7 +93,8 @@ class DemoOptions:
     out: str = "runs/demo"
     resume: bool = False
     stop_after: int = 0  # stop (with a checkpoint) after this many steps: 0 = run to --steps
-    timeout: float = 1800.0
+    timeout: float | None = None  # the job's deadline, s (None: none)
+    pg_timeout: float | None = None  # the process group's timeout, s (None: torch's default)
     corpus_bytes: int = 3_000_000
     device: str = "auto"  # "auto": CUDA when this host has a GPU per rank, else the CPU
     size: str = "small"  # the name of the size the model fields came from (a label)
@@ -187,7 +188,20 @@ def parse(argv: Sequence[str] | None = None) -> DemoOptions:
         help="stop after this many steps, saving a checkpoint (as if interrupted; --resume goes on)",
     )
     ap.add_argument(
-        "--timeout", type=float, default=d.timeout, help="seconds before the job is stopped"
+        "--timeout",
+        type=float,
+        default=d.timeout,
+        help="the job's deadline in seconds: stopped, with an error, if still running then "
+        "(default: none)",
+    )
+    ap.add_argument(
+        "--pg-timeout",
+        type=float,
+        default=d.pg_timeout,
+        dest="pg_timeout",
+        help="the process group's timeout in seconds: how long one collective or message may "
+        "wait before gloo raises or NCCL's watchdog aborts the rank (default: torch's, 600 for "
+        "NCCL, 1800 for gloo)",
     )
     ap.add_argument("--corpus-bytes", type=int, default=d.corpus_bytes, dest="corpus_bytes")
     args = vars(ap.parse_args(argv))
@@ -280,6 +294,14 @@ def _validate(o: DemoOptions) -> None:
         raise InvalidArgument(f"--stop-after={o.stop_after}: must be in 0..--steps ({o.steps})")
     if o.eval_every < 0:
         raise InvalidArgument(f"--eval-every={o.eval_every}: must be >= 0 (0: only at the end)")
+    for name in ("timeout", "pg_timeout"):
+        value = getattr(o, name)
+        if value is not None and not (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+        ):
+            raise InvalidArgument(
+                f"--{name.replace('_', '-')}={value!r}: seconds > 0 (leave it out for the default)"
+            )
     ParallelConfig.from_dict({"pipeline": o.pipeline, "tensor": o.tensor}, world_size=o.world)
     program = generate(o.schedule, ranks=o.pipeline, microbatches=o.microbatches)
     cfg = GPTConfig(vocab=256, context=o.context, d_model=o.d_model, heads=o.heads, layers=o.layers)
@@ -665,7 +687,19 @@ def run(o: DemoOptions) -> dict[str, Any] | None:
                 f"pass --nproc-per-node {o.world} (or change the sizes)"
             )
     backend = "nccl" if o.device == "cuda" else "gloo"
-    results = launch(train_rank, o.world, o, backend=backend, timeout=o.timeout)
+    try:
+        results = launch(
+            train_rank, o.world, o, backend=backend, timeout=o.timeout, pg_timeout=o.pg_timeout
+        )
+    except RankFailed as e:
+        if o.timeout is None or "job's deadline" not in str(e):
+            raise
+        raise RankFailed(
+            f"{e}\n(funcpipe demo: that deadline is --timeout {o.timeout:g}; leave it out for "
+            "none. The process group's timeout is --pg-timeout.)",
+            rank=e.rank,
+            cause=e.cause,
+        ) from e
     summary = next((r for r in results if r is not None), None)
     if summary is not None:
         _print_summary(summary)

@@ -22,6 +22,15 @@ errors asynchronously (a rank blocked in an NCCL operation on a dead peer may ne
 the launcher names the failed rank from its pipes, the processes' exits and the store, and then
 stops the ranks still blocked.
 
+Two clocks, two options. ``timeout`` is the job's deadline, kept by the launcher: a job still
+running after it is stopped, with a :class:`~funcpipe.errors.RankFailed` that names the option;
+:func:`launch` has none by default (a GPU job may train for days; a rank that fails or dies is
+named at once whatever the deadline). ``pg_timeout`` is the process group's own timeout
+(``init_process_group(timeout=)``): how long one collective or message may wait before gloo
+raises or NCCL's watchdog aborts the rank; by default torch's (:data:`PG_TIMEOUTS`: 10 minutes
+for NCCL, 30 for gloo), long enough for a peer compiling its stages. Tests and benchmarks set
+short ones explicitly, so that a hang fails fast.
+
 Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set), ``launch`` runs ``fn`` in
 this process only, with the process group torchrun describes, under the same rules: the backend
 from :func:`default_backend`, the device from ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` checked
@@ -54,10 +63,12 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "PG_TIMEOUTS",
     "Pool",
     "default_backend",
     "failure_handler",
     "launch",
+    "pg_seconds",
     "rank_device",
     "under_torchrun",
 ]
@@ -83,6 +94,25 @@ NCCL_ENV = {
     # block the CPU until the GPU finished the operation, serialising compute and communication.
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
 }
+
+
+# The process group's timeout when pg_timeout is None: torch's defaults (torch.distributed's
+# default_pg_nccl_timeout and default_pg_timeout), in seconds.
+PG_TIMEOUTS = {"nccl": 600.0, "gloo": 1800.0}
+_PG_TIMEOUT: float | None = None  # this process's group timeout, where funcpipe started the group
+
+
+def pg_seconds(pg_timeout: float | None, backend: str) -> float:
+    """The process group timeout in seconds for ``pg_timeout`` (``None``: :data:`PG_TIMEOUTS`)."""
+    return PG_TIMEOUTS[backend] if pg_timeout is None else float(pg_timeout)
+
+
+def _check_seconds(name: str, value: Any, what: str) -> None:
+    """``value`` is ``None`` or a number of seconds > 0."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidArgument(f"{name}={value!r}: {what}, seconds > 0 or None")
 
 
 def default_backend() -> str:
@@ -297,7 +327,14 @@ def _death(rank: int, code: int | None) -> str:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        return f"rank {rank} died: its process was killed by {name} (exit code {code})"
+        text = f"rank {rank} died: its process was killed by {name} (exit code {code})"
+        if name == "SIGABRT":
+            text += (
+                " (NCCL's watchdog aborts a rank whose collective or message waited longer than "
+                "the process group's timeout, pg_timeout= of funcpipe.launch / funcpipe.Pool, or "
+                "whose peer failed)"
+            )
+        return text
     return f"rank {rank} died: its process exited with code {code} without reporting an error"
 
 
@@ -313,6 +350,8 @@ def failure_handler() -> Callable[[BaseException, str], BaseException]:
                     f"{what} stopped: rank {rank} failed with {cause}", rank=rank, cause=cause
                 )
             time.sleep(0.05)
+        if _timed_out(exc):
+            return CommunicationError(f"{what} failed: {exc}. {_pg_expired()}")
         return CommunicationError(
             f"{what} failed: {exc}. No rank recorded an error: a peer process died (killed, out "
             "of memory) or the network failed."
@@ -321,12 +360,32 @@ def failure_handler() -> Callable[[BaseException, str], BaseException]:
     return handle
 
 
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a communication error is a wait that ran past its timeout (gloo: "Timed out
+    waiting 2000ms for recv operation", "Application timeout caused pair closure"; funcpipe's
+    sockets: a ``TimeoutError``)."""
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
+
+
+def _pg_expired() -> str:
+    """What to say when a wait ran past the process group's timeout: the option to change."""
+    limit = "" if _PG_TIMEOUT is None else f" ({_PG_TIMEOUT:g} s)"
+    return (
+        f"It waited longer than the process group's timeout{limit} and no rank recorded an "
+        "error: a hang, or a peer slower than that (compiling, loading data). If the peer is "
+        "only slow, raise pg_timeout= of funcpipe.launch or funcpipe.Pool (under torchrun, of "
+        "funcpipe.launch, or init_process_group(timeout=) where you start the group)."
+    )
+
+
 def _init_group(
-    rank: int, world: int, host: str, port: int, backend: str, timeout: float, share: bool
+    rank: int, world: int, host: str, port: int, backend: str, pg_timeout: float, share: bool
 ) -> None:
     """Join the launcher's process group as ``rank`` (every rank of the launcher is on its host,
-    so the rank is also the local rank that picks the device)."""
-    global _STORE, _RANK
+    so the rank is also the local rank that picks the device); ``pg_timeout`` seconds is the
+    group's timeout (and its store's)."""
+    global _STORE, _RANK, _PG_TIMEOUT
     import torch
     import torch.distributed as dist
 
@@ -339,16 +398,15 @@ def _init_group(
         iface = _loopback_interface()
         if iface is not None:
             os.environ["GLOO_SOCKET_IFNAME"] = iface
-    store = dist.TCPStore(
-        host, port, world_size=None, is_master=False, timeout=datetime.timedelta(seconds=timeout)
-    )
-    _STORE, _RANK = store, rank
+    limit = datetime.timedelta(seconds=pg_timeout)
+    store = dist.TCPStore(host, port, world_size=None, is_master=False, timeout=limit)
+    _STORE, _RANK, _PG_TIMEOUT = store, rank, float(pg_timeout)
     dist.init_process_group(
         backend,
         store=dist.PrefixStore("pg", store),
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=timeout),
+        timeout=limit,
         **_device_id(device),
     )
 
@@ -359,7 +417,7 @@ def _worker(
     host: str,
     port: int,
     backend: str,
-    timeout: float,
+    pg_timeout: float,
     share: bool,
     conn: Any,
     paths: Sequence[str],
@@ -368,7 +426,7 @@ def _worker(
         if p not in sys.path:
             sys.path.insert(0, p)
     try:
-        _init_group(rank, world, host, port, backend, timeout, share)
+        _init_group(rank, world, host, port, backend, pg_timeout, share)
     except BaseException as e:
         conn.send(("error", f"rank {rank} could not join the process group: {e!r}"))
         return
@@ -399,8 +457,12 @@ class Pool:
     """``size`` local processes in one process group, running jobs one after another.
 
     ``pool.run(fn, *args)`` calls ``fn(rank, *args)`` on every rank and returns the results by
-    rank; ``fn`` must be importable (a module-level function). A job that fails or exceeds
-    ``timeout`` seconds stops the whole pool and raises :class:`RankFailed` naming the rank.
+    rank; ``fn`` must be importable (a module-level function). A job that fails, or runs past
+    its deadline, stops the whole pool and raises :class:`RankFailed` naming the rank (and, for
+    a deadline, the option). ``timeout`` is each job's deadline in seconds (``None``: none),
+    unless ``run(..., timeout=)`` gives its own; ``pg_timeout`` is the process group's timeout
+    (``None``: torch's default, :data:`PG_TIMEOUTS`). The two are separate: see the module's
+    docstring.
 
     ``backend`` is ``"gloo"`` by default (a pool serves CPU jobs, as the tests' pools do);
     ``backend=None`` picks as :func:`launch` does (:func:`default_backend`). Rank ``r`` runs on
@@ -416,15 +478,16 @@ class Pool:
         backend: str | None = "gloo",
         share_gpus: bool | None = None,
         host: str = "127.0.0.1",
-        timeout: float = 60.0,
+        timeout: float | None = None,
+        pg_timeout: float | None = None,
         grace: float = 5.0,
         paths: Sequence[str] = (),
     ) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise InvalidArgument(f"size={size!r}: the number of processes, an int >= 1")
         share = _share(share_gpus)
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise InvalidArgument(f"timeout={timeout!r}: seconds, > 0")
+        _check_seconds("timeout", timeout, "the deadline of each job")
+        _check_seconds("pg_timeout", pg_timeout, "the process group's timeout")
         if not isinstance(grace, (int, float)) or grace < 0:
             raise InvalidArgument(
                 f"grace={grace!r}: seconds the other ranks get to stop by themselves after a "
@@ -437,7 +500,9 @@ class Pool:
 
         import torch.distributed as dist
 
-        self.size, self.timeout, self.grace = size, float(timeout), float(grace)
+        self.size, self.grace = size, float(grace)
+        self.timeout = None if timeout is None else float(timeout)
+        self.pg_timeout = pg_seconds(pg_timeout, backend)
         self.backend = backend
         self.host = host
         fd, port = _listen(host)
@@ -448,7 +513,7 @@ class Pool:
             port,
             world_size=None,
             is_master=True,
-            timeout=datetime.timedelta(seconds=timeout),
+            timeout=datetime.timedelta(seconds=self.pg_timeout),
             master_listen_fd=fd,
         )
         self.store.set(FAIL_KEY, "")
@@ -465,7 +530,7 @@ class Pool:
                     host,
                     port,
                     backend,
-                    timeout,
+                    self.pg_timeout,
                     share,
                     child,
                     [*paths, *sys.path[:1]],
@@ -480,20 +545,25 @@ class Pool:
     def run(
         self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> list[Any]:
+        """``fn(rank, *args, **kwargs)`` on every rank; the results by rank. ``timeout``: this
+        job's deadline in seconds (``None``: the pool's ``timeout``)."""
         if self.closed:
             raise InvalidArgument(
                 "this Pool was closed (a job failed or close() was called); start a new one"
             )
+        _check_seconds("timeout", timeout, "this job's deadline")
         job = _pickle_job(fn, args, kwargs)
         for c in self.conns:
             c.send(job)
-        return self._collect(self.timeout if timeout is None else timeout)
+        return self._collect(self.timeout if timeout is None else float(timeout))
 
-    def _collect(self, timeout: float) -> list[Any]:
+    def _collect(self, timeout: float | None) -> list[Any]:
+        """Wait for every rank's result, for ``timeout`` seconds at most (``None``: as long as
+        the ranks live)."""
         from multiprocessing.connection import wait
 
         results: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout
+        deadline = float("inf") if timeout is None else time.monotonic() + timeout
         first: tuple[int, str] | None = None
         while len(results) < self.size:
             left = deadline - time.monotonic()
@@ -509,8 +579,11 @@ class Pool:
                         f"rank {first[0]} failed:\n{first[1]}", rank=first[0], cause=first[1]
                     )
                 raise RankFailed(
-                    f"ranks {waiting} did not finish within {timeout:.0f} s (a hang or a slow job); "
-                    "the pool was stopped",
+                    f"ranks {waiting} did not finish within the job's deadline, timeout={timeout:g} "
+                    "s (of funcpipe.launch, funcpipe.Pool or Pool.run); the pool was stopped. A "
+                    "hang, or a job slower than that: if it is only slow, pass a longer timeout= "
+                    "(None: no deadline). It is separate from the process group's timeout, "
+                    f"pg_timeout={self.pg_timeout:g} s, which bounds each collective and message.",
                     rank=waiting[0] if waiting else None,
                 )
             sentinels = {p.sentinel: r for r, p in enumerate(self.procs) if r not in results}
@@ -619,7 +692,8 @@ def launch(
     *args: Any,
     backend: str | None = None,
     share_gpus: bool | None = None,
-    timeout: float = 60.0,
+    timeout: float | None = None,
+    pg_timeout: float | None = None,
     grace: float = 5.0,
     **kwargs: Any,
 ) -> list[Any]:
@@ -633,19 +707,30 @@ def launch(
     ``share_gpus=True`` (or ``FUNCPIPE_SHARE_GPUS=1`` in the environment, read when
     ``share_gpus`` is ``None``) lets local rank ``r`` use ``cuda:r % device_count`` instead.
 
+    ``timeout``: the job's deadline in seconds, ``None`` (the default) for none; a job still
+    running after it is stopped with a :class:`RankFailed` that names ``timeout=``.
+    ``pg_timeout``: the process group's timeout (``init_process_group(timeout=)``), how long one
+    collective or message may wait before gloo raises or NCCL's watchdog aborts the rank;
+    ``None`` (the default) is torch's, :data:`PG_TIMEOUTS` (10 minutes for NCCL, 30 for gloo).
+    A rank that raises or dies is named at once, whatever either says.
+
     Under ``torchrun`` this process is already one rank: the process group is initialised from
     the environment (unless it already is) under the same rules, the device taken from
     ``LOCAL_RANK`` (``RANK`` when it is unset) and the host's rank count from
     ``LOCAL_WORLD_SIZE``; ``nprocs`` is not used, and ``[fn(rank, ...)]`` (this rank's result
-    only) is returned. The local processes bind to 127.0.0.1 (loopback) only.
+    only) is returned. There ``pg_timeout`` is the group's timeout when ``launch`` starts the
+    group, and ``timeout`` does not apply (torchrun owns the processes). The local processes
+    bind to 127.0.0.1 (loopback) only.
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise InvalidArgument(
             f"nprocs={nprocs!r}: the number of local processes to start, an int >= 1"
         )
     share = _share(share_gpus)
+    _check_seconds("timeout", timeout, "the job's deadline")
+    _check_seconds("pg_timeout", pg_timeout, "the process group's timeout")
     if under_torchrun():
-        rank = _join_torchrun(backend, share=share, timeout=timeout)
+        rank = _join_torchrun(backend, share=share, pg_timeout=pg_timeout)
         try:
             return [fn(rank, *args, **kwargs)]
         except BaseException as e:
@@ -657,17 +742,19 @@ def launch(
         backend=_choose_backend(backend, nprocs, share=share),
         share_gpus=share,
         timeout=timeout,
+        pg_timeout=pg_timeout,
         grace=grace,
     ) as pool:
         return pool.run(fn, *args, **kwargs)
 
 
-def _join_torchrun(backend: str | None, *, share: bool, timeout: float) -> int:
+def _join_torchrun(backend: str | None, *, share: bool, pg_timeout: float | None) -> int:
     """Join the process group torchrun describes (unless this process already has); its rank.
 
     The device is made current from ``LOCAL_RANK`` before the group starts, as for the local
-    launcher's ranks; thread counts are left to torchrun (it sets ``OMP_NUM_THREADS``)."""
-    global _STORE, _RANK
+    launcher's ranks; thread counts are left to torchrun (it sets ``OMP_NUM_THREADS``). The
+    group's timeout is ``pg_timeout`` seconds (``None``: :data:`PG_TIMEOUTS`)."""
+    global _STORE, _RANK, _PG_TIMEOUT
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -676,9 +763,11 @@ def _join_torchrun(backend: str | None, *, share: bool, timeout: float) -> int:
             local = _env_int("RANK")
         chosen = _choose_backend(backend, _env_int("LOCAL_WORLD_SIZE"), share=share)
         device = _claim_device(0 if local is None else local, chosen, share=share)
+        seconds = pg_seconds(pg_timeout, chosen)
         dist.init_process_group(
-            chosen, timeout=datetime.timedelta(seconds=timeout), **_device_id(device)
+            chosen, timeout=datetime.timedelta(seconds=seconds), **_device_id(device)
         )
+        _PG_TIMEOUT = seconds
     _RANK = dist.get_rank()
     with contextlib.suppress(Exception):  # a group started elsewhere may have no store to share
         _STORE = dist.distributed_c10d._get_default_store()

@@ -48,7 +48,9 @@ def get_pool(size: int) -> Any:
 
     pool = _POOLS.get(size)
     if pool is None or pool.closed:
-        pool = _POOLS[size] = Pool(size, timeout=120, paths=[ROOT])
+        # short on purpose: a hung job fails the test within two minutes (the job's deadline),
+        # and a wait in gloo or a socket gives up as soon (the process group's timeout)
+        pool = _POOLS[size] = Pool(size, timeout=120, pg_timeout=120, paths=[ROOT])
     return pool
 
 

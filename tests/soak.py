@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-every", type=int, default=25)
     args = ap.parse_args(argv)
     root = str(Path(__file__).resolve().parents[1])
-    with fp.Pool(2, timeout=max(120.0, args.steps), paths=[root]) as pool:
+    with fp.Pool(2, timeout=max(120.0, args.steps), pg_timeout=120.0, paths=[root]) as pool:
         results = pool.run(soak_rank, args.steps, args.check_every)
     print(json.dumps(results, indent=1))
     return 0

@@ -118,7 +118,9 @@ def test_variant_wraps_both_libraries_stages() -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("variant", ab.VARIANTS)
 def test_ab_variants_give_the_same_gradients(pool: Pool, variant: str) -> None:
-    argv = ["--variant", variant, "--sizes", "gpt-tiny", "--ranks", "2", "--schedules", "1f1b"]
+    argv = ["--variant", variant, "--sizes", "gpt-tiny", "--schedules", "1f1b"]
+    # per-leaf-reduce: two data-parallel copies of a one-rank program (two processes)
+    argv += ["--ranks", "1", "--data", "2"] if variant == "per-leaf-reduce" else ["--ranks", "2"]
     (row,) = ab.main([*argv, "--pairs", "2", "--warmup", "0"], pool=pool)
     assert row["variant"] == variant and row["grad_diff"] < 1e-10
     assert len(row["a_times"]) == len(row["b_times"]) == 2 and row["ratio"] > 0

@@ -62,7 +62,7 @@ def _alive(pid: int) -> bool:
 def _own_pool(size: int) -> Iterator[Pool]:
     """A pool for one failing job; afterwards no process it started is left."""
     before = set(_children(os.getpid()))
-    pool = Pool(size, timeout=TIMEOUT, grace=5.0, paths=[str(ROOT)])
+    pool = Pool(size, timeout=TIMEOUT, pg_timeout=TIMEOUT, grace=5.0, paths=[str(ROOT)])
     pids = [p.pid for p in pool.procs]
     try:
         yield pool

@@ -515,7 +515,9 @@ class _Rank:
             if not (group.startswith("replica:") and (owner, k) in self.tied)
         ]
         leaves = [self._grad_leaf((owner, k)) for k in keys]
-        diff = [t for t in leaves if t.is_floating_point() or t.is_complex()]
+        # last leaf first (the last layer's, as a backward produces them and DDP reduces them):
+        # the transport buckets them in this order
+        diff = [t for t in reversed(leaves) if t.is_floating_point() or t.is_complex()]
         if in_program(group) or x.data_size == 1:
             self._reduce(diff, group, lambda: None, {owner})
             return

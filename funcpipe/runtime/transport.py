@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from funcpipe.errors import CommunicationError, InvalidArgument
+from funcpipe.runtime import buckets
 from funcpipe.runtime import strict as nccl
 
 __all__ = ["P2P", "DistTransport", "Handle", "LocalTransport", "LocalWorld", "Transport"]
@@ -576,6 +577,10 @@ class DistTransport(_Counters):
     coordinate, and the receivers all-gather the slices. Point-to-point bytes drop by ``size``.
     ``bytes_sent`` counts what this rank handed to point-to-point sends.
 
+    ``all_reduce`` posts one all-reduce per bucket of its tensors (:mod:`funcpipe.runtime.buckets`:
+    same dtype and device, up to 25 MiB, in the order given) and copies the sums back into them
+    when it completes; a tensor alone is reduced in place.
+
     ``strict=True`` (for tests) adds NCCL's rules (:mod:`funcpipe.runtime.strict`) on top: the
     messages still travel over gloo or sockets, but a handle is done only once its group has
     completed under the rules, each rank publishing its side of every queue in ``store`` (default:
@@ -725,11 +730,18 @@ class DistTransport(_Counters):
         pg = self.groups.get(group)
         if pg is None:
             return DONE
-        works = [self.dist.all_reduce(t, group=pg, async_op=True) for t in tensors]
-        done = _Works(works, f"rank {self.rank}: REDUCE over group {group!r}", self.on_error)
-        if self.strict is None:
-            return done
-        return _StrictCollective(done, works, self.strict, self._pump())
+        # one all-reduce per bucket of same-dtype tensors (funcpipe.runtime.buckets), in the
+        # order given: every rank of the group forms the same buckets from the same leaves
+        parts = buckets.buckets(tensors)
+        works = [self.dist.all_reduce(b.flat, group=pg, async_op=True) for b in parts]
+        done: Handle = _Works(
+            works, f"rank {self.rank}: REDUCE over group {group!r}", self.on_error
+        )
+        if self.strict is not None:
+            done = _StrictCollective(done, works, self.strict, self._pump())
+        if all(b.flat is b.tensors[0] for b in parts):
+            return done  # reduced in place
+        return _Unflatten(done, parts)
 
     def finish(self) -> None:
         """Wait for this step's sends (a rank's last sends may still be in flight)."""
@@ -741,6 +753,29 @@ class DistTransport(_Counters):
             send.wait()
         self.held.reap()
         self.held.step_done()
+
+
+class _Unflatten:
+    """A bucketed all-reduce: once it is complete, its buffers are copied back into the
+    tensors they were flattened from (once)."""
+
+    def __init__(self, inner: Handle, parts: Sequence[buckets.Bucket]) -> None:
+        self.inner, self.parts = inner, list(parts)
+
+    def ready(self) -> bool:
+        if not self.inner.ready():
+            return False
+        self._copy_back()
+        return True
+
+    def wait(self) -> None:
+        self.inner.wait()
+        self._copy_back()
+
+    def _copy_back(self) -> None:
+        for b in self.parts:
+            b.unflatten()
+        self.parts = []  # done; the buffers are freed
 
 
 class _StrictCollective:
