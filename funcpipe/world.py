@@ -318,8 +318,7 @@ def _pair_groups(
             key = (id(default), ga, gb)
             found = _PAIR_GROUPS.get(key)
             if found is None or found[0] is not default:
-                kw = {} if device is None else {"device_id": device}
-                found = _PAIR_GROUPS[key] = (default, dist.new_group([ga, gb], **kw))
+                found = _PAIR_GROUPS[key] = (default, dist.new_group([ga, gb], device_id=device))
             if (d, c) == (copy, coord) and rank in (a, b):
                 mine[b if rank == a else a] = found[1]
     return mine

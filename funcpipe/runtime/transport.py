@@ -85,7 +85,7 @@ class Transport(Protocol):
     is checked under)."""
 
     rank: int
-    layout: str
+    layout: str | None
 
     def post(self, ops: Sequence[P2P]) -> list[Handle]: ...
 
@@ -428,7 +428,7 @@ class LocalTransport(_Counters):
 
     def __init__(self, world: LocalWorld, rank: int, ranks: Sequence[int] | None = None) -> None:
         self.world, self.rank = world, rank
-        self.layout = world.layout
+        self.layout: str | None = world.layout
         self.ranks = list(ranks) if ranks is not None else list(range(world.size))
         self.me = self.ranks[rank]
         self.held = _Held()

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from funcpipe.pipeline import Pipeline
 from funcpipe.schedule.generators import GENERATORS
 from funcpipe.schedule.p2p import PAIR
-from funcpipe.pipeline import Pipeline
 from tests import jobs_strict
 
 
