@@ -122,6 +122,12 @@ class Pipeline:
     (``FUNCPIPE_P2P=torch`` forces the latter; see :mod:`funcpipe.world`).
     """
 
+    #: The communicator layout of this pipeline's transports, which its program is checked
+    #: under: one process group per pair of ranks that exchange messages (both transports,
+    #: :class:`~funcpipe.runtime.transport.LocalWorld` and the one :func:`funcpipe.world.join`
+    #: builds, have it; :mod:`funcpipe.schedule.p2p`).
+    p2p_layout = PAIR
+
     def __init__(
         self,
         stages: Sequence[Stage],
@@ -259,11 +265,13 @@ class Pipeline:
         check(p, p2p=rules, layout=layout)
         return p
 
-    #: The communicator layout of this pipeline's transports, which its program is checked
-    #: under: one process group per pair of ranks that exchange messages (both transports,
-    #: :class:`~funcpipe.runtime.transport.LocalWorld` and the one :func:`funcpipe.world.join`
-    #: builds, have it; :mod:`funcpipe.schedule.p2p`).
-    p2p_layout = PAIR
+    @property
+    def p2p(self) -> str:
+        """The point-to-point rules this pipeline's program is checked and simulated under
+        (``"nccl"`` or ``"gloo"``, on the communicators :attr:`p2p_layout`):
+        ``simulate(pipe.program, costs, p2p=pipe.p2p, layout=pipe.p2p_layout)`` is the timeline
+        the checker proved."""
+        return self._p2p_rules()
 
     def _p2p_rules(self) -> str:
         """The point-to-point rules the program must hold to on this pipeline's transport

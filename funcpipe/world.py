@@ -278,7 +278,7 @@ def _pg_timeout() -> float:
         return 1800.0
 
 
-def message_pairs(program: Program) -> list[tuple[int, int]]:
+def _message_pairs(program: Program) -> list[tuple[int, int]]:
     """The pairs of program ranks (low, high) that exchange messages, sorted."""
     return sorted(
         {
@@ -312,7 +312,7 @@ def _pair_groups(
     default = dist.group.WORLD
     device = _eager_device()
     mine: dict[int, Any] = {}
-    for a, b in message_pairs(program):
+    for a, b in _message_pairs(program):
         for d, c in everywhere:
             ga, gb = g(a, d, c), g(b, d, c)
             key = (id(default), ga, gb)
