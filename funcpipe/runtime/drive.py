@@ -46,14 +46,14 @@ def drive_local(
                 busy.pop()
             if world is None:
                 world = _world_of(waiting[r])
-                if world is not None:
-                    world.driver = (advance, busy)
         return progressed
 
-    if world is not None:
-        world.driver = (advance, busy)
+    # (advance must not name itself: a closure holding its own cell is a reference cycle that
+    # would keep this step's results alive until a full garbage collection)
     try:
         while len(results) < len(gens):
+            if world is not None and world.driver is None:
+                world.driver = (advance, busy)  # for LocalWorld.device_sync; let go below
             if not advance():
                 blocked = sorted(r for r in gens if r not in results)
                 if world is not None and world.strict:
