@@ -178,9 +178,11 @@ def register(subparsers: Any) -> None:
         "--p2p",
         choices=["gloo", "nccl"],
         default="gloo",
-        help="point-to-point rules: gloo (default; buffered sends) or nccl (one stream per pair "
-        "of ranks: an ungrouped SEND completes only when the peer's RECV is at the head of its "
-        "side; communication groups '+' match together)",
+        help="point-to-point rules: gloo (default; buffered sends) or nccl (NCCL's rules on the "
+        "communicators Pipeline builds on NCCL: a process group per pair of ranks, so one stream "
+        "per pair; an ungrouped SEND completes only when the peer's RECV is at the head of its "
+        "side; a group's ('+') messages to one peer match together, to another peer they are "
+        "another batch)",
     )
     chk.add_argument("--costs", type=_costs, default=None, metavar="F,B,W[,COMM]", help=_COSTS_HELP)
     chk.add_argument("--json", action="store_true", help="print one JSON object")
@@ -324,6 +326,7 @@ def _read(path: Path) -> Any:
 
 def _run_check(args: argparse.Namespace) -> int:
     from funcpipe.schedule.check import check
+    from funcpipe.schedule.p2p import PAIR
     from funcpipe.schedule.passes import add_communication
     from funcpipe.schedule.simulate import simulate
 
@@ -333,13 +336,14 @@ def _run_check(args: argparse.Namespace) -> int:
         was_lowered = program.lowered
         if not was_lowered:
             program = add_communication(program)
-        check(program, p2p=args.p2p)
-        timeline = simulate(program, args.costs, p2p=args.p2p)
+        # nccl: under the communicator layout Pipeline's transports build (Pipeline.p2p_layout)
+        check(program, p2p=args.p2p, layout=PAIR)
+        timeline = simulate(program, args.costs, p2p=args.p2p, layout=PAIR)
     except ScheduleError as e:
         return _fail("check", e)
     if not args.json:
         note = "" if was_lowered else " (compute-only: lowered with add_communication)"
         print(f"{args.file}: sound under {args.p2p}'s point-to-point rules{note}")
-    extra = {"lowered_by_check": not was_lowered, "p2p": args.p2p}
+    extra = {"lowered_by_check": not was_lowered, "p2p": args.p2p, "layout": PAIR}
     _report(program, timeline, as_json=args.json, extra=extra)
     return 0

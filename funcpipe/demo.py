@@ -528,7 +528,7 @@ def train_rank(rank: int, o: DemoOptions) -> dict[str, Any] | None:
     )
     traced = pipe.step(params, x, y, trace=True).timeline
     costs = _measured_costs(traced)
-    simulated = simulate(pipe.program, costs)
+    simulated = simulate(pipe.program, costs, p2p=pipe.p2p, layout=pipe.p2p_layout)
     checkpoint.save(ckpt_dir, {tag: {"params": params, "opt": state}, "step": o.steps})
     peak_memory = _peak_memory(device)  # every rank takes part (a gather)
     if not first:

@@ -24,6 +24,7 @@ from funcpipe.runtime.plan import Layout, infer_layout, signature
 from funcpipe.runtime.transport import LocalWorld
 from funcpipe.schedule.check import check
 from funcpipe.schedule.ir import Op, Program
+from funcpipe.schedule.p2p import PAIR
 from funcpipe.schedule.passes import add_communication, add_recompute, add_reduce
 from funcpipe.schedule.simulate import Event, Timeline
 from funcpipe.shapes import stage_device
@@ -120,6 +121,12 @@ class Pipeline:
     one host go over Unix-domain sockets, anything else over ``torch.distributed`` send/recv
     (``FUNCPIPE_P2P=torch`` forces the latter; see :mod:`funcpipe.world`).
     """
+
+    #: The communicator layout of this pipeline's transports, which its program is checked
+    #: under: one process group per pair of ranks that exchange messages (both transports,
+    #: :class:`~funcpipe.runtime.transport.LocalWorld` and the one :func:`funcpipe.world.join`
+    #: builds, have it; :mod:`funcpipe.schedule.p2p`).
+    p2p_layout = PAIR
 
     def __init__(
         self,
@@ -230,6 +237,11 @@ class Pipeline:
             )
             self.rank, self.pipe_ranks = self._world.rank, self._world.pipe_ranks
             self.data_size, self.tensor_size = self._world.data, self._world.tensor
+            if self._world.transport.layout != self.p2p_layout:
+                raise RuntimeError(  # (the program was checked under p2p_layout)
+                    f"funcpipe internal error: the transport's communicator layout "
+                    f"{self._world.transport.layout!r} is not {self.p2p_layout!r}"
+                )
 
     # ------------------------------------------------------------------ program
     def _lower(
@@ -237,8 +249,9 @@ class Pipeline:
     ) -> Program:
         p = schedule
         rules = self._p2p_rules()
+        layout = self.p2p_layout
         if p.lowered:
-            check(p, p2p=rules)
+            check(p, p2p=rules, layout=layout)
             return p
         if recompute and p.training:
             stages = range(p.n_stages) if recompute is True else recompute
@@ -249,13 +262,22 @@ class Pipeline:
         if p.training and (data_parallel or len(set(p.replica_of or ())) < p.n_stages):
             p = add_reduce(p, group="data")  # also adds the replica sums (Chimera)
         p = add_communication(p)
-        check(p, p2p=rules)
+        check(p, p2p=rules, layout=layout)
         return p
+
+    @property
+    def p2p(self) -> str:
+        """The point-to-point rules this pipeline's program is checked and simulated under
+        (``"nccl"`` or ``"gloo"``, on the communicators :attr:`p2p_layout`):
+        ``simulate(pipe.program, costs, p2p=pipe.p2p, layout=pipe.p2p_layout)`` is the timeline
+        the checker proved."""
+        return self._p2p_rules()
 
     def _p2p_rules(self) -> str:
         """The point-to-point rules the program must hold to on this pipeline's transport
-        (``check(..., p2p=...)``): NCCL's where it runs over NCCL or on CUDA devices, gloo's
-        (buffered sends) otherwise. Programs funcpipe lowers hold to NCCL's everywhere."""
+        (``check(..., p2p=..., layout=self.p2p_layout)``): NCCL's where it runs over NCCL or on CUDA
+        devices, gloo's (buffered sends) otherwise. Programs funcpipe lowers hold to NCCL's
+        everywhere."""
         if self.device is not None and self.device.type == "cuda":
             return "nccl"
         if self.transport == "dist":
@@ -337,7 +359,11 @@ class Pipeline:
             if (targets is not None and self.data > 1)
             else [targets] * self.data
         )
-        world = LocalWorld(n * self.data, groups=self._local_groups())
+        groups = self._local_groups()
+        scalars = self.loss_fn is not None or self.metric_fn is not None
+        if scalars:  # the loss reduction a "dist" step posts, at the same place (see step)
+            groups[_world.SCALARS] = [list(range(n * self.data))]
+        world = LocalWorld(n * self.data, groups=groups)
         gens = {}
         for d in range(self.data):
             entry, side, tgt, layouts = self._microbatches(params, shards[d], tshards[d])
@@ -346,6 +372,8 @@ class Pipeline:
                 x = self._rank_inputs(r, params, entry, side, tgt, layouts, return_outputs)
                 x.trace = trace
                 x.loss_scale = scale
+                if scalars:
+                    x.scalars_group = _world.SCALARS
                 gens[ranks[r]] = run_rank(x, world.transport(r, ranks))
         results = drive_local(gens, world=world)
         per_rank = [results[r] for r in range(n)]  # replica 0 answers

@@ -7,6 +7,13 @@ go between equal ``(d, c)``; ``data`` reductions between equal ``(r, c)``. :func
 the process groups (every process creates every group, as torch requires, so all of them must
 build the same Pipeline) and the transport.
 
+Point-to-point messages over ``torch.distributed`` travel on one process group per pair of
+program ranks that exchange messages (in each data copy and tensor coordinate), created once by
+:func:`join`, on NCCL eagerly for this process's device: every message group of a pair is one
+``batch_isend_irecv`` on that pair's group (:class:`funcpipe.runtime.transport.DistTransport`),
+so each pair has one communicator and one FIFO stream, the layout
+:data:`funcpipe.schedule.p2p.PAIR` the checker proves programs under.
+
 Between CPU processes of one host, activations and gradients go over Unix-domain sockets
 (:mod:`funcpipe.runtime.sockets`) rather than gloo; ``FUNCPIPE_P2P=torch`` in the environment
 turns that off (every process must see the same value).
@@ -14,7 +21,8 @@ turns that off (every process must see the same value).
 ``FUNCPIPE_STRICT_P2P=1`` in the environment (every process must see the same value) makes the
 transport strict, for tests: messages still travel over gloo or sockets, but they complete only
 as NCCL's point-to-point rules allow (one FIFO queue per pair of ranks for both directions, groups
-posted together, an ungrouped send done only when the peer's receive is at the head of its side;
+posted together per peer, an ungrouped send done only when the peer's receive is at the head of
+its side;
 :mod:`funcpipe.runtime.strict`), each rank sharing its side of the queues through the process
 group's store. A program that would hang on GPUs then fails within about a second with a
 :class:`funcpipe.CommunicationError` naming the ranks and operations that wait for each other.
@@ -109,8 +117,8 @@ def join(
         mine, _ = dist.new_subgroups_by_enumeration(lists)
         return mine
 
-    # the loss and metric sums: every process of the world, a group of their own so the ranks
-    # can start it mid-step (as soon as their loss is final) whatever else is in flight
+    # the loss and metric sums: every process of the world, a group of their own (each rank
+    # posts it after its last instruction, whatever else is still in flight)
     groups: dict[str, Any] = {SCALARS: _scalars_group()}
     names = sorted({i.group for r in program.ranks for i in r if i.op is Op.REDUCE})
     for name in names:
@@ -124,6 +132,7 @@ def join(
         pg = subgroups([[g(r, d, c) for r in members] for d, c in everywhere])
         if rank in members and len(members) > 1:
             groups[name] = pg
+    pairs = _pair_groups(program, rank, g, everywhere, copy, coord)
     from funcpipe.launcher import failure_handler
 
     split = None
@@ -142,7 +151,14 @@ def join(
             "timeout": _pg_timeout(),
         }
     transport = DistTransport(
-        rank, pipe_ranks, groups=groups, on_error=on_error, split=split, channels=channels, **strict
+        rank,
+        pipe_ranks,
+        groups=groups,
+        on_error=on_error,
+        split=split,
+        channels=channels,
+        pairs=pairs,
+        **strict,
     )
     return DistWorld(rank, pipe_ranks, copies, tp, transport)
 
@@ -260,6 +276,63 @@ def _pg_timeout() -> float:
         return float(opts._timeout.total_seconds())
     except (AttributeError, RuntimeError):
         return 1800.0
+
+
+def _message_pairs(program: Program) -> list[tuple[int, int]]:
+    """The pairs of program ranks (low, high) that exchange messages, sorted."""
+    return sorted(
+        {
+            (min(r, i.peer), max(r, i.peer))
+            for r, instrs in enumerate(program.ranks)
+            for i in instrs
+            if i.op in (Op.SEND, Op.RECV) and i.peer is not None
+        }
+    )
+
+
+# (id(default group), world rank, world rank) -> (default group, the pair's process group)
+_PAIR_GROUPS: dict[tuple[int, int, int], tuple[Any, Any]] = {}
+
+
+def _pair_groups(
+    program: Program,
+    rank: int,
+    g: Callable[[int, int, int], int],
+    everywhere: Sequence[tuple[int, int]],
+    copy: int,
+    coord: int,
+) -> dict[int, Any]:
+    """Peer program rank -> the process group of this rank and that peer (every process calls
+    this: it creates every pair's group of every copy and coordinate not created before, in one
+    order). A pair's group is made once per process and shared by every Pipeline, as the loss
+    group is; on NCCL it is bound to this process's device, so its communicator is created now
+    (eagerly) rather than by its first message."""
+    import torch.distributed as dist
+
+    default = dist.group.WORLD
+    device = _eager_device()
+    mine: dict[int, Any] = {}
+    for a, b in _message_pairs(program):
+        for d, c in everywhere:
+            ga, gb = g(a, d, c), g(b, d, c)
+            key = (id(default), ga, gb)
+            found = _PAIR_GROUPS.get(key)
+            if found is None or found[0] is not default:
+                found = _PAIR_GROUPS[key] = (default, dist.new_group([ga, gb], device_id=device))
+            if (d, c) == (copy, coord) and rank in (a, b):
+                mine[b if rank == a else a] = found[1]
+    return mine
+
+
+def _eager_device() -> torch.device | None:
+    """The device a new NCCL process group is bound to (so it connects at once): the default
+    group's, else this process's current CUDA device; None off NCCL."""
+    import torch.distributed as dist
+
+    if "nccl" not in str(dist.get_backend()) or not torch.cuda.is_available():
+        return None
+    bound = getattr(dist.group.WORLD, "bound_device_id", None)
+    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 _SCALAR_GROUPS: dict[int, tuple[Any, Any]] = {}  # id(default group) -> (it, loss group)

@@ -227,3 +227,47 @@ def pipeline_held_bytes(rank: int, microbatches: int, p2p: str) -> tuple[int, in
     pipe.step(params, x, y)
     t = pipe._world.transport  # type: ignore[union-attr]
     return t.last_peak_held_bytes, rows * D * 8, t.held_bytes
+
+
+def p2p_process_groups(rank: int, names: Sequence[str]) -> dict[str, Any]:
+    """A training step of each schedule in ``names`` over the pool's ranks with torch.distributed
+    point-to-point (``FUNCPIPE_P2P=torch``: gloo, no sockets), recording the process group of
+    every point-to-point operation at the one place every torch.distributed send and receive
+    goes through (``ProcessGroup.send`` / ``recv``). Per schedule: (the largest difference to the
+    reference, this rank's peers in the program, [(operation, world ranks of its group)])."""
+    import torch.distributed as dist
+
+    from funcpipe.schedule.generators import generate
+    from funcpipe.schedule.ir import COMM_OPS
+    from funcpipe.schedule.passes import add_communication
+    from tests.jobs_runtime import run_pipeline_vs_reference
+
+    pg = dist.ProcessGroup
+    seen: list[tuple[str, tuple[int, ...]]] = []
+    originals = {m: getattr(pg, m) for m in ("send", "recv", "recv_anysource")}
+
+    def spy(method: str) -> Any:
+        original = originals[method]
+
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            seen.append((method, tuple(dist.get_process_group_ranks(self))))
+            return original(self, *args, **kwargs)
+
+        return call
+
+    n = dist.get_world_size()
+    out: dict[str, Any] = {}
+    for method in originals:
+        setattr(pg, method, spy(method))
+    try:
+        for name in names:
+            seen.clear()
+            program = generate(name, ranks=n, microbatches=2 * n)
+            lowered = add_communication(program)
+            peers = sorted({i.peer for i in lowered.ranks[rank] if i.op in COMM_OPS})
+            worst = run_pipeline_vs_reference(rank, name, n, 2 * n, [4 * n], p2p="torch")
+            out[name] = (worst, peers, list(seen))
+    finally:
+        for method, original in originals.items():
+            setattr(pg, method, original)
+    return out

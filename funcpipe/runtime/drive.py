@@ -24,33 +24,51 @@ def drive_local(
     """
     waiting: dict[int, Handle | None] = dict.fromkeys(gens)
     results: dict[int, RankResult] = {}
-    while len(results) < len(gens):
+    busy: list[int] = []  # the ranks whose generators are running, innermost last
+
+    def advance() -> bool:
+        """Run every rank that can go on until it has to wait; True if any moved."""
+        nonlocal world
         progressed = False
         for r, gen in gens.items():
-            if r in results:
+            if r in results or r in busy:
                 continue
             h = waiting[r]
             if h is not None and not h.ready():
                 continue
             progressed = True
+            busy.append(r)
             try:
                 waiting[r] = next(gen)
             except StopIteration as stop:
                 results[r] = stop.value
+            finally:
+                busy.pop()
             if world is None:
                 world = _world_of(waiting[r])
-        if not progressed:
-            blocked = sorted(r for r in gens if r not in results)
-            if world is not None and world.strict:
+        return progressed
+
+    # (advance must not name itself: a closure holding its own cell is a reference cycle that
+    # would keep this step's results alive until a full garbage collection)
+    try:
+        while len(results) < len(gens):
+            if world is not None and world.driver is None:
+                world.driver = (advance, busy)  # for LocalWorld.device_sync; let go below
+            if not advance():
+                blocked = sorted(r for r in gens if r not in results)
+                if world is not None and world.strict:
+                    raise CommunicationError(
+                        f"ranks {blocked} all wait and none can go on under {RULES}: "
+                        f"{world.explain(blocked)}"
+                    )
+                why = f" ({world.explain(blocked)})" if world is not None else ""
                 raise CommunicationError(
-                    f"ranks {blocked} all wait and none can go on under {RULES}: "
-                    f"{world.explain(blocked)}"
+                    f"ranks {blocked} all wait for data that no rank will send{why} (a deadlock "
+                    "the checker did not see; please report this with the program)"
                 )
-            why = f" ({world.explain(blocked)})" if world is not None else ""
-            raise CommunicationError(
-                f"ranks {blocked} all wait for data that no rank will send{why} (a deadlock the "
-                "checker did not see; please report this with the program)"
-            )
+    finally:
+        if world is not None:
+            world.driver = None
     if world is not None and world.strict:
         left = world.unfinished()
         if left:

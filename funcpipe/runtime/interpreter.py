@@ -69,8 +69,8 @@ class RankInputs:
     casts: Mapping[int, tuple[torch.dtype | None, ...]] = field(default_factory=dict)
     # the loss's gradient is multiplied by this (loss scaling); a tensor stays on its device
     loss_scale: float | Tensor = 1.0
-    # reduce (loss sum, metric sum, has loss) over this transport group as soon as this rank's
-    # last sink forward is done (at the start on ranks without one); None: the caller does it
+    # reduce (loss sum, metric sum, has loss) over this transport group once this rank has run
+    # its last instruction (every rank; never earlier: see _Rank.run); None: the caller does it
     scalars_group: str | None = None
 
 
@@ -575,15 +575,6 @@ class _Rank:
         trace: list[Any] | None = [] if x.trace else None
         instrs = self.p.ranks[x.rank]
         group_of = {g[0]: g for g in groups(instrs)}  # first step -> the group's steps
-        scalars_after = -1
-        scalars = x.scalars_group
-        if scalars is not None:
-            sinks = [
-                t for t, i in enumerate(instrs) if i.op is Op.F and not self.p.consumers(i.stage)
-            ]
-            scalars_after = sinks[-1] if sinks else -1
-            if not sinks:
-                self._post_scalars(scalars)
         for t, i in enumerate(instrs):
             op = i.op
             if op in COMPUTE_OPS:  # (its start is after its inputs are in)
@@ -610,10 +601,16 @@ class _Rank:
                 if self.inflight:  # a tie or replica sum reads what earlier reductions wrote
                     yield from self._settle(list(self.inflight))
                 self.reduce(i)
-            if t == scalars_after and scalars is not None:
-                self._post_scalars(scalars)
             if trace is not None:
                 trace.append(stamp())
+        if x.scalars_group is not None:
+            # A collective is enqueued only once its data exists on every rank: after the last
+            # instruction, where every rank's sums are final. Posted earlier (at the start on a
+            # rank without the loss, as it was), its kernel would wait on the device for the
+            # last rank's loss, and a device-wide synchronisation meanwhile (autotuning, the
+            # allocator's retry on out-of-memory, a user's synchronize) would hold this rank's
+            # host before it posts the sends the last rank needs: a hang.
+            self._post_scalars(x.scalars_group)
         for h, then in self.incoming.values():  # (none in a checked program: read by now)
             yield from _wait(h)
             if then is not None:

@@ -4,9 +4,12 @@ gloo buffers sends, so a program whose ranks both send before they receive runs 
 hangs on GPUs. In strict mode (``LocalWorld(strict=True)``, ``DistTransport(strict=True)``,
 ``FUNCPIPE_STRICT_P2P=1``) a transport moves messages only as PyTorch's NCCL backend would:
 
-1. One ordered queue (stream) per pair of ranks, carrying both directions. A rank's groups (one
-   operation posted alone, or several posted together by ``Transport.post``) enter the queues of
-   the pairs they touch in the order the rank posts them.
+1. One ordered queue (stream) per pair of ranks, carrying both directions: funcpipe's
+   communicator layout, a process group per pair of ranks (:data:`funcpipe.schedule.p2p.PAIR`).
+   A rank's groups (one operation posted alone, or several posted together by
+   ``Transport.post``; the transports split a group with several peers into one per peer, as a
+   batch is one process group's) enter the queues of the pairs they touch in the order the rank
+   posts them.
 2. A group is *active* once it is at the head of this rank's side of every queue it touches: every
    earlier group of the rank on those pairs has completed.
 3. Messages match in FIFO order per direction (a rank's k-th send to a peer is the peer's k-th

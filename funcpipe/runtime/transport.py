@@ -9,9 +9,13 @@ Two implementations of one small interface:
   over :class:`funcpipe.runtime.sockets.Channels` instead (measured 7-18 us per message against 0.13-2 ms for gloo).
 
 Point-to-point goes through one call, :meth:`Transport.post`: a sequence of :class:`P2P` sends and
-receives posted together as one group (``batch_isend_irecv`` over torch.distributed), one
-:class:`Handle` per operation. A send's handle is done once its tensors may be released; the
-transport keeps a send only until then (``held_bytes``, ``peak_held_bytes``).
+receives posted together, one :class:`Handle` per operation. Both transports have the
+communicator layout :data:`funcpipe.schedule.p2p.PAIR` (``.layout``), the one the checker models:
+the operations of a group with one peer are one batch on that pair's queue (over
+torch.distributed: one ``batch_isend_irecv`` on the pair's process group, even for a single
+operation); a group with several peers is one batch per peer, posted in the order of their first
+operations. A send's handle is done once its tensors may be released; the transport keeps a send
+only until then (``held_bytes``, ``peak_held_bytes``).
 
 Receives fill buffers the receiver allocated from its own shape inference: no metadata and no
 pickled objects travel, only tensors.
@@ -34,6 +38,7 @@ import torch
 from funcpipe.errors import CommunicationError, InvalidArgument
 from funcpipe.runtime import buckets
 from funcpipe.runtime import strict as nccl
+from funcpipe.schedule.p2p import PAIR
 
 __all__ = ["P2P", "DistTransport", "Handle", "LocalTransport", "LocalWorld", "Transport"]
 
@@ -76,9 +81,12 @@ class P2P:
 
 
 class Transport(Protocol):
-    """What the interpreter needs from a transport (``rank`` is the rank in the program)."""
+    """What the interpreter needs from a transport (``rank`` is the rank in the program;
+    ``layout`` the communicator layout its point-to-point operations follow, which the program
+    is checked under)."""
 
     rank: int
+    layout: str | None
 
     def post(self, ops: Sequence[P2P]) -> list[Handle]: ...
 
@@ -96,6 +104,30 @@ class _Done:
 
 
 DONE = _Done()
+
+
+def by_peer(ops: Sequence[P2P]) -> list[list[int]] | None:
+    """The indices of ``ops`` per peer, in the order of each peer's first operation: the batches
+    a group is posted as under the pair layout (None when every operation has one peer, the
+    common case: one batch)."""
+    first = ops[0].peer
+    if all(op.peer == first for op in ops):
+        return None
+    parts: dict[int, list[int]] = {}
+    for k, op in enumerate(ops):
+        parts.setdefault(op.peer, []).append(k)
+    return list(parts.values())
+
+
+def post_by_peer(
+    ops: Sequence[P2P], parts: list[list[int]], post: Callable[[Sequence[P2P]], list[Handle]]
+) -> list[Handle]:
+    """Post each peer's operations as its own batch; the handles in the order of ``ops``."""
+    handles: list[Handle | None] = [None] * len(ops)
+    for part in parts:
+        for k, h in zip(part, post([ops[k] for k in part]), strict=True):
+            handles[k] = h
+    return handles  # type: ignore[return-value]
 
 
 def _nbytes(tensors: Sequence[Tensor]) -> int:
@@ -165,10 +197,11 @@ class LocalWorld:
     ``groups`` names collectives: ``{"data": [[0, 2], [1, 3]], "tie:wte": [[0, 1]]}`` — each name
     maps to disjoint lists of ranks; a rank reducing over ``name`` meets the others of its list.
 
-    ``strict=True`` moves messages only under NCCL's point-to-point rules
-    (:mod:`funcpipe.runtime.strict`): one FIFO queue per pair for both directions, groups posted
-    together, an ungrouped send done only when the peer's receive is at the head of its side (no
-    buffering). A program that would hang on GPUs then stops with :class:`CommunicationError`
+    ``strict=True`` moves messages only under NCCL's point-to-point rules on funcpipe's
+    communicator layout (:data:`~funcpipe.schedule.p2p.PAIR`, :mod:`funcpipe.runtime.strict`):
+    one FIFO queue per pair for both directions, a group's operations with one peer posted
+    together as one batch, an ungrouped send done only when the peer's receive is at the head
+    of its side (no buffering). A program that would hang on GPUs then stops with :class:`CommunicationError`
     (from :func:`funcpipe.runtime.drive.drive_local`, with :meth:`explain`). Default: on when the
     environment variable ``FUNCPIPE_STRICT_P2P`` is set (to anything but ``0``).
     Collectives are unaffected.
@@ -188,6 +221,7 @@ class LocalWorld:
                 f"LocalWorld(strict={strict!r}): True, False, or None (read {STRICT_ENV})"
             )
         self.size = size
+        self.layout = PAIR
         self.strict = strict_from_env() if strict is None else strict
         self.mail: dict[tuple[int, int], deque[_LocalMessage]] = {}
         self.posted: dict[tuple[int, int], deque[_LocalRecv]] = {}  # receives not yet matched
@@ -203,6 +237,11 @@ class LocalWorld:
             self.groups[name] = members
         # (group, members) -> contributions of the collective being assembled
         self.pending: dict[tuple[str, tuple[int, ...]], list[_Contribution]] = {}
+        # world rank -> its collectives not yet complete (for device_sync)
+        self.collectives: dict[int, list[_Contribution]] = {}
+        # set by drive_local while it runs: (run every rank that can go on until it waits, the
+        # ranks whose generators are running, innermost last: those are skipped)
+        self.driver: tuple[Callable[[], bool], list[int]] | None = None
 
     def transport(self, rank: int, ranks: Sequence[int] | None = None) -> LocalTransport:
         """The transport of program rank ``rank``; ``ranks[r]`` is the world rank of program
@@ -234,6 +273,45 @@ class LocalWorld:
                 msg = box.popleft()
                 _copy_into(want.popleft(), msg.tensors, src, dst)
                 msg.tensors, msg.done = [], True
+
+    def device_sync(self) -> None:
+        """A stand-in, for tests, of a device-wide synchronisation in the middle of a step
+        (``torch.cuda.synchronize()`` in a stage, inductor's autotuning, the caching
+        allocator's free-and-retry on out-of-memory) by the rank running now: its host is held
+        until every operation it has enqueued has completed, its collectives and (strict mode)
+        its point-to-point groups, while the other ranks go on. Call it from a stage function
+        while :func:`funcpipe.runtime.drive.drive_local` runs the step.
+
+        Raises :class:`CommunicationError` if those operations can never complete: on a GPU the
+        step would hang there.
+        """
+        if self.driver is None or not self.driver[1]:
+            raise InvalidArgument(
+                "LocalWorld.device_sync: call it from a stage while drive_local runs the step"
+            )
+        advance, running = self.driver
+        rank = running[-1]
+        while True:
+            left = self._enqueued(rank)
+            if not left:
+                return
+            if not advance():
+                raise CommunicationError(
+                    f"rank {rank} synchronises its device mid-step while {left} cannot "
+                    "complete until it goes on: on a GPU the step hangs here"
+                )
+
+    def _enqueued(self, rank: int) -> str:
+        """What world rank ``rank`` has enqueued that has not completed ('' if nothing)."""
+        mine = [c for c in self.collectives.get(rank, []) if not c.done]
+        self.collectives[rank] = mine
+        what = [f"{len(mine)} collective(s)"] if mine else []
+        if self.strict:
+            self.progress()
+            groups = self.side(rank).groups
+            if groups:
+                what.append("point-to-point group(s) " + ", ".join(str(g) for g in groups))
+        return " and ".join(what)
 
     def unfinished(self) -> list[int]:
         """Strict mode: the ranks with groups not yet complete."""
@@ -351,6 +429,7 @@ class LocalTransport(_Counters):
 
     def __init__(self, world: LocalWorld, rank: int, ranks: Sequence[int] | None = None) -> None:
         self.world, self.rank = world, rank
+        self.layout: str | None = world.layout
         self.ranks = list(ranks) if ranks is not None else list(range(world.size))
         self.me = self.ranks[rank]
         self.held = _Held()
@@ -360,6 +439,9 @@ class LocalTransport(_Counters):
         if not ops:
             return []
         if self.world.strict:
+            parts = by_peer(ops)
+            if parts is not None:  # one batch per peer (the pair layout)
+                return post_by_peer(ops, parts, self._post_strict)
             return self._post_strict(ops)
         handles: list[Handle] = []
         for op in ops:
@@ -404,13 +486,14 @@ class LocalTransport(_Counters):
         parts = self.world.pending.setdefault(key, [])
         me = _Contribution(self.me, tensors)
         parts.append(me)
+        self.world.collectives.setdefault(self.me, []).append(me)
         if len(parts) == len(members):
             del self.world.pending[key]
             parts.sort(key=lambda c: c.rank)  # a fixed order: deterministic sums
             for i in range(len(me.tensors)):
                 total = parts[0].tensors[i].clone()
                 for c in parts[1:]:
-                    total += c.tensors[i]
+                    total += c.tensors[i].to(total.device)
                 for c in parts:
                     c.tensors[i].copy_(total)
             for c in parts:
@@ -566,10 +649,18 @@ class DistTransport(_Counters):
     ``on_error(exc, what)`` turns a communication failure into the error to raise (the pipeline
     uses it to name the rank that failed first).
 
-    A group of more than one tensor to move is posted with ``batch_isend_irecv`` (NCCL fuses it
-    into one operation), a single tensor with ``isend``/``irecv``. Sends to a peer reached over
-    ``channels`` (:class:`funcpipe.runtime.sockets.Channels`, CPU tensors) are queued at once with
-    the group's receives: sockets buffer, they need no rendezvous.
+    ``pairs`` maps a peer's program rank to the process group of this rank and that peer alone
+    (:func:`funcpipe.world.join` creates one per pair of ranks that exchange messages): the
+    layout :data:`~funcpipe.schedule.p2p.PAIR`. A group's operations with one peer are posted as
+    one ``batch_isend_irecv`` on that pair's process group, even a single one: ProcessGroupNCCL
+    runs a batch on the group's own communicator, while a lone ``isend``/``irecv`` may get a
+    second, lazily created communicator for the pair, and the two would not match each other.
+    A group with several peers is one batch per peer. Without ``pairs`` every peer is reached
+    over the default process group (one communicator for all ranks: right in a world of two
+    processes, and what tests of hand-posted groups use; ``layout`` is then ``None``).
+    Sends to a peer reached over ``channels`` (:class:`funcpipe.runtime.sockets.Channels`, CPU
+    tensors) are queued at once with the group's receives: sockets buffer, they need no
+    rendezvous.
 
     ``split=(group, size, coord)`` turns on scatter-gather for tensor-parallel program ranks:
     a message's tensors are the same on every rank of ``group`` (replicated activations and
@@ -598,6 +689,7 @@ class DistTransport(_Counters):
         on_error: Callable[[BaseException, str], BaseException] | None = None,
         split: tuple[Any, int, int] | None = None,
         channels: Any = None,
+        pairs: Mapping[int, Any] | None = None,
         strict: bool = False,
         store: Any = None,
         key: str | None = None,
@@ -606,6 +698,8 @@ class DistTransport(_Counters):
         import torch.distributed as dist
 
         self.dist = dist
+        self.pairs = dict(pairs) if pairs is not None else None
+        self.layout: str | None = PAIR if pairs is not None else None
         self.channels = channels  # sockets.Channels to some peers (CPU tensors only), or None
         self.rank = rank
         self.ranks = list(ranks)
@@ -645,10 +739,17 @@ class DistTransport(_Counters):
         )
 
     def post(self, ops: Sequence[P2P]) -> list[Handle]:
-        dist = self.dist
         self.held.reap()
         if not ops:
             return []
+        parts = by_peer(ops)
+        if parts is not None:  # one batch per peer: a batch is one process group's
+            return post_by_peer(ops, parts, self._post)
+        return self._post(ops)
+
+    def _post(self, ops: Sequence[P2P]) -> list[Handle]:
+        """Post ``ops`` (all with one peer) as one batch."""
+        dist = self.dist
         group = None
         if self.strict is not None:
             group = self.strict.post([(op.op, op.peer, op.label) for op in ops])
@@ -681,11 +782,9 @@ class DistTransport(_Counters):
                 self.bytes_sent += _nbytes(moved)
             plans.append((moved, works, gathers))
         if batch:
-            if len(batch) > 1:
-                got = dist.batch_isend_irecv([dist.P2POp(fn, t, p) for _, fn, t, p in batch])
-            else:
-                _, fn, t, p = batch[0]
-                got = [fn(t, p)]
+            # always a batch, on the pair's process group: never split across communicators
+            pg = None if self.pairs is None else self.pairs[ops[0].peer]
+            got = dist.batch_isend_irecv([dist.P2POp(fn, t, p, pg) for _, fn, t, p in batch])
             if len(got) == len(batch):
                 for (k, *_), w in zip(batch, got, strict=True):
                     plans[k][1].append(w)

@@ -8,17 +8,23 @@ waits for the RECVs whose data it reads. Two models say when a posted message co
     A SEND completes when it is posted; its data reaches the peer ``comm`` later and completes
     the matching RECV (or at its posting, when the data came first). Groups change nothing.
 
-``nccl`` (one stream per pair of ranks, both directions)
-    Each pair of ranks has one FIFO stream with one side per rank. A rank's group is appended
-    to its side of the stream of every pair it touches; it is *active* once it is at the head
-    of all of them. A SEND and its RECV match when both their groups are active (the data takes
-    ``comm``). A group completes when *all* its members have matched, as one (NCCL runs a fused
-    group as one kernel): only then are its RECVs' data there and does the next entry of each
-    side move up. So two ranks whose next entries on their shared stream are both SENDs, each
-    to a RECV queued behind the other's SEND, wait forever: gloo's buffering hides that, NCCL
-    hangs (a send larger than NCCL's buffers completes only when the peer's receive runs). A
-    group is posted at once: a SEND and a RECV in one group can match in either order, but an
-    instruction reading one RECV of a group waits for the whole group.
+``nccl`` (NCCL's rules on the communicator layout ``layout``)
+    The layout funcpipe's transports build is :data:`PAIR` (the only one): one process group,
+    so one NCCL communicator and one stream per rank of it, for every pair of ranks that
+    exchange messages, and every message between them posted on it through one call
+    (``batch_isend_irecv``, even alone). So each pair of ranks has one FIFO stream with one side
+    per rank, and a program group joining messages to several peers is posted as one batch per
+    peer, in the order of the peers (a batch is one process group's). A rank's batch is
+    appended to its side of its pair's stream; it is *active* at the head of that side. A SEND
+    and its RECV match when both their batches are active (the data takes ``comm``). A batch
+    completes when *all* its members have matched, as one (NCCL runs a fused group as one
+    kernel): only then are its RECVs' data there and does the next entry of the side move up.
+    So two ranks whose next entries on their shared stream are both SENDs, each to a RECV
+    queued behind the other's SEND, wait forever: gloo's buffering hides that, NCCL hangs (a
+    send larger than NCCL's buffers completes only when the peer's receive runs). A batch is
+    posted at once: a SEND and a RECV in one batch can match in either order, but an
+    instruction reading one RECV of a batch waits for the whole batch. Streams of different
+    pairs are independent.
 
 :class:`Network` is that state for one run; the simulator calls :meth:`Network.post` when a rank
 reaches a group and :meth:`Network.progress` until nothing moves. When a run is stuck,
@@ -35,9 +41,16 @@ from funcpipe.errors import InvalidArgument
 from funcpipe.schedule.analysis import Analysis
 from funcpipe.schedule.ir import Op
 
-__all__ = ["P2P", "Network", "Why", "check_p2p"]
+__all__ = ["LAYOUTS", "P2P", "PAIR", "Network", "Why", "check_layout", "check_p2p"]
 
 P2P = ("gloo", "nccl")
+
+#: The communicator layout of funcpipe's transports (:mod:`funcpipe.world` builds it, the
+#: transports report it as ``.layout``, :class:`funcpipe.Pipeline` checks its program under it):
+#: one process group per pair of ranks that exchange messages, every message group of the pair
+#: posted on it as one ``batch_isend_irecv``, a program group split into one batch per peer.
+PAIR = "pair"
+LAYOUTS = (PAIR,)
 
 Step = tuple[int, int]  # (rank, step)
 
@@ -49,6 +62,15 @@ def check_p2p(p2p: object, fn: str) -> str:
             "'nccl' (one stream per pair of ranks: groups must be posted so that it cannot hang)"
         )
     return str(p2p)
+
+
+def check_layout(layout: object, fn: str) -> str:
+    if layout not in LAYOUTS:
+        raise InvalidArgument(
+            f"{fn}: layout={layout!r}; the communicator layout funcpipe's transports build is "
+            f"{PAIR!r} (one process group per pair of ranks that exchange messages)"
+        )
+    return str(layout)
 
 
 @dataclass(frozen=True)
@@ -89,8 +111,14 @@ class Network:
     """
 
     def __init__(
-        self, analysis: Analysis, comm: float, p2p: str, finish: dict[Step, float]
+        self,
+        analysis: Analysis,
+        comm: float,
+        p2p: str,
+        finish: dict[Step, float],
+        layout: str = PAIR,
     ) -> None:
+        self.layout = layout
         self.a = analysis
         self.p = analysis.program
         self.comm = comm
@@ -116,22 +144,24 @@ class Network:
             for t in steps:
                 self._gloo(rank, t)
             return
-        g = len(self.groups)
-        group = _Group(rank, steps, time, unmatched=len(steps))
-        self.groups.append(group)
+        # the pair layout: one batch per peer, each on its pair's stream (a program group that
+        # joins several peers is several batches, posted in the order of their first members)
         by_pair: dict[tuple[int, int], list[Step]] = {}
         for t in steps:
-            self.group_of[(rank, t)] = g
             peer = self.p.ranks[rank][t].peer
             by_pair.setdefault((min(rank, peer), max(rank, peer)), []).append((rank, t))
         for pair, members in by_pair.items():
+            g = len(self.groups)
+            group = _Group(rank, tuple(t for _, t in members), time, unmatched=len(members))
             group.pairs.append(pair)
+            self.groups.append(group)
             side = self.sides.setdefault(pair, {pair[0]: deque(), pair[1]: deque()})[rank]
             entry = _Entry(g, members, time)
             if not side:
                 entry.head = max(time, self.free.get((pair, rank), time))
             side.append(entry)
             for m in members:
+                self.group_of[m] = g
                 self.entry_of[m] = entry
 
     def _gloo(self, rank: int, t: int) -> None:

@@ -4,7 +4,8 @@ Every rank runs its instructions in order. A compute instruction starts when its
 its inputs exist (see :mod:`funcpipe.schedule.analysis`); it lasts its cost. SEND and RECV cost
 the rank nothing: a rank posts them (a group at a time) and goes on; a RECV completes when its data
 arrives, which :mod:`funcpipe.schedule.p2p` models (``p2p="gloo"``: ``comm`` after the SEND was
-posted; ``p2p="nccl"``: ``comm`` after both ends reached the heads of their pair's stream), and the
+posted; ``p2p="nccl"``: ``comm`` after both ends reached the heads of their pair's stream, one
+stream per pair of ranks as funcpipe's communicators give: a process group per pair), and the
 compute that reads the data waits for it. In a compute-only program data crossing ranks arrives
 ``comm`` after it was produced. The same run proves there is no deadlock.
 """
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from funcpipe.errors import InvalidArgument, ScheduleError
 from funcpipe.schedule.analysis import Analysis, analyse, fail
 from funcpipe.schedule.ir import COMM_OPS, COMPUTE_OPS, Instr, Op, Program, groups
-from funcpipe.schedule.p2p import Network, Why, check_p2p
+from funcpipe.schedule.p2p import PAIR, Network, Why, check_layout, check_p2p
 
 __all__ = ["Costs", "Event", "Timeline", "peak_activations", "peak_memory", "simulate"]
 
@@ -289,16 +290,19 @@ def _deadlock(
             mark = why.mark
         detail += "\nwho waits for whom:\n" + "\n".join(why.chain)
     rule = (
-        "no deadlock under NCCL's point-to-point rules: one FIFO stream per pair of ranks, both "
-        "directions; a SEND/RECV group holds the head of its rank's side until all its members "
-        "matched; a SEND and its RECV match only when both are at the heads"
+        "no deadlock under NCCL's point-to-point rules on funcpipe's communicators (a process "
+        "group per pair of ranks): one FIFO stream per pair of ranks, both directions; a group's "
+        "messages to one peer hold the head of its rank's side until all of them matched; a "
+        "SEND and its RECV match only when both are at the heads"
         if p2p == "nccl"
         else "no deadlock: every rank can always make progress"
     )
     return fail(program, mark[0], mark[1], rule, detail)
 
 
-def simulate(program: Program, costs: Costs | None = None, *, p2p: str = "gloo") -> Timeline:
+def simulate(
+    program: Program, costs: Costs | None = None, *, p2p: str = "gloo", layout: str = PAIR
+) -> Timeline:
     """Run ``program`` on the cost model and return its :class:`Timeline`.
 
     ``p2p`` is the point-to-point model (:mod:`funcpipe.schedule.p2p`): ``"gloo"`` (default:
@@ -306,7 +310,9 @@ def simulate(program: Program, costs: Costs | None = None, *, p2p: str = "gloo")
     its SEND and RECV are both at the heads of their ranks' sides of the pair's stream, then
     takes ``comm``). Either way a RECV is *posted* where it stands and only the compute
     instruction that reads its data waits, so a RECV posted a step early costs no wait when
-    its data arrives during the compute in between.
+    its data arrives during the compute in between. ``layout`` is the communicator layout
+    NCCL's rules apply to: :data:`~funcpipe.schedule.p2p.PAIR`, the one funcpipe's transports
+    build (a process group per pair of ranks).
 
     Raises :class:`~funcpipe.errors.ScheduleError` if the program is unsound (including a
     deadlock under the ``p2p`` rules).
@@ -315,6 +321,7 @@ def simulate(program: Program, costs: Costs | None = None, *, p2p: str = "gloo")
     if not isinstance(costs, Costs):
         raise InvalidArgument(f"costs={costs!r}: pass a funcpipe.schedule.Costs")
     p2p = check_p2p(p2p, "simulate")
+    layout = check_layout(layout, "simulate")
     analysis = analyse(program)
     f, b, w, full = (costs.per_stage(n, program) for n in ("f", "b", "w", "full"))
     n = program.n_ranks
@@ -324,7 +331,7 @@ def simulate(program: Program, costs: Costs | None = None, *, p2p: str = "gloo")
     started: dict[tuple[int, int], float] = {}
     arrived: dict[tuple[int, int], float] = {}
     group_at = [{g[0]: g for g in groups(instrs)} for instrs in program.ranks]
-    net = Network(analysis, costs.comm, p2p, finish)
+    net = Network(analysis, costs.comm, p2p, finish, layout)
     while True:
         progressed = False
         for r in range(n):

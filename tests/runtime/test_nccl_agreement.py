@@ -1,7 +1,9 @@
 """The NCCL model of the checker and the strict transport agree: a lowered program, randomly
-re-grouped and with receives moved, that ``check(..., p2p="nccl")`` accepts runs under the
-strict transport (FUNCPIPE_STRICT_P2P=1) to the reference gradients, and one it rejects is
-stopped by the strict transport with a CommunicationError (never a hang)."""
+re-grouped and with receives moved, that ``check(..., p2p="nccl", layout=Pipeline.p2p_layout)``
+accepts runs under the strict transport (FUNCPIPE_STRICT_P2P=1) to the reference gradients,
+and one it rejects is stopped by the strict transport with a CommunicationError (never a hang).
+At 3 and 4 ranks a group can join messages to two peers: both post it as one batch per peer,
+each on its pair's queue (the layout ``"pair"``: a process group per pair of ranks)."""
 
 from __future__ import annotations
 
@@ -30,11 +32,15 @@ def _fix_groups(instrs: list[Instr]) -> list[Instr]:
 
 @st.composite
 def _mutated(draw: st.DrawFn) -> tuple[Program, Program]:
-    name = draw(st.sampled_from(["1f1b", "zb-h1", "interleaved", "zbv", "gpipe"]))
-    m = draw(st.integers(1, 4))
-    program = fp.schedule.generate(name, ranks=2, microbatches=m)
-    n = program.n_stages
-    stages, _ = toy(n)
+    name = draw(
+        st.sampled_from(["1f1b", "zb-h1", "interleaved", "zbv", "gpipe", "looped-bfs", "chimera"])
+    )
+    ranks = draw(st.integers(2, 4))
+    # (Chimera with one microbatch returns wrong gradients for the stages of its unused upward
+    # pipeline, with or without these mutations: a separate bug, reported)
+    m = draw(st.integers(2 if name == "chimera" else 1, 4))
+    program = fp.schedule.generate(name, ranks=ranks, microbatches=m)
+    stages, _ = toy(len(set(program.replica_of or range(program.n_stages))))
     lowered = Pipeline(stages, program, loss_fn=mse).program
     ranks = [list(r) for r in lowered.ranks]
     for _ in range(draw(st.integers(1, 4))):
@@ -66,7 +72,7 @@ def test_the_checker_and_the_strict_transport_agree(pair: tuple[Program, Program
     stages, params = toy(len(set(program.replica_of or range(program.n_stages))))
     x, y = data(8)
     try:
-        check(program, p2p="nccl")
+        check(program, p2p="nccl", layout=Pipeline.p2p_layout)
         accepted = True
     except ScheduleError:
         accepted = False

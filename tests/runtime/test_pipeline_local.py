@@ -407,15 +407,18 @@ def test_nan_in_a_parameter_gradient_is_reported() -> None:
 
 # ----------------------------------------------------------------------------- NCCL's rules
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [2, 3, 4, 8])
 def test_every_schedule_runs_under_nccl_rules(
     monkeypatch: pytest.MonkeyPatch, name: str, ranks: int
 ) -> None:
-    """The strict transport (FUNCPIPE_STRICT_P2P=1: one FIFO stream per pair for both
-    directions, sends complete only at rendezvous, groups complete as one) runs every
-    schedule's lowered program to the reference gradients: the lowering is NCCL-correct."""
+    """The strict transport (FUNCPIPE_STRICT_P2P=1: NCCL's rules on the pair layout, one FIFO
+    stream per pair of ranks for both directions, sends complete only at rendezvous, a group's
+    messages to one peer complete as one) runs every schedule's lowered program to the reference
+    gradients: the lowering is NCCL-correct on funcpipe's communicators. (Under one stream per
+    rank, one communicator for all, the lowered interleaved and looped BFS programs hang at 3,
+    4 and 8 ranks: issue 32.)"""
     monkeypatch.setenv("FUNCPIPE_STRICT_P2P", "1")
-    for m in sorted({ranks, 2 * ranks + 1}):
+    for m in sorted({ranks, 2 * ranks + 1}) if ranks < 8 else [ranks]:
         run_pipeline_vs_reference(0, name, ranks, m, [13, 9], recompute=m > ranks, tied=True)
 
 

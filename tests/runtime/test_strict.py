@@ -97,14 +97,14 @@ def test_messages_match_in_fifo_order_per_direction() -> None:
 
 
 def test_a_group_completes_as_one() -> None:
-    """A group's handles are done only once all its members have matched."""
-    world = LocalWorld(3, strict=True)
-    t0, t1, t2 = (world.transport(r) for r in range(3))
-    x, y = torch.ones(2), torch.ones(2)
-    h1, h2 = t0.post([_send(x, 1), _send(y, 2)])
+    """A batch's handles (a group's operations with one peer) are done only once all of them
+    have matched."""
+    world = LocalWorld(2, strict=True)
+    t0, t1 = world.transport(0), world.transport(1)
+    h1, h2 = t0.post([_send(torch.ones(2), 1), _recv(torch.empty(2), 1)])
     t1.post([_recv(torch.empty(2), 0)])
-    assert not h1.ready() and not h2.ready()  # rank 2 has not posted its receive
-    t2.post([_recv(torch.empty(2), 0)])
+    assert not h1.ready() and not h2.ready()  # rank 1 has not posted its send
+    t1.post([_send(torch.ones(2), 0)])
     assert h1.ready() and h2.ready()
 
 
@@ -128,24 +128,25 @@ def test_an_ungrouped_operation_waits_for_the_head_of_its_own_queue() -> None:
     assert behind.ready()
 
 
-def test_a_group_touching_two_queues_waits_for_both_heads() -> None:
+def test_a_group_with_two_peers_is_one_batch_per_peer() -> None:
+    """A batch is one process group's, and each pair of ranks has its own (the pair layout):
+    a group with two peers is posted as two batches, each completing on its own queue. Rank 0's
+    receive from rank 1 is not held up by its queue with rank 2, whose head waits for rank 2."""
     world = LocalWorld(3, strict=True)
     t0, t1, t2 = (world.transport(r) for r in range(3))
     (first,) = t0.post([_send(torch.ones(1), 2)])  # head of queue (0, 2) until rank 2 receives
-    h = t0.post([_recv(torch.empty(1), 1), _recv(torch.empty(1), 2)])
-    t1.post([_send(torch.ones(1), 0)])
+    h = t0.post([_recv(torch.empty(1), 1), _recv(torch.empty(1), 2), _send(torch.ones(1), 1)])
+    t1.post([_send(torch.ones(1), 0), _recv(torch.empty(1), 0)])
     t2.post([_send(torch.ones(1), 0)])
-    # rank 1's send could match, but the group also needs the head of queue (0, 2), where
-    # rank 0's send waits for rank 2, whose own send heads its side
-    assert not h[0].ready() and not first.ready()
+    assert h[0].ready() and h[2].ready()  # the batch with rank 1 completed
+    assert not first.ready() and not h[1].ready()  # queue (0, 2): both heads are SENDs
     text = world.explain()
     assert (
         "rank 0's SEND (to r2) waits for rank 2, whose queue head is its own SEND (to r0)" in text
     )
-    assert "rank 0's RECV (from r1) + RECV (from r2) is queued behind its own SEND (to r2)" in text
-    assert "rank 1's SEND (to r0) waits for rank 0, whose queue head RECV (from r1) waits " in text
+    assert "rank 0's RECV (from r2) is queued behind its own SEND (to r2)" in text
     with pytest.raises(CommunicationError, match=r"cannot complete yet"):
-        h[0].wait()
+        h[1].wait()
     world2 = LocalWorld(3, strict=True)
     u0, u1, u2 = (world2.transport(r) for r in range(3))
     (first,) = u0.post([_send(torch.ones(1), 2)])

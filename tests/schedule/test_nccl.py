@@ -100,10 +100,12 @@ rank 1: RECV act s0>s1 m0 from r0; F s1 m0; SEND act s1>s2 m0 to r0
     assert "post the SEND first on one of the ranks" in str(info.value)
 
 
-def test_a_group_holds_every_pair_it_touches_until_all_its_members_matched() -> None:
-    # rank 1 posts `SEND a` (to rank 2) in one group with `RECV b` (from rank 0). b comes after
-    # rank 2 got d, which rank 1 sends behind that group on the r1-r2 stream: the group cannot
-    # complete, so d never reaches the head. Two groups (one per peer) run.
+def test_a_group_joining_two_peers_is_one_batch_per_peer() -> None:
+    # rank 1 joins `SEND a` (to rank 2) and `RECV b` (from rank 0) in one group. b comes after
+    # rank 2 got d, which rank 1 sends behind `SEND a` on the r1-r2 stream. One batch over both
+    # peers (one communicator for all ranks) could not complete, so d would never reach the head;
+    # but a batch is one process group's, and funcpipe's layout has one per pair: the group is
+    # posted as two batches, one on each pair's stream, and `SEND a` completes on its own.
     text = """\
 placement 1 2 0 1
 microbatches 2
@@ -114,14 +116,14 @@ rank 2: RECV act s0>s1 m0 from r1; + RECV act s0>s1 m1 from r1; F s1 m1; SEND ac
 """
     program = parse_program(text)
     check(program)
-    with pytest.raises(ScheduleError, match="deadlock") as info:
-        check(program, p2p="nccl")
-    assert (
-        "queued on the r1-r2 stream behind rank 1 step 1 `SEND act s0>s1 m0 to r2`, whose group "
-        "still waits for rank 1 step 2 `+ RECV act s2>s3 m0 from r0`"
-    ) in str(info.value)
+    check(program, p2p="nccl", layout="pair")
     split = parse_program(text.replace("to r2; + RECV act s2>s3 m0", "to r2; RECV act s2>s3 m0"))
     check(split, p2p="nccl")
+    costs = Costs(f=1, comm=0.5)
+    same = simulate(program, costs, p2p="nccl").makespan
+    assert same == simulate(split, costs, p2p="nccl").makespan
+    with pytest.raises(InvalidArgument, match="layout='rank'.*'pair'"):
+        check(program, p2p="nccl", layout="rank")
 
 
 def test_a_group_completes_as_one() -> None:
