@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from funcpipe.errors import InvalidArgument
+from funcpipe.groups import Claim
 from funcpipe.runtime.transport import DistTransport, strict_from_env
 from funcpipe.schedule.check import in_program
 from funcpipe.schedule.ir import Op, Program
@@ -51,6 +52,14 @@ class DistWorld:
     data: int  # data-parallel copies
     tensor: int  # tensor-parallel size
     transport: DistTransport
+    claim: Claim | None = None  # the shared process groups this world uses
+
+    def close(self) -> None:
+        """Release the transport (sockets, waiter threads) and the process groups (collective:
+        every process closes its worlds in the same order)."""
+        self.transport.close()
+        if self.claim is not None:
+            self.claim.close()
 
 
 def initialised() -> bool:
@@ -105,13 +114,13 @@ def join(
     pipe_ranks = [g(r, copy, coord) for r in range(n)]
     everywhere = [(d, c) for d in range(copies) for c in range(tp)]
 
-    def subgroups(lists: list[list[int]]) -> Any:
-        mine, _ = dist.new_subgroups_by_enumeration(lists)
-        return mine
+    # groups are shared with every other world of the same layout (funcpipe.groups)
+    claim = Claim()
+    subgroups = claim.subgroups
 
     # the loss and metric sums: every process of the world, a group of their own so the ranks
     # can start it mid-step (as soon as their loss is final) whatever else is in flight
-    groups: dict[str, Any] = {SCALARS: _scalars_group()}
+    groups: dict[str, Any] = {SCALARS: claim.group(range(world))}
     names = sorted({i.group for r in program.ranks for i in r if i.op is Op.REDUCE})
     for name in names:
         if not in_program(name):  # over the data-parallel copies of this rank and coord
@@ -144,7 +153,7 @@ def join(
     transport = DistTransport(
         rank, pipe_ranks, groups=groups, on_error=on_error, split=split, channels=channels, **strict
     )
-    return DistWorld(rank, pipe_ranks, copies, tp, transport)
+    return DistWorld(rank, pipe_ranks, copies, tp, transport, claim)
 
 
 def _channels(
@@ -260,22 +269,3 @@ def _pg_timeout() -> float:
         return float(opts._timeout.total_seconds())
     except (AttributeError, RuntimeError):
         return 1800.0
-
-
-_SCALAR_GROUPS: dict[int, tuple[Any, Any]] = {}  # id(default group) -> (it, loss group)
-
-
-def _scalars_group() -> Any:
-    """One process group over the whole world for every Pipeline's loss reduction (steps run
-    one after another, so they can share it; a group per Pipeline would open new connections
-    for each). Every process creates it with its first Pipeline, in the same order."""
-    import torch.distributed as dist
-
-    default = dist.group.WORLD
-    found = _SCALAR_GROUPS.get(id(default))
-    if found is None or found[0] is not default:
-        found = _SCALAR_GROUPS[id(default)] = (
-            default,
-            dist.new_group(list(range(dist.get_world_size()))),
-        )
-    return found[1]
