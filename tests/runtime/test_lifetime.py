@@ -40,10 +40,10 @@ def test_fifty_dropped_pipelines_share_one_set_of_groups(pool) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_fifty_meshes_and_their_pipelines_close(pool) -> None:
+def test_ten_meshes_and_their_pipelines_close(pool) -> None:
     """Closed by ``with`` blocks: the mesh's groups (and the Pipeline's) are gone at once, while
     the last mesh and Pipeline objects are still referenced."""
-    for rank, got in enumerate(pool(2).run(jobs_resources.meshes, N)):
+    for rank, got in enumerate(pool(2).run(jobs_resources.meshes, 10)):
         assert got["closed"] == got["start"], f"rank {rank}: {got}"
         assert got["end"] == got["start"], f"rank {rank}: {got}"
 
