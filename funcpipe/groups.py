@@ -38,6 +38,7 @@ __all__ = ["Claim", "destroy_all", "live"]
 class _Entry:
     value: Any  # what the owners use (a group, a mesh's pieces)
     groups: list[Any]  # this process's process groups in it, destroyed with it
+    forget: Callable[[Any], None] | None = None  # breaks reference cycles in value, if any
     claims: int = 0
 
 
@@ -72,17 +73,26 @@ class Claim:
         self._keys: list[Hashable] = []
         self.closed = False
 
-    def shared(self, key: Hashable, make: Callable[[], tuple[Any, Sequence[Any]]]) -> Any:
+    def shared(
+        self,
+        key: Hashable,
+        make: Callable[[], tuple[Any, Sequence[Any]]],
+        *,
+        forget: Callable[[Any], None] | None = None,
+    ) -> Any:
         """The value registered under ``key``, made by ``make()`` the first time: ``make``
         returns ``(value, groups)``, ``groups`` being the process groups it created that this
-        process belongs to (destroyed with the entry; never the default group)."""
+        process belongs to (destroyed with the entry; never the default group). A gloo group's
+        threads and connections end only when its last reference goes: ``forget(value)``, called
+        once the groups are destroyed, breaks any reference cycle in ``value`` that would keep
+        them until the garbage collector runs."""
         if self.closed:
             raise RuntimeError("internal: a closed Claim was asked for a group")
         reg = _registry()
         entry = reg.entries.get(key)
         if entry is None:
             value, groups = make()
-            entry = reg.entries[key] = _Entry(value, _distinct(groups, reg.default))
+            entry = reg.entries[key] = _Entry(value, _distinct(groups, reg.default), forget)
         entry.claims += 1
         self._keys.append(key)
         return entry.value
@@ -180,3 +190,6 @@ def _destroy(entry: _Entry, default: Any) -> None:
         with contextlib.suppress(ValueError):  # destroyed already (by the user)
             dist.destroy_process_group(g)
     entry.groups = []
+    if entry.forget is not None:
+        entry.forget(entry.value)
+    entry.value = None

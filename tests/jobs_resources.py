@@ -85,6 +85,21 @@ def meshes(rank: int, n: int) -> dict[str, Any]:
     return {"start": start, "closed": closed, "end": settled(start)}
 
 
+def grid_meshes(rank: int, n: int) -> dict[str, Any]:
+    """``n`` 2D meshes of four ranks (their tensor axis a flattened mesh, which torch's mesh
+    keeps in a reference cycle), each summing over its tensor axis, closed by ``with``."""
+    import torch
+    import torch.distributed as dist
+
+    start = settled()
+    for _ in range(n):
+        with build_mesh({"tensor": {"size": 4, "mode": "2d"}}) as mesh:
+            t = torch.ones(1)
+            dist.all_reduce(t, group=mesh["tensor"].group)
+            assert float(t) == 4.0
+    return {"start": start, "closed": settled(start)}
+
+
 def closed_step(rank: int) -> str:
     """Stepping a closed Pipeline: the error's text."""
     with _pipeline(tied=False)[0] as pipe:

@@ -32,6 +32,7 @@ from :meth:`ParallelConfig.place`; the sharding helpers take a ``Place``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -380,7 +381,7 @@ def build_mesh(
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     claim = Claim()
     key = ("mesh", config, device_type)
-    dm, axes = claim.shared(key, lambda: _make_mesh(config, device_type))
+    dm, axes = claim.shared(key, lambda: _make_mesh(config, device_type), forget=_forget_mesh)
     mesh = Mesh(config, dm, axes, dist.get_rank(), claim=claim)
     for name, axis in axes.items():
         if axis.coord != mesh.place.coords[name]:
@@ -388,6 +389,13 @@ def build_mesh(
                 f"internal: axis {name!r} coordinate {axis.coord} != {mesh.place.coords[name]}"
             )
     return mesh
+
+
+def _forget_mesh(value: tuple[Any, dict[str, Axis]]) -> None:
+    """torch's DeviceMesh and the flattened meshes it keeps refer to each other: a cycle that
+    would keep their process groups (and gloo's threads) until the garbage collector runs."""
+    with contextlib.suppress(AttributeError):
+        value[0]._flatten_mapping.clear()
 
 
 def _make_mesh(

@@ -48,6 +48,14 @@ def test_ten_meshes_and_their_pipelines_close(pool) -> None:
         assert got["end"] == got["start"], f"rank {rank}: {got}"
 
 
+@pytest.mark.timeout(180)
+def test_closed_grid_meshes_give_everything_back(pool) -> None:
+    """A 2D mesh's flattened tensor axis: torch's meshes refer to each other, and closing must
+    not leave their groups to the garbage collector."""
+    for rank, got in enumerate(pool(4).run(jobs_resources.grid_meshes, 5)):
+        assert got["closed"] == got["start"], f"rank {rank}: {got}"
+
+
 @pytest.mark.timeout(60)
 def test_a_closed_pipeline_refuses_to_step(pool) -> None:
     for text in pool(2).run(jobs_resources.closed_step):
