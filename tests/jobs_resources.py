@@ -36,6 +36,11 @@ def settled(target: dict[str, int] | None = None, wait: float = 3.0) -> dict[str
     return last
 
 
+def ready(rank: int) -> int:
+    """Nothing: answers once the pool's processes have started."""
+    return rank
+
+
 def release(rank: int) -> dict[str, int]:
     """Destroy every process group funcpipe keeps in this process (all ranks at once)."""
     groups.destroy_all()
