@@ -70,7 +70,7 @@ class Claim:
     """
 
     def __init__(self) -> None:
-        self._keys: list[Hashable] = []
+        self._keys: list[tuple[_Registry, Hashable]] = []  # (registry, key) of each claim
         self.closed = False
 
     def shared(
@@ -94,7 +94,7 @@ class Claim:
             value, groups = make()
             entry = reg.entries[key] = _Entry(value, _distinct(groups, reg.default), forget)
         entry.claims += 1
-        self._keys.append(key)
+        self._keys.append((reg, key))
         return entry.value
 
     def subgroups(self, lists: Sequence[Sequence[int]]) -> Any:
@@ -128,11 +128,12 @@ class Claim:
         if self.closed:
             return
         self.closed = True
-        reg = _registry() if _REGISTRY else None
-        if reg is None:
+        if not _REGISTRY:
             return
-        for key in self._keys:
-            entry = reg.entries.get(key)
+        reg = _REGISTRY[0]
+        # claims on a registry destroy_all has since emptied are gone with it
+        for where, key in self._keys:
+            entry = reg.entries.get(key) if where is reg else None
             if entry is not None:
                 entry.claims -= 1
         self._keys = []

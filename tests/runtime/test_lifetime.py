@@ -60,3 +60,33 @@ def test_closed_grid_meshes_give_everything_back(pool) -> None:
 def test_a_closed_pipeline_refuses_to_step(pool) -> None:
     for text in pool(2).run(jobs_resources.closed_step):
         assert text.startswith("InvalidArgument: this Pipeline was closed"), text
+
+
+def test_claims_share_groups_and_the_last_close_destroys_them() -> None:
+    """In one process (a world of one): two claims on one layout share its group; the group
+    goes with the last close; a claim from before destroy_all does not release a newer one."""
+    import torch.distributed as dist
+
+    from funcpipe import groups
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        a, b = groups.Claim(), groups.Claim()
+        assert a.subgroups([[0]]) is b.subgroups([[0]])
+        assert groups.live() == 1
+        a.close()
+        assert groups.live() == 1  # b still holds it
+        b.close()
+        assert groups.live() == 0
+        old = groups.Claim()
+        old.group([0])
+        groups.destroy_all()
+        new = groups.Claim()
+        new.group([0])
+        old.close()
+        assert groups.live() == 1, "a claim on a destroyed registry released a newer group"
+        new.close()
+        assert groups.live() == 0
+    finally:
+        groups.destroy_all()
+        dist.destroy_process_group()
