@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/funcpipe demo
 
+# The exhaustive sweeps (@pytest.mark.slow) are left out; the 15 slowest tests are printed, and
+# the end of the report shows what the rank pools held while idle (tests/conftest.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15
 	$(MAKE) lint
 
 lint: $(STAMP)

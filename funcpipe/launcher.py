@@ -555,7 +555,13 @@ class Pool:
         job = _pickle_job(fn, args, kwargs)
         for c in self.conns:
             c.send(job)
-        return self._collect(self.timeout if timeout is None else float(timeout))
+        try:
+            return self._collect(self.timeout if timeout is None else float(timeout))
+        except BaseException:
+            # interrupted (a test's timeout, Ctrl-C) with the job still running: its answers
+            # would be read as the next job's, so the pool stops (a no-op when closed already)
+            self.close(kill=True)
+            raise
 
     def _collect(self, timeout: float | None) -> list[Any]:
         """Wait for every rank's result, for ``timeout`` seconds at most (``None``: as long as

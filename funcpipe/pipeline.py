@@ -120,6 +120,12 @@ class Pipeline:
     How stages talk is chosen automatically: over ``"dist"``, CPU tensors between processes of
     one host go over Unix-domain sockets, anything else over ``torch.distributed`` send/recv
     (``FUNCPIPE_P2P=torch`` forces the latter; see :mod:`funcpipe.world`).
+
+    Over ``"dist"``, :meth:`close` (or a ``with`` block) releases what the Pipeline holds: its
+    sockets and threads, and the process groups no other open Pipeline or mesh uses (every
+    process closes its Pipelines in the same order). A Pipeline that is only dropped frees its
+    sockets and threads, and leaves its process groups to the next Pipeline of the same layout
+    (:mod:`funcpipe.groups`).
     """
 
     #: The communicator layout of this pipeline's transports, which its program is checked
@@ -230,6 +236,7 @@ class Pipeline:
         # whose length changes every step must not grow it without end)
         self._layouts: OrderedDict[Any, Layout] = OrderedDict()
         self._world: _world.DistWorld | None = None
+        self.closed = False
         self.data_size, self.tensor_size = 1, 1
         if transport == "dist":
             self._world = _world.join(
@@ -242,6 +249,23 @@ class Pipeline:
                     f"funcpipe internal error: the transport's communicator layout "
                     f"{self._world.transport.layout!r} is not {self.p2p_layout!r}"
                 )
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Release this Pipeline's sockets, threads and process groups (``"dist"``; a no-op
+        otherwise, and when closed already). Collective: every process closes its Pipelines in
+        the same order, after their last step. Stepping a closed Pipeline is an error."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._world is not None:
+            self._world.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ program
     def _lower(
@@ -318,6 +342,11 @@ class Pipeline:
         the mean over microbatches, on every rank (over processes it is summed across ranks in
         float64 and returned as float64; in one process it keeps the loss's dtype).
         """
+        if self.closed:
+            raise InvalidArgument(
+                "this Pipeline was closed (close() or the end of its with block); build a new "
+                "one to step again"
+            )
         params = self._check_params(params)
         scale = _loss_scale(loss_scale)
         program = self.program

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from funcpipe.errors import InvalidArgument
+from funcpipe.groups import Claim
 from funcpipe.runtime.transport import DistTransport, strict_from_env
 from funcpipe.schedule.check import in_program
 from funcpipe.schedule.ir import Op, Program
@@ -59,6 +60,14 @@ class DistWorld:
     data: int  # data-parallel copies
     tensor: int  # tensor-parallel size
     transport: DistTransport
+    claim: Claim | None = None  # the shared process groups this world uses
+
+    def close(self) -> None:
+        """Release the transport (sockets, waiter threads) and the process groups (collective:
+        every process closes its worlds in the same order)."""
+        self.transport.close()
+        if self.claim is not None:
+            self.claim.close()
 
 
 def initialised() -> bool:
@@ -113,13 +122,13 @@ def join(
     pipe_ranks = [g(r, copy, coord) for r in range(n)]
     everywhere = [(d, c) for d in range(copies) for c in range(tp)]
 
-    def subgroups(lists: list[list[int]]) -> Any:
-        mine, _ = dist.new_subgroups_by_enumeration(lists)
-        return mine
+    # groups are shared with every other world of the same layout (funcpipe.groups)
+    claim = Claim()
+    subgroups = claim.subgroups
 
     # the loss and metric sums: every process of the world, a group of their own (each rank
     # posts it after its last instruction, whatever else is still in flight)
-    groups: dict[str, Any] = {SCALARS: _scalars_group()}
+    groups: dict[str, Any] = {SCALARS: claim.group(range(world))}
     names = sorted({i.group for r in program.ranks for i in r if i.op is Op.REDUCE})
     for name in names:
         if not in_program(name):  # over the data-parallel copies of this rank and coord
@@ -132,7 +141,7 @@ def join(
         pg = subgroups([[g(r, d, c) for r in members] for d, c in everywhere])
         if rank in members and len(members) > 1:
             groups[name] = pg
-    pairs = _pair_groups(program, rank, g, everywhere, copy, coord)
+    pairs = _pair_groups(claim, program, rank, g, everywhere, copy, coord)
     from funcpipe.launcher import failure_handler
 
     split = None
@@ -160,7 +169,7 @@ def join(
         pairs=pairs,
         **strict,
     )
-    return DistWorld(rank, pipe_ranks, copies, tp, transport)
+    return DistWorld(rank, pipe_ranks, copies, tp, transport, claim)
 
 
 def _channels(
@@ -290,11 +299,8 @@ def _message_pairs(program: Program) -> list[tuple[int, int]]:
     )
 
 
-# (id(default group), world rank, world rank) -> (default group, the pair's process group)
-_PAIR_GROUPS: dict[tuple[int, int, int], tuple[Any, Any]] = {}
-
-
 def _pair_groups(
+    claim: Claim,
     program: Program,
     rank: int,
     g: Callable[[int, int, int], int],
@@ -304,23 +310,18 @@ def _pair_groups(
 ) -> dict[int, Any]:
     """Peer program rank -> the process group of this rank and that peer (every process calls
     this: it creates every pair's group of every copy and coordinate not created before, in one
-    order). A pair's group is made once per process and shared by every Pipeline, as the loss
-    group is; on NCCL it is bound to this process's device, so its communicator is created now
-    (eagerly) rather than by its first message."""
-    import torch.distributed as dist
-
-    default = dist.group.WORLD
+    order). A pair's group is shared through ``claim`` with every other world that uses it (and
+    destroyed when the last of them closes: funcpipe.groups); on NCCL it is bound to this
+    process's device, so its communicator is created now (eagerly) rather than by its first
+    message."""
     device = _eager_device()
     mine: dict[int, Any] = {}
     for a, b in _message_pairs(program):
         for d, c in everywhere:
             ga, gb = g(a, d, c), g(b, d, c)
-            key = (id(default), ga, gb)
-            found = _PAIR_GROUPS.get(key)
-            if found is None or found[0] is not default:
-                found = _PAIR_GROUPS[key] = (default, dist.new_group([ga, gb], device_id=device))
+            group = claim.group([ga, gb], device_id=device)
             if (d, c) == (copy, coord) and rank in (a, b):
-                mine[b if rank == a else a] = found[1]
+                mine[b if rank == a else a] = group
     return mine
 
 
@@ -333,22 +334,3 @@ def _eager_device() -> torch.device | None:
         return None
     bound = getattr(dist.group.WORLD, "bound_device_id", None)
     return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
-
-
-_SCALAR_GROUPS: dict[int, tuple[Any, Any]] = {}  # id(default group) -> (it, loss group)
-
-
-def _scalars_group() -> Any:
-    """One process group over the whole world for every Pipeline's loss reduction (steps run
-    one after another, so they can share it; a group per Pipeline would open new connections
-    for each). Every process creates it with its first Pipeline, in the same order."""
-    import torch.distributed as dist
-
-    default = dist.group.WORLD
-    found = _SCALAR_GROUPS.get(id(default))
-    if found is None or found[0] is not default:
-        found = _SCALAR_GROUPS[id(default)] = (
-            default,
-            dist.new_group(list(range(dist.get_world_size()))),
-        )
-    return found[1]

@@ -11,7 +11,6 @@ the bytes with the closed form of each op's algorithm.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -40,16 +39,12 @@ DT = torch.float64
 EL = 8  # bytes per float64
 EPS = 1e-5
 
+
 # ------------------------------------------------------------------------------ meshes (per worker)
-_MESHES: dict[str, Mesh] = {}
-
-
 def mesh_for(config: dict[str, Any]) -> Mesh:
-    """One mesh per config per worker: building groups is collective and costs time."""
-    key = json.dumps(config, sort_keys=True)
-    if key not in _MESHES:
-        _MESHES[key] = build_mesh(config)
-    return _MESHES[key]
+    """The mesh of ``config``: build_mesh reuses the process groups of an earlier mesh of the
+    same config (until the test ends: tests/conftest.py destroys them after each test)."""
+    return build_mesh(config)
 
 
 # ------------------------------------------------------------------------------ closed forms

@@ -32,6 +32,7 @@ from :meth:`ParallelConfig.place`; the sharding helpers take a ``Place``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -292,17 +293,45 @@ class Mesh(Mapping[str, Axis]):
     """
 
     def __init__(
-        self, config: ParallelConfig, device_mesh: Any, axes: Mapping[str, Axis], rank: int
+        self,
+        config: ParallelConfig,
+        device_mesh: Any,
+        axes: Mapping[str, Axis],
+        rank: int,
+        *,
+        claim: Any = None,
     ) -> None:
         self.config = config
         self.device_mesh = device_mesh
         self._axes = dict(axes)
         self.place = config.place(rank)
+        self._claim = claim  # funcpipe.groups.Claim on the shared process groups
+        self.closed = False
+
+    def close(self) -> None:
+        """Release this mesh's process groups, unless another open mesh of the same
+        configuration uses them (collective: every process closes its meshes in the same order;
+        see :mod:`funcpipe.groups`). The mesh cannot communicate afterwards."""
+        # drop the references too: a process group's threads and connections end with its last
+        self.device_mesh, self._axes, self.closed = None, {}, True
+        if self._claim is not None:
+            self._claim.close()
+
+    def __enter__(self) -> Mesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __getitem__(self, name: str) -> Axis:
         try:
             return self._axes[name]
         except KeyError:
+            if self.closed:
+                raise InvalidArgument(
+                    f"mesh[{name!r}]: this mesh was closed (close() or the end of its with "
+                    "block); build a new one with build_mesh"
+                ) from None
             raise InvalidArgument(
                 f"mesh has no axis {name!r}; its axes are {list(self._axes)} "
                 f"(mode {self.config.mode!r})."
@@ -326,9 +355,14 @@ def build_mesh(
 
     Needs an initialised default process group. ``device_type`` defaults to ``'cuda'`` under
     NCCL and ``'cpu'`` otherwise.
+
+    Meshes of one configuration share their process groups: a second ``build_mesh`` with the
+    same ``config`` and ``device_type`` creates none. :meth:`Mesh.close` (or a ``with`` block)
+    gives them back, and the last close destroys them (:mod:`funcpipe.groups`).
     """
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+
+    from funcpipe.groups import Claim
 
     if not dist.is_initialized():
         raise InvalidArgument(
@@ -345,12 +379,38 @@ def build_mesh(
         )
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    claim = Claim()
+    key = ("mesh", config, device_type)
+    dm, axes = claim.shared(key, lambda: _make_mesh(config, device_type), forget=_forget_mesh)
+    mesh = Mesh(config, dm, axes, dist.get_rank(), claim=claim)
+    for name, axis in axes.items():
+        if axis.coord != mesh.place.coords[name]:
+            raise RuntimeError(  # the mesh and ParallelConfig.place must agree; a bug otherwise
+                f"internal: axis {name!r} coordinate {axis.coord} != {mesh.place.coords[name]}"
+            )
+    return mesh
+
+
+def _forget_mesh(value: tuple[Any, dict[str, Axis]]) -> None:
+    """torch's DeviceMesh and the flattened meshes it keeps refer to each other: a cycle that
+    would keep their process groups (and gloo's threads) until the garbage collector runs."""
+    with contextlib.suppress(AttributeError):
+        value[0]._flatten_mapping.clear()
+
+
+def _make_mesh(
+    config: ParallelConfig, device_type: str
+) -> tuple[tuple[Any, dict[str, Axis]], list[Any]]:
+    """``((device mesh, axes), the process groups created)`` for ``config``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     names = config.mesh_dim_names
     dm = init_device_mesh(device_type, config.mesh_shape, mesh_dim_names=names)
     axes = {
         n: Axis(n, dm.size(i), dm.get_local_rank(n), dm.get_group(n)) for i, n in enumerate(names)
     }
     tensor_names = [n for n, _ in config.tensor_axes]
+    extra: list[Any] = []
     if len(tensor_names) == 1:
         only = axes[tensor_names[0]]
         axes["tensor"] = Axis("tensor", only.size, only.coord, only.group)
@@ -360,13 +420,9 @@ def build_mesh(
             flat = sub._flatten("tensor")
         else:  # a torch without DeviceMesh._flatten: a second mesh with the tensor axes merged
             shape = (config.pipeline, config.data, config.tensor)
-            flat = init_device_mesh(device_type, shape, mesh_dim_names=("pipe", "data", "tensor"))
-            flat = flat["tensor"]
+            whole = init_device_mesh(device_type, shape, mesh_dim_names=("pipe", "data", "tensor"))
+            extra += whole.get_all_groups()
+            flat = whole["tensor"]
         axes["tensor"] = Axis("tensor", flat.size(), flat.get_local_rank(), flat.get_group())
-    mesh = Mesh(config, dm, axes, dist.get_rank())
-    for name, axis in axes.items():
-        if axis.coord != mesh.place.coords[name]:
-            raise RuntimeError(  # the mesh and ParallelConfig.place must agree; a bug otherwise
-                f"internal: axis {name!r} coordinate {axis.coord} != {mesh.place.coords[name]}"
-            )
-    return mesh
+    # the default group among these is left out when they are destroyed (funcpipe.groups)
+    return (dm, axes), [*dm.get_all_groups(), *extra, *(a.group for a in axes.values())]

@@ -621,8 +621,14 @@ class _Waiter:
         self.queue: queue.SimpleQueue[tuple[_DistSend, threading.Event] | None] = (
             queue.SimpleQueue()
         )
-        threading.Thread(target=_wait_loop, args=(self.queue,), daemon=True).start()
-        weakref.finalize(self, self.queue.put, None)  # the thread ends with its waiter
+        self.thread = threading.Thread(target=_wait_loop, args=(self.queue,), daemon=True)
+        self.thread.start()
+        self._end = weakref.finalize(self, self.queue.put, None)  # it ends with its waiter
+
+    def stop(self) -> None:
+        """End the thread now (once the sends it watches are done)."""
+        self._end()
+        self.thread.join(timeout=1.0)
 
     def watch(self, send: _DistSend) -> None:
         send.settled = settled = threading.Event()
@@ -852,6 +858,17 @@ class DistTransport(_Counters):
             send.wait()
         self.held.reap()
         self.held.step_done()
+
+    def close(self) -> None:
+        """Stop the waiter threads and close the sockets (after the last step, with nothing in
+        flight). Dropping the transport does the same, later."""
+        waiters, self.waiters = list(self.waiters.values()), {}
+        for w in waiters:
+            w.stop()
+        if self.channels is not None:
+            self.channels.close()
+        # a process group's threads and connections end with its last reference
+        self.groups, self.split = {}, None
 
 
 class _Unflatten:
