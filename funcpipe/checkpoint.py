@@ -305,7 +305,9 @@ def _save_error(e: CheckpointException, target: str) -> BaseException:
     which rank failed how."""
     for rank, (exc, _) in sorted(e.failures.items()):
         if isinstance(exc, OSError):
-            exc.add_note(f"funcpipe: rank {rank} could not write the checkpoint {target!r}")
+            note = getattr(exc, "add_note", None)  # Python >= 3.11
+            if note is not None:
+                note(f"funcpipe: rank {rank} could not write the checkpoint {target!r}")
             return exc
     return FuncpipeError(f"cannot write the checkpoint {target!r}: {_failures(e)}")
 
@@ -314,7 +316,8 @@ def _save_error(e: CheckpointException, target: str) -> BaseException:
 def _crc(t: Tensor) -> str:
     """CRC-32 of a tensor's bytes (as stored: its dtype, row-major), as ``"crc32:xxxxxxxx"``."""
     data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    return f"crc32:{zlib.crc32(memoryview(data.numpy())):08x}"
+    buffer: Any = data.numpy()  # no copy: the bytes in place
+    return f"crc32:{zlib.crc32(buffer):08x}"
 
 
 def _checksums(tensors: dict[str, Tensor]) -> dict[str, str]:
@@ -322,9 +325,7 @@ def _checksums(tensors: dict[str, Tensor]) -> dict[str, str]:
     return {k: _crc(t) for k, t in tensors.items() if type(t) is Tensor}
 
 
-def _gather_checksums(
-    mine: dict[str, str], group: ProcessGroup | None, on: bool
-) -> dict[str, str]:
+def _gather_checksums(mine: dict[str, str], group: ProcessGroup | None, on: bool) -> dict[str, str]:
     if not on:
         return mine
     every: list[Any] = [None] * dist.get_world_size(group)

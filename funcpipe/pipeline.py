@@ -242,7 +242,9 @@ class Pipeline:
     def _summary(self, mesh: Any) -> str:
         """What every process must agree on: the options that shape the step, then the
         lowered program's text."""
-        sizes = None if mesh is None else (mesh.config.pipeline, mesh.config.data, mesh.config.tensor)
+        sizes = (
+            None if mesh is None else (mesh.config.pipeline, mesh.config.data, mesh.config.tensor)
+        )
         head = [
             f"stages {len(self.stages)} {[s.name for s in self.stages]}",
             f"loss_fn {self.loss_fn is not None} metric_fn {self.metric_fn is not None}",

@@ -156,7 +156,9 @@ def tensor_loss_scale(value: Tensor) -> Tensor:
         )
     v = value.detach().reshape(())
     if v.is_meta:
-        raise InvalidArgument("loss_scale is a meta tensor (no value); pass a number or a real tensor")
+        raise InvalidArgument(
+            "loss_scale is a meta tensor (no value); pass a number or a real tensor"
+        )
     if v.device.type == "cpu":
         x = float(v)
         if not (x > 0 and x != float("inf")):
@@ -181,8 +183,8 @@ def _span(t: Tensor) -> tuple[int, int, int] | None:
     if ptr == 0:
         return None
     size = t.element_size()
-    first = t.storage_offset() * size
-    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))
+    first = int(t.storage_offset()) * size
+    extent = 1 + sum(int(n - 1) * abs(int(s)) for n, s in zip(t.shape, t.stride(), strict=True))
     return ptr, first, first + extent * size
 
 
@@ -259,14 +261,15 @@ def program_agreement(summary: str) -> None:
     other = texts[ref]
     a, b = summary.splitlines(), str(other).splitlines()
     line = next(
-        (i for i in range(max(len(a), len(b))) if (a[i:i + 1] or [""]) != (b[i:i + 1] or [""])), 0
+        (i for i in range(max(len(a), len(b))) if (a[i : i + 1] or [""]) != (b[i : i + 1] or [""])),
+        0,
     )
     differ = [r for r, h in enumerate(hashes) if h != hashes[me]]
     raise InvalidArgument(
         f"the processes built different pipelines: process {me} and process(es) {differ} "
         f"differ (every process of the world must build the same Pipeline, with the same "
         f"schedule and options). First difference, line {line + 1}: process {me} has "
-        f"{(a[line:line + 1] or ['<nothing>'])[0]!r}, process {ref} has "
-        f"{(b[line:line + 1] or ['<nothing>'])[0]!r}. Build the schedule from the same "
+        f"{(a[line : line + 1] or ['<nothing>'])[0]!r}, process {ref} has "
+        f"{(b[line : line + 1] or ['<nothing>'])[0]!r}. Build the schedule from the same "
         "arguments on every process (e.g. not from the rank)"
     )

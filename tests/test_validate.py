@@ -156,7 +156,7 @@ def test_shared_storage_without_a_tie_is_refused() -> None:
 
 
 def test_a_view_of_another_stage_is_refused() -> None:
-    pipe, _, params, x, y = _setup()
+    pipe, _, _, x, y = _setup()
     big = torch.randn(8, 4, dtype=F64)
     with pytest.raises(InvalidArgument, match="share memory"):
         pipe.step(({"w": big[:4]}, {"w": big[2:6]}), x, y)

@@ -190,11 +190,16 @@ def _real_fallback(
     except InvalidArgument:
         raise
     except Exception as e:
+        fake, real_error = _first_line(error), _first_line(e)
+        what = (
+            f"fails on inputs of these shapes, without data and on one real microbatch ({fake})"
+            if fake == real_error
+            else f"cannot run on tensors without data ({fake}), nor on one real microbatch "
+            f"({real_error})"
+        )
         raise ShapeInferenceError(
-            f"stage {s} ({stage.name!r}) cannot run on tensors without data "
-            f"({_first_line(error)}), nor on one real microbatch ({_first_line(e)}): it fails "
-            "on inputs of these shapes. Call the stage on one microbatch of the batch to see "
-            "the error, and fix the stage or the batch"
+            f"stage {s} ({stage.name!r}) {what}. Call the stage on one microbatch of the batch "
+            "to see the error, and fix the stage or the batch"
         ) from e
     warnings.warn(
         f"stage {s} ({stage.name!r}) cannot run on tensors without data ({_first_line(error)}); "
