@@ -26,6 +26,7 @@ __all__ = [
     "loss_arity",
     "loss_targets",
     "meta_inputs",
+    "poison",
     "shared_storage",
     "tensor_loss_scale",
 ]
@@ -168,7 +169,13 @@ def tensor_loss_scale(value: Tensor) -> Tensor:
                 "so check where this tensor was made"
             )
         return v
-    return torch.where(v > 0, v, torch.full_like(v, float("nan")))
+    return poison(v)
+
+
+def poison(scale: Tensor) -> Tensor:
+    """``scale`` where it is > 0, else NaN, computed on its device without reading it (NaN and
+    infinity stay as they are): a bad scale can only give non-finite gradients."""
+    return torch.where(scale > 0, scale, torch.full_like(scale, float("nan")))
 
 
 # ------------------------------------------------------------------------------- first step

@@ -14,7 +14,7 @@ import funcpipe as fp
 from funcpipe.errors import InvalidArgument, ShapeInferenceError, ShapeInferenceWarning
 from funcpipe.schedule import generate
 from funcpipe.testing import assert_trees_close
-from funcpipe.validate import fingerprint, shared_storage, tensor_loss_scale
+from funcpipe.validate import fingerprint, poison, shared_storage, tensor_loss_scale
 
 F64 = torch.float64
 
@@ -137,12 +137,11 @@ def test_good_tensor_loss_scale_scales_the_gradients() -> None:
 
 
 def test_accelerator_scale_is_poisoned_not_read() -> None:
-    """Off the CPU a scale is not read (that would wait for the device): a bad one becomes NaN
-    on the device. Checked here on the meta device's rules through torch.where's semantics."""
+    """Off the CPU a scale is not read (that would wait for the device): validate.poison turns
+    a bad one into NaN on the device instead; here it runs on CPU tensors."""
     for bad, want in ((0.0, "nan"), (-1.0, "nan"), (float("nan"), "nan"), (4.0, "4.0")):
-        v = torch.tensor(bad)
-        poisoned = torch.where(v > 0, v, torch.full_like(v, float("nan")))
-        assert str(float(poisoned)) == want
+        assert str(float(poison(torch.tensor(bad)))) == want
+    assert float(poison(torch.tensor(float("inf")))) == float("inf")  # non-finite gradients too
     assert float(tensor_loss_scale(torch.tensor([3.0]))) == 3.0
 
 
