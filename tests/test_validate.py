@@ -229,3 +229,36 @@ def test_fingerprint_is_stable_and_distinguishes() -> None:
     b = generate("gpipe", ranks=2, microbatches=4).to_text()
     assert fingerprint(a) == fingerprint(a) and fingerprint(a) != fingerprint(b)
     assert 0 <= fingerprint(a) < 2**62
+
+
+def test_real_fallback_without_the_other_stages_params() -> None:
+    """Over processes a rank holds only its stages (the rest are meta): the fallback feeds a
+    branching stage zeros of its producer's inferred outputs, and materialises meta params."""
+    from funcpipe.runtime.plan import infer_layout
+
+    program = generate("1f1b", ranks=2, microbatches=2)
+    stages = [fp.Stage(_layer, name="a"), fp.Stage(_branchy, name="b")]
+    w = torch.randn(4, 6, dtype=F64)
+    for params in (
+        ({"w": w.to("meta")}, {"w": torch.randn(6, 3, dtype=F64)}),
+        ({"w": w}, {"w": torch.empty(6, 3, dtype=F64, device="meta")}),
+    ):
+        with pytest.warns(ShapeInferenceWarning, match=r"stage 1 \('b'\)"):
+            layout = infer_layout(program, stages, params, (torch.randn(5, 4, dtype=F64),), {})
+        assert [repr(s) for s in layout[0].leaves] == ["f64[5, 6]"]
+        assert [repr(s) for s in layout[1].leaves] == ["f64[5, 3]"]
+
+
+def test_cli_refuses_a_schedule_too_large_to_build_in_seconds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import time
+
+    from funcpipe.cli import main
+
+    start = time.monotonic()
+    assert main(["schedule", "1f1b", "-p", "2", "-m", "4000000"]) == 2
+    assert time.monotonic() - start < 5
+    err = capsys.readouterr().err
+    assert "8,000,000 (stage, microbatch) pairs" in err and "--no-size-limit" in err
+    assert main(["schedule", "1f1b", "-p", "2", "-m", "8"]) == 0  # small sizes still run
