@@ -246,7 +246,7 @@ class Pipeline:
             None if mesh is None else (mesh.config.pipeline, mesh.config.data, mesh.config.tensor)
         )
         head = [
-            f"stages {len(self.stages)} {[s.name for s in self.stages]}",
+            f"stages {len(self.stages)}",  # not their names: a rank may hold only its own
             f"loss_fn {self.loss_fn is not None} metric_fn {self.metric_fn is not None}",
             f"ties {sorted((k, repr(v)) for k, v in self.ties.items())}",
             f"side_inputs {sorted(self.side_inputs.items())}",
