@@ -41,6 +41,7 @@ import secrets
 import shutil
 import time
 import warnings
+import zlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -262,13 +263,19 @@ def save(
     on = _dist_on()
     rank = dist.get_rank(group) if on else 0
     tmp = f"{target}.tmp-{nonce}"
-    with _quiet_single_process():
-        dcp.save(
-            tensors,
-            storage_writer=FileSystemWriter(tmp),
-            process_group=group,
-            no_dist=not on,
-        )
+    try:
+        with _quiet_single_process():
+            dcp.save(
+                tensors,
+                storage_writer=FileSystemWriter(tmp),
+                process_group=group,
+                no_dist=not on,
+            )
+    except CheckpointException as e:  # a BaseException holding each rank's error
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_error(e, target) from None
+    sums = _gather_checksums(_checksums(tensors), group, on)
     if rank == 0:
         info = {
             "format": FORMAT,
@@ -277,6 +284,7 @@ def save(
             "saved_ns": time.time_ns(),
             "world_size": dist.get_world_size(group) if on else 1,
             "torch": torch.__version__,
+            "checksums": sums,
         }
         info_path = os.path.join(tmp, INFO)
         with open(info_path, "w") as f:
@@ -289,6 +297,64 @@ def save(
     if on:
         dist.barrier(group=group)
     return target
+
+
+def _save_error(e: CheckpointException, target: str) -> BaseException:
+    """What a failed DCP save raises: the first rank's ``OSError`` itself (read-only, disk
+    full, no such directory), with a note naming the checkpoint; else a FuncpipeError saying
+    which rank failed how."""
+    for rank, (exc, _) in sorted(e.failures.items()):
+        if isinstance(exc, OSError):
+            note = getattr(exc, "add_note", None)  # Python >= 3.11
+            if note is not None:
+                note(f"funcpipe: rank {rank} could not write the checkpoint {target!r}")
+            return exc
+    return FuncpipeError(f"cannot write the checkpoint {target!r}: {_failures(e)}")
+
+
+# ------------------------------------------------------------------------------- checksums
+def _crc(t: Tensor) -> str:
+    """CRC-32 of a tensor's bytes (as stored: its dtype, row-major), as ``"crc32:xxxxxxxx"``."""
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    buffer: Any = data.numpy()  # no copy: the bytes in place
+    return f"crc32:{zlib.crc32(buffer):08x}"
+
+
+def _checksums(tensors: dict[str, Tensor]) -> dict[str, str]:
+    """This rank's checksums of the plain tensors it writes (DTensor shards are left out)."""
+    return {k: _crc(t) for k, t in tensors.items() if type(t) is Tensor}
+
+
+def _gather_checksums(mine: dict[str, str], group: ProcessGroup | None, on: bool) -> dict[str, str]:
+    if not on:
+        return mine
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    out: dict[str, str] = {}
+    for part in every:
+        for k, v in (part or {}).items():
+            out.setdefault(k, v)
+    return dict(sorted(out.items()))
+
+
+def _verify(source: str, info: dict[str, Any], loaded: dict[str, Tensor]) -> None:
+    """Every loaded plain tensor matches the checksum its save recorded (checkpoints written
+    before checksums were recorded have none and are not checked)."""
+    sums = info.get("checksums")
+    if not isinstance(sums, dict):
+        return
+    for k, t in loaded.items():
+        want = sums.get(k)
+        if want is None or type(t) is not Tensor:
+            continue
+        got = _crc(t)
+        if got != want:
+            raise FuncpipeError(
+                f"the checkpoint {source!r} is corrupt: the data of key {k!r} ({t.dtype}, shape "
+                f"{tuple(t.shape)}) has checksum {got}, but {want} was recorded when it was "
+                "saved (a flipped bit, a truncated or overwritten file). Load an earlier "
+                "checkpoint, or save again from a good state"
+            )
 
 
 # ------------------------------------------------------------------------------- loading
@@ -407,6 +473,7 @@ def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None 
     source = ""
     flat: dict[str, Any] = {}
     wanted: dict[str, Tensor] = {}
+    info: dict[str, Any] | None = None
     try:
         source = _check_path(path)
         info = _read_info(source)
@@ -442,6 +509,7 @@ def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None 
         raise FuncpipeError(
             f"cannot read the tensors of the checkpoint {source!r}: {_failures(e)}"
         ) from None
+    _verify(source, info or {}, wanted)
     leaves = []
     for k, v in flat.items():
         if k not in wanted:

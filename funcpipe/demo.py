@@ -317,6 +317,30 @@ def _validate(o: DemoOptions) -> None:
         )
 
 
+def _check_out(o: DemoOptions) -> None:
+    """``--out`` can be written (found now, not at the final save after the whole run), and
+    ``--resume`` has a checkpoint there to resume from (never a silent start from step 0)."""
+    probe = os.path.join(o.out, f".funcpipe-write-test-{os.getpid()}")
+    try:
+        os.makedirs(o.out, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise InvalidArgument(
+            f"--out {o.out!r} cannot be written ({type(e).__name__}: {e.strerror or e}): the "
+            "run would train and then lose its checkpoint, history and pictures; choose a "
+            "writable directory"
+        ) from None
+    from funcpipe import checkpoint
+
+    if o.resume and checkpoint.latest(o.out) is None:
+        raise InvalidArgument(
+            f"--resume: there is no complete checkpoint in --out {o.out!r} to resume from; "
+            "point --out at the run to continue, or drop --resume to start from step 0"
+        )
+
+
 # ------------------------------------------------------------------------------ one rank
 def _shard(tree: Any, layouts: Any, place: Any, device: torch.device | None) -> Any:
     """This rank's shard of ``tree`` on ``device`` (``None``: a stage it does not run, meta)."""
@@ -678,6 +702,7 @@ def run(o: DemoOptions) -> dict[str, Any] | None:
     from funcpipe.launcher import launch, under_torchrun
 
     _validate(o)
+    _check_out(o)
     o = replace(o, device=resolve_device(o.device, o.world))
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])

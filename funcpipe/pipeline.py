@@ -9,12 +9,14 @@ params and batch in, loss and a fresh gradient pytree out.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from funcpipe import validate as _validate
 from funcpipe import world as _world
 from funcpipe.errors import InvalidArgument
 from funcpipe.microbatch import merge, split, split_targets
@@ -192,6 +194,9 @@ class Pipeline:
         self.ties = check_ties(ties, len(self.stages))
         self.data = data
         self.device = torch.device(device) if device is not None else None
+        _validate.device_available(self.device)
+        self._loss_arity = _validate.loss_arity(loss_fn)
+        self._checked = False  # the first step's checks (shared storage, inference params)
         if grad_dtype is not None and (
             not isinstance(grad_dtype, torch.dtype) or not grad_dtype.is_floating_point
         ):
@@ -239,6 +244,8 @@ class Pipeline:
         self.closed = False
         self.data_size, self.tensor_size = 1, 1
         if transport == "dist":
+            # before join: ranks holding different programs would create different groups
+            _validate.program_agreement(self._summary(mesh))
             self._world = _world.join(
                 self.program, mesh=mesh, scatter_gather=self.scatter_gather, device=self.device
             )
@@ -268,6 +275,22 @@ class Pipeline:
         self.close()
 
     # ------------------------------------------------------------------ program
+    def _summary(self, mesh: Any) -> str:
+        """What every process must agree on: the options that shape the step, then the
+        lowered program's text."""
+        sizes = (
+            None if mesh is None else (mesh.config.pipeline, mesh.config.data, mesh.config.tensor)
+        )
+        head = [
+            f"stages {len(self.stages)}",  # not their names: a rank may hold only its own
+            f"loss_fn {self.loss_fn is not None} metric_fn {self.metric_fn is not None}",
+            f"ties {sorted((k, repr(v)) for k, v in self.ties.items())}",
+            f"side_inputs {sorted(self.side_inputs.items())}",
+            f"recompute {sorted(self.recompute)} grad_dtype {self.grad_dtype}",
+            f"mesh {sizes} scatter_gather {self.scatter_gather} dim {self.dim!r}",
+        ]
+        return "\n".join([*head, self.program.to_text()])
+
     def _lower(
         self, schedule: Program, recompute: bool | Sequence[int], *, data_parallel: bool
     ) -> Program:
@@ -347,8 +370,48 @@ class Pipeline:
                 "this Pipeline was closed (close() or the end of its with block); build a new "
                 "one to step again"
             )
+        training = self.program.training
+        _validate.autograd_context(training)
         params = self._check_params(params)
         scale = _loss_scale(loss_scale)
+        self._check_step(params, batch, targets)
+        # like reference_step: a step inside torch.no_grad() still computes true gradients
+        with torch.enable_grad() if training else contextlib.nullcontext():
+            return self._step(params, batch, targets, return_outputs, trace, scale)
+
+    def _check_step(self, params: tuple[Any, ...], batch: Any, targets: Any) -> None:
+        """Checks of a step's arguments before any work (:mod:`funcpipe.validate`); those that
+        walk every parameter run on the first step only."""
+        training = self.program.training
+        if not self._checked:
+            tied = {
+                (s, resolve(params[s], path, f"ties[{name!r}]")): name
+                for name, members in self.ties.items()
+                for s, path in members
+            }
+            _validate.shared_storage(params, tied)
+            if training:
+                for k, p in enumerate(params):
+                    _validate.inference_tensors(p, f"params[{k}]")
+            self._checked = True
+        if not self._dry:
+            _validate.meta_inputs(batch, "batch")
+            if targets is not None:
+                _validate.meta_inputs(targets, "targets")
+        if training:
+            _validate.inference_tensors(batch, "batch")
+        if self.loss_fn is not None:
+            _validate.loss_targets(self._loss_arity, self.loss_fn, targets is not None, training)
+
+    def _step(
+        self,
+        params: tuple[Any, ...],
+        batch: Any,
+        targets: Any,
+        return_outputs: bool,
+        trace: bool,
+        scale: float | Tensor,
+    ) -> StepResult:
         program = self.program
         m = program.microbatches
         if self._world is None:
@@ -671,17 +734,12 @@ def _to(tree: Any, device: torch.device) -> Any:
 
 
 def _loss_scale(value: float | Tensor | None) -> float | Tensor:
-    """A number is checked here; a tensor (a loss scaler's state, on the device) only for its
-    shape and dtype: reading its value would wait for the device once a step."""
+    """A number is checked here; a tensor (a loss scaler's state) by
+    :func:`funcpipe.validate.tensor_loss_scale`, which never reads one on an accelerator."""
     if value is None:
         return 1.0
     if isinstance(value, Tensor):
-        if value.numel() != 1 or not value.is_floating_point():
-            raise InvalidArgument(
-                f"loss_scale must be a number or a one-element floating tensor; got a "
-                f"{value.dtype} tensor of shape {tuple(value.shape)}"
-            )
-        return value.detach().reshape(())
+        return _validate.tensor_loss_scale(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise InvalidArgument(
             f"loss_scale={value!r}: a positive number (the factor the loss's gradient is "

@@ -114,6 +114,22 @@ def raise_in(rank: int, bad_rank: int, where: str, report_dir: str) -> str:
     return "finished"
 
 
+# ------------------------------------------------------------------ ranks build different programs
+def different_programs(rank: int, what: str, report_dir: str) -> str:
+    """Rank 1 builds another pipeline than rank 0: another schedule (``schedule``) or the
+    same schedule with recompute (``option``). Every rank must raise at construction."""
+    name = "gpipe" if (rank == 1 and what == "schedule") else "1f1b"
+    recompute = rank == 1 and what == "option"
+    stages, params = toy(2)
+    with _reporting(report_dir, rank):
+        pipe = Pipeline(
+            stages, generate(name, ranks=2, microbatches=4), loss_fn=mse, recompute=recompute
+        )
+        x, y = data(8)
+        pipe.step(params, x, y)
+    return "finished"
+
+
 # ------------------------------------------------------------------------------ a rank is killed
 def die_mid_step(rank: int, bad_rank: int, report_dir: str) -> str:
     """``bad_rank`` SIGKILLs itself in the middle of a 1F1B step (its third forward)."""

@@ -213,6 +213,77 @@ def _deadlock() -> Program:
     return _edit(low, 0, lambda r: [r[0], r[4].join(False), r[5], r[6], r[1], r[2], r[3], r[7]])
 
 
+# ------------------------------------------------------------- issue 33: silently wrong results
+def _inference_params() -> None:
+    with torch.inference_mode():
+        params = _params((4, 4), (4, 4))
+    _two_stages().step(params, *_xy())
+
+
+def _inside_inference_mode() -> None:
+    pipe, params, (x, y) = _two_stages(), _params((4, 4), (4, 4)), _xy()
+    with torch.inference_mode():
+        pipe.step(params, x, y)
+
+
+def _shared_without_tie() -> None:
+    w = _params((4, 4))[0]["w"]
+    _two_stages().step(({"w": w}, {"w": w}), *_xy())
+
+
+def _returns_none(params: dict[str, torch.Tensor], x: torch.Tensor) -> None:
+    torch.tanh(x @ params["w"])  # computed, never returned
+
+
+def _no_cuda() -> None:
+    from unittest import mock
+
+    with mock.patch.object(torch.cuda, "is_available", lambda: False):
+        _two_stages(device="cuda")
+
+
+def _cli(*argv: str) -> None:
+    from funcpipe.cli import _build_parser
+
+    args = _build_parser().parse_args(list(argv))
+    args.handler(args)
+
+
+def _under_a_file() -> str:
+    root = _tmp()
+    Path(root, "notes.txt").write_text("")
+    return os.path.join(root, "notes.txt", "run")
+
+
+def _disk_full() -> None:
+    import errno
+    from unittest import mock
+
+    class FullDisk(checkpoint.FileSystemWriter):
+        def write_data(self, *args: Any, **kwargs: Any) -> Any:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with mock.patch.object(checkpoint, "FileSystemWriter", FullDisk):
+        checkpoint.save(os.path.join(_tmp(), "ck"), {"w": torch.ones(3)})
+
+
+def _flipped_bit() -> None:
+    path = checkpoint.save(os.path.join(_tmp(), "ck"), {"w": torch.arange(4096.0)})
+    metadata = checkpoint._SafeReader(path).read_metadata()
+    item = next(v for k, v in metadata.storage_data.items() if k.fqn == "w")
+    data = Path(path, item.relative_path)
+    raw = bytearray(data.read_bytes())
+    raw[item.offset + item.length // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    checkpoint.load(path, {"w": torch.zeros(4096)})
+
+
+def _demo(*argv: str) -> None:
+    from funcpipe import demo
+
+    demo.run(demo.parse(["--steps", "2", "--device", "cpu", *argv]))
+
+
 # ------------------------------------------------------------------------------------ the rows
 CASES: list[Case] = [
     # ---- schedules
@@ -872,6 +943,179 @@ CASES: list[Case] = [
         "funcpipe/launcher.py: checked before any process starts (was a PicklingError from "
         "Pool.run, after starting the processes)",
     ),
+    # ---- issue 33: mistakes that used to give a silently wrong result
+    Case(
+        "step-inside-inference-mode",
+        "autograd context and loss_fn",
+        "Pipeline.step of a training program inside torch.inference_mode() (inside "
+        "torch.no_grad() the step now computes the true gradients, as reference_step does)",
+        _inside_inference_mode,
+        InvalidArgument,
+        ("inside torch.inference_mode()", "cannot be differentiated", "to_eval(program)"),
+        "funcpipe/validate.py autograd_context; Pipeline.step enables grad itself (under "
+        "no_grad it returned the right loss and all-zero gradients)",
+    ),
+    Case(
+        "params-inference-tensors",
+        "autograd context and loss_fn",
+        "parameters made under torch.inference_mode()",
+        _inference_params,
+        InvalidArgument,
+        ("params[0]['w'] is an inference tensor", ".clone() outside inference_mode"),
+        "funcpipe/validate.py inference_tensors, on a pipeline's first step (was torch's "
+        "RuntimeError from the interpreter)",
+    ),
+    Case(
+        "loss-detached",
+        "autograd context and loss_fn",
+        "a loss_fn whose result is detached from the outputs",
+        lambda: fp.Pipeline(
+            [fp.Stage(_tanh_layer)] * 2, _1f1b(), loss_fn=lambda o, y: _mse(o, y).detach()
+        ).step(_params((4, 4), (4, 4)), *_xy()),
+        InvalidArgument,
+        ("loss_fn after stage 1", "does not require grad", "every gradient would be zero"),
+        "funcpipe/runtime/interpreter.py, where the loss is computed (was all-zero gradients)",
+    ),
+    Case(
+        "loss-needs-targets",
+        "autograd context and loss_fn",
+        "a step without the targets loss_fn(outputs, targets) needs",
+        lambda: _two_stages().step(_params((4, 4), (4, 4)), _xy()[0]),
+        InvalidArgument,
+        ("loss_fn=_mse needs 2 positional arguments", "without targets"),
+        "funcpipe/validate.py loss_targets, before any work (was a TypeError from loss_fn)",
+    ),
+    Case(
+        "loss-takes-no-targets",
+        "autograd context and loss_fn",
+        "targets passed to a loss_fn(outputs)",
+        lambda: fp.Pipeline(
+            [fp.Stage(_tanh_layer)] * 2, _1f1b(), loss_fn=lambda out: out.square().mean()
+        ).step(_params((4, 4), (4, 4)), *_xy()),
+        InvalidArgument,
+        ("takes 1 positional argument(s) but step was given targets",),
+        "funcpipe/validate.py loss_targets, before any work (was a TypeError from loss_fn)",
+    ),
+    Case(
+        "loss-scale-tensor-nan",
+        "tensor arguments",
+        "step(loss_scale=torch.tensor(nan))",
+        lambda: _two_stages().step(
+            _params((4, 4), (4, 4)), *_xy(), loss_scale=torch.tensor(float("nan"))
+        ),
+        InvalidArgument,
+        ("loss_scale=tensor(nan)", "finite and > 0"),
+        "funcpipe/validate.py tensor_loss_scale: read on the CPU; on an accelerator a bad "
+        "scale becomes NaN on the device, never read (was accepted)",
+    ),
+    Case(
+        "loss-scale-tensor-zero",
+        "tensor arguments",
+        "step(loss_scale=torch.tensor(0.))",
+        lambda: _two_stages().step(_params((4, 4), (4, 4)), *_xy(), loss_scale=torch.tensor(0.0)),
+        InvalidArgument,
+        ("loss_scale=tensor(0.0)", "finite and > 0"),
+        "funcpipe/validate.py tensor_loss_scale (was accepted: all-zero gradients)",
+    ),
+    Case(
+        "params-shared-without-tie",
+        "tensor arguments",
+        "two stages holding the same tensor (a tied embedding) without ties=",
+        _shared_without_tie,
+        InvalidArgument,
+        ("params[0]['w'] and params[1]['w'] share memory", "ties={'shared': [(0, 'w'), (1, 'w')]}"),
+        "funcpipe/validate.py shared_storage, on a pipeline's first step (trained silently "
+        "with gradients never summed)",
+    ),
+    Case(
+        "batch-on-meta",
+        "tensor arguments",
+        "a batch on the meta device",
+        lambda: _two_stages().step(
+            _params((4, 4), (4, 4)), torch.empty(8, 4, device="meta"), _xy()[1]
+        ),
+        InvalidArgument,
+        ("batch is on the meta device", "device='meta' for a dry run"),
+        "funcpipe/validate.py meta_inputs (was torch's error from inside a stage)",
+    ),
+    Case(
+        "pipeline-cuda-without-cuda",
+        "tensor arguments",
+        "Pipeline(device='cuda') in a process without CUDA",
+        _no_cuda,
+        InvalidArgument,
+        ("device='cuda'", "no CUDA device"),
+        "funcpipe/validate.py device_available, at construction (was torch's AssertionError "
+        "at the first step)",
+    ),
+    Case(
+        "stage-returns-none",
+        "tensor arguments",
+        "a stage function that forgets to return",
+        lambda: fp.Pipeline(
+            [fp.Stage(_returns_none, name="forgetful"), fp.Stage(_tanh_layer)],
+            _1f1b(),
+            loss_fn=_mse,
+        ).step(_params((4, 4), (4, 4)), *_xy()),
+        InvalidArgument,
+        ("stage 0 ('forgetful') returned None", "forget to return"),
+        "funcpipe/runtime/plan.py, in shape inference (was a TypeError from the next stage)",
+    ),
+    Case(
+        "cli-schedule-too-large",
+        "command line",
+        "funcpipe schedule 1f1b -p 2 -m 4000000",
+        lambda: _cli("schedule", "1f1b", "-p", "2", "-m", "4000000"),
+        InvalidArgument,
+        ("8,000,000 (stage, microbatch) pairs", "-m 10000", "--no-size-limit"),
+        "funcpipe/cli_schedule.py (ran for tens of minutes and about 20 GB)",
+    ),
+    Case(
+        "checkpoint-save-not-a-directory",
+        "checkpoint I/O",
+        "checkpoint.save under a path whose parent is a file",
+        lambda: checkpoint.save(_under_a_file(), {"w": torch.ones(3)}),
+        NotADirectoryError,
+        ("Not a directory", "could not write the checkpoint"),
+        "funcpipe/checkpoint.py: the OSError itself (was CheckpointException ranks:dict_keys([0]))",
+    ),
+    Case(
+        "checkpoint-save-disk-full",
+        "checkpoint I/O",
+        "checkpoint.save when the disk is full (simulated: every write raises ENOSPC)",
+        _disk_full,
+        OSError,
+        ("No space left on device", "rank 0 could not write the checkpoint"),
+        "funcpipe/checkpoint.py: the OSError itself (was CheckpointException ranks:dict_keys([0]))",
+    ),
+    Case(
+        "checkpoint-flipped-bit",
+        "checkpoint I/O",
+        "loading a checkpoint with one bit of a tensor's data flipped",
+        _flipped_bit,
+        fp.FuncpipeError,
+        ("is corrupt: the data of key 'w'", "checksum"),
+        "funcpipe/checkpoint.py: CRC-32 of every tensor recorded at save, verified at load "
+        "(loaded silently)",
+    ),
+    Case(
+        "demo-out-unwritable",
+        "checkpoint I/O",
+        "funcpipe demo --out a directory that cannot be created",
+        lambda: _demo("--out", _under_a_file()),
+        InvalidArgument,
+        ("cannot be written", "NotADirectoryError", "choose a writable directory"),
+        "funcpipe/demo.py, before training (was found at the final save, losing the run)",
+    ),
+    Case(
+        "demo-resume-without-checkpoint",
+        "checkpoint I/O",
+        "funcpipe demo --resume with no checkpoint in --out",
+        lambda: _demo("--out", _tmp(), "--resume"),
+        InvalidArgument,
+        ("--resume: there is no complete checkpoint", "drop --resume"),
+        "funcpipe/demo.py, before training (silently started from step 0)",
+    ),
 ]
 
 
@@ -908,10 +1152,11 @@ def test_rows_are_distinct_and_many() -> None:
 # ------------------------------------------------------------------------------------ the page
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 _TEMP = re.compile(re.escape(tempfile.gettempdir()) + r"/fp-catalogue-[^/'\"]+")
+_NONCE = re.compile(r"\.tmp-[0-9a-f]{16}")  # a checkpoint save's temporary directory
 
 
 def _normalise(text: str) -> str:
-    return _TEMP.sub("<tmp>", _ADDRESS.sub("", text)).rstrip()
+    return _NONCE.sub(".tmp-<nonce>", _TEMP.sub("<tmp>", _ADDRESS.sub("", text))).rstrip()
 
 
 def _qualname(cls: type[BaseException]) -> str:
@@ -991,6 +1236,11 @@ def render() -> str:
         "- a NaN or an infinity in a loss or a gradient (`Pipeline(check_finite=True)`, or "
         "`FUNCPIPE_DEBUG=1`): the rank that sees it raises `funcpipe.NonFiniteError` naming the "
         "stage, microbatch and tensor; the others raise `RankFailed` naming that rank;",
+        "- the processes build different pipelines (rank 0 1F1B, rank 1 GPipe; or one rank "
+        "with recompute): `Pipeline` compares a hash of the lowered program and its options "
+        "over the world when it is built (one all-gather) and every process raises "
+        "`funcpipe.InvalidArgument` naming the processes that differ and the first line where "
+        "their programs do, instead of waiting forever in the first step;",
         "- the process is killed while saving a checkpoint: the previous checkpoint loads and "
         "training resumes from it with exactly the losses of an uninterrupted run.",
         "",

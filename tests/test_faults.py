@@ -103,6 +103,27 @@ def test_a_rank_that_raises_is_named_by_every_other_rank(tmp_path: Path, where: 
     assert elapsed < TIMEOUT, elapsed
 
 
+# ------------------------------------------------------------------ ranks build different programs
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["schedule", "option"])
+def test_ranks_that_build_different_programs_fail_at_construction(
+    tmp_path: Path, what: str
+) -> None:
+    start = time.monotonic()
+    with _own_pool(2) as pool, pytest.raises(RankFailed):
+        pool.run(jobs_faults.different_programs, what, str(tmp_path))
+    elapsed = time.monotonic() - start
+    seen = _reports(tmp_path, 2)
+    assert seen.keys() == {0, 1}, seen
+    for r in (0, 1):  # every rank names the difference, none waits for the other
+        assert seen[r]["type"] == "InvalidArgument", seen[r]
+        message = seen[r]["message"]
+        assert "the processes built different pipelines" in message
+        assert f"process {r} and process(es) [{1 - r}] differ" in message
+        assert ("recompute" if what == "option" else "1f1b") in message
+    assert elapsed < TIMEOUT, elapsed
+
+
 # ------------------------------------------------------------------------------ a rank is killed
 @pytest.mark.timeout(120)
 def test_a_rank_killed_mid_step_is_named_and_nothing_is_left_behind(tmp_path: Path) -> None:

@@ -211,6 +211,18 @@ class _Rank:
                             else ""
                         )
                     )
+                if (
+                    not loss.requires_grad
+                    and torch.is_grad_enabled()
+                    and any(t.requires_grad for t in flat)
+                ):
+                    raise InvalidArgument(
+                        f"loss_fn after stage {s}, microbatch {m}, rank {x.rank} returned a "
+                        "tensor that does not require grad, though the stage's outputs do: it "
+                        "is cut off from them (.detach(), .item(), torch.tensor(...) or "
+                        "torch.no_grad() inside loss_fn), so every gradient would be zero. "
+                        "Compute the loss from the outputs with differentiable torch operations"
+                    )
                 extra = []
                 if x.metric_fn is not None:
                     with torch.no_grad():

@@ -9,17 +9,18 @@ of microbatch shape (a smaller last batch, a new sequence length) is just anothe
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from funcpipe.errors import InvalidArgument, ShapeInferenceError
+from funcpipe.errors import InvalidArgument, ShapeInferenceError, ShapeInferenceWarning
 from funcpipe.schedule.ir import Program
 from funcpipe.shapes import TensorSpec, abstract, fake, stage_device
 from funcpipe.stage import Stage, as_inputs
-from funcpipe.tree import PyTreeSpec, tree_flatten, tree_map, tree_unflatten
+from funcpipe.tree import PyTreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 __all__ = ["Layout", "OutputSpec", "infer_layout", "signature"]
 
@@ -92,6 +93,7 @@ def _infer(
     device: torch.device | str | None,
 ) -> Layout:
     outputs: dict[int, Any] = {}
+    real: dict[int, Any] = {}  # stages run on real tensors (the fallback): their real outputs
     layout: Layout = {}
     for s in range(program.n_stages):
         dev = stage_device(params[s], device)
@@ -107,15 +109,14 @@ def _infer(
         except InvalidArgument:
             raise
         except Exception as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise ShapeInferenceError(
-                f"stage {s} ({stage.name!r}) cannot run on tensors without data "
-                f"({type(e).__name__}: {first}); the pipeline infers the shapes of what crosses "
-                "stages this way. If the output shapes depend on data (.item(), nonzero, "
-                "masked_select), make them depend on input shapes only; otherwise the stage "
-                "fails on these inputs: call it once on a real microbatch to see the error."
-            ) from e
+            out = _real_fallback(program, stages, params, entry, side, device, s, layout, real, e)
         leaves, tree = tree_flatten(out)
+        if not leaves:
+            raise InvalidArgument(
+                f"stage {s} ({stage.name!r}) returned {out!r}, which holds no tensor: a stage "
+                "must return its outputs (a tensor or a pytree of tensors); did its function "
+                "forget to return?"
+            )
         for i, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor):
                 raise InvalidArgument(
@@ -125,6 +126,89 @@ def _infer(
         layout[s] = OutputSpec(tuple(TensorSpec.from_tensor(t) for t in leaves), tree)
         outputs[s] = out
     return layout
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _real_fallback(
+    program: Program,
+    stages: Sequence[Stage],
+    params: Sequence[Any],
+    entry: tuple[Any, ...],
+    side: Mapping[int, Mapping[str, Any]],
+    device: torch.device | str | None,
+    s: int,
+    layout: Layout,
+    real: dict[int, Any],
+    error: BaseException,
+) -> Any:
+    """Stage ``s`` failed on tensors without data (control flow on values, ``.item()``): run it
+    on real tensors of one microbatch, under ``no_grad``, to learn its output shapes.
+
+    Its inputs are the microbatch itself for an entry stage, else its producers' real outputs,
+    computed the same way; a producer whose parameters this process does not hold (meta) gives
+    zeros of its inferred output specs instead, and a stage whose own parameters are on meta
+    runs on zeros of their shapes. Output shapes must not depend on the values (the
+    interpreter checks every microbatch against them)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def held(k: int) -> bool:
+        return not any(t.is_meta for t in tree_leaves(params[k]))
+
+    def materialise(tree: Any, dev: torch.device) -> Any:
+        def one(t: torch.Tensor) -> torch.Tensor:
+            if t.is_meta:
+                return torch.zeros(tuple(t.shape), dtype=t.dtype, device=dev)
+            return t.to(dev)
+
+        return tree_map(one, tree)
+
+    def run(k: int) -> Any:
+        if k in real:
+            return real[k]
+        dev = stage_device(params[k], device)
+        args: list[Any] = []
+        if not program.producers(k):
+            args.extend(materialise(entry, dev))
+        for q in program.producers(k):
+            if q in real or held(q):
+                got = run(q)
+            else:
+                got = rebuild(layout[q], [spec.zeros(dev) for spec in layout[q].leaves])
+            args.extend(as_inputs(materialise(got, dev)))
+        kwargs = materialise(dict(side.get(k, {})), dev)
+        real[k] = stages[k](materialise(params[k], dev), *args, **kwargs)
+        return real[k]
+
+    stage = stages[s]
+    try:
+        with unset_fake_temporarily(), torch.no_grad():
+            out = run(s)
+    except InvalidArgument:
+        raise
+    except Exception as e:
+        fake, real_error = _first_line(error), _first_line(e)
+        what = (
+            f"fails on inputs of these shapes, without data and on one real microbatch ({fake})"
+            if fake == real_error
+            else f"cannot run on tensors without data ({fake}), nor on one real microbatch "
+            f"({real_error})"
+        )
+        raise ShapeInferenceError(
+            f"stage {s} ({stage.name!r}) {what}. Call the stage on one microbatch of the batch "
+            "to see the error, and fix the stage or the batch"
+        ) from e
+    warnings.warn(
+        f"stage {s} ({stage.name!r}) cannot run on tensors without data ({_first_line(error)}); "
+        "its shapes were inferred by running it on one real microbatch instead. Its output "
+        "shapes must not depend on the values (funcpipe checks every microbatch against them)",
+        ShapeInferenceWarning,
+        stacklevel=5,
+    )
+    return out
 
 
 def rebuild(spec: OutputSpec, leaves: Sequence[torch.Tensor]) -> Any:

@@ -1,0 +1,282 @@
+"""Checks :class:`funcpipe.Pipeline` makes of its arguments, outside the hot path.
+
+Each check either passes or raises :class:`~funcpipe.errors.InvalidArgument` naming the
+argument, the value, the rule and the fix, before any work or communication of the step. The
+ones that walk every parameter leaf (:func:`shared_storage`) run on a pipeline's first step
+only; none reads a value on a device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from funcpipe.errors import InvalidArgument
+from funcpipe.tree import leaf_paths, tree_leaves
+
+__all__ = [
+    "autograd_context",
+    "device_available",
+    "inference_tensors",
+    "loss_arity",
+    "loss_targets",
+    "meta_inputs",
+    "poison",
+    "shared_storage",
+    "tensor_loss_scale",
+]
+
+Tensor = torch.Tensor
+
+
+# ------------------------------------------------------------------------------ construction
+def device_available(device: torch.device | None) -> None:
+    """``device=`` names a device this process has (``cuda`` without CUDA fails here, not at
+    the first step with torch's AssertionError)."""
+    if device is None or device.type in ("cpu", "meta"):
+        return
+    module = getattr(torch, device.type, None)
+    available = getattr(module, "is_available", None)
+    if available is None:
+        return
+    if not available():
+        raise InvalidArgument(
+            f"device={str(device)!r}: this process has no {device.type.upper()} device "
+            f"(torch.{device.type}.is_available() is False); pass device='cpu', or leave "
+            "device unset to run where the parameters are"
+        )
+    count = getattr(module, "device_count", None)
+    if device.index is not None and count is not None and device.index >= count():
+        raise InvalidArgument(
+            f"device={str(device)!r}: this process sees {count()} {device.type} device(s) "
+            f"(indices 0..{count() - 1}); pass one of them"
+        )
+
+
+def loss_arity(fn: Callable[..., Any] | None) -> tuple[int, int | None] | None:
+    """(required, most) positional arguments of ``fn`` (``most`` None for ``*args``), or None
+    when its signature cannot be read."""
+    if fn is None:
+        return None
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    required, most = 0, 0
+    for p in sig.parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            most += 1
+            if p.default is p.empty:
+                required += 1
+        elif p.kind is p.VAR_POSITIONAL:
+            return required, None
+    return required, most
+
+
+# ------------------------------------------------------------------------------------- step
+def autograd_context(training: bool) -> None:
+    """A training step cannot run inside ``torch.inference_mode()``: the tensors made there can
+    never be differentiated. (``torch.no_grad()`` is fine: the step enables grad inside.)"""
+    if training and torch.is_inference_mode_enabled():
+        raise InvalidArgument(
+            "Pipeline.step was called inside torch.inference_mode(): a training step needs "
+            "autograd, and tensors made in inference mode cannot be differentiated. Call step "
+            "outside inference_mode (inside torch.no_grad() is fine: the step enables grad "
+            "itself), or run an eval program (to_eval(program)) for forward only"
+        )
+
+
+def inference_tensors(tree: Any, name: str) -> None:
+    """No leaf of ``tree`` is an inference tensor (made under ``torch.inference_mode()``):
+    autograd cannot save one for the backward."""
+    leaves = tree_leaves(tree)
+    if not any(isinstance(t, Tensor) and t.is_inference() for t in leaves):
+        return
+    for path, t in zip(leaf_paths(tree, name=name), leaves, strict=True):
+        if isinstance(t, Tensor) and t.is_inference():
+            raise InvalidArgument(
+                f"{path} is an inference tensor (made under torch.inference_mode()); a training "
+                "step cannot differentiate through it. Make it outside inference_mode, or copy "
+                "it there with .clone() outside inference_mode"
+            )
+
+
+def meta_inputs(tree: Any, name: str) -> None:
+    """No leaf of the batch (or targets) is on the meta device (it has no data to train on)."""
+    leaves = tree_leaves(tree)
+    if not any(isinstance(t, Tensor) and t.is_meta for t in leaves):
+        return
+    for path, t in zip(leaf_paths(tree, name=name), leaves, strict=True):
+        if isinstance(t, Tensor) and t.is_meta:
+            raise InvalidArgument(
+                f"{path} is on the meta device (shape {tuple(t.shape)}, no data); pass real "
+                "tensors, or build the Pipeline with device='meta' for a dry run without data"
+            )
+
+
+def loss_targets(
+    arity: tuple[int, int | None] | None, fn: Any, has_targets: bool, training: bool
+) -> None:
+    """``loss_fn`` is called ``loss_fn(outputs, targets)`` when targets are passed, else
+    ``loss_fn(outputs)`` (training only): its signature must take that."""
+    if arity is None:
+        return
+    required, most = arity
+    name = getattr(fn, "__name__", repr(fn))
+    if has_targets and most is not None and most < 2:
+        raise InvalidArgument(
+            f"loss_fn={name} takes {most} positional argument(s) but step was given targets, "
+            "which it passes as loss_fn(outputs, targets); drop targets, or make loss_fn take "
+            "(outputs, targets)"
+        )
+    if training and not has_targets and required >= 2:
+        raise InvalidArgument(
+            f"loss_fn={name} needs {required} positional arguments (outputs, targets, ...) but "
+            "step was called without targets; pass them: pipe.step(params, batch, targets)"
+        )
+
+
+def tensor_loss_scale(value: Tensor) -> Tensor:
+    """A one-element tensor loss scale, checked without waiting for a device.
+
+    On the CPU its value is read here (no device to wait for): NaN, infinite, zero or negative
+    is refused. On an accelerator reading it would wait for the device once a step, so it is
+    not read: a scale that is not positive becomes NaN on the device (NaN and infinity stay as
+    they are), so a bad scale gives non-finite gradients, which a loss scaler skips and
+    ``check_finite`` names, never zero or sign-flipped gradients that look right.
+    """
+    if value.numel() != 1 or not value.is_floating_point():
+        raise InvalidArgument(
+            f"loss_scale must be a number or a one-element floating tensor; got a "
+            f"{value.dtype} tensor of shape {tuple(value.shape)}"
+        )
+    v = value.detach().reshape(())
+    if v.is_meta:
+        raise InvalidArgument(
+            "loss_scale is a meta tensor (no value); pass a number or a real tensor"
+        )
+    if v.device.type == "cpu":
+        x = float(v)
+        if not (x > 0 and x != float("inf")):
+            raise InvalidArgument(
+                f"loss_scale=tensor({x}): a loss scale must be finite and > 0 (the factor the "
+                "loss's gradient is multiplied by); a LossScaleState never holds such a value, "
+                "so check where this tensor was made"
+            )
+        return v
+    return poison(v)
+
+
+def poison(scale: Tensor) -> Tensor:
+    """``scale`` where it is > 0, else NaN, computed on its device without reading it (NaN and
+    infinity stay as they are): a bad scale can only give non-finite gradients."""
+    return torch.where(scale > 0, scale, torch.full_like(scale, float("nan")))
+
+
+# ------------------------------------------------------------------------------- first step
+def _span(t: Tensor) -> tuple[int, int, int] | None:
+    """(storage id, first byte, end byte) that ``t`` covers in its storage."""
+    if t.is_meta or t.numel() == 0 or t.layout is not torch.strided:
+        return None
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+        return None
+    if ptr == 0:
+        return None
+    size = t.element_size()
+    first = int(t.storage_offset()) * size
+    extent = 1 + sum(int(n - 1) * abs(int(s)) for n, s in zip(t.shape, t.stride(), strict=True))
+    return ptr, first, first + extent * size
+
+
+def _tie_path(accessor: Any) -> str:
+    keys = [entry.entry for entry in accessor]
+    if all(isinstance(k, str) and "." not in k for k in keys):
+        return repr(".".join(keys))
+    return repr(tuple(keys))
+
+
+def shared_storage(params: Sequence[Any], tied: Mapping[tuple[int, int], str]) -> None:
+    """Parameters of two different stages that share memory must be declared in ``ties=``.
+
+    Without a tie each stage differentiates its own copy and the two gradients are never
+    summed: training would go on silently with wrong gradients (GPT-2's tied embedding). Only
+    floating leaves count (they get gradients); overlapping byte ranges of one storage count,
+    views of disjoint parts of one buffer do not. ``tied`` maps (stage, leaf index) to the name
+    of the tie that declares it.
+    """
+    seen: dict[int, list[tuple[int, int, int, Any, str | None]]] = {}
+    for k, tree in enumerate(params):
+        accessors = optree.tree_accessors(tree, none_is_leaf=False)
+        for i, (accessor, t) in enumerate(zip(accessors, tree_leaves(tree), strict=True)):
+            if not isinstance(t, Tensor) or not (t.is_floating_point() or t.is_complex()):
+                continue
+            span = _span(t)
+            if span is None:
+                continue
+            ptr, lo, hi = span
+            tie = tied.get((k, i))
+            for j, lo2, hi2, acc2, tie2 in seen.get(ptr, ()):
+                if j != k and lo < hi2 and lo2 < hi and (tie is None or tie != tie2):
+                    a, b = acc2.codify(f"params[{j}]"), accessor.codify(f"params[{k}]")
+                    raise InvalidArgument(
+                        f"{a} and {b} share memory, but ties= does not declare them: each stage "
+                        "would differentiate its own copy and their gradients would never be "
+                        "summed (silently wrong). Declare the tie, e.g. "
+                        f"ties={{'shared': [({j}, {_tie_path(acc2)}), ({k}, {_tie_path(accessor)})]}}"
+                        f", or give each stage its own copy (.clone()) if they are not meant to "
+                        "be one parameter"
+                    )
+            seen.setdefault(ptr, []).append((k, lo, hi, accessor, tie))
+
+
+# ------------------------------------------------------------------------- across processes
+def fingerprint(text: str) -> int:
+    """A 62-bit hash of ``text`` (fits an int64 tensor on any backend)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
+
+
+def program_agreement(summary: str) -> None:
+    """Every process of the world built the same program (and options): one all-gather of a
+    hash; on a mismatch the summaries are gathered and compared, and every process raises
+    naming the ranks that differ and the first line where they do."""
+    import torch.distributed as dist
+
+    backend = dist.get_backend()
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
+    world = dist.get_world_size()
+    mine = torch.tensor([fingerprint(summary)], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    hashes = [int(t.item()) for t in every]
+    if len(set(hashes)) == 1:
+        return
+    texts: list[Any] = [None] * world
+    dist.all_gather_object(texts, summary)
+    me = dist.get_rank()
+    ref = 0 if hashes[me] != hashes[0] else next(r for r, h in enumerate(hashes) if h != hashes[0])
+    other = texts[ref]
+    a, b = summary.splitlines(), str(other).splitlines()
+    line = next(
+        (i for i in range(max(len(a), len(b))) if (a[i : i + 1] or [""]) != (b[i : i + 1] or [""])),
+        0,
+    )
+    differ = [r for r, h in enumerate(hashes) if h != hashes[me]]
+    raise InvalidArgument(
+        f"the processes built different pipelines: process {me} and process(es) {differ} "
+        f"differ (every process of the world must build the same Pipeline, with the same "
+        f"schedule and options). First difference, line {line + 1}: process {me} has "
+        f"{(a[line : line + 1] or ['<nothing>'])[0]!r}, process {ref} has "
+        f"{(b[line : line + 1] or ['<nothing>'])[0]!r}. Build the schedule from the same "
+        "arguments on every process (e.g. not from the rank)"
+    )

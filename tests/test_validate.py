@@ -1,0 +1,264 @@
+"""Bad inputs that used to give a silently wrong result (issue 33): each is now either refused
+with a funcpipe error before any work, or gives the true result (checked against
+:func:`funcpipe.reference_step`)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import funcpipe as fp
+from funcpipe.errors import InvalidArgument, ShapeInferenceError, ShapeInferenceWarning
+from funcpipe.schedule import generate
+from funcpipe.testing import assert_trees_close
+from funcpipe.validate import fingerprint, poison, shared_storage, tensor_loss_scale
+
+F64 = torch.float64
+
+
+def _layer(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ params["w"])
+
+
+def _branchy(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Control flow on values, output shape fixed: cannot run on tensors without data."""
+    if x.sum() > 0:
+        return torch.tanh(x @ params["w"])
+    return torch.sin(x @ params["w"])
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def _setup(fn: Any = _layer, **kw: Any) -> tuple[fp.Pipeline, list[fp.Stage], Any, Any, Any]:
+    g = torch.Generator().manual_seed(0)
+    stages = [fp.Stage(fn, name="a"), fp.Stage(fn, name="b")]
+    params = tuple({"w": torch.randn(4, 4, generator=g, dtype=F64)} for _ in range(2))
+    x = torch.randn(8, 4, generator=g, dtype=F64)
+    y = torch.randn(8, 4, generator=g, dtype=F64)
+    kw.setdefault("loss_fn", _mse)
+    pipe = fp.Pipeline(stages, generate("1f1b", ranks=2, microbatches=2), **kw)
+    return pipe, stages, params, x, y
+
+
+def _reference(stages: list[fp.Stage], params: Any, x: Any, y: Any) -> Any:
+    return fp.reference_step(stages, params, x, _mse, targets=y, microbatches=2)
+
+
+# ------------------------------------------------------------------------------ autograd context
+@pytest.mark.parametrize("recompute", [False, True])
+def test_step_inside_no_grad_gives_the_true_gradients(recompute: bool) -> None:
+    pipe, stages, params, x, y = _setup(recompute=recompute)
+    loss, grads = _reference(stages, params, x, y)[:2]
+    with torch.no_grad():
+        got = pipe.step(params, x, y)
+    assert got.grads[0]["w"].abs().sum() > 0
+    assert_trees_close(got.loss, loss)
+    assert_trees_close(got.grads, grads)
+
+
+def test_no_grad_is_restored_after_the_step() -> None:
+    pipe, _, params, x, y = _setup()
+    with torch.no_grad():
+        pipe.step(params, x, y)
+        assert not torch.is_grad_enabled()
+
+
+def test_step_inside_inference_mode_is_refused() -> None:
+    pipe, _, params, x, y = _setup()
+    with torch.inference_mode(), pytest.raises(InvalidArgument, match="inference_mode"):
+        pipe.step(params, x, y)
+
+
+def test_inference_tensors_are_refused_by_name() -> None:
+    pipe, _, params, x, y = _setup()
+    with torch.inference_mode():
+        frozen = x.clone()
+    with pytest.raises(InvalidArgument, match=r"batch is an inference tensor"):
+        pipe.step(params, frozen, y)
+    pipe, _, params, x, y = _setup()
+    with torch.inference_mode():
+        w = params[1]["w"].clone()
+    with pytest.raises(InvalidArgument, match=r"params\[1\]\['w'\] is an inference tensor"):
+        pipe.step((params[0], {"w": w}), x, y)
+
+
+def test_eval_program_runs_inside_inference_mode() -> None:
+    _, stages, params, x, _ = _setup()
+    program = fp.schedule.to_eval(generate("1f1b", ranks=2, microbatches=2))
+    pipe = fp.Pipeline(stages, program)
+    with torch.inference_mode():
+        out = pipe.step(params, x, return_outputs=True).outputs
+    assert_trees_close(out, _layer(params[1], _layer(params[0], x)))
+
+
+# ------------------------------------------------------------------------------------- loss_fn
+def test_detached_loss_is_refused() -> None:
+    pipe, _, params, x, y = _setup(loss_fn=lambda o, t: _mse(o, t).detach())
+    with pytest.raises(InvalidArgument, match="loss_fn .* does not require grad"):
+        pipe.step(params, x, y)
+
+
+def test_loss_from_item_is_refused() -> None:
+    pipe, _, params, x, y = _setup(loss_fn=lambda o, t: torch.tensor(_mse(o, t).item()))
+    with pytest.raises(InvalidArgument, match="does not require grad"):
+        pipe.step(params, x, y)
+
+
+def test_step_without_the_targets_the_loss_needs() -> None:
+    pipe, _, params, x, _ = _setup()
+    with pytest.raises(InvalidArgument, match=r"loss_fn=_mse needs 2 .* without targets"):
+        pipe.step(params, x)
+
+
+def test_targets_for_a_loss_of_outputs_only() -> None:
+    pipe, _, params, x, y = _setup(loss_fn=lambda out: out.square().mean())
+    with pytest.raises(InvalidArgument, match="takes 1 positional argument"):
+        pipe.step(params, x, y)
+
+
+# ------------------------------------------------------------------------------- tensor scales
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -2.0])
+def test_bad_tensor_loss_scale_is_refused(bad: float) -> None:
+    pipe, _, params, x, y = _setup()
+    with pytest.raises(InvalidArgument, match="finite and > 0"):
+        pipe.step(params, x, y, loss_scale=torch.tensor(bad))
+
+
+def test_good_tensor_loss_scale_scales_the_gradients() -> None:
+    pipe, _, params, x, y = _setup()
+    plain = pipe.step(params, x, y)
+    scaled = pipe.step(params, x, y, loss_scale=torch.tensor(8.0, dtype=F64))
+    assert_trees_close(scaled.grads[0]["w"], plain.grads[0]["w"] * 8)
+
+
+def test_accelerator_scale_is_poisoned_not_read() -> None:
+    """Off the CPU a scale is not read (that would wait for the device): validate.poison turns
+    a bad one into NaN on the device instead; here it runs on CPU tensors."""
+    for bad, want in ((0.0, "nan"), (-1.0, "nan"), (float("nan"), "nan"), (4.0, "4.0")):
+        assert str(float(poison(torch.tensor(bad)))) == want
+    assert float(poison(torch.tensor(float("inf")))) == float("inf")  # non-finite gradients too
+    assert float(tensor_loss_scale(torch.tensor([3.0]))) == 3.0
+
+
+# ------------------------------------------------------------------------------ shared storage
+def test_shared_storage_without_a_tie_is_refused() -> None:
+    pipe, _, params, x, y = _setup()
+    w = params[0]["w"]
+    with pytest.raises(InvalidArgument, match=r"params\[0\]\['w'\] and params\[1\]\['w'\]") as e:
+        pipe.step(({"w": w}, {"w": w}), x, y)
+    assert "ties={'shared': [(0, 'w'), (1, 'w')]}" in str(e.value)
+
+
+def test_a_view_of_another_stage_is_refused() -> None:
+    pipe, _, _, x, y = _setup()
+    big = torch.randn(8, 4, dtype=F64)
+    with pytest.raises(InvalidArgument, match="share memory"):
+        pipe.step(({"w": big[:4]}, {"w": big[2:6]}), x, y)
+
+
+def test_disjoint_views_and_declared_ties_are_fine() -> None:
+    pipe, stages, _, x, y = _setup()
+    flat = torch.randn(8, 4, dtype=F64)
+    parts = ({"w": flat[:4]}, {"w": flat[4:]})
+    got = pipe.step(parts, x, y)
+    assert_trees_close(got.grads, _reference(stages, parts, x, y)[1])
+    tied, _, params, _, _ = _setup(ties={"w": [(0, "w"), (1, "w")]})
+    w = params[0]["w"]
+    tied.step(({"w": w}, {"w": w}), x, y)
+    shared_storage(({"w": w}, {"w": w}), {(0, 0): "w", (1, 0): "w"})
+    with pytest.raises(InvalidArgument):
+        shared_storage(({"w": w}, {"w": w}), {(0, 0): "w", (1, 0): "other"})
+
+
+# ------------------------------------------------------------------ inputs, devices, stage outputs
+def test_meta_batch_is_refused() -> None:
+    pipe, _, params, x, y = _setup()
+    with pytest.raises(InvalidArgument, match="batch is on the meta device"):
+        pipe.step(params, x.to("meta"), y)
+    with pytest.raises(InvalidArgument, match="targets is on the meta device"):
+        pipe.step(params, x, y.to("meta"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_device_without_cuda_fails_at_construction() -> None:
+    with pytest.raises(InvalidArgument, match="device='cuda'.* no CUDA device"):
+        _setup(device="cuda")
+
+
+def test_stage_returning_none_is_named() -> None:
+    def forgot(params: dict[str, torch.Tensor], x: torch.Tensor) -> None:
+        torch.tanh(x @ params["w"])
+
+    pipe, _, params, x, y = _setup(forgot)
+    with pytest.raises(InvalidArgument, match=r"stage 0 \('a'\) returned None.*forget to return"):
+        pipe.step(params, x, y)
+
+
+# ------------------------------------------------------------------- data-dependent control flow
+def test_data_dependent_control_flow_runs_on_a_real_microbatch() -> None:
+    pipe, stages, params, x, y = _setup(_branchy)
+    x = torch.cat([x[:4].abs(), -x[4:].abs()])  # one branch per microbatch
+    with pytest.warns(ShapeInferenceWarning, match="one real microbatch"):
+        got = pipe.step(params, x, y)
+    loss, grads = _reference(stages, params, x, y)[:2]
+    assert_trees_close(got.loss, loss)
+    assert_trees_close(got.grads, grads)
+    with warnings.catch_warnings():  # the layout is cached: no second inference
+        warnings.simplefilter("error")
+        pipe.step(params, x, y)
+
+
+def test_a_stage_that_fails_for_real_says_so() -> None:
+    def picky(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 1e9:
+            return x
+        raise ValueError("picky stage")
+
+    pipe, _, params, x, y = _setup(picky)
+    with pytest.raises(ShapeInferenceError, match="nor on one real microbatch .*picky stage"):
+        pipe.step(params, x, y)
+
+
+def test_fingerprint_is_stable_and_distinguishes() -> None:
+    a = generate("1f1b", ranks=2, microbatches=4).to_text()
+    b = generate("gpipe", ranks=2, microbatches=4).to_text()
+    assert fingerprint(a) == fingerprint(a) and fingerprint(a) != fingerprint(b)
+    assert 0 <= fingerprint(a) < 2**62
+
+
+def test_real_fallback_without_the_other_stages_params() -> None:
+    """Over processes a rank holds only its stages (the rest are meta): the fallback feeds a
+    branching stage zeros of its producer's inferred outputs, and materialises meta params."""
+    from funcpipe.runtime.plan import infer_layout
+
+    program = generate("1f1b", ranks=2, microbatches=2)
+    stages = [fp.Stage(_layer, name="a"), fp.Stage(_branchy, name="b")]
+    w = torch.randn(4, 6, dtype=F64)
+    for params in (
+        ({"w": w.to("meta")}, {"w": torch.randn(6, 3, dtype=F64)}),
+        ({"w": w}, {"w": torch.empty(6, 3, dtype=F64, device="meta")}),
+    ):
+        with pytest.warns(ShapeInferenceWarning, match=r"stage 1 \('b'\)"):
+            layout = infer_layout(program, stages, params, (torch.randn(5, 4, dtype=F64),), {})
+        assert [repr(s) for s in layout[0].leaves] == ["f64[5, 6]"]
+        assert [repr(s) for s in layout[1].leaves] == ["f64[5, 3]"]
+
+
+def test_cli_refuses_a_schedule_too_large_to_build_in_seconds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import time
+
+    from funcpipe.cli import main
+
+    start = time.monotonic()
+    assert main(["schedule", "1f1b", "-p", "2", "-m", "4000000"]) == 2
+    assert time.monotonic() - start < 5
+    err = capsys.readouterr().err
+    assert "8,000,000 (stage, microbatch) pairs" in err and "--no-size-limit" in err
+    assert main(["schedule", "1f1b", "-p", "2", "-m", "8"]) == 0  # small sizes still run
