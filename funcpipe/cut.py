@@ -54,8 +54,10 @@ class ModuleSplit(NamedTuple):
             raise InvalidArgument(
                 f"batch fields {sorted(fields)!r} lack {missing!r}, which the stages read."
             )
-        entry = fields[self.inputs[0]] if len(self.inputs) == 1 else tuple(
-            fields[k] for k in self.inputs
+        entry = (
+            fields[self.inputs[0]]
+            if len(self.inputs) == 1
+            else tuple(fields[k] for k in self.inputs)
         )
         if not self.side_inputs:
             return entry
@@ -235,6 +237,31 @@ def _alias(
     return target
 
 
+def _written_inputs(ep: Any) -> list[str]:
+    """Buffers and inputs an op of the graph writes in place (BatchNorm's running stats in the
+    training IR, which keeps such writes in the graph instead of returning them)."""
+    targets = {s.arg.name: s.target or s.arg.name for s in ep.graph_signature.input_specs}
+    written: list[str] = []
+    for node in ep.graph_module.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, fx.Node) and value.op == "placeholder":
+                name = targets.get(value.name, value.name)
+                if name not in written:
+                    written.append(name)
+        if node.target is torch.ops.aten.batch_norm.default and node.args[5]:
+            # training mode: updates the running stats (args 3 and 4) in place
+            written += [
+                targets.get(a.name, a.name) for a in node.args[3:5] if isinstance(a, fx.Node)
+            ]
+    return written
+
+
 def split_module(
     module: nn.Module,
     points: Points,
@@ -302,6 +329,7 @@ def _cut(
     mutated = [
         s.target for s in ep.graph_signature.output_specs if s.kind != OutputKind.USER_OUTPUT
     ]
+    mutated += [n for n in _written_inputs(ep) if n not in mutated]  # in-place, in the graph
     if mutated:
         raise InvalidArgument(
             f"{type(module).__name__}.forward writes {mutated!r} (a buffer updated in the "
@@ -398,7 +426,7 @@ def _cut(
             env[n] = g.placeholder(n.name)
             env[n].meta = dict(n.meta)
         for n in members:
-            env[n] = g.node_copy(n, lambda x: env[x])
+            env[n] = g.node_copy(n, env.__getitem__)
         if s < n_stages - 1:
             g.output(tuple(env[v] for v in carried[s]))
             out_spec = None

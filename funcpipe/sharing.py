@@ -26,7 +26,7 @@ def _key(t: torch.Tensor) -> Key | None:
     if t.device.type == "meta" or t.numel() == 0:
         return None  # no storage to compare
     ptr = t.untyped_storage().data_ptr()
-    return (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.device)
+    return (ptr, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.device)
 
 
 def _paths(tree: Any) -> list[Any]:

@@ -6,6 +6,7 @@ the package is missing (``pip install -e '.[models]'``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any
 
@@ -29,12 +30,10 @@ def _torchvision_ops_shim() -> None:
         if "torchvision::nms" not in str(e):
             raise
     for op in ("nms", "qnms"):
-        try:
+        with contextlib.suppress(RuntimeError):  # already declared
             torch.library.define(
                 f"torchvision::{op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
             )
-        except RuntimeError:
-            pass  # already declared
 
 
 def load(package: str) -> Any:
