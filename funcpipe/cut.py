@@ -145,19 +145,28 @@ class _GraphStage:
         return f"graph({self.label}, {len(self.param_names)} params)"
 
 
+def _repeated(m: nn.Module) -> bool:
+    """An nn.ModuleList, or an nn.Sequential of modules of one type (timm's ``blocks``)."""
+    if isinstance(m, nn.ModuleList):
+        return len(m) > 0
+    kinds = {type(c) for c in m.children()}
+    return isinstance(m, nn.Sequential) and len(m) > 1 and len(kinds) == 1
+
+
 def _resolve_points(module: nn.Module, points: Points) -> list[str]:
     names = dict(module.named_modules())
     if isinstance(points, int) and not isinstance(points, bool):
-        lists = [(len(m), n) for n, m in names.items() if isinstance(m, nn.ModuleList) and n]
+        lists = [(len(m), n) for n, m in names.items() if n and _repeated(m)]
         if not lists:
             raise InvalidArgument(
-                f"points={points!r} (a number of stages) cuts the longest nn.ModuleList evenly, "
-                f"but {type(module).__name__} has none; name the submodules to cut before."
+                f"points={points!r} (a number of stages) cuts the longest run of repeated blocks "
+                f"(an nn.ModuleList or nn.Sequential of one block type) evenly, but "
+                f"{type(module).__name__} has none; name the submodules to cut before."
             )
         length, at = max(lists)
         if not 1 <= points <= length:
             raise InvalidArgument(
-                f"points={points!r} stages but the longest nn.ModuleList {at!r} has {length} "
+                f"points={points!r} stages but the longest run of blocks {at!r} has {length} "
                 f"blocks; ask for 1..{length} stages."
             )
         return [f"{at}.{(i * length) // points}" for i in range(1, points)]
@@ -277,8 +286,9 @@ def split_module(
             mode (``eval()``, or dropout 0) it trains in first.
         points: submodule names (``["model.layers.2"]``: stage 1 begins where that block is
             first called), a callable ``(name, submodule) -> bool`` choosing them, or a number
-            of stages ``n`` (the longest ``nn.ModuleList`` is cut into ``n`` even runs; what comes
-            before it joins the first stage, what comes after the last).
+            of stages ``n`` (the longest run of repeated blocks, an ``nn.ModuleList`` or an
+            ``nn.Sequential`` of one block type, is cut into ``n`` even runs; what comes before
+            it joins the first stage, what comes after it the last).
         example: one microbatch: a dict of ``forward`` keyword arguments, or a tensor / tuple of
             positional arguments. The stages are specialised to its shapes.
         inputs: the keys of ``example`` the first stage takes positionally, in order (default:
