@@ -22,6 +22,9 @@ from funcpipe.schedule import generate
 from funcpipe.schedule.generators import GENERATORS
 from tests import models_zoo as zoo
 
+# tracing a model with torch.export takes seconds each; minutes on a loaded 2-core machine
+pytestmark = pytest.mark.timeout(600)
+
 M = 2  # microbatches
 TRAINING = [g for g in GENERATORS if g != "forward"]
 FAST = {
