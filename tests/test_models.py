@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -142,3 +143,15 @@ def test_llama_mask_is_a_side_input_and_rotary_tables_need_no_gradient() -> None
 @pytest.mark.parametrize("name", list(FAST))
 def test_every_model_every_schedule(name: str, schedule: str) -> None:
     _check(name, schedule)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("name", "schedule"), [("llama", "dualpipev"), ("gpt2", "1f1b")])
+def test_model_over_two_gloo_ranks(pool: Any, name: str, schedule: str) -> None:
+    """The same over processes: what crosses stages, tied gradients and masks go over the wire
+    (the rotary tables without a gradient)."""
+    zoo.load("timm" if name == "vit" else "transformers")  # skip here, not in the ranks
+    from tests import jobs_models
+
+    worst = pool(2).run(jobs_models.run_model_vs_unsplit, name, schedule, 2)
+    assert max(worst) < 1e-10
