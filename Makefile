@@ -18,7 +18,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || \
 		$(BIN)/pip install $(TORCH_PIP_ARGS) torch==2.13.0
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/python -c "import torchvision" 2>/dev/null || \
+		$(BIN)/pip install $(TORCH_PIP_ARGS) torchvision==0.28.0
+	$(BIN)/pip install -e '.[test,models]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -6,6 +6,7 @@ parameters, gradients and optimizer state are values that go in and come out.
 
 from funcpipe import data, loss_scale, optim, profile, schedule, testing, tune
 from funcpipe.compile import compile_stage
+from funcpipe.cut import ModuleSplit, split_module
 from funcpipe.errors import (
     CommunicationError,
     FuncpipeError,
@@ -24,6 +25,7 @@ from funcpipe.precision import autocast_stage
 from funcpipe.profile import measure_memory, measure_stages, profile_stages
 from funcpipe.reference import reference_step
 from funcpipe.shapes import StageSpec, TensorSpec, infer_specs
+from funcpipe.sharing import describe_ties, find_ties
 from funcpipe.stage import Stage, as_inputs, compose, from_module
 
 __version__ = "0.1.0"
@@ -32,6 +34,7 @@ __all__ = [
     "CommunicationError",
     "FuncpipeError",
     "InvalidArgument",
+    "ModuleSplit",
     "NonFiniteError",
     "Partition",
     "Pipeline",
@@ -50,6 +53,8 @@ __all__ = [
     "compile_stage",
     "compose",
     "data",
+    "describe_ties",
+    "find_ties",
     "from_module",
     "infer_specs",
     "launch",
@@ -65,6 +70,7 @@ __all__ = [
     "reference_step",
     "schedule",
     "split",
+    "split_module",
     "testing",
     "tune",
 ]

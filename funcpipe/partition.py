@@ -7,6 +7,7 @@ names, so the union of the stage params is exactly ``dict(model.named_parameters
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import time
@@ -44,15 +45,33 @@ class Partition(NamedTuple):
 class _Chain(nn.Sequential):
     """``nn.Sequential`` that chains with funcpipe's convention (a tuple output is unpacked).
 
-    For layers that take and return one tensor it is exactly ``nn.Sequential``.
+    For layers that take and return one tensor it is exactly ``nn.Sequential``. Side inputs
+    (keyword arguments, see ``Pipeline(side_inputs=...)``) reach each layer whose ``forward``
+    takes them by name (or takes ``**kwargs``).
     """
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self, *inputs: Any, **side: Any) -> Any:
         outputs: Any = None
         for module in self:
-            outputs = module(*inputs)
+            outputs = module(*inputs, **_accepted(module, side)) if side else module(*inputs)
             inputs = as_inputs(outputs)
         return outputs
+
+
+def _accepted(module: nn.Module, side: dict[str, Any]) -> dict[str, Any]:
+    """The side inputs ``module.forward`` takes by name (all of them with ``**kwargs``)."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return side
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return side
+    names = {
+        p.name
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return {k: v for k, v in side.items() if k in names}
 
 
 def _normalize_layers(layers: Any) -> tuple[str, list[tuple[Any, Any]]]:

@@ -191,6 +191,12 @@ class Pipeline:
                 raise InvalidArgument(
                     f"side_inputs names stage {k}; the program has stages 0..{schedule.n_stages - 1}"
                 )
+        if schedule.replica_of:  # Chimera: a model stage's side inputs reach all its replicas
+            self.side_inputs = {
+                slot: self.side_inputs[o]
+                for slot, o in enumerate(schedule.replica_of)
+                if o in self.side_inputs
+            }
         self.ties = check_ties(ties, len(self.stages))
         self.data = data
         self.device = torch.device(device) if device is not None else None

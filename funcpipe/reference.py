@@ -7,7 +7,7 @@ against it (loss, outputs and every gradient).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from funcpipe.errors import InvalidArgument
 from funcpipe.microbatch import _batch_size, _split_named, merge
 from funcpipe.stage import Stage, as_inputs
+from funcpipe.ties import TiePath, check_ties, resolve, tie_values
 from funcpipe.tree import check_tensor_tree, leaf_paths, tree_flatten, tree_unflatten
 
 __all__ = ["reference_step"]
@@ -54,6 +55,7 @@ def reference_step(
     targets_dim: Any = None,
     outputs_dim: Any = None,
     return_outputs: bool = False,
+    ties: Mapping[str, Sequence[TiePath]] | None = None,
 ) -> tuple[Any, ...]:
     """One training step on one device: the loss and the gradients of every stage's params.
 
@@ -79,6 +81,10 @@ def reference_step(
         targets_dim, outputs_dim: batch dims of targets and of the merged outputs; they default
             to ``dim`` when it is an int, else to 0.
         return_outputs: also return the last stage's outputs, merged over microbatches.
+        ties: ``{"name": [(stage, path), ...]}`` as ``Pipeline`` takes them: the first listed
+            value is used for every member and each member's gradient is the sum over the
+            members (what the pipeline returns). ``funcpipe.find_ties(params)`` finds them
+            from shared storage.
 
     Returns:
         ``(loss, grads)``, or ``(loss, grads, outputs)`` with ``return_outputs=True``. ``loss``
@@ -87,6 +93,9 @@ def reference_step(
     """
     stages, params = list(stages), list(params)
     _check_params(stages, params)
+    tied = check_ties(ties, len(stages))
+    if tied:
+        params = list(tie_values(tuple(params), tied))
     if not callable(loss_fn):
         raise InvalidArgument(
             f"loss_fn must be callable as loss_fn(outputs, targets) or loss_fn(outputs); got "
@@ -145,6 +154,12 @@ def reference_step(
             outputs_mbs.append(_detach(outputs))
 
     loss_mean = torch.stack(losses).mean()
+    offsets = [sum(len(ls) for ls in leaves[:i]) for i in range(len(leaves))]
+    for name, members in tied.items():
+        where = [offsets[s] + resolve(params[s], path, f"ties[{name!r}]") for s, path in members]
+        total = sum((grads[k] for k in where[1:]), grads[where[0]])
+        for k in where:
+            grads[k] = total
     out_grads, start = [], 0
     for ls, (_, spec) in zip(leaves, flat, strict=True):
         out_grads.append(tree_unflatten(spec, grads[start : start + len(ls)]))

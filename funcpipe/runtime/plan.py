@@ -31,12 +31,17 @@ class OutputSpec:
 
     leaves: tuple[TensorSpec, ...]
     tree: PyTreeSpec
+    nograd: frozenset[int] = frozenset()  # floating leaves that depend on no param nor input
 
     @property
     def differentiable(self) -> tuple[int, ...]:
-        """Indices of the leaves that carry gradients (floating point or complex)."""
+        """Indices of the leaves that carry gradients: floating point or complex, and depending
+        on a parameter or a differentiable input (a mask or rotary table computed from
+        buffers and the batch alone carries none, and no gradient is sent back for it)."""
         return tuple(
-            i for i, s in enumerate(self.leaves) if s.dtype.is_floating_point or s.dtype.is_complex
+            i
+            for i, s in enumerate(self.leaves)
+            if (s.dtype.is_floating_point or s.dtype.is_complex) and i not in self.nograd
         )
 
 
@@ -101,15 +106,26 @@ def _infer(
         def to(t: torch.Tensor, dev: torch.device = dev) -> torch.Tensor:
             return fake(t, dev)
 
-        args = tree_map(to, stage_args(program, s, entry, outputs.__getitem__))
+        # autograd on the fake tensors tells which outputs depend on a parameter or on a
+        # differentiable input: the others need no gradient
+        def carry(
+            t: torch.Tensor, dev: torch.device = dev, entry: bool = not program.producers(s)
+        ) -> torch.Tensor:
+            # the batch needs no gradient; a producer's output needs one if it carries one
+            return fake(t, dev).requires_grad_(not entry and t.requires_grad)
+
+        args = tree_map(carry, stage_args(program, s, entry, outputs.__getitem__))
         kwargs = tree_map(to, dict(side.get(s, {})))
         stage = stages[s]
         try:
-            out = stage(tree_map(to, params[s]), *args, **kwargs)
+            with torch.enable_grad():
+                out = stage(tree_map(_needs_grad, tree_map(to, params[s])), *args, **kwargs)
         except InvalidArgument:
             raise
         except Exception as e:
             out = _real_fallback(program, stages, params, entry, side, device, s, layout, real, e)
+            # run under no_grad, it says nothing of which outputs need a gradient: all may
+            out = tree_map(_needs_grad, out) if _all_tensors(out) else out
         leaves, tree = tree_flatten(out)
         if not leaves:
             raise InvalidArgument(
@@ -123,8 +139,11 @@ def _infer(
                     f"stage {s} ({stage.name!r}) returned a non-tensor leaf #{i}: {leaf!r}; "
                     "stage outputs must be pytrees of tensors"
                 )
-        layout[s] = OutputSpec(tuple(TensorSpec.from_tensor(t) for t in leaves), tree)
-        outputs[s] = out
+        nograd = frozenset(
+            i for i, t in enumerate(leaves) if _diff(t.dtype) and not t.requires_grad
+        )
+        layout[s] = OutputSpec(tuple(TensorSpec.from_tensor(t) for t in leaves), tree, nograd)
+        outputs[s] = tree_map(lambda t: t.detach().requires_grad_(t.requires_grad), out)
     return layout
 
 
@@ -209,6 +228,19 @@ def _real_fallback(
         stacklevel=5,
     )
     return out
+
+
+def _diff(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def _all_tensors(tree: Any) -> bool:
+    return all(isinstance(t, torch.Tensor) for t in tree_leaves(tree))
+
+
+def _needs_grad(t: torch.Tensor) -> torch.Tensor:
+    """A fake leaf that requires grad when it can (floating point or complex)."""
+    return t.detach().requires_grad_(_diff(t.dtype))
 
 
 def rebuild(spec: OutputSpec, leaves: Sequence[torch.Tensor]) -> Any:

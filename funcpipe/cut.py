@@ -1,0 +1,464 @@
+"""Cut any ``nn.Module`` into pipeline stages at named submodules, keeping its parameter names.
+
+``split_module(model, ["model.layers.2"], example={"input_ids": ids})`` traces ``model``'s forward
+with ``torch.export`` (non-strict) on one example microbatch, cuts the traced graph where the
+named submodules are first called, and returns a :class:`ModuleSplit`: pure stages, one params
+dict per stage keyed by the module's own ``state_dict`` names, the ties found from shared
+storage, and the side inputs each stage reads. The forward need not be a plain sequence: what one
+stage computes and a later one uses (a mask, rotary cos/sin, a residual) is passed on.
+
+The stages are specialised to the example's shapes and dtypes (``torch.export``'s default):
+run them on microbatches shaped like the example, or pass ``dynamic_shapes``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, fx, nn
+
+from funcpipe.errors import FuncpipeError, InvalidArgument
+from funcpipe.sharing import find_ties
+from funcpipe.stage import ConstFn, Stage
+
+__all__ = ["ModuleSplit", "split_module"]
+
+Points = Sequence[str] | Callable[[str, nn.Module], bool] | int
+
+
+class ModuleSplit(NamedTuple):
+    """What :func:`split_module` returns.
+
+    ``stages[i]`` runs with ``params[i]`` (``{state_dict name: tensor}``, detached aliases of the
+    module's parameters). ``ties`` (``{name: [(stage, name), ...]}``) and ``side_inputs``
+    (``{stage: [forward argument, ...]}``) go to ``Pipeline(ties=..., side_inputs=...)`` as they
+    are; ``points`` are the submodule names where stages 1.. begin.
+    """
+
+    stages: tuple[Stage, ...]
+    params: tuple[dict[str, Tensor], ...]
+    ties: dict[str, list[tuple[int, Any]]]
+    side_inputs: dict[int, list[str]]
+    points: tuple[str, ...]
+    inputs: tuple[str, ...]
+
+    def batch(self, fields: Mapping[str, Any]) -> Any:
+        """The pipeline's batch from ``fields`` (the forward's keyword arguments, whole batch):
+        the first stage's input alone, a tuple of them, or with side inputs the dict
+        ``{"inputs": ..., side input: ...}`` that ``Pipeline`` takes."""
+        missing = [k for k in (*self.inputs, *self.side_names()) if k not in fields]
+        if missing:
+            raise InvalidArgument(
+                f"batch fields {sorted(fields)!r} lack {missing!r}, which the stages read."
+            )
+        entry = (
+            fields[self.inputs[0]]
+            if len(self.inputs) == 1
+            else tuple(fields[k] for k in self.inputs)
+        )
+        if not self.side_inputs:
+            return entry
+        return {"inputs": entry, **{k: fields[k] for k in self.side_names()}}
+
+    def side_names(self) -> list[str]:
+        """Every side input some stage reads, in order of first use."""
+        return list(dict.fromkeys(k for names in self.side_inputs.values() for k in names))
+
+    def __repr__(self) -> str:
+        counts = ", ".join(str(len(p)) for p in self.params)
+        return (
+            f"ModuleSplit({len(self.stages)} stages at {list(self.points)!r}, params per stage: "
+            f"({counts}), inputs={list(self.inputs)!r}, side_inputs={self.side_inputs!r}, "
+            f"ties={self.ties!r})"
+        )
+
+
+class _GraphStage:
+    """``(params, *carried, **side) -> outputs``: one slice of the traced graph.
+
+    The slice's placeholders are, in order: parameters (by name, from ``params``), constants
+    (buffers, captured here), the positional inputs, the side inputs (by name).
+    """
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        param_names: Sequence[str],
+        consts: Mapping[str, Tensor],
+        n_inputs: int,
+        side_names: Sequence[str],
+        out_spec: Any,
+        label: str,
+    ) -> None:
+        self.gm = gm
+        self.param_names = tuple(param_names)
+        self.consts = dict(consts)
+        self.n_inputs = n_inputs
+        self.side_names = tuple(side_names)
+        self.out_spec = out_spec  # None: a tuple of carried values; else the forward's output
+        self.label = label
+
+    def __call__(self, params: Any, *inputs: Any, **side: Any) -> Any:
+        if not isinstance(params, Mapping):
+            raise InvalidArgument(
+                f"stage {self.label} takes params as a dict of state_dict name -> tensor; got "
+                f"params of type {type(params).__name__}. Pass the dict from split_module(...)."
+            )
+        missing = [n for n in self.param_names if n not in params]
+        if missing or len(inputs) != self.n_inputs or set(side) != set(self.side_names):
+            raise InvalidArgument(
+                f"stage {self.label} takes params {list(self.param_names)!r} (missing: "
+                f"{missing!r}), {self.n_inputs} positional inputs (got {len(inputs)}) and side "
+                f"inputs {list(self.side_names)!r} (got {sorted(side)!r}). Run it with the "
+                "params, ties and side_inputs split_module returned."
+            )
+        args = [
+            *(params[n] for n in self.param_names),
+            *self.consts.values(),
+            *inputs,
+            *(side[n] for n in self.side_names),
+        ]
+        flat = self.gm(*args)
+        if self.out_spec is None:
+            return tuple(flat)
+        out = torch.utils._pytree.tree_unflatten(list(flat), self.out_spec)
+        if isinstance(out, Mapping):  # a transformers ModelOutput: a plain dict of its fields
+            return {k: v for k, v in out.items() if v is not None}
+        return out
+
+    def map_consts(self, f: ConstFn) -> _GraphStage:
+        consts = {k: f(v) for k, v in self.consts.items()}
+        return _GraphStage(
+            self.gm,
+            self.param_names,
+            consts,
+            self.n_inputs,
+            self.side_names,
+            self.out_spec,
+            self.label,
+        )
+
+    def __repr__(self) -> str:
+        return f"graph({self.label}, {len(self.param_names)} params)"
+
+
+def _repeated(m: nn.Module) -> bool:
+    """An nn.ModuleList, or an nn.Sequential of modules of one type (timm's ``blocks``)."""
+    if isinstance(m, nn.ModuleList):
+        return len(m) > 0
+    kinds = {type(c) for c in m.children()}
+    return isinstance(m, nn.Sequential) and len(m) > 1 and len(kinds) == 1
+
+
+def _resolve_points(module: nn.Module, points: Points) -> list[str]:
+    names = dict(module.named_modules())
+    if isinstance(points, int) and not isinstance(points, bool):
+        lists = [(len(m), n) for n, m in names.items() if n and _repeated(m)]
+        if not lists:
+            raise InvalidArgument(
+                f"points={points!r} (a number of stages) cuts the longest run of repeated blocks "
+                f"(an nn.ModuleList or nn.Sequential of one block type) evenly, but "
+                f"{type(module).__name__} has none; name the submodules to cut before."
+            )
+        length, at = max(lists)
+        if not 1 <= points <= length:
+            raise InvalidArgument(
+                f"points={points!r} stages but the longest run of blocks {at!r} has {length} "
+                f"blocks; ask for 1..{length} stages."
+            )
+        return [f"{at}.{(i * length) // points}" for i in range(1, points)]
+    if callable(points):
+        return [n for n, m in names.items() if n and points(n, m)]
+    if isinstance(points, str) or not isinstance(points, Sequence):
+        raise InvalidArgument(
+            f"points must be a list of submodule names, a callable (name, module) -> bool or a "
+            f"number of stages; got points={points!r}."
+        )
+    for p in points:
+        if p not in names or not p:
+            near = [n for n in names if n and n.split(".")[-1] == str(p).split(".")[-1]][:3]
+            raise InvalidArgument(
+                f"points names {p!r}, which is not a submodule of {type(module).__name__}"
+                + (f" (did you mean {near}?)" if near else "")
+                + "; use names from module.named_modules()."
+            )
+    return list(points)
+
+
+def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: Any) -> Any:
+    try:
+        return torch.export.export(module, args, kwargs, strict=False, dynamic_shapes=dynamic)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise FuncpipeError(
+            f"split_module could not trace {type(module).__name__}.forward with torch.export "
+            f"({type(e).__name__}: {first}). It needs a forward whose control flow does not "
+            "depend on tensor values; for transformers models pass use_cache=False in the "
+            "config and call model.eval() or set dropout to 0. Otherwise build the stages by "
+            "hand: funcpipe.from_module(...) per piece, or funcpipe.partition(nn.Sequential(...))."
+        ) from e
+
+
+def _starts(graph: fx.Graph, points: Sequence[str]) -> list[tuple[int, str]]:
+    """For each point, the index of the first graph node run inside that submodule."""
+    nodes = list(graph.nodes)
+    found: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        if node.op != "call_function":
+            continue
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            for p in points:
+                if p not in found and (path == p or path.startswith(p + ".")):
+                    found[p] = i
+    never = [p for p in points if p not in found]
+    if never:
+        raise InvalidArgument(
+            f"points {never!r} name submodules that the forward never calls on this example; cut "
+            "before modules that run."
+        )
+    starts = sorted((i, p) for p, i in found.items())
+    if len({i for i, _ in starts}) != len(starts):
+        raise InvalidArgument(
+            f"points {list(points)!r} include two that begin at the same place (one holds the "
+            "other); name each cut once."
+        )
+    return starts
+
+
+def _alias(
+    node: fx.Node, target: str, members: Sequence[fx.Node], named: Mapping[str, Tensor]
+) -> str:
+    """The name a stage knows a parameter by: among the names of that one tensor (a tied
+    parameter has several), the one whose module the stage's uses of it run in."""
+    aliases = [n for n, q in named.items() if q is named[target]]
+    if len(aliases) == 1:
+        return target
+    paths: set[str] = set()
+    for user in node.users:
+        if user in members:
+            paths |= {path for path, _ in (user.meta.get("nn_module_stack") or {}).values()}
+    for name in aliases:
+        if name.rpartition(".")[0] in paths:
+            return name
+    return target
+
+
+def _written_inputs(ep: Any) -> list[str]:
+    """Buffers and inputs an op of the graph writes in place (BatchNorm's running stats in the
+    training IR, which keeps such writes in the graph instead of returning them)."""
+    targets = {s.arg.name: s.target or s.arg.name for s in ep.graph_signature.input_specs}
+    written: list[str] = []
+    for node in ep.graph_module.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, fx.Node) and value.op == "placeholder":
+                name = targets.get(value.name, value.name)
+                if name not in written:
+                    written.append(name)
+        if node.target is torch.ops.aten.batch_norm.default and node.args[5]:
+            # training mode: updates the running stats (args 3 and 4) in place
+            written += [
+                targets.get(a.name, a.name) for a in node.args[3:5] if isinstance(a, fx.Node)
+            ]
+    return written
+
+
+def split_module(
+    module: nn.Module,
+    points: Points,
+    *,
+    example: Any,
+    inputs: Sequence[str] | None = None,
+    dynamic_shapes: Any = None,
+) -> ModuleSplit:
+    """Cut ``module`` into stages that begin where each of ``points`` is first called.
+
+    Args:
+        module: any ``nn.Module``; it is traced, never modified. Put it in the dtype, device and
+            mode (``eval()``, or dropout 0) it trains in first.
+        points: submodule names (``["model.layers.2"]``: stage 1 begins where that block is
+            first called), a callable ``(name, submodule) -> bool`` choosing them, or a number
+            of stages ``n`` (the longest run of repeated blocks, an ``nn.ModuleList`` or an
+            ``nn.Sequential`` of one block type, is cut into ``n`` even runs; what comes before
+            it joins the first stage, what comes after it the last).
+        example: one microbatch: a dict of ``forward`` keyword arguments, or a tensor / tuple of
+            positional arguments. The stages are specialised to its shapes.
+        inputs: the keys of ``example`` the first stage takes positionally, in order (default:
+            the first key). Every other key is a side input: a batch field passed to each stage
+            that reads it (``side_inputs``).
+        dynamic_shapes: passed to ``torch.export.export``.
+
+    Returns:
+        a :class:`ModuleSplit`. Its ``params`` map 1:1 onto ``module.state_dict()``'s parameter
+        names (each stage holds those it uses; a shared parameter used in two stages is in
+        both, and listed in ``ties``). Values one stage passes to the next that do not depend on
+        parameters or differentiable inputs (masks, rotary cos/sin) need no gradient and the
+        pipeline sends none back.
+    """
+    if not isinstance(module, nn.Module):
+        raise InvalidArgument(
+            f"split_module needs an nn.Module; got module of type {type(module).__name__}."
+        )
+    cut_at = _resolve_points(module, points)
+    if isinstance(example, Mapping):
+        kwargs = dict(example)
+        if not kwargs:
+            raise InvalidArgument("example is an empty dict; give the forward's inputs.")
+        entry = tuple(inputs) if inputs is not None else (next(iter(kwargs)),)
+        bad = [k for k in entry if k not in kwargs]
+        if bad:
+            raise InvalidArgument(
+                f"inputs={list(entry)!r} names {bad!r}, not keys of example ({sorted(kwargs)!r})."
+            )
+        args: tuple[Any, ...] = ()
+    else:
+        if inputs is not None:
+            raise InvalidArgument(
+                "inputs= names keys of a dict example; with positional example arguments every "
+                "one is an input of the first stage."
+            )
+        args = example if type(example) is tuple else (example,)
+        kwargs, entry = {}, ()
+    ep = _export(module, args, kwargs, dynamic_shapes)
+    return _cut(module, ep, cut_at, entry, bool(kwargs))
+
+
+def _cut(
+    module: nn.Module, ep: Any, cut_at: Sequence[str], entry: Sequence[str], by_name: bool
+) -> ModuleSplit:
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    mutated = [
+        s.target for s in ep.graph_signature.output_specs if s.kind != OutputKind.USER_OUTPUT
+    ]
+    mutated += [n for n in _written_inputs(ep) if n not in mutated]  # in-place, in the graph
+    if mutated:
+        raise InvalidArgument(
+            f"{type(module).__name__}.forward writes {mutated!r} (a buffer updated in the "
+            "forward, e.g. BatchNorm in training mode); a stage must be a pure function: call "
+            "module.eval(), or keep that state out of the model."
+        )
+    graph: fx.Graph = ep.graph_module.graph
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    specs = ep.graph_signature.input_specs
+    named_params = dict(module.named_parameters(remove_duplicate=False))
+    consts_all: dict[str, Tensor] = {**dict(module.named_buffers(remove_duplicate=False))}
+    consts_all.update(getattr(ep, "constants", {}))
+    kind: dict[fx.Node, tuple[str, str]] = {}  # placeholder -> (param|const|input, name)
+    user_inputs: list[fx.Node] = []
+    for node, spec in zip(placeholders, specs, strict=True):
+        if spec.kind == InputKind.PARAMETER:
+            kind[node] = ("param", spec.target)
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            kind[node] = ("const", spec.target)
+        elif spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(node)
+        else:
+            raise InvalidArgument(f"split_module cannot handle a traced input of kind {spec.kind}.")
+    if by_name:
+        for node in user_inputs:
+            kind[node] = ("input", node.name)
+        entry_nodes = [next(n for n in user_inputs if n.name == k) for k in entry]
+    else:
+        entry_nodes = list(user_inputs)
+        for node in user_inputs:
+            kind[node] = ("input", node.name)
+
+    starts = _starts(graph, cut_at)
+    n_stages = len(starts) + 1
+    stage_of: dict[fx.Node, int] = {}
+    bounds = [i for i, _ in starts]
+    k = 0
+    for i, node in enumerate(nodes):
+        while k < len(bounds) and i >= bounds[k]:
+            k += 1
+        if node.op in ("call_function", "call_method", "call_module", "get_attr"):
+            src = node.args[0] if node.target is operator.getitem and node.args else None
+            stage_of[node] = stage_of.get(src, k) if isinstance(src, fx.Node) else k
+    for node in entry_nodes:
+        stage_of[node] = 0  # the batch enters at the first stage and is carried from there
+    output = next(n for n in nodes if n.op == "output")
+    outs = list(output.args[0])
+
+    # where each value is used: a later stage's use means it is carried up to there
+    last_use: dict[fx.Node, int] = {}
+    for node in nodes:
+        if node.op == "output":
+            for v in outs:
+                if isinstance(v, fx.Node):
+                    last_use[v] = max(last_use.get(v, -1), n_stages - 1)
+            continue
+        if node not in stage_of:
+            continue
+        for u in node.all_input_nodes:
+            last_use[u] = max(last_use.get(u, -1), stage_of[node])
+    carried: list[list[fx.Node]] = []  # carried[s]: what stage s passes to stage s + 1
+    for s in range(n_stages - 1):
+        carried.append(
+            [n for n in nodes if n in stage_of and stage_of[n] <= s and last_use.get(n, -1) > s]
+        )
+    for s, vals in enumerate(carried):
+        for v in vals:
+            val = v.meta.get("val")
+            if not isinstance(val, Tensor):
+                raise InvalidArgument(
+                    f"the value {v.name!r} ({type(val).__name__}) crosses from stage {s} to stage "
+                    f"{s + 1} but only tensors can cross stages; move the cut point "
+                    f"{starts[s][1]!r} so that it is not used across the cut."
+                )
+
+    stages: list[Stage] = []
+    params: list[dict[str, Tensor]] = []
+    side_inputs: dict[int, list[str]] = {}
+    for s in range(n_stages):
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        members = [n for n in nodes if stage_of.get(n) == s and n.op != "placeholder"]
+        used = {u for n in members for u in n.all_input_nodes if u.op == "placeholder"}
+        if s == n_stages - 1:
+            used |= {v for v in outs if isinstance(v, fx.Node) and v.op == "placeholder"}
+        p_nodes = [n for n in placeholders if n in used and kind[n][0] == "param"]
+        c_nodes = [n for n in placeholders if n in used and kind[n][0] == "const"]
+        in_nodes = entry_nodes if s == 0 else carried[s - 1]
+        side_nodes = [
+            n for n in placeholders if n in used and kind[n][0] == "input" and n not in entry_nodes
+        ]
+        for n in [*p_nodes, *c_nodes, *in_nodes, *side_nodes]:
+            env[n] = g.placeholder(n.name)
+            env[n].meta = dict(n.meta)
+        for n in members:
+            env[n] = g.node_copy(n, env.__getitem__)
+        if s < n_stages - 1:
+            g.output(tuple(env[v] for v in carried[s]))
+            out_spec = None
+        else:
+            g.output(tuple(env[v] if isinstance(v, fx.Node) else v for v in outs))
+            out_spec = ep.call_spec.out_spec
+        gm = fx.GraphModule(ep.graph_module, g)
+        label = f"{s}" if s == 0 else f"{s} from {starts[s - 1][1]}"
+        names = [_alias(n, kind[n][1], members, named_params) for n in p_nodes]
+        stage_params = {n: named_params[n].detach() for n in names}
+        consts = {kind[n][1]: consts_all[kind[n][1]].detach() for n in c_nodes}
+        sides = [kind[n][1] for n in side_nodes]
+        if sides:
+            side_inputs[s] = sides
+        fn = _GraphStage(gm, names, consts, len(in_nodes), sides, out_spec, label)
+        stages.append(Stage(fn, f"stage {label}"))
+        params.append(stage_params)
+    return ModuleSplit(
+        tuple(stages),
+        tuple(params),
+        find_ties(params),
+        side_inputs,
+        tuple(p for _, p in starts),
+        tuple(kind[n][1] for n in entry_nodes),
+    )
