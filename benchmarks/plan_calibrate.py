@@ -91,9 +91,13 @@ def shares(r: dict[str, Any], peak: float = H100[0], bw: float = H100[1]) -> Non
               f"backward {2.5 * flops / (tfb - tf) / peak:.3f} of peak")  # fmt: skip
 
 
-if __name__ == "__main__":
+def main() -> None:
     if sys.argv[1:2] == ["--shares"]:
         with open(sys.argv[2]) as fh:
             shares(json.load(fh))
     else:
         print(json.dumps(measure()))
+
+
+if __name__ == "__main__":
+    main()

@@ -6,6 +6,7 @@ these tests do not depend on how the interpreter groups a program's SENDs and RE
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from collections.abc import Generator, Sequence
@@ -244,7 +245,10 @@ def p2p_process_groups(rank: int, names: Sequence[str]) -> dict[str, Any]:
 
     pg = dist.ProcessGroup
     seen: list[tuple[str, tuple[int, ...]]] = []
-    originals = {m: getattr(pg, m) for m in ("send", "recv", "recv_anysource")}
+    # the raw descriptors (pybind's instancemethod): a method read with getattr and set back
+    # would no longer bind its instance, and every later send of this process would fail
+    originals = {m: inspect.getattr_static(pg, m) for m in ("send", "recv", "recv_anysource")}
+    own = {m for m in originals if m in vars(pg)}
 
     def spy(method: str) -> Any:
         original = originals[method]
@@ -269,5 +273,8 @@ def p2p_process_groups(rank: int, names: Sequence[str]) -> dict[str, Any]:
             out[name] = (worst, peers, list(seen))
     finally:
         for method, original in originals.items():
-            setattr(pg, method, original)
+            if method in own:
+                setattr(pg, method, original)
+            else:
+                delattr(pg, method)
     return out

@@ -42,10 +42,14 @@ def test_every_schedule_on_the_device_matches_the_reference(
     assert all(t.device.type == device for t in leaves)
 
 
-def test_a_cuda_pipeline_checks_its_program_under_nccl_rules() -> None:
-    """Building a Pipeline for CUDA needs no GPU: its program is checked under NCCL's rules, so
-    a program that only gloo's buffered sends can run is refused before anything runs, while
-    the same program is accepted for CPU (gloo)."""
+def test_a_cuda_pipeline_checks_its_program_under_nccl_rules(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Pipeline for CUDA checks its program under NCCL's rules when it is built, so a program
+    that only gloo's buffered sends can run is refused before anything runs, while the same
+    program is accepted for CPU (gloo). CUDA is faked as present (building runs nothing on it);
+    without it, device="cuda" is refused first (tests/test_validate.py)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     stages, _ = toy(2)
     bad = one_by_one_1f1b()
     Pipeline(stages, bad, loss_fn=mse)  # CPU: gloo's rules

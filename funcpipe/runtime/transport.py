@@ -869,6 +869,8 @@ class DistTransport(_Counters):
             self.channels.close()
         # a process group's threads and connections end with its last reference
         self.groups, self.split = {}, None
+        if self.pairs is not None:
+            self.pairs = {}
 
 
 class _Unflatten:
