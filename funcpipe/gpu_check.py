@@ -33,6 +33,7 @@ can say what is missing (optree, say: docs/gpu.md) on a machine where funcpipe d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -198,20 +199,13 @@ def run_logged(cmd: Sequence[str], log: str, timeout: float) -> tuple[int, str]:
 
 
 def _kill_session(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM to the whole session, 10 s to end, then SIGKILL to whatever of it is left (the
+    leader may be gone while its children are not)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
-            if sig == signal.SIGTERM:  # the leader is gone; its children may not be
-                os.killpg(proc.pid, signal.SIGKILL)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            return
 
 
 def _tail(text: str, lines: int = 40) -> str:

@@ -186,20 +186,17 @@ def _real_fallback(
         return tree_map(one, tree)
 
     def run(k: int) -> Any:
-        if k in real:
-            return real[k]
-        dev = stage_device(params[k], device)
-        args: list[Any] = []
-        if not program.producers(k):
-            args.extend(materialise(entry, dev))
-        for q in program.producers(k):
-            if q in real or held(q):
-                got = run(q)
-            else:
-                got = rebuild(layout[q], [spec.zeros(dev) for spec in layout[q].leaves])
-            args.extend(as_inputs(materialise(got, dev)))
-        kwargs = materialise(dict(side.get(k, {})), dev)
-        real[k] = stages[k](materialise(params[k], dev), *args, **kwargs)
+        if k not in real:
+            dev = stage_device(params[k], device)
+
+            def produced(q: int) -> Any:
+                if q in real or held(q):
+                    return run(q)
+                return rebuild(layout[q], [spec.zeros(dev) for spec in layout[q].leaves])
+
+            args = materialise(stage_args(program, k, entry, produced), dev)
+            kwargs = materialise(dict(side.get(k, {})), dev)
+            real[k] = stages[k](materialise(params[k], dev), *args, **kwargs)
         return real[k]
 
     stage = stages[s]
