@@ -245,12 +245,6 @@ def parse_verbose(text: str) -> list[Check]:
     return checks
 
 
-def _text(data: Any) -> str:
-    if data is None:
-        return ""
-    return data.decode(errors="replace") if isinstance(data, bytes) else str(data)
-
-
 def parse_junit(path: str) -> list[Check]:
     """Each test case of a JUnit XML file as a :class:`Check` (the reason of a skip or failure:
     the first line of its message)."""

@@ -110,16 +110,18 @@ class Claim:
 
         return self.shared(key, make)
 
-    def group(self, ranks: Sequence[int], *, device_id: Any = None) -> Any:
-        """One group over ``ranks`` (global ranks); a non-member gets torch's non-member marker.
-        ``device_id`` (a CUDA device, NCCL only) binds the group so its communicator is created
-        now rather than by its first operation."""
+    def group(self, ranks: Sequence[int], *, use: str = "", device_id: Any = None) -> Any:
+        """One group over ``ranks`` (global ranks) for ``use``; a non-member gets torch's
+        non-member marker. Groups of different uses are different groups even over the same
+        ranks (a pair's messages never share a communicator with the loss sum of a world of
+        two). ``device_id`` (a CUDA device, NCCL only) binds the group so its communicator is
+        created now rather than by its first operation."""
         import torch.distributed as dist
 
-        key = ("group", tuple(int(r) for r in ranks))
+        key = ("group", use, tuple(int(r) for r in ranks), str(device_id))
 
         def make() -> tuple[Any, list[Any]]:
-            g = dist.new_group(list(key[1]), device_id=device_id)
+            g = dist.new_group(list(key[2]), device_id=device_id)
             return g, [g]
 
         return self.shared(key, make)

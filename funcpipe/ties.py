@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import optree
+
 from funcpipe.errors import InvalidArgument
 from funcpipe.schedule.ir import Program, reduce
 from funcpipe.tree import tree_flatten, tree_unflatten
@@ -48,16 +50,20 @@ def resolve(params: Any, path: Any, where: str) -> int:
         keys = path.split(".")
     else:
         keys = (path,)
+    walked: list[Any] = []
     try:
         for k in keys:
-            node = node[k] if not isinstance(node, (list, tuple)) else node[int(k)]
+            if isinstance(node, (list, tuple)):
+                k = int(k)
+            node = node[k]
+            walked.append(k)
     except (KeyError, IndexError, TypeError, ValueError):
         raise InvalidArgument(
             f"{where}: path {path!r} does not name a leaf of that stage's params"
         ) from None
-    leaves, _ = tree_flatten(params)
-    for i, leaf in enumerate(leaves):
-        if leaf is node:
+    # by position, not by identity: two paths may hold one tensor object (a tie inside a stage)
+    for i, leaf_path in enumerate(optree.tree_paths(params, none_is_leaf=False)):
+        if leaf_path == tuple(walked):
             return i
     raise InvalidArgument(f"{where}: path {path!r} names a subtree, not one tensor")
 

@@ -64,10 +64,13 @@ class DistWorld:
 
     def close(self) -> None:
         """Release the transport (sockets, waiter threads) and the process groups (collective:
-        every process closes its worlds in the same order)."""
-        self.transport.close()
-        if self.claim is not None:
-            self.claim.close()
+        every process closes its worlds in the same order, so the groups are given back even
+        when the transport fails to close)."""
+        try:
+            self.transport.close()
+        finally:
+            if self.claim is not None:
+                self.claim.close()
 
 
 def initialised() -> bool:
@@ -128,7 +131,7 @@ def join(
 
     # the loss and metric sums: every process of the world, a group of their own (each rank
     # posts it after its last instruction, whatever else is still in flight)
-    groups: dict[str, Any] = {SCALARS: claim.group(range(world))}
+    groups: dict[str, Any] = {SCALARS: claim.group(range(world), use="scalars")}
     names = sorted({i.group for r in program.ranks for i in r if i.op is Op.REDUCE})
     for name in names:
         if not in_program(name):  # over the data-parallel copies of this rank and coord
@@ -319,7 +322,7 @@ def _pair_groups(
     for a, b in _message_pairs(program):
         for d, c in everywhere:
             ga, gb = g(a, d, c), g(b, d, c)
-            group = claim.group([ga, gb], device_id=device)
+            group = claim.group([ga, gb], use="p2p", device_id=device)
             if (d, c) == (copy, coord) and rank in (a, b):
                 mine[b if rank == a else a] = group
     return mine

@@ -262,3 +262,45 @@ def test_cli_refuses_a_schedule_too_large_to_build_in_seconds(
     err = capsys.readouterr().err
     assert "8,000,000 (stage, microbatch) pairs" in err and "--no-size-limit" in err
     assert main(["schedule", "1f1b", "-p", "2", "-m", "8"]) == 0  # small sizes still run
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_chimera_with_one_microbatch_is_refused_not_wrong(ranks: int) -> None:
+    """Chimera with m=1 gave wrong weight gradients (found in review); until the cause is fixed,
+    it is refused, and m=2 still matches the reference."""
+    stages = [fp.Stage(_layer, name=f"s{k}") for k in range(ranks)]
+    with pytest.raises(fp.InvalidArgument, match="microbatches=1 gives wrong weight gradients"):
+        fp.Pipeline(stages, generate("chimera", ranks=ranks, microbatches=1), loss_fn=_mse)
+    g = torch.Generator().manual_seed(1)
+    params = tuple({"w": torch.randn(4, 4, generator=g, dtype=F64)} for _ in range(ranks))
+    x, y = torch.randn(4, 4, generator=g, dtype=F64), torch.randn(4, 4, generator=g, dtype=F64)
+    got = fp.Pipeline(stages, generate("chimera", ranks=ranks, microbatches=2), loss_fn=_mse)
+    ref = fp.reference_step(stages, params, x, _mse, targets=y, microbatches=2)
+    assert_trees_close(got.step(params, x, y)[:2], ref)
+
+
+def test_a_tie_with_two_members_in_one_stage() -> None:
+    """Ties resolved by position, not identity: after the values are tied, two paths of one
+    stage hold one tensor object, and each must still get the whole parameter's gradient."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(4, 4, generator=g, dtype=F64)
+
+    def two(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ p["a"]) @ p["b"]
+
+    stages = [fp.Stage(two, name="two"), fp.Stage(_layer, name="one")]
+    params = ({"a": w.clone(), "b": w.clone()}, {"w": w.clone()})
+    ties = {"w": [(0, "a"), (0, "b"), (1, "w")]}
+    x, y = torch.randn(4, 4, generator=g, dtype=F64), torch.randn(4, 4, generator=g, dtype=F64)
+    whole = w.clone().requires_grad_()
+    losses = [
+        _mse(torch.tanh((torch.tanh(xs @ whole) @ whole) @ whole), ys)
+        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True)
+    ]
+    torch.stack(losses).mean().backward()
+    _, ref = fp.reference_step(stages, params, x, _mse, targets=y, microbatches=2, ties=ties)
+    pipe = fp.Pipeline(stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=_mse, ties=ties)
+    got = pipe.step(params, x, y).grads
+    for grads in (ref, got):
+        for s, path in ties["w"]:
+            assert_trees_close(grads[s][path], whole.grad)

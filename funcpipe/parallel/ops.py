@@ -240,7 +240,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False) -> Tenso
     """Single-device softmax attention over ``[..., s, e]`` (the local core of the parallel ops):
     ``F.scaled_dot_product_attention``, so CUDA runs a fused (flash / memory-efficient) kernel.
     Causal masking aligns the last query with the last key (query ``i`` of ``s_q`` sees keys
-    ``<= i + s_k - s_q``), as for a chunk of queries at the end of a longer key sequence."""
+    ``<= i + s_k - s_q``), as for a chunk of queries at the end of a longer key sequence. With
+    more queries than keys, a causal query that sees no key gives zeros (the explicit softmax
+    gave NaN there)."""
     s_q, s_k = q.shape[-2], k.shape[-2]
     if not causal or s_q == s_k:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)

@@ -28,14 +28,15 @@ def test_search_finds_the_brute_force_optimum(share: float | None) -> None:
     if share is not None:
         limit = sorted(e.memory_bytes_per_gpu for e in every)[int(share * len(every))]
     fitting = [e for e in every if limit is None or e.memory_bytes_per_gpu <= limit]
-    assert 0 < len(fitting) <= len(every)
+    assert fitting
     best = min(fitting, key=lambda e: e.step_time_s)
     fastest = min(every, key=lambda e: e.step_time_s)
     if share is not None:
         assert fastest.step_time_s < best.step_time_s  # the limit changes the answer
     got = search(TINY, where, gpus=8, global_batch=16, memory_limit=limit, top=3, **space)
     assert isclose(got[0].step_time_s, best.step_time_s)
-    assert got[0].layout == best.layout or isclose(got[0].step_time_s, best.step_time_s)
+    tied = [e.layout for e in fitting if isclose(e.step_time_s, best.step_time_s)]
+    assert got[0].layout in tied  # the optimum itself (one of several when they tie)
     assert [e.step_time_s for e in got] == sorted(e.step_time_s for e in got)
     assert all(e.fits for e in got)
 

@@ -34,7 +34,7 @@ def test_fifty_dropped_pipelines_share_one_set_of_groups(pool) -> None:
     runs = p.run(jobs_resources.pipelines, N, close=False)
     for rank, got in enumerate(runs):
         assert got["end"] == got["first"], f"rank {rank}: {got}"
-        assert got["first"]["groups"] == 2, f"rank {rank}: the tie group and the loss group"
+        assert got["first"]["groups"] == 3, f"rank {rank}: the tie, loss and pair (0, 1) groups"
     for rank, (got, released) in enumerate(zip(runs, p.run(jobs_resources.release), strict=True)):
         assert released == got["start"], f"rank {rank}: {released} after destroy_all; {got}"
 
