@@ -1,8 +1,9 @@
 """The planner against Megatron-LM 2021 Table 1 (docs/planner.md): predicted TFLOP/s per GPU
 of each published layout, and the layout the search picks.
 
-``python benchmarks/plan_validate.py [--search] [--json out.json]``. The published layouts are
-priced as Megatron-LM 2021 ran them: unfused attention (``flash=False``), full recompute,
+``python benchmarks/plan_validate.py [--search] [--json out.json]``; ``--zero-bubble`` prices
+the Zero Bubble paper's Table 4 runs instead (``--vocab N`` to try another vocabulary). The
+published layouts are priced as Megatron-LM 2021 ran them: unfused attention (``flash=False``), full recompute,
 microbatch 1, the data-parallel all-reduce after the pipeline drains (``overlap_grad_reduce=
 False``), with the simulator. ``--search`` also searches each row's GPUs and batch over the
 same system (all schedules, recompute modes, microbatches) and reports the best layout.
@@ -13,10 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from funcpipe.plan import Layout, Transformer, cluster, estimate, search
-from funcpipe.plan.published import MEGATRON_2021
+from funcpipe.plan.published import (
+    MEGATRON_2021,
+    ZERO_BUBBLE_2024_MEMORY_GB,
+    ZERO_BUBBLE_2024_MODELS,
+    ZERO_BUBBLE_2024_STANDINS,
+    ZERO_BUBBLE_2024_THROUGHPUT,
+    zero_bubble_run,
+)
 
 
 def model_of(layers: int, hidden: int, heads: int) -> Transformer:
@@ -34,9 +43,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--search", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--zero-bubble", action="store_true", help="only the zero-bubble rows")
+    ap.add_argument("--zero-bubble", action="store_true", help="the Zero Bubble rows instead")
+    ap.add_argument("--vocab", type=int, default=None, help="Zero Bubble rows: another vocabulary")
     args = ap.parse_args()
     if args.zero_bubble:
+        rows = zero_bubble(args.vocab)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
         return
     a100 = cluster("a100-80gb")
     rows = []
@@ -73,25 +86,40 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
-def zero_bubble() -> list[dict[str, object]]:
-    """Illustrative only (docs/planner.md): 1F1B against ZB-H1 / ZB-H2 on an 8-GPU pipeline of a
-    1.5B-class GPT (not the paper's exact configuration, which could not be confirmed)."""
-    model = Transformer(layers=24, hidden=2304, heads=24, vocab=51200, seq=1024)
+def zero_bubble(vocab: int | None = None) -> list[dict[str, object]]:
+    """Zero Bubble (Qi et al., ICLR 2024) Table 4: samples per GPU per second of 1F1B, ZB-1p
+    and ZB-2p, predicted for the paper's runs (:func:`funcpipe.plan.published.zero_bubble_run`;
+    ZB-H1 and ZB-H2 price ZB-1p and ZB-2p) with the simulator, beside the published ones."""
     a100 = cluster("a100-80gb")
-    out = []
-    for m in (24, 32, 64):
-        times = {}
-        for sched in ("1f1b", "zb-h1", "zb-h2"):
-            lay = Layout(pipeline=8, schedule=sched)
-            times[sched] = estimate(model, a100, lay, global_batch=m, simulate=True).step_time_s
-        row = {"microbatches": m, **{k: m / v for k, v in times.items()}}
-        out.append(row)
-        print(f"m={m}: samples/s 1F1B {m / times['1f1b']:.2f}, ZB-H1 {m / times['zb-h1']:.2f} "
-              f"({times['1f1b'] / times['zb-h1'] - 1:+.1%}), ZB-H2 {m / times['zb-h2']:.2f} "
-              f"({times['1f1b'] / times['zb-h2'] - 1:+.1%})")  # fmt: skip
-    return out
+    rows: list[dict[str, object]] = []
+    print(f"{'model':>6} {'m':>4} {'schedule':<8} {'priced as':<9} {'published':>9} "
+          f"{'predicted':>9} {'ratio':>6} {'GB pub':>6} {'GiB pred':>8}")  # fmt: skip
+    for name, (*_, p, _b, ms) in ZERO_BUBBLE_2024_MODELS.items():
+        for k, m in enumerate(ms):
+            base: dict[str, float] = {}
+            for sched, standin in ZERO_BUBBLE_2024_STANDINS.items():
+                model, lay, batch = zero_bubble_run(name, m, sched)
+                if vocab is not None:
+                    model = replace(model, vocab=vocab)
+                e = estimate(model, a100, lay, global_batch=batch, simulate=True)
+                got = batch / e.step_time_s / p
+                pub = ZERO_BUBBLE_2024_THROUGHPUT[name][sched][k]
+                base.setdefault("pred", got)
+                base.setdefault("pub", pub)
+                row = {"model": name, "microbatches": m, "schedule": sched, "priced_as": standin,
+                       "published": pub, "predicted": got, "ratio": got / pub,
+                       "speedup_over_1f1b_published": pub / base["pub"],
+                       "speedup_over_1f1b_predicted": got / base["pred"],
+                       "memory_gb_published": ZERO_BUBBLE_2024_MEMORY_GB[name][sched],
+                       "memory_gib_predicted": e.memory_gib_per_gpu}  # fmt: skip
+                rows.append(row)
+                print(f"{name:>6} {m:>4} {sched:<8} {standin:<9} {pub:>9.2f} {got:>9.2f} "
+                      f"{got / pub:>6.3f} {row['memory_gb_published']:>6.0f} "
+                      f"{e.memory_gib_per_gpu:>8.1f}")  # fmt: skip
+    ratios = [float(r["ratio"]) for r in rows]  # type: ignore[arg-type]
+    print(f"predicted / published: {min(ratios):.3f}-{max(ratios):.3f} over {len(rows)} cells")
+    return rows
 
 
 if __name__ == "__main__":
     main()
-    zero_bubble()

@@ -17,6 +17,7 @@ _LAYOUT_FLAGS = (
     "microbatch",
     "interleave",
     "recompute",
+    "stage_layers",
     "sequence_parallel",
     "schedule",
 )
@@ -51,6 +52,13 @@ def register(subparsers: Any) -> None:
         lay.add_argument(flag, type=int, default=None)
     lay.add_argument("--recompute", choices=RECOMPUTE, default=None)
     lay.add_argument("--sequence-parallel", action="store_true", default=None)
+    lay.add_argument(
+        "--stage-layers",
+        default=None,
+        metavar="N,N,...",
+        help="blocks per stage, pipeline x interleave of them (default: an even split), "
+        "e.g. 2,3,3,3,3,3,3,2",
+    )
     lay.add_argument(
         "--schedule",
         choices=SCHEDULES,
@@ -91,7 +99,20 @@ def _layout(args: argparse.Namespace) -> Any:
         recompute=args.recompute or "none",
         sequence_parallel=bool(args.sequence_parallel),
         schedule=schedule,
+        stage_layers=_stage_layers(args.stage_layers),
     )
+
+
+def _stage_layers(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise InvalidArgument(
+            f"--stage-layers {text!r}: write the blocks of each stage as integers separated by "
+            "commas, e.g. 2,3,3,3,3,3,3,2"
+        ) from None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -123,11 +144,14 @@ def _run(args: argparse.Namespace) -> int:
         f"{args.gpus} x {args.gpu}, {model.params() / 1e9:.1f}B parameters, "
         f"global batch {args.global_batch} x {args.seq} tokens" + ("" if fixed else " (searched)")
     )
-    head = f"{'#':>2}  {'layout':<44} {'step s':>8} {'MFU':>6} {'HW TF/s':>8} {'GiB/GPU':>8}  fits"
+    wide = max(44, *(len(e.layout.short()) for e in got))
+    head = (
+        f"{'#':>2}  {'layout':<{wide}} {'step s':>8} {'MFU':>6} {'HW TF/s':>8} {'GiB/GPU':>8}  fits"
+    )
     print(head)
     for k, e in enumerate(got, 1):
         print(
-            f"{k:>2}  {e.layout.short():<44} {e.step_time_s:8.3f} {e.mfu:6.1%} "
+            f"{k:>2}  {e.layout.short():<{wide}} {e.step_time_s:8.3f} {e.mfu:6.1%} "
             f"{e.hardware_tflops_per_gpu:8.1f} {e.memory_gib_per_gpu:8.1f}  "
             f"{'yes' if e.fits else 'NO'}"
         )

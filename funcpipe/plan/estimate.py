@@ -74,7 +74,13 @@ def check_layout(model: Transformer, layout: Layout, gpus: int, global_batch: in
             f"layout tensor={t}: heads={model.heads} and kv_heads={model.kv} must be multiples "
             "of tensor"
         )
-    if model.layers % (p * v):
+    if layout.stage_layers is not None:
+        if sum(layout.stage_layers) != model.layers:
+            raise InvalidArgument(
+                f"layout stage_layers={list(layout.stage_layers)}: they add up to "
+                f"{sum(layout.stage_layers)} blocks but the model has layers={model.layers}"
+            )
+    elif model.layers % (p * v):
         raise InvalidArgument(
             f"layout pipeline={p}, interleave={v}: layers={model.layers} must split evenly into "
             f"pipeline x interleave = {p * v} stages"
@@ -113,7 +119,8 @@ def estimate(
     tokens = layout.microbatch * model.seq
     lay = layer_costs(model, layout, cluster, cal)
     head = head_costs(model, layout, cluster, cal)
-    per_chunk = model.layers // (p * v)
+    stages = p * v
+    counts = layout.stage_layers or (model.layers // stages,) * stages  # blocks per stage
     # tensor-parallel collectives per block: 2 in F, 2 in I (+2 in a full recompute)
     tlink = cluster.link(stride=1, size=t)
     act_bytes = tokens * model.hidden * nb
@@ -125,11 +132,10 @@ def estimate(
     # point-to-point: one activation per F, one gradient per I; scatter/gather over tensor
     plink = cluster.link(stride=t * d, size=p)
     msg = comm.p2p(act_bytes / t, plink) if p > 1 else 0.0
-    stages = p * v
-    f = [per_chunk * (lay.f + tp_f) + msg for _ in range(stages)]
-    i = [per_chunk * (lay.i + tp_i) + msg for _ in range(stages)]
-    w = [per_chunk * lay.w for _ in range(stages)]
-    act = [per_chunk * lay.activation for _ in range(stages)]
+    f = [n * (lay.f + tp_f) + msg for n in counts]
+    i = [n * (lay.i + tp_i) + msg for n in counts]
+    w = [n * lay.w for n in counts]
+    act = [n * lay.activation for n in counts]
     f[-1] += head.f + comm.all_reduce(act_bytes, t, tlink)
     i[-1] += head.i + comm.all_reduce(act_bytes, t, tlink)
     w[-1] += head.w
@@ -157,8 +163,8 @@ def estimate(
     # parameters per rank: blocks, the embedding on the first stage, the output layer on the last
     block = model.layer_params() / t
     params = [0.0] * p
-    for r in place:
-        params[r] += per_chunk * block
+    for s, r in enumerate(place):
+        params[r] += counts[s] * block
     params[place[0]] += model.vocab * model.hidden / t
     if not model.tied or place[-1] != place[0]:  # the output layer (a tied copy on another rank)
         params[place[-1]] += model.vocab * model.hidden / t
@@ -172,7 +178,7 @@ def estimate(
     under = grads - gather
     if overlap_grad_reduce:
         window = bi + bw_  # the last microbatch's backward on this rank
-        buckets = max(per_chunk * v, 1)
+        buckets = max(sum(n for s, n in enumerate(counts) if place[s] == worst), 1)
         dp_exposed = max(under / buckets, under - window) + gather
     else:
         dp_exposed = grads
@@ -218,7 +224,10 @@ def estimate(
         breakdown={
             "pipeline": pipe,
             "compute_per_microbatch": bf + bi + bw_,
-            "tensor_comm_per_microbatch": per_chunk * v * (tp_f + tp_i),
+            "tensor_comm_per_microbatch": max(
+                sum(n for s, n in enumerate(counts) if place[s] == r) for r in range(p)
+            )
+            * (tp_f + tp_i),
             "p2p_per_microbatch": 2 * v * msg,
             "data_parallel_exposed": dp_exposed,
             "data_parallel_total": grads,

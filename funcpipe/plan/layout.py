@@ -20,7 +20,10 @@ class Layout:
     """``tensor`` x ``pipeline`` x ``data`` GPUs; ``microbatch`` sequences per microbatch;
     ``interleave`` stages (chunks) per pipeline rank; ``recompute`` one of
     :data:`RECOMPUTE`; ``sequence_parallel`` shards norms and dropout over the tensor axis;
-    ``schedule`` one of :data:`SCHEDULES`; ``zero1`` shards optimizer state over ``data``."""
+    ``schedule`` one of :data:`SCHEDULES`; ``zero1`` shards optimizer state over ``data``;
+    ``stage_layers`` the blocks of each of the ``pipeline x interleave`` stages in order (default
+    an even split), e.g. one block fewer on the first and last stage for the embedding and the
+    output layer, as Megatron-LM's ``--decoder-first/last-pipeline-num-layers`` do."""
 
     tensor: int = 1
     pipeline: int = 1
@@ -31,6 +34,7 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     zero1: bool = False
+    stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "data", "microbatch", "interleave"):
@@ -56,6 +60,22 @@ class Layout:
             raise InvalidArgument(
                 "Layout(schedule='interleaved', interleave=1): interleaving needs interleave >= 2"
             )
+        if self.stage_layers is not None:
+            counts = self.stage_layers
+            stages = self.pipeline * self.interleave
+            if (
+                isinstance(counts, (str, bytes))
+                or not hasattr(counts, "__len__")
+                or not all(isinstance(n, int) and not isinstance(n, bool) for n in counts)
+                or any(n < 0 for n in counts)
+                or len(counts) != stages
+                or not any(counts)
+            ):
+                raise InvalidArgument(
+                    f"Layout(stage_layers={counts!r}): give one block count (an integer >= 0) "
+                    f"per stage, pipeline x interleave = {stages} of them, not all zero"
+                )
+            object.__setattr__(self, "stage_layers", tuple(counts))
         if self.sequence_parallel and self.tensor == 1:
             raise InvalidArgument(
                 "Layout(sequence_parallel=True, tensor=1): sequence parallelism shards over "
@@ -83,5 +103,7 @@ class Layout:
             bits.append("sp")
         if self.zero1:
             bits.append("zero1")
+        if self.stage_layers is not None:
+            bits.append("layers " + ",".join(map(str, self.stage_layers)))
         bits.append(self.schedule)
         return " ".join(bits)

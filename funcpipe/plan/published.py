@@ -11,7 +11,20 @@ schedule with 2 chunks per rank (as the issue states), the others plain 1F1B.
 
 from __future__ import annotations
 
-__all__ = ["MEGATRON_2021"]
+from funcpipe.plan.layout import Layout
+from funcpipe.plan.model import Transformer
+
+__all__ = [
+    "MEGATRON_2021",
+    "ZERO_BUBBLE_2024_BUBBLE",
+    "ZERO_BUBBLE_2024_MEMORY_GB",
+    "ZERO_BUBBLE_2024_MODELS",
+    "ZERO_BUBBLE_2024_PROFILED_MS",
+    "ZERO_BUBBLE_2024_STANDINS",
+    "ZERO_BUBBLE_2024_THROUGHPUT",
+    "ZERO_BUBBLE_2024_VOCAB",
+    "zero_bubble_run",
+]
 
 MEGATRON_2021: tuple[tuple[float, int, int, int, int, int, int, int, float], ...] = (
     (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
@@ -25,3 +38,140 @@ MEGATRON_2021: tuple[tuple[float, int, int, int, int, int, int, int, float], ...
     (529.6, 105, 20480, 128, 8, 35, 2520, 2520, 163),
     (1008.0, 128, 25600, 160, 8, 64, 3072, 3072, 163),
 )
+
+
+# Qi, Wan, Huang and Lin, "Zero Bubble (Almost) Pipeline Parallelism" (ICLR 2024, OpenReview
+# tuzTN0eIO5; arXiv 2401.10241): GPT-3-like models on A100 SXM 80GB (up to 4 nodes of 8, RoCE),
+# pipeline parallelism only, the first and last stage one block fewer than the others (Section
+# 5.1). Where each number comes from is in docs/planner.md.
+
+ZERO_BUBBLE_2024_MODELS: dict[str, tuple[int, int, int, int, int, int, tuple[int, int, int]]] = {
+    # Table 3: layers, attention heads, hidden, sequence, pipeline stages (= GPUs), microbatch
+    # size, numbers of microbatches
+    "1.5B": (22, 24, 2304, 1024, 8, 6, (24, 32, 64)),
+    "6.2B": (30, 32, 4096, 1024, 8, 3, (24, 32, 64)),
+    "14.6B": (46, 40, 5120, 1024, 16, 1, (48, 64, 128)),
+    "28.3B": (62, 48, 6144, 1024, 32, 1, (96, 128, 256)),
+}
+
+ZERO_BUBBLE_2024_THROUGHPUT: dict[str, dict[str, tuple[float, float, float]]] = {
+    # Table 4, samples per GPU per second at the three microbatch counts of Table 3
+    "1.5B": {
+        "zb-2p": (14.5, 14.8, 14.9),
+        "zb-1p": (12.9, 13.4, 14.2),
+        "1f1b": (11.8, 12.5, 13.6),
+        "1f1b-i": (13.1, 13.4, 13.9),
+    },
+    "6.2B": {
+        "zb-2p": (4.32, 4.35, 4.39),
+        "zb-1p": (3.88, 4.00, 4.20),
+        "1f1b": (3.50, 3.70, 4.03),
+        "1f1b-i": (4.01, 4.08, 4.19),
+    },
+    "14.6B": {
+        "zb-2p": (1.81, 1.83, 1.85),
+        "zb-1p": (1.61, 1.67, 1.76),
+        "1f1b": (1.40, 1.49, 1.64),
+        "1f1b-i": (1.54, 1.59, 1.66),
+    },
+    "28.3B": {
+        "zb-2p": (0.99, 1.00, 1.00),
+        "zb-1p": (0.87, 0.90, 0.96),
+        "1f1b": (0.76, 0.80, 0.88),
+        "1f1b-i": (0.82, 0.85, 0.90),
+    },
+}
+
+ZERO_BUBBLE_2024_MEMORY_GB: dict[str, dict[str, float]] = {
+    # Table 4, memory (GB), the same at every microbatch count
+    "1.5B": {"zb-2p": 59, "zb-1p": 32, "1f1b": 30, "1f1b-i": 40},
+    "6.2B": {"zb-2p": 70, "zb-1p": 42, "1f1b": 39, "1f1b-i": 48},
+    "14.6B": {"zb-2p": 51, "zb-1p": 33, "1f1b": 32, "1f1b-i": 39},
+    "28.3B": {"zb-2p": 74, "zb-1p": 44, "1f1b": 43, "1f1b-i": 58},
+}
+
+ZERO_BUBBLE_2024_BUBBLE: dict[str, dict[str, tuple[float, float, float]]] = {
+    # Table 5, bubble rates (computed by the paper from Table 6's times, not measured)
+    "1.5B": {
+        "1f1b": (0.2431, 0.1985, 0.1240),
+        "1f1b-i": (0.1055, 0.0818, 0.0443),
+        "zb-h1": (0.1585, 0.1242, 0.0674),
+        "zb-h2": (0.1083, 0.0837, 0.0444),
+        "zb-1p": (0.1585, 0.1242, 0.0674),
+        "zb-2p": (0.0433, 0.0039, 0.0026),
+    },
+    "6.2B": {
+        "1f1b": (0.2347, 0.1898, 0.1091),
+        "1f1b-i": (0.0808, 0.0628, 0.0320),
+        "zb-h1": (0.1323, 0.1045, 0.0554),
+        "zb-h2": (0.0698, 0.0559, 0.0294),
+        "zb-1p": (0.1323, 0.1045, 0.0554),
+        "zb-2p": (0.0029, 0.0022, 0.0010),
+    },
+    "14.6B": {
+        "1f1b": (0.2552, 0.2082, 0.1251),
+        "1f1b-i": (0.1104, 0.0852, 0.0445),
+        "zb-h1": (0.1397, 0.1088, 0.0576),
+        "zb-h2": (0.0672, 0.0516, 0.0266),
+        "zb-1p": (0.1397, 0.1088, 0.0576),
+        "zb-2p": (0.0066, 0.0054, 0.0028),
+    },
+    "28.3B": {
+        "1f1b": (0.2646, 0.2168, 0.1352),
+        "1f1b-i": (0.1493, 0.1164, 0.0624),
+        "zb-h1": (0.1421, 0.1106, 0.0594),
+        "zb-h2": (0.0641, 0.0490, 0.0257),
+        "zb-1p": (0.1421, 0.1106, 0.0594),
+        "zb-2p": (0.0038, 0.0029, 0.0018),
+    },
+}
+
+ZERO_BUBBLE_2024_PROFILED_MS: dict[str, tuple[tuple[float, float, float, float], ...]] = {
+    # Table 6: T_F, T_B (input gradients), T_W, T_comm in milliseconds, per microbatch count
+    "1.5B": (
+        (18.522, 18.086, 9.337, 0.601),
+        (18.513, 18.086, 9.331, 0.626),
+        (18.546, 18.097, 9.321, 0.762),
+    ),
+    "6.2B": (
+        (29.718, 29.444, 19.927, 0.527),
+        (29.802, 29.428, 19.530, 0.577),
+        (29.935, 29.621, 19.388, 0.535),
+    ),
+    "14.6B": (
+        (11.347, 11.248, 8.132, 0.377),
+        (11.307, 11.254, 8.101, 0.379),
+        (11.325, 11.308, 8.109, 0.378),
+    ),
+    "28.3B": (
+        (10.419, 10.207, 7.715, 0.408),
+        (10.408, 10.204, 7.703, 0.408),
+        (10.402, 10.248, 7.698, 0.460),
+    ),
+}
+
+ZERO_BUBBLE_2024_VOCAB = 50304
+"""Not stated in the paper: GPT-2's 50,257 tokens padded to a multiple of 128, Megatron-LM's
+default for its GPT-2 tokenizer (an assumption; docs/planner.md gives the effect of 50,257)."""
+
+ZERO_BUBBLE_2024_STANDINS = {"1f1b": "1f1b", "zb-1p": "zb-h1", "zb-2p": "zb-h2"}
+"""The paper's schedules and the planner's schedule priced for each: ZB-1p's searched schedule
+has exactly ZB-H1's bubble in all 12 settings of Table 5; ZB-2p (searched under a 2p activation
+limit) has no generator here, and ZB-H2 (the same limit, made for equal F, B, W) stands in."""
+
+
+def zero_bubble_run(name: str, microbatches: int, schedule: str) -> tuple[Transformer, Layout, int]:
+    """(Transformer, Layout, global batch) of one Zero Bubble Table 4 run in planner terms:
+    unfused attention (Megatron-LM's, as the paper's activation formula ``sb(34h + 5as)`` implies),
+    tied embedding, the first and last stage one block fewer. ``schedule`` is a key of
+    :data:`ZERO_BUBBLE_2024_STANDINS`."""
+    layers, heads, hidden, seq, p, b, _ = ZERO_BUBBLE_2024_MODELS[name]
+    mid = (layers + 2) // p
+    counts = (mid - 1,) + (mid,) * (p - 2) + (mid - 1,)
+    if sum(counts) != layers:  # pragma: no cover - Table 3's sizes all split this way
+        raise ValueError(f"{name}: {layers} blocks do not split as {counts}")
+    model = Transformer(layers=layers, hidden=hidden, heads=heads, vocab=ZERO_BUBBLE_2024_VOCAB,
+                        seq=seq, flash=False)  # fmt: skip
+    layout = Layout(pipeline=p, microbatch=b, schedule=ZERO_BUBBLE_2024_STANDINS[schedule],
+                    stage_layers=counts)  # fmt: skip
+    return model, layout, microbatches * b

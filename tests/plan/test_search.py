@@ -79,7 +79,8 @@ def test_cli_prices_a_given_layout(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["searched"] is False
     assert out["layout"] == {"tensor": 2, "pipeline": 2, "data": 2, "microbatch": 1,
                              "interleave": 2, "recompute": "full", "sequence_parallel": True,
-                             "schedule": "zbv", "zero1": False}  # fmt: skip
+                             "schedule": "zbv", "zero1": False,
+                             "stage_layers": None}  # fmt: skip
     assert main([*ARGS, "--tensor", "2"]) == 0
     table = capsys.readouterr().out
     assert "t2 p1 d4" in table and "MFU" in table
@@ -114,3 +115,53 @@ def test_search_beats_the_published_layout(row: tuple) -> None:  # type: ignore[
                          simulate=True)  # fmt: skip
     best = search(model, a100, gpus=gpus, global_batch=batch, overlap_grad_reduce=False)[0]
     assert best.step_time_s <= published.step_time_s
+
+
+def test_stage_layers_even_split_is_the_default() -> None:
+    model = Transformer(layers=8, hidden=512, heads=8, vocab=50000, seq=256)
+    a100 = cluster("a100-80gb")
+    base = estimate(model, a100, Layout(pipeline=4, schedule="zb-h1"), global_batch=16,
+                    simulate=True)  # fmt: skip
+    same = estimate(model, a100, Layout(pipeline=4, schedule="zb-h1", stage_layers=(2, 2, 2, 2)),
+                    global_batch=16, simulate=True)  # fmt: skip
+    assert same.step_time_s == base.step_time_s
+    assert same.memory_bytes_per_gpu == base.memory_bytes_per_gpu
+    # the last stage carries the output layer: moving a block off it shortens the step
+    lighter = estimate(model, a100, Layout(pipeline=4, schedule="zb-h1",
+                                           stage_layers=(2, 2, 3, 1)),
+                       global_batch=16, simulate=True)  # fmt: skip
+    assert lighter.step_time_s < base.step_time_s
+    assert "layers 2,2,3,1" in lighter.layout.short()
+
+
+@pytest.mark.parametrize(
+    ("counts", "needle"),
+    [
+        ((2, 2, 2), "4 of them"),
+        ((2, -1, 2, 5), "integer >= 0"),
+        ((0, 0, 0, 0), "not all zero"),
+        ("2222", "integer"),
+        ((2, 2, 2, 2.0), "integer"),
+    ],
+)
+def test_stage_layers_refused_with_the_reason(counts: object, needle: str) -> None:
+    with pytest.raises(InvalidArgument, match=needle):
+        Layout(pipeline=4, stage_layers=counts)  # type: ignore[arg-type]
+
+
+def test_stage_layers_must_add_up_to_the_model() -> None:
+    model = Transformer(layers=8, hidden=512, heads=8, vocab=5000, seq=256)
+    with pytest.raises(InvalidArgument, match="add up to 9 blocks but the model has layers=8"):
+        estimate(model, cluster("a100-80gb"), Layout(pipeline=4, stage_layers=(3, 2, 2, 2)),
+                 global_batch=16)  # fmt: skip
+
+
+def test_cli_stage_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--layers", "22", "--hidden", "2304", "--heads", "24", "--vocab", "50304",
+            "--seq", "1024", "--global-batch", "48", "--gpus", "8", "--gpu", "a100-80gb",
+            "--pipeline", "8", "--schedule", "zb-h1", "--json"]  # fmt: skip
+    assert main([*args, "--stage-layers", "2,3,3,3,3,3,3,2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"]["stage_layers"] == [2, 3, 3, 3, 3, 3, 3, 2]
+    assert main([*args, "--stage-layers", "2,3,x"]) == 2
+    assert "--stage-layers '2,3,x'" in capsys.readouterr().err
