@@ -130,10 +130,14 @@ def _comm_device(group: ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-def _agree(group: ProcessGroup | None, error: Exception | None, what: str) -> int:
+def _agree(
+    group: ProcessGroup | None, error: Exception | None, what: str, elsewhere: str | None = None
+) -> int:
     """Every rank learns whether any rank of ``group`` rejected its arguments (then all raise,
     instead of the others waiting in a collective forever); returns a random nonce drawn by the
-    group's first rank, the same on every rank. Single process: raise ``error``, draw a nonce."""
+    group's first rank, the same on every rank. Single process: raise ``error``, draw a nonce.
+    ``elsewhere``: what the ranks without an error raise (``{n}`` the count of those with one).
+    """
     if not _dist_on():
         if error is not None:
             raise error
@@ -148,6 +152,8 @@ def _agree(group: ProcessGroup | None, error: Exception | None, what: str) -> in
     if error is not None:
         raise error
     if int(flags[0]) > 0:
+        if elsewhere is not None:
+            raise FuncpipeError(elsewhere.replace("{n}", str(int(flags[0]))))
         raise InvalidArgument(
             f"{int(flags[0])} other rank(s) of the group rejected their arguments to {what} "
             "(their errors name the problem); no rank wrote or read anything"
@@ -275,7 +281,15 @@ def save(
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise _save_error(e, target) from None
-    sums = _gather_checksums(_checksums(tensors), group, on)
+    sums, clash = _gather_checksums(_checksums(tensors), group, on)
+    if clash:  # every rank gathered the same table, so every rank raises here
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise FuncpipeError(
+            f"not saved: {clash} A key held by several ranks is written once, so their values "
+            "must be equal (data-parallel or tied copies that have drifted apart are a bug to "
+            f"find); give per-rank values distinct keys. {target!r} was left as it was"
+        )
     if rank == 0:
         info = {
             "format": FORMAT,
@@ -325,16 +339,27 @@ def _checksums(tensors: dict[str, Tensor]) -> dict[str, str]:
     return {k: _crc(t) for k, t in tensors.items() if type(t) is Tensor}
 
 
-def _gather_checksums(mine: dict[str, str], group: ProcessGroup | None, on: bool) -> dict[str, str]:
+def _gather_checksums(
+    mine: dict[str, str], group: ProcessGroup | None, on: bool
+) -> tuple[dict[str, str], str]:
+    """Every rank's checksums, one per key, and a sentence naming the first key that two ranks
+    hold with different bytes ("" if none: DCP writes one rank's copy of a shared key)."""
     if not on:
-        return mine
+        return mine, ""
     every: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
     out: dict[str, str] = {}
-    for part in every:
-        for k, v in (part or {}).items():
-            out.setdefault(k, v)
-    return dict(sorted(out.items()))
+    holder: dict[str, int] = {}
+    for rank, part in enumerate(every):
+        for k, v in sorted((part or {}).items()):
+            if k not in out:
+                out[k], holder[k] = v, rank
+            elif out[k] != v:
+                return out, (
+                    f"ranks {holder[k]} and {rank} both hold key {k!r} with different values "
+                    f"({out[k]} and {v})."
+                )
+    return dict(sorted(out.items())), ""
 
 
 def _verify(source: str, info: dict[str, Any], loaded: dict[str, Tensor]) -> None:
@@ -509,7 +534,23 @@ def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None 
         raise FuncpipeError(
             f"cannot read the tensors of the checkpoint {source!r}: {_failures(e)}"
         ) from None
-    _verify(source, info or {}, wanted)
+    corrupt: FuncpipeError | None = None
+    try:
+        _verify(source, info or {}, wanted)
+    except FuncpipeError as e:
+        corrupt = e
+    if on:  # a rank that found corruption must not leave the others running on
+        _agree(
+            group,
+            corrupt,
+            "checkpoint.load",
+            elsewhere=f"the checkpoint {source!r} is corrupt: "
+            "{n} other rank(s) found data "
+            "that does not match the checksum recorded when it was saved (their errors name "
+            "the key). Load an earlier checkpoint, or save again from a good state",
+        )
+    elif corrupt is not None:
+        raise corrupt
     leaves = []
     for k, v in flat.items():
         if k not in wanted:

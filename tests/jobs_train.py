@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import optree
@@ -127,3 +128,50 @@ def one_rank_errs(rank: int, path: str) -> list[str]:
         errors.append(str(e))
     errors.append(str(checkpoint.load(path, {"w": torch.zeros(2)})["w"].tolist()))
     return errors
+
+
+def _payload(path: str, key: str) -> tuple[str, int, int]:
+    """(file, offset, length) of ``key``'s bytes in a saved checkpoint."""
+    metadata = checkpoint._SafeReader(path).read_metadata()
+    for index, item in metadata.storage_data.items():
+        if index.fqn == key:
+            return f"{path}/{item.relative_path}", item.offset, item.length
+    raise KeyError(key)
+
+
+def one_rank_finds_corruption(rank: int, path: str) -> tuple[str, float]:
+    """Rank 0 holds key 'a', rank 1 key 'b'; a bit of 'b' is flipped on disk between save and
+    load. Only rank 1 reads 'b', yet both must raise (rank 0 must not run on into a collective
+    rank 1 never joins), and the group stays usable."""
+    meta = torch.zeros(4096, device="meta")
+    checkpoint.save(path, {"a": torch.arange(4096.0) if rank == 0 else meta,
+                           "b": torch.ones(4096) if rank == 1 else meta})  # fmt: skip
+    if rank == 0:
+        file, offset, length = _payload(path, "b")
+        with open(file, "r+b") as f:
+            f.seek(offset + length // 2)
+            byte = f.read(1)[0]
+            f.seek(offset + length // 2)
+            f.write(bytes([byte ^ 0x10]))
+    dist.barrier()
+    error = ""
+    try:
+        checkpoint.load(path, {"a": torch.zeros(4096) if rank == 0 else meta,
+                               "b": torch.zeros(4096) if rank == 1 else meta})  # fmt: skip
+    except fp.FuncpipeError as e:
+        error = str(e)
+    one = torch.ones(1)
+    dist.all_reduce(one)
+    return error, float(one)
+
+
+def replicas_that_differ(rank: int, path: str) -> tuple[str, bool]:
+    """Both ranks save key 'w', with different values: DCP would write one rank's copy and drop
+    the other, so both ranks must raise before anything is committed."""
+    error = ""
+    try:
+        checkpoint.save(path, {"w": torch.full((8,), float(rank)), "same": torch.ones(3)})
+    except fp.FuncpipeError as e:
+        error = str(e)
+    dist.barrier()
+    return error, os.path.exists(path)

@@ -222,3 +222,19 @@ def test_a_rank_with_bad_arguments_makes_every_rank_raise(pool, tmp_path: Path) 
     assert "other rank(s)" in r0[0] and "state['name']='x' is a str" in r1[0]
     assert "has no key(s) ['v']" in r0[1] and "other rank(s)" in r1[1]
     assert r0[2] == r1[2] == "[1.0, 1.0]"
+
+
+@pytest.mark.timeout(120)
+def test_corruption_found_by_one_rank_makes_every_rank_raise(pool, tmp_path: Path) -> None:
+    (e0, s0), (e1, s1) = pool(2).run(jobs_train.one_rank_finds_corruption, str(tmp_path / "ck"))
+    assert "is corrupt: the data of key 'b'" in e1
+    assert "is corrupt: 1 other rank(s) found data" in e0
+    assert s0 == s1 == 2.0  # the group still works after the error
+
+
+@pytest.mark.timeout(120)
+def test_replicas_with_different_values_are_not_saved(pool, tmp_path: Path) -> None:
+    path = tmp_path / "ck"
+    (e0, x0), (e1, x1) = pool(2).run(jobs_train.replicas_that_differ, str(path))
+    assert e0 == e1 and "ranks 0 and 1 both hold key 'w' with different values" in e0
+    assert not x0 and not x1 and list(tmp_path.iterdir()) == []
