@@ -578,15 +578,42 @@ class Pipeline:
             key = (signature(entry[k]), signature(side[k]), psig)
             layout = cache.get(key)
             if layout is None:
-                layout = cache[key] = infer_layout(
-                    self.program, full, fparams, entry[k], side[k], device=self._place(params)
-                )
+                layout = cache[key] = self._infer(full, fparams, entry[k], side[k], params)
                 while len(cache) > LAYOUT_CACHE:
                     cache.popitem(last=False)
             else:
                 cache.move_to_end(key)
             layouts.append(layout)
         return entry, side, tgt, layouts
+
+    def _infer(
+        self,
+        full: list[Stage],
+        fparams: list[Any],
+        entry: tuple[Any, ...],
+        side: dict[int, dict[str, Any]],
+        params: tuple[Any, ...],
+    ) -> Layout:
+        """One microbatch signature's stage outputs; over processes, agreed by all of them."""
+        if self._world is None:
+            return infer_layout(
+                self.program, full, fparams, entry, side, device=self._place(params)
+            )
+        layout: Layout = {}
+        error: BaseException | None = None
+        try:
+            layout = infer_layout(
+                self.program, full, fparams, entry, side, device=self._place(params)
+            )
+        except Exception as e:  # the others must not wait for this process
+            error = e
+        lines = [
+            f"{', '.join(str(leaf) for leaf in spec.leaves)} as {spec.tree}"
+            f"{f'; no gradient for {sorted(spec.nograd)}' if spec.nograd else ''}"
+            for s, spec in sorted(layout.items())
+        ]
+        _validate.layout_agreement(lines, error, [st.name for st in full])
+        return layout
 
     @property
     def _dry(self) -> bool:

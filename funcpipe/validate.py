@@ -280,3 +280,52 @@ def program_agreement(summary: str) -> None:
         f"{(b[line : line + 1] or ['<nothing>'])[0]!r}. Build the schedule from the same "
         "arguments on every process (e.g. not from the rank)"
     )
+
+
+def layout_agreement(lines: list[str], error: BaseException | None, names: list[str]) -> None:
+    """Every process inferred the same stage outputs for a new batch signature (collective over
+    the world, once per signature). ``lines``: one per stage (``names`` theirs, here only for
+    the message: processes may name their stages differently); ``error``: this process's shape
+    inference failed (it still takes part, then raises its own error). Stages whose shapes
+    depend on values (run on one real microbatch, with zeros for the parameters and inputs a
+    process does not hold) can come out different on different processes: every process then
+    raises naming the first stage that differs, where it would otherwise send and receive
+    tensors of different shapes (a hang, or an error on one side only)."""
+    import torch.distributed as dist
+
+    backend = dist.get_backend()
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
+    text = "\n".join(lines) if error is None else f"error: {type(error).__name__}"
+    world = dist.get_world_size()
+    mine = torch.tensor([fingerprint(text)], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    hashes = [int(t.item()) for t in every]
+    if error is not None:
+        raise error
+    if len(set(hashes)) == 1:
+        return
+    texts: list[Any] = [None] * world
+    dist.all_gather_object(texts, text)
+    me = dist.get_rank()
+    failed = [r for r, t in enumerate(texts) if str(t).startswith("error: ")]
+    if failed:
+        raise InvalidArgument(
+            f"shape inference failed on process(es) {failed} (their errors say why); this "
+            "process stops too instead of waiting for them"
+        )
+    ref = next(r for r, h in enumerate(hashes) if h != hashes[me])
+    other = str(texts[ref]).splitlines()
+    k = next((i for i, (a, b) in enumerate(zip(lines, other, strict=False)) if a != b), 0)
+    raise InvalidArgument(
+        f"the processes inferred different outputs for stage {k} ({names[k]!r}): process {me} "
+        f"has {lines[k]}, process {ref} has {other[k]}. That stage's output shapes depend on "
+        "values (it cannot run on tensors without data, so each process ran it on one real "
+        "microbatch, with zeros for the parameters and inputs it does not hold). Make its "
+        "output shapes follow from its input shapes alone (e.g. pad to a fixed length), or "
+        "compute the value-dependent part outside the pipeline"
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -347,3 +348,34 @@ def auto_bytes_step(rank: int) -> tuple[int, float, float]:
         pipe.step(params, x, y)
     figure = peak_memory(program, mem.activation, mem.for_w)[rank]
     return counter.peak, figure, caps[rank]
+
+
+def value_dependent_width(rank: int, held_everywhere: bool) -> str:
+    """Stage 0 keeps the first ``int(keep)`` columns (``.item()``: it cannot run on tensors
+    without data, so shape inference runs it on one real microbatch). Rank 1 does not hold stage
+    0's parameters unless ``held_everywhere``: it runs it on zeros and would expect 0 columns
+    where rank 0 sends 4. Returns "ok" after a step, else the error."""
+    program = generate("1f1b", ranks=2, microbatches=2)
+
+    def narrow(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ p["W"])[:, : int(p["keep"].item())]
+
+    def head(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        return h.sum(-1, keepdim=True) * p["w"]
+
+    stages = [Stage(narrow, name="narrow"), Stage(head, name="head")]
+    first = {"W": torch.randn(D, D, dtype=F64), "keep": torch.tensor(4.0, dtype=F64)}
+    if rank == 1 and not held_everywhere:
+        first = {k: v.to("meta") for k, v in first.items()}
+    params = [first, {"w": torch.ones(1, dtype=F64)}]
+    pipe = Pipeline(stages, program, loss_fn=mse, transport="dist")
+    x, _ = data(4)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fp.ShapeInferenceWarning)
+            pipe.step(params, x, torch.zeros(4, 1, dtype=F64))
+    except fp.InvalidArgument as e:
+        return str(e)
+    finally:
+        pipe.close()
+    return "ok"

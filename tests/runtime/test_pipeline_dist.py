@@ -108,3 +108,13 @@ def test_an_auto_program_under_a_byte_limit_keeps_to_it(pool) -> None:
     rank's saved bytes in the step are what peak_memory says, within the limit."""
     for measured, figure, cap in pool(2).run(jobs_runtime.auto_bytes_step):
         assert 0 < measured == figure <= cap
+
+
+@pytest.mark.timeout(120)
+def test_value_dependent_shapes_inferred_differently_are_refused_on_every_rank(pool) -> None:
+    r0, r1 = pool(2).run(jobs_runtime.value_dependent_width, False)
+    for got in (r0, r1):
+        assert "inferred different outputs for stage 0 ('narrow')" in got, got
+    assert "f64[2, 4]" in r0 and "f64[2, 0]" in r1
+    # where every process holds the parameters the inference agrees and the step runs
+    assert pool(2).run(jobs_runtime.value_dependent_width, True) == ["ok", "ok"]
