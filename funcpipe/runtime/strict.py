@@ -343,8 +343,11 @@ class Shared:
                 if now - start > self.timeout:
                     waits = ", ".join(str(op) for op in self.side.waiting(self._counts))
                     raise CommunicationError(
-                        f"{what}: did not complete within {self.timeout:.0f} s; rank "
-                        f"{self.rank} still waits for {waits or 'nothing'} ({RULES})"
+                        f"{what}: did not complete within {self.timeout:.0f} s (the process "
+                        f"group's timeout); rank {self.rank} still waits for "
+                        f"{waits or 'nothing'} ({RULES}). No deadlock was found: if a peer is "
+                        "only slow (compiling, loading data), raise pg_timeout= of "
+                        "funcpipe.launch or funcpipe.Pool"
                     )
                 if now >= next_check:
                     seen = self._deadlock(what, seen)

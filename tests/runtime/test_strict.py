@@ -296,3 +296,16 @@ def test_a_grouped_exchange_over_processes_passes(pool, p2p: str) -> None:
 def test_a_pipeline_over_processes_runs_strict_from_the_environment(pool) -> None:
     for strict, worst in pool(2).run(jobs_strict.strict_pipeline):
         assert strict and worst < 1e-10
+
+
+def test_a_wait_past_the_timeout_names_pg_timeout() -> None:
+    """A peer that is only slow (it never publishes here): no deadlock is found, and the error
+    after the timeout says which knob raises it."""
+    from torch.distributed import HashStore
+
+    shared = nccl.Shared(0, HashStore(), ["r0", "r1"], timeout=0.2, check=0.05)
+    group = shared.post([(nccl.RECV, 1, "activation")])
+    with pytest.raises(CommunicationError) as info:
+        shared.wait(group, "step")
+    assert "did not complete within 0 s (the process group's timeout)" in str(info.value)
+    assert "raise pg_timeout= of funcpipe.launch or funcpipe.Pool" in str(info.value)
