@@ -166,15 +166,6 @@ class Pipeline:
                 f"schedule={schedule!r}: pass a funcpipe.schedule.Program, e.g. "
                 "generate('1f1b', ranks=2, microbatches=4)"
             )
-        replicated = len(set(schedule.replica_of or ())) < schedule.n_stages
-        if replicated and schedule.training and schedule.microbatches < 2 and schedule.n_ranks > 1:
-            # known wrong over 2+ ranks: one stage's weight gradients (cause not yet found; one
-            # rank with one microbatch matches the reference, tests/runtime/test_pipeline_local)
-            raise InvalidArgument(
-                f"a replicated-stage program (Chimera) with microbatches="
-                f"{schedule.microbatches} gives wrong weight gradients in this version; "
-                "generate it with microbatches >= 2, or use another schedule"
-            )
         owners = schedule.replica_of or tuple(range(schedule.n_stages))
         if sorted(set(owners)) != list(range(len(self.stages))):
             raise InvalidArgument(

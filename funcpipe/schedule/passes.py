@@ -460,7 +460,10 @@ def add_reduce(
     each of them. These go at the very end of each rank, ordered by owner, so every rank meets
     its replica groups in the same order (no collective deadlock); they come after the ``group``
     REDUCEs, which is fine because both are sums. Choosing one replica in ``stages`` chooses its
-    whole replica set. A stage no microbatch visits has no gradient and gets no REDUCE.
+    whole replica set. A stage no microbatch visits has no gradient and gets no ``group``
+    REDUCE; a replica no microbatch visits (Chimera's idle up pipeline with one microbatch)
+    still joins its replica sum, adding zeros, so that every rank holding a replica ends with
+    the whole gradient (only a replica set none of whose members is visited is left out).
     """
     program = _program(program, "add_reduce")
     _need_training(program, "add_reduce")
@@ -496,8 +499,10 @@ def add_reduce(
         inserts[(r, _after_comm(instrs, last))].append(reduce(s, group))
     tails: dict[int, list[Instr]] = defaultdict(list)
     for owner, members in sorted(classes.items()):
-        members = [s for s in members if s in visited]
-        if len(members) < 2 or not chosen & set(members):
+        # every replica joins, visited or not: a replica that no microbatch visits (Chimera's
+        # idle pipeline with one microbatch) adds zeros, and its rank still ends with the whole
+        # gradient (a rank reports the gradients of every stage it holds)
+        if len(members) < 2 or not chosen & set(members) or not visited & set(members):
             continue
         name = f"replica:{owner}"
         held: dict[int, int] = {}  # rank -> the lowest replica it holds

@@ -10,10 +10,12 @@ import torch
 import funcpipe as fp
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline import Pipeline
+from funcpipe.runtime.interpreter import RankResult
 from funcpipe.schedule.generators import forward_only, generate, to_eval
 from funcpipe.schedule.ir import chain
 from funcpipe.stage import Stage
 from funcpipe.testing import assert_trees_close
+from funcpipe.tree import tree_flatten
 from tests.jobs_runtime import (
     F64,
     D,
@@ -23,6 +25,7 @@ from tests.jobs_runtime import (
     mse,
     one_by_one_1f1b,
     run_pipeline_vs_reference,
+    tied_reference,
     toy,
 )
 
@@ -57,6 +60,50 @@ def test_every_schedule_matches_the_reference(
 @pytest.mark.parametrize("name", ["1f1b", "interleaved", "chimera"])
 def test_split_backward_everywhere_matches(name: str) -> None:
     run_pipeline_vs_reference(0, name, 2, 4, [8], split_all=True, tied=True)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("microbatches", [1, 2, 3])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("copies", [1, 2], ids=["one-copy", "data-2"])
+def test_chimera_with_few_microbatches_matches_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch, ranks: int, microbatches: int, tied: bool, copies: int
+) -> None:
+    """Chimera with one microbatch leaves its up pipeline idle: those replicas see no
+    microbatch, still join their stage's replica sum (adding zeros), and every rank ends with
+    the whole gradient of each stage it holds, as a process over ``"dist"`` reports it. (The
+    idle replicas were left out of the sums: the rank holding one reported zeros, and the step
+    returned them, 0.13 off at 2 ranks.)"""
+    program = generate("chimera", ranks=ranks, microbatches=microbatches)
+    stages, params = toy(ranks, tied=tied)
+    ties = {"E": [(0, "E"), (ranks - 1, "E")]} if tied else None
+    pipe = Pipeline(stages, program, loss_fn=mse, ties=ties, data=copies)
+    per_rank: list[dict[int, list[torch.Tensor]]] = []
+    real = Pipeline._grads
+
+    def keep(
+        self: Pipeline, prm: tuple[object, ...], results: list[RankResult]
+    ) -> tuple[object, ...]:
+        per_rank.extend(dict(res.grads) for res in results)
+        return real(self, prm, results)
+
+    monkeypatch.setattr(Pipeline, "_grads", keep)
+    x, y = data(6 * copies)
+    loss, grads = pipe.step(params, x, y)
+    want_loss, want = tied_reference(stages, params, x, y, microbatches * copies, ties)
+    assert_trees_close((loss, grads), (want_loss, want), rtol=1e-12, atol=1e-12)
+    owners = program.replica_of or ()
+    for r, got in enumerate(per_rank):  # what each rank returns over "dist"
+        held = {owners[s] for s in program.stages_on(r)}
+        assert set(got) == held
+        for o in held:
+            assert_trees_close(
+                got[o], tree_flatten(want[o])[0], rtol=1e-12, atol=1e-12, msg=f"rank {r} stage {o}"
+            )
+    if copies == 1:  # under NCCL's point-to-point rules too, two batch sizes
+        run_pipeline_vs_reference(
+            0, "chimera", ranks, microbatches, [13, 7], tied=tied, strict=True
+        )
 
 
 def test_two_steps_are_independent() -> None:

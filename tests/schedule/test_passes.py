@@ -492,6 +492,36 @@ def test_reduce_sums_chimera_replicas() -> None:
     }  # fmt: skip
 
 
+def test_reduce_sums_idle_chimera_replicas_too() -> None:
+    """One microbatch: the up pipeline (s2, s3) is idle. Its replicas get no ``data`` REDUCE
+    (no gradient of their own) but join the replica sums, adding zeros, so rank 0 (holding only
+    the idle s3 of stage 1) ends with stage 1's whole gradient, and rank 1 with stage 0's."""
+    p = projected(microbatches=1, **{**CHIMERA, "entries": (0,)})  # type: ignore[arg-type]
+    assert p.visits(0) == {0, 1}
+    got = add_reduce(p)
+    assert [str(i) for i in got.ranks[0]] == [
+        "F s0 m0", "B s0 m0", "REDUCE s0 data", "REDUCE s0 replica:0", "REDUCE s3 replica:1",
+    ]  # fmt: skip
+    assert [str(i) for i in got.ranks[1]] == [
+        "F s1 m0", "B s1 m0", "REDUCE s1 data", "REDUCE s2 replica:0", "REDUCE s1 replica:1",
+    ]  # fmt: skip
+    check(add_communication(got))
+    generated = add_reduce(generate("chimera", ranks=2, microbatches=1))  # the same program
+    assert [list(map(str, r)) for r in generated.ranks] == [list(map(str, r)) for r in got.ranks]
+    # a replica set none of whose members is visited gets no sum (nothing to sum)
+    idle = Program(
+        ranks=[[forward(0, 0), backward(0, 0)], []],
+        placement=(0, 1, 1),
+        microbatches=1,
+        edges=(),
+        entries=(0,),
+        replica_of=(0, 1, 1),
+    )
+    assert [str(i) for r in add_reduce(idle).ranks for i in r if i.op is Op.REDUCE] == [
+        "REDUCE s0 data"
+    ]
+
+
 def test_reduce_errors() -> None:
     with pytest.raises(InvalidArgument, match="group='no spaces'"):
         add_reduce(gpipe(1, 1), group="no spaces")
