@@ -586,18 +586,18 @@ class Pipeline:
         params: tuple[Any, ...],
     ) -> Layout:
         """One microbatch signature's stage outputs; over processes, agreed by all of them."""
-        if self._world is None:
-            return infer_layout(
-                self.program, full, fparams, entry, side, device=self._place(params)
-            )
         layout: Layout = {}
         error: BaseException | None = None
         try:
             layout = infer_layout(
                 self.program, full, fparams, entry, side, device=self._place(params)
             )
-        except Exception as e:  # the others must not wait for this process
-            error = e
+        except Exception as e:
+            if self._world is None:
+                raise
+            error = e  # the other processes must not wait for this one
+        if self._world is None:
+            return layout
         lines = [
             f"{', '.join(str(leaf) for leaf in spec.leaves)} as {spec.tree}"
             f"{f'; no gradient for {sorted(spec.nograd)}' if spec.nograd else ''}"

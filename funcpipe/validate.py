@@ -242,27 +242,40 @@ def fingerprint(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
 
 
+def _hashes(text: str) -> list[int]:
+    """Every process's :func:`fingerprint` of its ``text`` (collective over the world)."""
+    import torch.distributed as dist
+
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    mine = torch.tensor([fingerprint(text)], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [int(t.item()) for t in every]
+
+
+def _texts(text: str) -> list[str]:
+    """Every process's ``text`` (collective over the world; only once the hashes differ)."""
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, text)
+    return [str(t) for t in every]
+
+
 def program_agreement(summary: str) -> None:
     """Every process of the world built the same program (and options): one all-gather of a
     hash; on a mismatch the summaries are gathered and compared, and every process raises
     naming the ranks that differ and the first line where they do."""
     import torch.distributed as dist
 
-    backend = dist.get_backend()
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if backend == "nccl"
-        else torch.device("cpu")
-    )
-    world = dist.get_world_size()
-    mine = torch.tensor([fingerprint(summary)], dtype=torch.int64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
-    hashes = [int(t.item()) for t in every]
+    hashes = _hashes(summary)
     if len(set(hashes)) == 1:
         return
-    texts: list[Any] = [None] * world
-    dist.all_gather_object(texts, summary)
+    texts = _texts(summary)
     me = dist.get_rank()
     ref = 0 if hashes[me] != hashes[0] else next(r for r, h in enumerate(hashes) if h != hashes[0])
     other = texts[ref]
@@ -293,33 +306,24 @@ def layout_agreement(lines: list[str], error: BaseException | None, names: list[
     tensors of different shapes (a hang, or an error on one side only)."""
     import torch.distributed as dist
 
-    backend = dist.get_backend()
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if backend == "nccl"
-        else torch.device("cpu")
-    )
     text = "\n".join(lines) if error is None else f"error: {type(error).__name__}"
-    world = dist.get_world_size()
-    mine = torch.tensor([fingerprint(text)], dtype=torch.int64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
-    hashes = [int(t.item()) for t in every]
+    hashes = _hashes(text)
+    if len(set(hashes)) == 1:
+        if error is not None:
+            raise error
+        return
+    texts = _texts(text)  # every process takes part, its own error or not
     if error is not None:
         raise error
-    if len(set(hashes)) == 1:
-        return
-    texts: list[Any] = [None] * world
-    dist.all_gather_object(texts, text)
     me = dist.get_rank()
-    failed = [r for r, t in enumerate(texts) if str(t).startswith("error: ")]
+    failed = [r for r, t in enumerate(texts) if t.startswith("error: ")]
     if failed:
         raise InvalidArgument(
             f"shape inference failed on process(es) {failed} (their errors say why); this "
             "process stops too instead of waiting for them"
         )
     ref = next(r for r, h in enumerate(hashes) if h != hashes[me])
-    other = str(texts[ref]).splitlines()
+    other = texts[ref].splitlines()
     k = next((i for i, (a, b) in enumerate(zip(lines, other, strict=False)) if a != b), 0)
     raise InvalidArgument(
         f"the processes inferred different outputs for stage {k} ({names[k]!r}): process {me} "

@@ -379,3 +379,25 @@ def value_dependent_width(rank: int, held_everywhere: bool) -> str:
     finally:
         pipe.close()
     return "ok"
+
+
+def inference_fails_on_one_rank(rank: int) -> str:
+    """Rank 1's copy of stage 0 fails on any input (fake or real); rank 0's works. Both must
+    raise (rank 0 must not wait in a collective rank 1 never joins); returns the error."""
+    program = generate("1f1b", ranks=2, microbatches=2)
+
+    def broken(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("this stage cannot run")
+
+    stages, params = toy(2)
+    if rank == 1:
+        stages[0] = Stage(broken, name="broken")
+    pipe = Pipeline(stages, program, loss_fn=mse, transport="dist")
+    x, y = data(4)
+    try:
+        pipe.step(params, x, y)
+    except fp.FuncpipeError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        pipe.close()
+    return "ok"

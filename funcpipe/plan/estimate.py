@@ -142,7 +142,9 @@ def estimate(
     act[-1] += head.activation
     place = placement(layout.schedule, p, v)
     rank_f, rank_i, rank_w = [0.0] * p, [0.0] * p, [0.0] * p
+    rank_layers = [0] * p
     for s, r in enumerate(place):
+        rank_layers[r] += counts[s]
         rank_f[r] += f[s]
         rank_i[r] += i[s]
         rank_w[r] += w[s]
@@ -178,7 +180,7 @@ def estimate(
     under = grads - gather
     if overlap_grad_reduce:
         window = bi + bw_  # the last microbatch's backward on this rank
-        buckets = max(sum(n for s, n in enumerate(counts) if place[s] == worst), 1)
+        buckets = max(rank_layers[worst], 1)
         dp_exposed = max(under / buckets, under - window) + gather
     else:
         dp_exposed = grads
@@ -224,10 +226,7 @@ def estimate(
         breakdown={
             "pipeline": pipe,
             "compute_per_microbatch": bf + bi + bw_,
-            "tensor_comm_per_microbatch": max(
-                sum(n for s, n in enumerate(counts) if place[s] == r) for r in range(p)
-            )
-            * (tp_f + tp_i),
+            "tensor_comm_per_microbatch": max(rank_layers) * (tp_f + tp_i),
             "p2p_per_microbatch": 2 * v * msg,
             "data_parallel_exposed": dp_exposed,
             "data_parallel_total": grads,

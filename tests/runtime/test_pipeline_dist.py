@@ -118,3 +118,10 @@ def test_value_dependent_shapes_inferred_differently_are_refused_on_every_rank(p
     assert "f64[2, 4]" in r0 and "f64[2, 0]" in r1
     # where every process holds the parameters the inference agrees and the step runs
     assert pool(2).run(jobs_runtime.value_dependent_width, True) == ["ok", "ok"]
+
+
+@pytest.mark.timeout(120)
+def test_shape_inference_failing_on_one_rank_stops_every_rank(pool) -> None:
+    r0, r1 = pool(2).run(jobs_runtime.inference_fails_on_one_rank)
+    assert r1.startswith("ShapeInferenceError: stage 0 ('broken')"), r1
+    assert "shape inference failed on process(es) [1]" in r0, r0
