@@ -1,6 +1,6 @@
 """Shared pieces of the benchmarks: the models, the schedules, timing, tables and JSON.
 
-Two models, each a flat ``nn.Sequential`` that funcpipe (``funcpipe.partition``) and
+Two models, each a flat ``nn.Sequential`` that funcpipe (``funcpipe.stages.partition``) and
 torch.distributed.pipelining (a ``PipelineStage`` of each slice) cut at the same places:
 
 - ``gpt`` (the headline): :mod:`benchmarks.gpt`, a GPT of ``layers`` pre-LayerNorm blocks
@@ -282,7 +282,7 @@ def funcpipe_stages(
     model: nn.Sequential, size: Size, n_stages: int
 ) -> tuple[list[fp.Stage], list[Any]]:
     """funcpipe stages and params for the model cut into ``n_stages``, as a user of
-    nn.Modules writes it: :func:`funcpipe.partition` at :func:`bounds`' cuts."""
+    nn.Modules writes it: :func:`funcpipe.stages.partition` at :func:`bounds`' cuts."""
     cuts = [a for a, _ in bounds(size, n_stages)][1:]
     part = fp.partition(model, stages=n_stages, by=cuts)
     return list(part.stages), list(part.params)

@@ -4,9 +4,51 @@ Stages are pure functions ``stage(params, *inputs) -> outputs`` over explicit pa
 parameters, gradients and optimizer state are values that go in and come out.
 """
 
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+# Old module paths (before the regrouping of 2026-11-28, docs/design.md "The tree") keep working:
+# ``import funcpipe.optim`` or ``from funcpipe.cut import split_module`` gives the module at its
+# new place, the very same object (so classes, isinstance checks and monkeypatches agree).
+_MOVED = {
+    "funcpipe.compile": "funcpipe.stages.compile",
+    "funcpipe.cut": "funcpipe.stages.split_module",
+    "funcpipe.partition": "funcpipe.stages.partition",
+    "funcpipe.precision": "funcpipe.stages.precision",
+    "funcpipe.runtime.plan": "funcpipe.stages.boundaries",
+    "funcpipe.shapes": "funcpipe.stages.shapes",
+    "funcpipe.sharing": "funcpipe.stages.ties",
+    "funcpipe.stage": "funcpipe.stages.stage",
+    "funcpipe.ties": "funcpipe.stages.ties",
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds an old module path of :data:`_MOVED` and loads it as the module at its new place."""
+
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = importlib.import_module(_MOVED[spec.name])
+        self._spec = module.__spec__  # the import system overwrites it; exec_module restores it
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__spec__ = self._spec
+
+
+if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
+    sys.meta_path.insert(0, _MovedModules())
+
 from funcpipe import data, loss_scale, optim, profile, schedule, testing, tune
-from funcpipe.compile import compile_stage
-from funcpipe.cut import ModuleSplit, split_module
 from funcpipe.errors import (
     CommunicationError,
     FuncpipeError,
@@ -19,14 +61,16 @@ from funcpipe.errors import (
 )
 from funcpipe.launcher import Pool, launch
 from funcpipe.microbatch import merge, microbatch_sizes, split
-from funcpipe.partition import Partition, partition
 from funcpipe.pipeline import Pipeline, StepResult
-from funcpipe.precision import autocast_stage
 from funcpipe.profile import measure_memory, measure_stages, profile_stages
 from funcpipe.reference import reference_step
-from funcpipe.shapes import StageSpec, TensorSpec, infer_specs
-from funcpipe.sharing import describe_ties, find_ties
-from funcpipe.stage import Stage, as_inputs, compose, from_module
+from funcpipe.stages.compile import compile_stage
+from funcpipe.stages.partition import Partition, partition
+from funcpipe.stages.precision import autocast_stage
+from funcpipe.stages.shapes import StageSpec, TensorSpec, infer_specs
+from funcpipe.stages.split_module import ModuleSplit, split_module
+from funcpipe.stages.stage import Stage, as_inputs, compose, from_module
+from funcpipe.stages.ties import describe_ties, find_ties
 
 __version__ = "0.1.0"
 
@@ -83,6 +127,12 @@ __all__ += ["ParallelConfig", "build_mesh", "parallel", "shard_spec"]
 
 # the cluster planner (pure Python, no torch): the package is callable, funcpipe.plan(...) is
 # funcpipe.plan.api.plan; funcpipe.plan.search, .estimate, .Transformer, .Layout ... beside it
-from funcpipe import plan  # noqa: E402
+from funcpipe import plan
 
 __all__ += ["plan"]
+
+# Old paths of modules already loaded are entered now: importing them later then leaves the
+# package's attributes alone (``funcpipe.partition`` stays the function, not the module).
+for _old, _new in _MOVED.items():
+    if _new in sys.modules:
+        sys.modules.setdefault(_old, sys.modules[_new])

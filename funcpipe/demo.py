@@ -384,8 +384,8 @@ def _rank_device(o: DemoOptions) -> torch.device:
 def _transform(stages: list[Any], o: DemoOptions) -> list[Any]:
     """The stages under ``--precision`` and ``--compile``: autocast inside, compile outside (the
     compiled graph then holds the casts)."""
-    from funcpipe.compile import compile_stage
-    from funcpipe.precision import autocast_stage
+    from funcpipe.stages.compile import compile_stage
+    from funcpipe.stages.precision import autocast_stage
 
     if o.precision == "bf16":
         stages = [autocast_stage(s, torch.bfloat16) for s in stages]

@@ -22,16 +22,16 @@ from funcpipe.errors import InvalidArgument
 from funcpipe.microbatch import merge, split, split_targets
 from funcpipe.runtime.drive import drive, drive_local
 from funcpipe.runtime.interpreter import RankInputs, RankResult, run_rank
-from funcpipe.runtime.plan import Layout, infer_layout, signature
 from funcpipe.runtime.transport import LocalWorld
 from funcpipe.schedule.check import check
 from funcpipe.schedule.ir import Op, Program
 from funcpipe.schedule.p2p import PAIR
 from funcpipe.schedule.passes import add_communication, add_recompute, add_reduce
 from funcpipe.schedule.simulate import Event, Timeline
-from funcpipe.shapes import stage_device
-from funcpipe.stage import Stage, as_inputs
-from funcpipe.ties import TiePath, add_tie_reduce, check_ties, resolve, tie_values
+from funcpipe.stages.boundaries import BoundarySpecs, infer_boundaries, signature
+from funcpipe.stages.shapes import stage_device
+from funcpipe.stages.stage import Stage, as_inputs
+from funcpipe.stages.ties import TiePath, add_tie_reduce, check_ties, resolve, tie_values
 from funcpipe.tree import check_tensor_tree, tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["Pipeline", "StepResult"]
@@ -245,7 +245,7 @@ class Pipeline:
         self.recompute = frozenset(i.stage for r in self.program.ranks for i in r if i.op is Op.R)
         # shape inference per microbatch signature, most recently used last (bounded: a batch
         # whose length changes every step must not grow it without end)
-        self._layouts: OrderedDict[Any, Layout] = OrderedDict()
+        self._layouts: OrderedDict[Any, BoundarySpecs] = OrderedDict()
         self._world: _world.DistWorld | None = None
         self.closed = False
         self.data_size, self.tensor_size = 1, 1
@@ -533,7 +533,10 @@ class Pipeline:
     def _microbatches(
         self, params: tuple[Any, ...], batch: Any, targets: Any
     ) -> tuple[
-        list[tuple[Any, ...]], list[dict[int, dict[str, Any]]], list[Any] | None, list[Layout]
+        list[tuple[Any, ...]],
+        list[dict[int, dict[str, Any]]],
+        list[Any] | None,
+        list[BoundarySpecs],
     ]:
         m = self.program.microbatches
         if self.side_inputs:
@@ -584,12 +587,12 @@ class Pipeline:
         entry: tuple[Any, ...],
         side: dict[int, dict[str, Any]],
         params: tuple[Any, ...],
-    ) -> Layout:
+    ) -> BoundarySpecs:
         """One microbatch signature's stage outputs; over processes, agreed by all of them."""
-        layout: Layout = {}
+        layout: BoundarySpecs = {}
         error: BaseException | None = None
         try:
-            layout = infer_layout(
+            layout = infer_boundaries(
                 self.program, full, fparams, entry, side, device=self._place(params)
             )
         except Exception as e:
@@ -632,7 +635,7 @@ class Pipeline:
         entry: list[tuple[Any, ...]],
         side: list[dict[int, dict[str, Any]]],
         tgt: list[Any] | None,
-        layouts: list[Layout],
+        layouts: list[BoundarySpecs],
         keep: bool,
     ) -> RankInputs:
         p = self.program

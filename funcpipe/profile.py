@@ -3,7 +3,7 @@
 :func:`profile_stages` runs the real stages on a real microbatch through
 :mod:`funcpipe.runtime.autodiff`, the functions the interpreter runs (forward, backward_input,
 backward_weight, backward on flat tensor lists), chaining each stage's outputs into the next
-stage's inputs (:func:`funcpipe.stage.as_inputs`), and returns the medians as a
+stage's inputs (:func:`funcpipe.stages.stage.as_inputs`), and returns the medians as a
 :class:`~funcpipe.schedule.simulate.Costs`. :func:`measure_stages` returns every number it took,
 the full backward ``B`` included (a :class:`~funcpipe.schedule.costs.StageTimes`). They time
 with the clock a traced step uses (:mod:`funcpipe.runtime.clock`): on CUDA, events on the
@@ -32,7 +32,7 @@ from funcpipe.runtime.clock import step_clock, timer
 from funcpipe.runtime.saved import SavedBytes
 from funcpipe.schedule.costs import StageMemory, StageTimes
 from funcpipe.schedule.simulate import Costs
-from funcpipe.stage import Stage, as_inputs
+from funcpipe.stages.stage import Stage, as_inputs
 from funcpipe.tree import tree_flatten, tree_unflatten
 
 __all__ = ["measure_memory", "measure_stages", "profile_stages"]

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from funcpipe.microbatch import split
-from funcpipe.partition import partition
 from funcpipe.reference import reference_step
-from funcpipe.shapes import infer_specs
+from funcpipe.stages.partition import partition
+from funcpipe.stages.shapes import infer_specs
 from funcpipe.tree import tree_leaves, tree_map
 
 __all__ = ["run_demo"]

@@ -11,7 +11,7 @@ import torch
 import funcpipe as fp
 from funcpipe.runtime import buckets
 from funcpipe.schedule.generators import generate
-from funcpipe.stage import Stage
+from funcpipe.stages.stage import Stage
 from tests import jobs_gpt
 
 F64 = torch.float64

@@ -16,7 +16,7 @@ from funcpipe.microbatch import split
 from funcpipe.pipeline import Pipeline
 from funcpipe.schedule.generators import GENERATORS, generate
 from funcpipe.schedule.ir import Instr, Program
-from funcpipe.stage import Stage, as_inputs
+from funcpipe.stages.stage import Stage, as_inputs
 from funcpipe.testing import assert_trees_close
 
 D = 6  # width of the toy models

@@ -1059,7 +1059,7 @@ CASES: list[Case] = [
         ).step(_params((4, 4), (4, 4)), *_xy()),
         InvalidArgument,
         ("stage 0 ('forgetful') returned None", "forget to return"),
-        "funcpipe/runtime/plan.py, in shape inference (was a TypeError from the next stage)",
+        "funcpipe/stages/boundaries.py, in shape inference (was a TypeError from the next stage)",
     ),
     Case(
         "cli-schedule-too-large",

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 import funcpipe as fp
-from funcpipe.runtime.plan import infer_layout
 from funcpipe.schedule import generate
 from funcpipe.schedule.generators import GENERATORS
+from funcpipe.stages.boundaries import infer_boundaries
 from tests import models_zoo as zoo
 
 # tracing a model with torch.export takes seconds each; minutes on a loaded 2-core machine
@@ -131,7 +131,7 @@ def test_llama_mask_is_a_side_input_and_rotary_tables_need_no_gradient() -> None
     prog = generate("1f1b", ranks=2, microbatches=M)
     mb = {k: v[:2] for k, v in fields.items()}
     side = {s: {k: mb[k] for k in names} for s, names in sp.side_inputs.items()}
-    spec = infer_layout(prog, sp.stages, sp.params, (mb["input_ids"],), side)[0]
+    spec = infer_boundaries(prog, sp.stages, sp.params, (mb["input_ids"],), side)[0]
     floats = [i for i, t in enumerate(spec.leaves) if t.dtype.is_floating_point]
     tables = [i for i in floats if spec.leaves[i].shape == (1, 8, 8)]  # cos and sin
     assert len(tables) == 2 and spec.nograd == set(tables)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import funcpipe as fp
-from funcpipe.runtime.plan import infer_layout
 from funcpipe.schedule import generate
+from funcpipe.stages.boundaries import infer_boundaries
 
 
 class Block(nn.Module):
@@ -115,7 +115,7 @@ def test_values_needing_no_gradient_are_found() -> None:
     sp = fp.split_module(model, ["blocks.2"], example={"ids": d["ids"][:2], "mask": d["mask"][:2]})
     prog = generate("1f1b", ranks=2, microbatches=2)
     out0 = sp.stages[0](sp.params[0], d["ids"][:2], mask=d["mask"][:2])
-    layout = infer_layout(prog, sp.stages, sp.params, (d["ids"][:2],), {0: {"mask": d["mask"][:2]}, 1: {"mask": d["mask"][:2]}})  # fmt: skip
+    layout = infer_boundaries(prog, sp.stages, sp.params, (d["ids"][:2],), {0: {"mask": d["mask"][:2]}, 1: {"mask": d["mask"][:2]}})  # fmt: skip
     spec = layout[0]
     assert len(spec.leaves) == len(out0) == 2  # the cos table and the hidden state
     table = next(i for i, t in enumerate(out0) if t.shape == (5, 8))
@@ -138,7 +138,7 @@ def test_detached_output_gets_no_gradient_sent() -> None:
     stages = [fp.Stage(first), fp.Stage(second)]
     prog = generate("1f1b", ranks=2, microbatches=2)
     x = torch.randn(4, 3, generator=g, dtype=torch.float64)
-    layout = infer_layout(prog, stages, params, (x[:2],), {})
+    layout = infer_boundaries(prog, stages, params, (x[:2],), {})
     assert layout[0].nograd == {1} and layout[0].differentiable == (0,)
     loss, grads = fp.Pipeline(stages, prog, loss_fn=lambda o: o.pow(2).mean()).step(params, x)
     ref_loss, ref = fp.reference_step(stages, params, x, lambda o: o.pow(2).mean(), microbatches=2)

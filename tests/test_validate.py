@@ -234,7 +234,7 @@ def test_fingerprint_is_stable_and_distinguishes() -> None:
 def test_real_fallback_without_the_other_stages_params() -> None:
     """Over processes a rank holds only its stages (the rest are meta): the fallback feeds a
     branching stage zeros of its producer's inferred outputs, and materialises meta params."""
-    from funcpipe.runtime.plan import infer_layout
+    from funcpipe.stages.boundaries import infer_boundaries
 
     program = generate("1f1b", ranks=2, microbatches=2)
     stages = [fp.Stage(_layer, name="a"), fp.Stage(_branchy, name="b")]
@@ -244,7 +244,7 @@ def test_real_fallback_without_the_other_stages_params() -> None:
         ({"w": w}, {"w": torch.empty(6, 3, dtype=F64, device="meta")}),
     ):
         with pytest.warns(ShapeInferenceWarning, match=r"stage 1 \('b'\)"):
-            layout = infer_layout(program, stages, params, (torch.randn(5, 4, dtype=F64),), {})
+            layout = infer_boundaries(program, stages, params, (torch.randn(5, 4, dtype=F64),), {})
         assert [repr(s) for s in layout[0].leaves] == ["f64[5, 6]"]
         assert [repr(s) for s in layout[1].leaves] == ["f64[5, 3]"]
 

@@ -29,7 +29,7 @@ from funcpipe.errors import InvalidArgument
 from funcpipe.parallel import ops
 from funcpipe.parallel.layout import Layout
 from funcpipe.parallel.mesh import Axis
-from funcpipe.stage import Stage
+from funcpipe.stages.stage import Stage
 
 __all__ = [
     "GPTConfig",

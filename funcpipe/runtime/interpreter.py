@@ -27,12 +27,12 @@ import torch
 from funcpipe.errors import InvalidArgument, NonFiniteError
 from funcpipe.runtime import autodiff
 from funcpipe.runtime.clock import step_clock
-from funcpipe.runtime.plan import Layout, OutputSpec, rebuild
 from funcpipe.runtime.transport import P2P, RECV, SEND, Handle, Transport
 from funcpipe.schedule.check import in_program
 from funcpipe.schedule.ir import ACT, COMPUTE_OPS, GRAD, Instr, Op, Program, groups
-from funcpipe.shapes import TensorSpec
-from funcpipe.stage import Stage, as_inputs
+from funcpipe.stages.boundaries import BoundarySpecs, OutputSpec, rebuild
+from funcpipe.stages.shapes import TensorSpec
+from funcpipe.stages.stage import Stage, as_inputs
 from funcpipe.tree import PyTreeSpec, tree_flatten, tree_unflatten
 
 __all__ = ["RankInputs", "RankResult", "run_rank"]
@@ -51,7 +51,7 @@ class RankInputs:
     entry: Sequence[tuple[Any, ...]]  # per microbatch: entry stage positional inputs
     side: Sequence[Mapping[int, Mapping[str, Any]]]  # per microbatch: stage -> keyword inputs
     targets: Sequence[Any] | None  # per microbatch, or None
-    layouts: Sequence[Layout]  # per microbatch: stage -> output specs
+    layouts: Sequence[BoundarySpecs]  # per microbatch: stage -> output specs
     loss_fn: Callable[..., Tensor] | None
     metric_fn: Callable[..., Tensor] | None = None
     recompute: frozenset[int] = frozenset()

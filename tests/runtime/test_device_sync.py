@@ -18,7 +18,7 @@ from funcpipe.pipeline import Pipeline
 from funcpipe.runtime.drive import drive_local
 from funcpipe.runtime.transport import P2P, Handle, LocalTransport, LocalWorld
 from funcpipe.schedule.generators import GENERATORS, generate
-from funcpipe.stage import Stage
+from funcpipe.stages.stage import Stage
 from funcpipe.testing import assert_trees_close
 from tests.jobs_runtime import data, mse, toy
 

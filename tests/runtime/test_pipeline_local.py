@@ -13,7 +13,7 @@ from funcpipe.pipeline import Pipeline
 from funcpipe.runtime.interpreter import RankResult
 from funcpipe.schedule.generators import forward_only, generate, to_eval
 from funcpipe.schedule.ir import chain
-from funcpipe.stage import Stage
+from funcpipe.stages.stage import Stage
 from funcpipe.testing import assert_trees_close
 from funcpipe.tree import tree_flatten
 from tests.jobs_runtime import (

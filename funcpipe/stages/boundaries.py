@@ -1,7 +1,7 @@
 """Shapes of everything that crosses a stage boundary, inferred without data.
 
 For one microbatch shape (its *signature*), every stage of the program graph is run on fake
-tensors (:func:`funcpipe.shapes.abstract`: shape, dtype and the stage's real device, no data;
+tensors (:func:`funcpipe.stages.shapes.abstract`: shape, dtype and the stage's real device, no data;
 autocast inside a stage applies as in a real run) in stage order: entry stages on the microbatch inputs, later stages on their producers'
 outputs. The result sizes the receive buffers, so no shape ever travels over the wire. A change
 of microbatch shape (a smaller last batch, a new sequence length) is just another signature.
@@ -18,11 +18,11 @@ import torch
 
 from funcpipe.errors import InvalidArgument, ShapeInferenceError, ShapeInferenceWarning
 from funcpipe.schedule.ir import Program
-from funcpipe.shapes import TensorSpec, abstract, fake, stage_device
-from funcpipe.stage import Stage, as_inputs
+from funcpipe.stages.shapes import TensorSpec, abstract, fake, stage_device
+from funcpipe.stages.stage import Stage, as_inputs
 from funcpipe.tree import PyTreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-__all__ = ["Layout", "OutputSpec", "infer_layout", "signature"]
+__all__ = ["BoundarySpecs", "OutputSpec", "infer_boundaries", "signature"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,8 @@ class OutputSpec:
         )
 
 
-Layout = dict[int, OutputSpec]  # stage -> its outputs
+BoundarySpecs = dict[int, OutputSpec]
+"""What crosses every stage boundary for one microbatch signature: stage -> its outputs' specs."""
 
 
 def signature(tree: Any) -> tuple[Any, ...]:
@@ -68,7 +69,7 @@ def stage_args(
     return tuple(args)
 
 
-def infer_layout(
+def infer_boundaries(
     program: Program,
     stages: Sequence[Stage],
     params: Sequence[Any],
@@ -76,7 +77,7 @@ def infer_layout(
     side: Mapping[int, Mapping[str, Any]],
     *,
     device: torch.device | str | None = None,
-) -> Layout:
+) -> BoundarySpecs:
     """Output specs of every stage of ``program`` for one microbatch.
 
     ``stages[k]`` / ``params[k]`` are indexed by the program's stages (replicas already resolved);
@@ -96,10 +97,10 @@ def _infer(
     entry: tuple[Any, ...],
     side: Mapping[int, Mapping[str, Any]],
     device: torch.device | str | None,
-) -> Layout:
+) -> BoundarySpecs:
     outputs: dict[int, Any] = {}
     real: dict[int, Any] = {}  # stages run on real tensors (the fallback): their real outputs
-    layout: Layout = {}
+    layout: BoundarySpecs = {}
     for s in range(program.n_stages):
         dev = stage_device(params[s], device)
 
@@ -160,7 +161,7 @@ def _real_fallback(
     side: Mapping[int, Mapping[str, Any]],
     device: torch.device | str | None,
     s: int,
-    layout: Layout,
+    layout: BoundarySpecs,
     real: dict[int, Any],
     error: BaseException,
 ) -> Any:

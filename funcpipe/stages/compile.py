@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.stage import ConstFn, Stage, _describe_fn, _HasConsts
+from funcpipe.stages.stage import ConstFn, Stage, _describe_fn, _HasConsts
 
 __all__ = ["compile_stage"]
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.stage import Stage, as_inputs, compose, from_module
+from funcpipe.stages.stage import Stage, as_inputs, compose, from_module
 from funcpipe.tree import check_tensor_tree, tree_leaves
 
 __all__ = ["Partition", "partition"]

@@ -25,7 +25,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from funcpipe.errors import InvalidArgument, ShapeInferenceError, ShapeInferenceWarning
-from funcpipe.stage import Stage, as_inputs
+from funcpipe.stages.stage import Stage, as_inputs
 from funcpipe.tree import check_tensor_tree, leaf_paths, tree_leaves, tree_map
 
 __all__ = ["StageSpec", "TensorSpec", "abstract", "infer_specs", "stage_device"]

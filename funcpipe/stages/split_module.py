@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, fx, nn
 
 from funcpipe.errors import FuncpipeError, InvalidArgument
-from funcpipe.sharing import find_ties
-from funcpipe.stage import ConstFn, Stage
+from funcpipe.stages.stage import ConstFn, Stage
+from funcpipe.stages.ties import find_ties
 
 __all__ = ["ModuleSplit", "split_module"]
 
