@@ -14,6 +14,9 @@ import types
 # ``import funcpipe.optim`` or ``from funcpipe.cut import split_module`` gives the module at its
 # new place, the very same object (so classes, isinstance checks and monkeypatches agree).
 _MOVED = {
+    "funcpipe.microbatch": "funcpipe.pipeline.microbatch",
+    "funcpipe.reference": "funcpipe.pipeline.reference",
+    "funcpipe.validate": "funcpipe.pipeline.checks",
     "funcpipe.compile": "funcpipe.stages.compile",
     "funcpipe.cut": "funcpipe.stages.split_module",
     "funcpipe.partition": "funcpipe.stages.partition",
@@ -60,10 +63,10 @@ from funcpipe.errors import (
     ShapeInferenceWarning,
 )
 from funcpipe.launcher import Pool, launch
-from funcpipe.microbatch import merge, microbatch_sizes, split
-from funcpipe.pipeline import Pipeline, StepResult
+from funcpipe.pipeline.microbatch import merge, microbatch_sizes, split
+from funcpipe.pipeline.pipeline import Pipeline, StepResult
+from funcpipe.pipeline.reference import reference_step
 from funcpipe.profile import measure_memory, measure_stages, profile_stages
-from funcpipe.reference import reference_step
 from funcpipe.stages.compile import compile_stage
 from funcpipe.stages.partition import Partition, partition
 from funcpipe.stages.precision import autocast_stage

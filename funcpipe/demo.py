@@ -414,7 +414,7 @@ def train_rank(rank: int, o: DemoOptions) -> dict[str, Any] | None:
     from funcpipe.data import load_corpus
     from funcpipe.models import gpt
     from funcpipe.parallel.mesh import build_mesh
-    from funcpipe.pipeline import Pipeline
+    from funcpipe.pipeline.pipeline import Pipeline
     from funcpipe.schedule.generators import generate, to_eval
     from funcpipe.schedule.simulate import simulate
 

@@ -12,8 +12,8 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from funcpipe.microbatch import split
-from funcpipe.reference import reference_step
+from funcpipe.pipeline.microbatch import split
+from funcpipe.pipeline.reference import reference_step
 from funcpipe.stages.partition import partition
 from funcpipe.stages.shapes import infer_specs
 from funcpipe.tree import tree_leaves, tree_map

@@ -77,7 +77,9 @@ def _scores(rounds: Sequence[dict[int, float]], among: Sequence[int]) -> dict[in
 
 
 def _is_pipeline(c: Any) -> bool:
-    from funcpipe.pipeline import Pipeline  # (the pipeline module does not import this one)
+    from funcpipe.pipeline.pipeline import (
+        Pipeline,  # (the pipeline module does not import this one)
+    )
 
     return isinstance(c, Pipeline)
 

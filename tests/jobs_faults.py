@@ -24,7 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from funcpipe import checkpoint, optim
-from funcpipe.pipeline import Pipeline
+from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.schedule.generators import generate
 from funcpipe.stages.stage import Stage
 from tests.jobs_runtime import _middle, data, mse, toy

@@ -8,7 +8,7 @@ from typing import Any
 
 from funcpipe import groups
 from funcpipe.parallel.mesh import build_mesh
-from funcpipe.pipeline import Pipeline
+from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.schedule.generators import generate
 from tests.jobs_runtime import data, mse, toy
 

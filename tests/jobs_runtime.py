@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import funcpipe as fp
-from funcpipe.microbatch import split
-from funcpipe.pipeline import Pipeline
+from funcpipe.pipeline.microbatch import split
+from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.schedule.generators import GENERATORS, generate
 from funcpipe.schedule.ir import Instr, Program
 from funcpipe.stages.stage import Stage, as_inputs

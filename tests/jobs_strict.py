@@ -166,7 +166,7 @@ def forward_vs_reference(rank: int, ranks: int, transport: str = "dist") -> floa
     """An evaluation step of ``forward`` (no rank ever sends to the rank it receives from, so it
     runs under NCCL's rules as the interpreter posts it); its loss minus the reference's."""
     import funcpipe as fp
-    from funcpipe.pipeline import Pipeline
+    from funcpipe.pipeline.pipeline import Pipeline
     from funcpipe.schedule.generators import generate
     from tests.jobs_runtime import data, mse, toy
 
@@ -210,7 +210,7 @@ def pipeline_held_bytes(rank: int, microbatches: int, p2p: str) -> tuple[int, in
     bytes of the step, bytes of one boundary tensor, held bytes after the step)."""
     import torch.distributed as dist
 
-    from funcpipe.pipeline import Pipeline
+    from funcpipe.pipeline.pipeline import Pipeline
     from funcpipe.schedule.generators import generate
     from tests.jobs_runtime import D, data, mse, toy
 

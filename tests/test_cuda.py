@@ -30,7 +30,7 @@ import torch.distributed as dist
 import funcpipe as fp
 from funcpipe import checkpoint, gpu_check, optim
 from funcpipe.models import gpt
-from funcpipe.pipeline import Pipeline
+from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.runtime import clock, interpreter
 from funcpipe.schedule import generate
 from funcpipe.schedule.ir import Op

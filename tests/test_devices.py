@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import funcpipe as fp
-from funcpipe.pipeline import Pipeline
+from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.schedule import generate
 from funcpipe.schedule.ir import COMPUTE_OPS
 from funcpipe.testing import assert_trees_close

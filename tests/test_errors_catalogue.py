@@ -571,7 +571,7 @@ CASES: list[Case] = [
         lambda: _two_stages().step(_params((4, 4), (4, 4)), *_xy(8, targets=6)),
         InvalidArgument,
         ("targets have 6 samples", "the batch has 8"),
-        "funcpipe/microbatch.py split_targets, called by Pipeline.step before any work (was a "
+        "funcpipe/pipeline/microbatch.py split_targets, called by Pipeline.step before any work (was a "
         "broadcasting error inside loss_fn)",
     ),
     Case(
@@ -694,7 +694,7 @@ CASES: list[Case] = [
         lambda: _two_stages(transport="dist"),
         InvalidArgument,
         ("transport='dist' needs torch.distributed initialised", "transport='local'"),
-        "funcpipe/pipeline.py: checked before the process-group sizes are read (was torch's "
+        "funcpipe/pipeline/pipeline.py: checked before the process-group sizes are read (was torch's "
         "ValueError 'Default process group has not been initialized')",
     ),
     Case(
@@ -952,7 +952,7 @@ CASES: list[Case] = [
         _inside_inference_mode,
         InvalidArgument,
         ("inside torch.inference_mode()", "cannot be differentiated", "to_eval(program)"),
-        "funcpipe/validate.py autograd_context; Pipeline.step enables grad itself (under "
+        "funcpipe/pipeline/checks.py autograd_context; Pipeline.step enables grad itself (under "
         "no_grad it returned the right loss and all-zero gradients)",
     ),
     Case(
@@ -962,7 +962,7 @@ CASES: list[Case] = [
         _inference_params,
         InvalidArgument,
         ("params[0]['w'] is an inference tensor", ".clone() outside inference_mode"),
-        "funcpipe/validate.py inference_tensors, on a pipeline's first step (was torch's "
+        "funcpipe/pipeline/checks.py inference_tensors, on a pipeline's first step (was torch's "
         "RuntimeError from the interpreter)",
     ),
     Case(
@@ -983,7 +983,7 @@ CASES: list[Case] = [
         lambda: _two_stages().step(_params((4, 4), (4, 4)), _xy()[0]),
         InvalidArgument,
         ("loss_fn=_mse needs 2 positional arguments", "without targets"),
-        "funcpipe/validate.py loss_targets, before any work (was a TypeError from loss_fn)",
+        "funcpipe/pipeline/checks.py loss_targets, before any work (was a TypeError from loss_fn)",
     ),
     Case(
         "loss-takes-no-targets",
@@ -994,7 +994,7 @@ CASES: list[Case] = [
         ).step(_params((4, 4), (4, 4)), *_xy()),
         InvalidArgument,
         ("takes 1 positional argument(s) but step was given targets",),
-        "funcpipe/validate.py loss_targets, before any work (was a TypeError from loss_fn)",
+        "funcpipe/pipeline/checks.py loss_targets, before any work (was a TypeError from loss_fn)",
     ),
     Case(
         "loss-scale-tensor-nan",
@@ -1005,7 +1005,7 @@ CASES: list[Case] = [
         ),
         InvalidArgument,
         ("loss_scale=tensor(nan)", "finite and > 0"),
-        "funcpipe/validate.py tensor_loss_scale: read on the CPU; on an accelerator a bad "
+        "funcpipe/pipeline/checks.py tensor_loss_scale: read on the CPU; on an accelerator a bad "
         "scale becomes NaN on the device, never read (was accepted)",
     ),
     Case(
@@ -1015,7 +1015,7 @@ CASES: list[Case] = [
         lambda: _two_stages().step(_params((4, 4), (4, 4)), *_xy(), loss_scale=torch.tensor(0.0)),
         InvalidArgument,
         ("loss_scale=tensor(0.0)", "finite and > 0"),
-        "funcpipe/validate.py tensor_loss_scale (was accepted: all-zero gradients)",
+        "funcpipe/pipeline/checks.py tensor_loss_scale (was accepted: all-zero gradients)",
     ),
     Case(
         "params-shared-without-tie",
@@ -1024,7 +1024,7 @@ CASES: list[Case] = [
         _shared_without_tie,
         InvalidArgument,
         ("params[0]['w'] and params[1]['w'] share memory", "ties={'shared': [(0, 'w'), (1, 'w')]}"),
-        "funcpipe/validate.py shared_storage, on a pipeline's first step (trained silently "
+        "funcpipe/pipeline/checks.py shared_storage, on a pipeline's first step (trained silently "
         "with gradients never summed)",
     ),
     Case(
@@ -1036,7 +1036,7 @@ CASES: list[Case] = [
         ),
         InvalidArgument,
         ("batch is on the meta device", "device='meta' for a dry run"),
-        "funcpipe/validate.py meta_inputs (was torch's error from inside a stage)",
+        "funcpipe/pipeline/checks.py meta_inputs (was torch's error from inside a stage)",
     ),
     Case(
         "pipeline-cuda-without-cuda",
@@ -1045,7 +1045,7 @@ CASES: list[Case] = [
         _no_cuda,
         InvalidArgument,
         ("device='cuda'", "no CUDA device"),
-        "funcpipe/validate.py device_available, at construction (was torch's AssertionError "
+        "funcpipe/pipeline/checks.py device_available, at construction (was torch's AssertionError "
         "at the first step)",
     ),
     Case(

@@ -25,7 +25,12 @@ import funcpipe
 PACKAGE = Path(funcpipe.__file__).resolve().parent
 
 SCHEDULE = "funcpipe.schedule"
-ABOVE_SCHEDULE = ("funcpipe.runtime", "funcpipe.pipeline", "funcpipe.profile", "torch.distributed")
+ABOVE_SCHEDULE = (
+    "funcpipe.runtime",
+    "funcpipe.pipeline.pipeline",
+    "funcpipe.profile",
+    "torch.distributed",
+)
 """What no module of the schedule package may import (each name or anything under it)."""
 
 

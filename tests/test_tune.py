@@ -8,7 +8,7 @@ import pytest
 
 import funcpipe as fp
 from funcpipe.errors import InvalidArgument
-from funcpipe.pipeline import Pipeline
+from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.schedule import generate
 from funcpipe.schedule.auto import auto_candidates
 from funcpipe.testing import assert_trees_close

@@ -12,9 +12,9 @@ import torch
 
 import funcpipe as fp
 from funcpipe.errors import InvalidArgument, ShapeInferenceError, ShapeInferenceWarning
+from funcpipe.pipeline.checks import fingerprint, poison, shared_storage, tensor_loss_scale
 from funcpipe.schedule import generate
 from funcpipe.testing import assert_trees_close
-from funcpipe.validate import fingerprint, poison, shared_storage, tensor_loss_scale
 
 F64 = torch.float64
 

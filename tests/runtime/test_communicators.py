@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from funcpipe.pipeline import Pipeline
+from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.schedule.generators import GENERATORS
 from funcpipe.schedule.p2p import PAIR
 from tests import jobs_strict

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import funcpipe as fp
-from funcpipe import pipeline as pipeline_module
 from funcpipe.errors import CommunicationError
-from funcpipe.pipeline import Pipeline
+from funcpipe.pipeline.pipeline import Pipeline
+from funcpipe.pipeline.pipeline import pipeline as pipeline_module
 from funcpipe.runtime.drive import drive_local
 from funcpipe.runtime.transport import P2P, Handle, LocalTransport, LocalWorld
 from funcpipe.schedule.generators import GENERATORS, generate

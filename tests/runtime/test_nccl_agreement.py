@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import funcpipe as fp
 from funcpipe.errors import CommunicationError, ScheduleError
-from funcpipe.pipeline import Pipeline
+from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.schedule import check
 from funcpipe.schedule.ir import COMM_OPS, Instr, Op, Program
 from funcpipe.testing import assert_trees_close

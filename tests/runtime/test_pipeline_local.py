@@ -9,7 +9,7 @@ import torch
 
 import funcpipe as fp
 from funcpipe.errors import InvalidArgument
-from funcpipe.pipeline import Pipeline
+from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.runtime.interpreter import RankResult
 from funcpipe.schedule.generators import forward_only, generate, to_eval
 from funcpipe.schedule.ir import chain
@@ -119,7 +119,7 @@ def test_two_steps_are_independent() -> None:
 def test_shape_inference_cache_is_bounded_and_keyed_on_params(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import funcpipe.pipeline as pipeline_mod
+    import funcpipe.pipeline.pipeline as pipeline_mod
 
     monkeypatch.setattr(pipeline_mod, "LAYOUT_CACHE", 3)
     stages, params = toy(2)

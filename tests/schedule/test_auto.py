@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import funcpipe as fp
 from funcpipe.cli import main
 from funcpipe.errors import InvalidArgument
-from funcpipe.pipeline import Pipeline
+from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.profile import measure_stages, profile_stages
 from funcpipe.schedule import auto as auto_from_package
 from funcpipe.schedule.auto import BUILTINS, auto, auto_candidates, minimum_activations

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from funcpipe import validate as _validate
 from funcpipe import world as _world
 from funcpipe.errors import InvalidArgument
-from funcpipe.microbatch import merge, split, split_targets
+from funcpipe.pipeline import checks as _validate
+from funcpipe.pipeline.microbatch import merge, split, split_targets
 from funcpipe.runtime.drive import drive, drive_local
 from funcpipe.runtime.interpreter import RankInputs, RankResult, run_rank
 from funcpipe.runtime.transport import LocalWorld
@@ -386,7 +386,7 @@ class Pipeline:
             return self._step(params, batch, targets, return_outputs, trace, scale)
 
     def _check_step(self, params: tuple[Any, ...], batch: Any, targets: Any) -> None:
-        """Checks of a step's arguments before any work (:mod:`funcpipe.validate`); those that
+        """Checks of a step's arguments before any work (:mod:`funcpipe.pipeline.checks`); those that
         walk every parameter run on the first step only."""
         training = self.program.training
         if not self._checked:
@@ -771,7 +771,7 @@ def _to(tree: Any, device: torch.device) -> Any:
 
 def _loss_scale(value: float | Tensor | None) -> float | Tensor:
     """A number is checked here; a tensor (a loss scaler's state) by
-    :func:`funcpipe.validate.tensor_loss_scale`, which never reads one on an accelerator."""
+    :func:`funcpipe.pipeline.checks.tensor_loss_scale`, which never reads one on an accelerator."""
     if value is None:
         return 1.0
     if isinstance(value, Tensor):

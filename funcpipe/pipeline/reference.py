@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.microbatch import _batch_size, _split_named, merge
+from funcpipe.pipeline.microbatch import _batch_size, _split_named, merge
 from funcpipe.stages.stage import Stage, as_inputs
 from funcpipe.stages.ties import TiePath, check_ties, resolve, tie_values
 from funcpipe.tree import check_tensor_tree, leaf_paths, tree_flatten, tree_unflatten

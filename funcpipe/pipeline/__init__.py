@@ -1,0 +1,11 @@
+"""The pipeline: the user-facing step, stages + schedule + loss -> (loss, grads).
+
+- ``pipeline``: :class:`Pipeline` (builds the program, runs it per rank) and :class:`StepResult`
+- ``checks``: the checks a Pipeline makes of its arguments and across processes, off the hot path
+- ``microbatch``: split a batch pytree into microbatches and merge them back
+- ``reference``: :func:`reference_step`, the single-device step every schedule must reproduce
+"""
+
+from funcpipe.pipeline.pipeline import Pipeline, StepResult
+
+__all__ = ["Pipeline", "StepResult"]
