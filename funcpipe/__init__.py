@@ -14,6 +14,9 @@ import types
 # ``import funcpipe.optim`` or ``from funcpipe.cut import split_module`` gives the module at its
 # new place, the very same object (so classes, isinstance checks and monkeypatches agree).
 _MOVED = {
+    "funcpipe.groups": "funcpipe.distributed.groups",
+    "funcpipe.launcher": "funcpipe.distributed.launcher",
+    "funcpipe.world": "funcpipe.distributed.world",
     "funcpipe.microbatch": "funcpipe.pipeline.microbatch",
     "funcpipe.reference": "funcpipe.pipeline.reference",
     "funcpipe.validate": "funcpipe.pipeline.checks",
@@ -52,6 +55,7 @@ if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
     sys.meta_path.insert(0, _MovedModules())
 
 from funcpipe import data, loss_scale, optim, profile, schedule, testing, tune
+from funcpipe.distributed.launcher import Pool, launch
 from funcpipe.errors import (
     CommunicationError,
     FuncpipeError,
@@ -62,7 +66,6 @@ from funcpipe.errors import (
     ShapeInferenceError,
     ShapeInferenceWarning,
 )
-from funcpipe.launcher import Pool, launch
 from funcpipe.pipeline.microbatch import merge, microbatch_sizes, split
 from funcpipe.pipeline.pipeline import Pipeline, StepResult
 from funcpipe.pipeline.reference import reference_step

@@ -227,7 +227,7 @@ def _gpus(world: int) -> tuple[int, int]:
 
 
 def _under_torchrun() -> bool:
-    from funcpipe.launcher import under_torchrun
+    from funcpipe.distributed.launcher import under_torchrun
 
     return under_torchrun()
 
@@ -373,7 +373,7 @@ def _clip_weights(layouts: Any, n_stages: int, o: DemoOptions) -> Any:
 
 def _rank_device(o: DemoOptions) -> torch.device:
     """This rank's device: the CPU, or the GPU the launcher (or its torchrun path) made current
-    before the process group started (:func:`funcpipe.launcher.rank_device`)."""
+    before the process group started (:func:`funcpipe.distributed.launcher.rank_device`)."""
     if o.device != "cuda":
         return torch.device("cpu")
     device = torch.device("cuda", torch.cuda.current_device())
@@ -699,7 +699,7 @@ def _pictures(o: DemoOptions, history: dict[str, list[list[float]]], traced: Any
 def run(o: DemoOptions) -> dict[str, Any] | None:
     from dataclasses import replace
 
-    from funcpipe.launcher import launch, under_torchrun
+    from funcpipe.distributed.launcher import launch, under_torchrun
 
     _validate(o)
     _check_out(o)

@@ -45,7 +45,7 @@ _USED: set[int] = set()  # the pool sizes handed to the running test
 
 
 def get_pool(size: int) -> Any:
-    from funcpipe.launcher import Pool
+    from funcpipe.distributed.launcher import Pool
 
     pool = _POOLS.get(size)
     if pool is None or pool.closed:
@@ -124,7 +124,7 @@ def idle_usage(p: Any, *, label: str, window: float = IDLE_WINDOW) -> list[dict[
 @pytest.fixture(autouse=True)
 def _release_groups(request: pytest.FixtureRequest) -> Iterator[None]:
     """After a test that used a pool: note the most threads it left in a pool process, then
-    destroy the process groups its jobs made (funcpipe.groups.destroy_all on every rank)."""
+    destroy the process groups its jobs made (funcpipe.distributed.groups.destroy_all on every rank)."""
     yield
     used = sorted(_USED)
     _USED.clear()

@@ -75,7 +75,7 @@ def data_reduce_under_caps(rank: int, caps: Sequence[int], strict: bool = False)
 
     import torch.distributed as dist
 
-    from funcpipe.world import SCALARS
+    from funcpipe.distributed.world import SCALARS
 
     stage, params = mixed_stage()
     program = generate("1f1b", ranks=1, microbatches=2)

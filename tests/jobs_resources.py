@@ -6,7 +6,7 @@ import os
 import time
 from typing import Any
 
-from funcpipe import groups
+from funcpipe.distributed import groups
 from funcpipe.parallel.mesh import build_mesh
 from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.schedule.generators import generate

@@ -186,7 +186,7 @@ def strict_pipeline(rank: int) -> tuple[bool, float]:
     its evaluation step matches the reference under the rules."""
     import torch.distributed as dist
 
-    from funcpipe import world
+    from funcpipe.distributed import world
 
     made: list[DistTransport] = []
     original = world.DistTransport

@@ -300,7 +300,7 @@ def test_a_traced_step_takes_its_times_from_the_device_clock(
 
 
 def test_times_from_another_machine_are_moved_through_the_wall_clock() -> None:
-    from funcpipe.world import _on_my_clock
+    from funcpipe.distributed.world import _on_my_clock
 
     nan = float("nan")
     mine = torch.tensor([1.0, 2.0, nan, nan, 7.0, 1000.0], dtype=torch.float64)

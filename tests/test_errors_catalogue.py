@@ -922,7 +922,7 @@ CASES: list[Case] = [
         lambda: fp.Pool(2, grace=-1),
         InvalidArgument,
         ("grace=-1", ">= 0"),
-        "funcpipe/launcher.py: checked up front (was accepted)",
+        "funcpipe/distributed/launcher.py: checked up front (was accepted)",
     ),
     Case(
         "launch-zero",
@@ -931,7 +931,7 @@ CASES: list[Case] = [
         lambda: fp.launch(abs, 0),
         InvalidArgument,
         ("nprocs=0", "int >= 1"),
-        "funcpipe/launcher.py: names launch's own argument (the message said size=0)",
+        "funcpipe/distributed/launcher.py: names launch's own argument (the message said size=0)",
     ),
     Case(
         "launch-lambda",
@@ -940,7 +940,7 @@ CASES: list[Case] = [
         lambda: fp.launch(lambda rank: rank, 2),
         InvalidArgument,
         ("cannot be sent to the rank processes", "module-level function"),
-        "funcpipe/launcher.py: checked before any process starts (was a PicklingError from "
+        "funcpipe/distributed/launcher.py: checked before any process starts (was a PicklingError from "
         "Pool.run, after starting the processes)",
     ),
     # ---- issue 33: mistakes that used to give a silently wrong result

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from funcpipe import checkpoint, optim
+from funcpipe.distributed.launcher import Pool
 from funcpipe.errors import RankFailed
-from funcpipe.launcher import Pool
 from tests import jobs_faults
 from tests.jobs_runtime import toy
 

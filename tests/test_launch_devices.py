@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 import funcpipe as fp
-from funcpipe import launcher
+from funcpipe.distributed import launcher
+from funcpipe.distributed.launcher import default_backend, rank_device
 from funcpipe.errors import InvalidArgument, RankFailed
-from funcpipe.launcher import default_backend, rank_device
 
 HERE = str(Path(__file__).resolve().parent)
 ASYNC = "TORCH_NCCL_ASYNC_ERROR_HANDLING"

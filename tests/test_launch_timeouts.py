@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 import funcpipe as fp
-from funcpipe import demo, launcher
+from funcpipe import demo
+from funcpipe.distributed import launcher
 from funcpipe.errors import CommunicationError, InvalidArgument, RankFailed
 
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -120,7 +121,7 @@ def test_under_torchrun_pg_timeout_is_the_groups_timeout(
 
 def group_timeout(rank: int) -> tuple[float, float | None]:
     """The process group's timeout as this rank's group has it, and as the launcher noted it."""
-    from funcpipe.world import _pg_timeout
+    from funcpipe.distributed.world import _pg_timeout
 
     return _pg_timeout(), launcher._PG_TIMEOUT
 

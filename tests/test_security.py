@@ -277,6 +277,6 @@ def test_the_docs_say_so() -> None:
         "tests/test_security.py",
     ):
         assert promise in text, promise
-    from funcpipe import launcher
+    from funcpipe.distributed import launcher
 
     assert "127.0.0.1" in (launcher.__doc__ or "") + (fp.launch.__doc__ or "")

@@ -305,13 +305,13 @@ class Mesh(Mapping[str, Axis]):
         self.device_mesh = device_mesh
         self._axes = dict(axes)
         self.place = config.place(rank)
-        self._claim = claim  # funcpipe.groups.Claim on the shared process groups
+        self._claim = claim  # funcpipe.distributed.groups.Claim on the shared process groups
         self.closed = False
 
     def close(self) -> None:
         """Release this mesh's process groups, unless another open mesh of the same
         configuration uses them (collective: every process closes its meshes in the same order;
-        see :mod:`funcpipe.groups`). The mesh cannot communicate afterwards."""
+        see :mod:`funcpipe.distributed.groups`). The mesh cannot communicate afterwards."""
         # drop the references too: a process group's threads and connections end with its last
         self.device_mesh, self._axes, self.closed = None, {}, True
         if self._claim is not None:
@@ -358,11 +358,11 @@ def build_mesh(
 
     Meshes of one configuration share their process groups: a second ``build_mesh`` with the
     same ``config`` and ``device_type`` creates none. :meth:`Mesh.close` (or a ``with`` block)
-    gives them back, and the last close destroys them (:mod:`funcpipe.groups`).
+    gives them back, and the last close destroys them (:mod:`funcpipe.distributed.groups`).
     """
     import torch.distributed as dist
 
-    from funcpipe.groups import Claim
+    from funcpipe.distributed.groups import Claim
 
     if not dist.is_initialized():
         raise InvalidArgument(
@@ -424,5 +424,5 @@ def _make_mesh(
             extra += whole.get_all_groups()
             flat = whole["tensor"]
         axes["tensor"] = Axis("tensor", flat.size(), flat.get_local_rank(), flat.get_group())
-    # the default group among these is left out when they are destroyed (funcpipe.groups)
+    # the default group among these is left out when they are destroyed (funcpipe.distributed.groups)
     return (dm, axes), [*dm.get_all_groups(), *extra, *(a.group for a in axes.values())]

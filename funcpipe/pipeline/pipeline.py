@@ -3,7 +3,7 @@
 :class:`Pipeline` lowers and checks the program once, infers the shapes crossing stages for each
 new microbatch shape, and runs the interpreter on every rank: all in this process
 (``transport="local"``, the default without a process group) or one rank per process over
-``torch.distributed`` (``transport="dist"``, wired by :mod:`funcpipe.world`). ``step`` is pure:
+``torch.distributed`` (``transport="dist"``, wired by :mod:`funcpipe.distributed.world`). ``step`` is pure:
 params and batch in, loss and a fresh gradient pytree out.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from funcpipe import world as _world
+from funcpipe.distributed import world as _world
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline import checks as _validate
 from funcpipe.pipeline.microbatch import merge, split, split_targets
@@ -121,18 +121,18 @@ class Pipeline:
 
     How stages talk is chosen automatically: over ``"dist"``, CPU tensors between processes of
     one host go over Unix-domain sockets, anything else over ``torch.distributed`` send/recv
-    (``FUNCPIPE_P2P=torch`` forces the latter; see :mod:`funcpipe.world`).
+    (``FUNCPIPE_P2P=torch`` forces the latter; see :mod:`funcpipe.distributed.world`).
 
     Over ``"dist"``, :meth:`close` (or a ``with`` block) releases what the Pipeline holds: its
     sockets and threads, and the process groups no other open Pipeline or mesh uses (every
     process closes its Pipelines in the same order). A Pipeline that is only dropped frees its
     sockets and threads, and leaves its process groups to the next Pipeline of the same layout
-    (:mod:`funcpipe.groups`).
+    (:mod:`funcpipe.distributed.groups`).
     """
 
     #: The communicator layout of this pipeline's transports, which its program is checked
     #: under: one process group per pair of ranks that exchange messages (both transports,
-    #: :class:`~funcpipe.runtime.transport.LocalWorld` and the one :func:`funcpipe.world.join`
+    #: :class:`~funcpipe.runtime.transport.LocalWorld` and the one :func:`funcpipe.distributed.world.join`
     #: builds, have it; :mod:`funcpipe.schedule.p2p`).
     p2p_layout = PAIR
 

@@ -14,7 +14,7 @@ once, at the end of the step:
   event's time is that reading plus its distance from the anchor.
 
 Both give seconds on the host's ``perf_counter`` scale, so the timelines of ranks in one
-process, or in processes of one machine, merge as they are (:func:`funcpipe.world.gather_times`
+process, or in processes of one machine, merge as they are (:func:`funcpipe.distributed.world.gather_times`
 moves those of other machines through the wall clock). An instruction's interval means the same
 on both: from when its inputs are in and the work queued before it is done, to when its own work
 is done. A traced CUDA step synchronises twice (when its clock is made and when it is

@@ -656,7 +656,7 @@ class DistTransport(_Counters):
     uses it to name the rank that failed first).
 
     ``pairs`` maps a peer's program rank to the process group of this rank and that peer alone
-    (:func:`funcpipe.world.join` creates one per pair of ranks that exchange messages): the
+    (:func:`funcpipe.distributed.world.join` creates one per pair of ranks that exchange messages): the
     layout :data:`~funcpipe.schedule.p2p.PAIR`. A group's operations with one peer are posted as
     one ``batch_isend_irecv`` on that pair's process group, even a single one: ProcessGroupNCCL
     runs a batch on the group's own communicator, while a lone ``isend``/``irecv`` may get a

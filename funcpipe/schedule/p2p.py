@@ -45,7 +45,7 @@ __all__ = ["LAYOUTS", "P2P", "PAIR", "Network", "Why", "check_layout", "check_p2
 
 P2P = ("gloo", "nccl")
 
-#: The communicator layout of funcpipe's transports (:mod:`funcpipe.world` builds it, the
+#: The communicator layout of funcpipe's transports (:mod:`funcpipe.distributed.world` builds it, the
 #: transports report it as ``.layout``, :class:`funcpipe.Pipeline` checks its program under it):
 #: one process group per pair of ranks that exchange messages, every message group of the pair
 #: posted on it as one ``batch_isend_irecv``, a program group split into one batch per peer.

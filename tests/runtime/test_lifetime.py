@@ -3,7 +3,7 @@ dropped (or closed) leave the threads, file descriptors and process groups where
 
 Each process group costs gloo a TCP event loop and two worker threads per member, and the loop
 wakes up while idle, so groups that pile up in the session's long-lived pool processes cost every
-later test CPU time (funcpipe.groups; the jobs are in tests/jobs_resources.py).
+later test CPU time (funcpipe.distributed.groups; the jobs are in tests/jobs_resources.py).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_claims_share_groups_and_the_last_close_destroys_them() -> None:
     goes with the last close; a claim from before destroy_all does not release a newer one."""
     import torch.distributed as dist
 
-    from funcpipe import groups
+    from funcpipe.distributed import groups
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
+from funcpipe.distributed.groups import Claim
 from funcpipe.errors import InvalidArgument
-from funcpipe.groups import Claim
 from funcpipe.runtime.transport import DistTransport, strict_from_env
 from funcpipe.schedule.check import in_program
 from funcpipe.schedule.ir import Op, Program
@@ -125,7 +125,7 @@ def join(
     pipe_ranks = [g(r, copy, coord) for r in range(n)]
     everywhere = [(d, c) for d in range(copies) for c in range(tp)]
 
-    # groups are shared with every other world of the same layout (funcpipe.groups)
+    # groups are shared with every other world of the same layout (funcpipe.distributed.groups)
     claim = Claim()
     subgroups = claim.subgroups
 
@@ -145,7 +145,7 @@ def join(
         if rank in members and len(members) > 1:
             groups[name] = pg
     pairs = _pair_groups(claim, program, rank, g, everywhere, copy, coord)
-    from funcpipe.launcher import failure_handler
+    from funcpipe.distributed.launcher import failure_handler
 
     split = None
     if scatter_gather and tp > 1 and mesh is not None:
@@ -314,7 +314,7 @@ def _pair_groups(
     """Peer program rank -> the process group of this rank and that peer (every process calls
     this: it creates every pair's group of every copy and coordinate not created before, in one
     order). A pair's group is shared through ``claim`` with every other world that uses it (and
-    destroyed when the last of them closes: funcpipe.groups); on NCCL it is bound to this
+    destroyed when the last of them closes: funcpipe.distributed.groups); on NCCL it is bound to this
     process's device, so its communicator is created now (eagerly) rather than by its first
     message."""
     device = _eager_device()
