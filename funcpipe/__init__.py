@@ -14,6 +14,7 @@ import types
 # ``import funcpipe.optim`` or ``from funcpipe.cut import split_module`` gives the module at its
 # new place, the very same object (so classes, isinstance checks and monkeypatches agree).
 _MOVED = {
+    "funcpipe.runtime.strict": "funcpipe.runtime.nccl_rules",
     "funcpipe.groups": "funcpipe.distributed.groups",
     "funcpipe.launcher": "funcpipe.distributed.launcher",
     "funcpipe.world": "funcpipe.distributed.world",

@@ -23,7 +23,7 @@ transport strict, for tests: messages still travel over gloo or sockets, but the
 as NCCL's point-to-point rules allow (one FIFO queue per pair of ranks for both directions, groups
 posted together per peer, an ungrouped send done only when the peer's receive is at the head of
 its side;
-:mod:`funcpipe.runtime.strict`), each rank sharing its side of the queues through the process
+:mod:`funcpipe.runtime.nccl_rules`), each rank sharing its side of the queues through the process
 group's store. A program that would hang on GPUs then fails within about a second with a
 :class:`funcpipe.CommunicationError` naming the ranks and operations that wait for each other.
 """

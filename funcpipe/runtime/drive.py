@@ -8,7 +8,7 @@ from collections.abc import Generator, Mapping
 
 from funcpipe.errors import CommunicationError
 from funcpipe.runtime.interpreter import RankResult
-from funcpipe.runtime.strict import RULES
+from funcpipe.runtime.nccl_rules import RULES
 from funcpipe.runtime.transport import Handle, LocalWorld
 
 __all__ = ["drive", "drive_local"]

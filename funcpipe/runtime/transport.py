@@ -36,14 +36,13 @@ from typing import Any, Protocol
 import torch
 
 from funcpipe.errors import CommunicationError, InvalidArgument
-from funcpipe.runtime import buckets
-from funcpipe.runtime import strict as nccl
+from funcpipe.runtime import buckets, nccl_rules
 from funcpipe.schedule.p2p import PAIR
 
 __all__ = ["P2P", "DistTransport", "Handle", "LocalTransport", "LocalWorld", "Transport"]
 
 Tensor = torch.Tensor
-SEND, RECV = nccl.SEND, nccl.RECV
+SEND, RECV = nccl_rules.SEND, nccl_rules.RECV
 STRICT_ENV = "FUNCPIPE_STRICT_P2P"
 
 
@@ -198,7 +197,7 @@ class LocalWorld:
     maps to disjoint lists of ranks; a rank reducing over ``name`` meets the others of its list.
 
     ``strict=True`` moves messages only under NCCL's point-to-point rules on funcpipe's
-    communicator layout (:data:`~funcpipe.schedule.p2p.PAIR`, :mod:`funcpipe.runtime.strict`):
+    communicator layout (:data:`~funcpipe.schedule.p2p.PAIR`, :mod:`funcpipe.runtime.nccl_rules`):
     one FIFO queue per pair for both directions, a group's operations with one peer posted
     together as one batch, an ungrouped send done only when the peer's receive is at the head
     of its side (no buffering). A program that would hang on GPUs then stops with :class:`CommunicationError`
@@ -226,7 +225,7 @@ class LocalWorld:
         self.mail: dict[tuple[int, int], deque[_LocalMessage]] = {}
         self.posted: dict[tuple[int, int], deque[_LocalRecv]] = {}  # receives not yet matched
         # strict mode: every rank's side of the queues, and the buffers of posted receives
-        self.sides: dict[int, nccl.Side] = {}
+        self.sides: dict[int, nccl_rules.Side] = {}
         self.wanted: dict[tuple[int, int], deque[list[Tensor]]] = {}
         self.groups: dict[str, dict[int, tuple[int, ...]]] = {}
         for name, lists in (groups or {}).items():
@@ -254,15 +253,15 @@ class LocalWorld:
         except KeyError:
             return (rank,)  # a group this rank shares with no one: a local no-op
 
-    def side(self, rank: int) -> nccl.Side:
+    def side(self, rank: int) -> nccl_rules.Side:
         side = self.sides.get(rank)
         if side is None:
-            side = self.sides[rank] = nccl.Side(rank)
+            side = self.sides[rank] = nccl_rules.Side(rank)
         return side
 
     def progress(self) -> None:
         """Strict mode: match what the rules allow and copy those messages."""
-        nccl.settle(self.sides)
+        nccl_rules.settle(self.sides)
         for (src, dst), want in self.wanted.items():
             if not want:
                 continue
@@ -324,7 +323,7 @@ class LocalWorld:
         if self.strict:
             self.progress()
             chosen = set(self.sides) if ranks is None else set(ranks) & set(self.sides)
-            return nccl.explain(self.sides, chosen) or "no operation is waiting"
+            return nccl_rules.explain(self.sides, chosen) or "no operation is waiting"
         lines = []
         for (src, dst), box in sorted(self.mail.items()):
             if box and (ranks is None or src in ranks or dst in ranks):
@@ -335,7 +334,7 @@ class LocalWorld:
 class _StrictLocal:
     """A handle in a strict :class:`LocalWorld`: done once its group has completed."""
 
-    def __init__(self, world: LocalWorld, group: nccl.Group, rank: int, nbytes: int) -> None:
+    def __init__(self, world: LocalWorld, group: nccl_rules.Group, rank: int, nbytes: int) -> None:
         self.world, self.group, self.rank, self.nbytes = world, group, rank, nbytes
 
     def ready(self) -> bool:
@@ -346,7 +345,7 @@ class _StrictLocal:
     def wait(self) -> None:
         if not self.ready():
             raise CommunicationError(
-                f"rank {self.rank}: {self.group} cannot complete yet ({nccl.RULES}): "
+                f"rank {self.rank}: {self.group} cannot complete yet ({nccl_rules.RULES}): "
                 + self.world.explain([self.rank])
             )
 
@@ -678,7 +677,7 @@ class DistTransport(_Counters):
     same dtype and device, up to 25 MiB, in the order given) and copies the sums back into them
     when it completes; a tensor alone is reduced in place.
 
-    ``strict=True`` (for tests) adds NCCL's rules (:mod:`funcpipe.runtime.strict`) on top: the
+    ``strict=True`` (for tests) adds NCCL's rules (:mod:`funcpipe.runtime.nccl_rules`) on top: the
     messages still travel over gloo or sockets, but a handle is done only once its group has
     completed under the rules, each rank publishing its side of every queue in ``store`` (default:
     the process group's) under ``key`` (default: a fresh key, the same on every process that
@@ -717,7 +716,7 @@ class DistTransport(_Counters):
         # gloo's works say they are complete only to wait(): a thread per peer waits for them
         self.gloo = "gloo" in str(dist.get_backend()) if dist.is_initialized() else False
         self.waiters: dict[int, _Waiter] = {}  # peer -> waiter of gloo sends to it
-        self.strict: nccl.Shared | None = None
+        self.strict: nccl_rules.Shared | None = None
         if strict:
             if store is None:
                 store = dist.distributed_c10d._get_default_store()
@@ -725,7 +724,7 @@ class DistTransport(_Counters):
                 _STRICT_KEYS[0] += 1
                 key = f"funcpipe/strict-transport/{_STRICT_KEYS[0]}"
             keys = [f"{key}/{g}" for g in self.ranks]
-            self.strict = nccl.Shared(rank, store, keys, timeout=timeout)
+            self.strict = nccl_rules.Shared(rank, store, keys, timeout=timeout)
 
     def _pump(self) -> Callable[[], None] | None:
         return self.channels.progress if self.channels is not None else None
@@ -928,8 +927,8 @@ class _StrictDist:
     def __init__(
         self,
         inner: _Works,
-        shared: nccl.Shared,
-        group: nccl.Group,
+        shared: nccl_rules.Shared,
+        group: nccl_rules.Group,
         pump: Callable[[], None] | None,
     ) -> None:
         self.inner, self.shared, self.group, self.pump = inner, shared, group, pump

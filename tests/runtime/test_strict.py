@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from funcpipe.errors import CommunicationError, InvalidArgument
-from funcpipe.runtime import strict as nccl
+from funcpipe.runtime import nccl_rules
 from funcpipe.runtime.drive import drive_local
 from funcpipe.runtime.transport import P2P, Handle, LocalTransport, LocalWorld
 from tests import jobs_resources, jobs_strict
@@ -231,8 +231,8 @@ def test_hand_posted_1f1b_runs_strict_in_one_process() -> None:
 
 
 # ------------------------------------------------------------------------------ the model itself
-def _sides(posts: dict[int, Sequence[Sequence[tuple[str, int]]]]) -> dict[int, nccl.Side]:
-    sides = {r: nccl.Side(r) for r in posts}
+def _sides(posts: dict[int, Sequence[Sequence[tuple[str, int]]]]) -> dict[int, nccl_rules.Side]:
+    sides = {r: nccl_rules.Side(r) for r in posts}
     for r, groups in posts.items():
         for g in groups:
             sides[r].post([(kind, peer, "") for kind, peer in g])
@@ -250,18 +250,18 @@ def test_stuck_finds_only_ranks_that_wait_on_each_other() -> None:
         }
     )
     blocked = {0: (1, False), 1: (1, False), 2: (0, False)}
-    assert nccl.stuck(sides, blocked) == {0, 1}
+    assert nccl_rules.stuck(sides, blocked) == {0, 1}
     grouped = _sides({0: [[("send", 1), ("recv", 1)]], 1: [[("send", 0), ("recv", 0)]]})
-    assert nccl.stuck(grouped, {0: (0, False), 1: (0, False)}) == set()
+    assert nccl_rules.stuck(grouped, {0: (0, False), 1: (0, False)}) == set()
     assert not grouped[0].groups and not grouped[1].groups  # settled: both completed
 
 
 def test_a_side_survives_its_snapshot() -> None:
-    side = nccl.Side(0)
+    side = nccl_rules.Side(0)
     side.post([("send", 1, "SEND a 0>1 m0")])
     side.post([("recv", 1, ""), ("send", 2, "")])
     side.activate()
-    back = nccl.Side.restore(0, __import__("json").loads(side.snapshot((1, False), 3)))
+    back = nccl_rules.Side.restore(0, __import__("json").loads(side.snapshot((1, False), 3)))
     assert back.active == side.active
     assert [(g.seq, g.active, str(g)) for g in back.groups] == [
         (g.seq, g.active, str(g)) for g in side.groups
@@ -303,8 +303,8 @@ def test_a_wait_past_the_timeout_names_pg_timeout() -> None:
     after the timeout says which knob raises it."""
     from torch.distributed import HashStore
 
-    shared = nccl.Shared(0, HashStore(), ["r0", "r1"], timeout=0.2, check=0.05)
-    group = shared.post([(nccl.RECV, 1, "activation")])
+    shared = nccl_rules.Shared(0, HashStore(), ["r0", "r1"], timeout=0.2, check=0.05)
+    group = shared.post([(nccl_rules.RECV, 1, "activation")])
     with pytest.raises(CommunicationError) as info:
         shared.wait(group, "step")
     assert "did not complete within 0 s (the process group's timeout)" in str(info.value)
