@@ -13,7 +13,7 @@
    ZB-H2, ZB-V, DualPipeV) that keep at most that much are the field.
    ``auto-tuned``: ``auto_candidates`` gives auto's best ``--tune-count`` programs of each
    kind (built-ins among them keep their names), plus every built-in that fits and is not
-   among them (``--tune-builtins``, default on); ``funcpipe.tune.fastest`` times them on the
+   among them (``--tune-builtins``, default on); ``funcpipe.measure.tune.fastest`` times them on the
    same processes (``--tune-rounds`` rounds, round-robin; with ``--tune-halving``, the
    default, the leading half again and again until two are left) and keeps the fastest; that
    program then runs in the timed rounds below like any other (fresh measurements).
@@ -53,7 +53,7 @@ from benchmarks import _common as C
 
 BUILTINS = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "dualpipev"]
 AUTOS = {"auto": (1, "loop"), "auto-v": (2, "v")}
-TUNED = "auto-tuned"  # the fastest of auto's candidates, picked by funcpipe.tune.fastest
+TUNED = "auto-tuned"  # the fastest of auto's candidates, picked by funcpipe.measure.tune.fastest
 
 COLUMNS: list[C.Column] = [
     ("size", "size", ""),
@@ -165,7 +165,7 @@ def candidates_for(
 
 
 def tune_job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    """On every rank: ``funcpipe.tune.fastest`` over the candidates (float32, the timed model)."""
+    """On every rank: ``funcpipe.measure.tune.fastest`` over the candidates (float32, the timed model)."""
     import funcpipe as fp
     from funcpipe.schedule.ir import parse_program
 

@@ -10,7 +10,7 @@ recorded where the W's branches start, from the I until the W). The rank's peak 
 bytes is its activation memory.
 
 The schedule's figures, from each stage's bytes measured on one microbatch with
-``funcpipe.profile.measure_memory`` (what its F keeps, and what its I leaves for its W):
+``funcpipe.measure.profile.measure_memory`` (what its F keeps, and what its I leaves for its W):
 
 - ``peak_memory(program, activation, for_w)[rank]``: the rank's instructions walked in order,
   F adding the stage's activation, I swapping it for what W needs, B / W removing it;
@@ -88,7 +88,7 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     import funcpipe as fp
-    from funcpipe.profile import measure_memory
+    from funcpipe.measure.profile import measure_memory
     from funcpipe.schedule import peak_activations, peak_memory
 
     size = C.Size(**cfg["size"])

@@ -11,9 +11,16 @@ import sys
 import types
 
 # Old module paths (before the regrouping of 2026-11-28, docs/design.md "The tree") keep working:
-# ``import funcpipe.optim`` or ``from funcpipe.cut import split_module`` gives the module at its
+# ``import funcpipe.train.optim`` or ``from funcpipe.cut import split_module`` gives the module at its
 # new place, the very same object (so classes, isinstance checks and monkeypatches agree).
 _MOVED = {
+    "funcpipe.checkpoint": "funcpipe.train.checkpoint",
+    "funcpipe.data": "funcpipe.train.data",
+    "funcpipe.loss_scale": "funcpipe.train.loss_scale",
+    "funcpipe.optim": "funcpipe.train.optim",
+    "funcpipe.profile": "funcpipe.measure.profile",
+    "funcpipe.throughput": "funcpipe.train.throughput",
+    "funcpipe.tune": "funcpipe.measure.tune",
     "funcpipe.runtime.strict": "funcpipe.runtime.nccl_rules",
     "funcpipe.groups": "funcpipe.distributed.groups",
     "funcpipe.launcher": "funcpipe.distributed.launcher",
@@ -55,7 +62,7 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
     sys.meta_path.insert(0, _MovedModules())
 
-from funcpipe import data, loss_scale, optim, profile, schedule, testing, tune
+from funcpipe import schedule, testing
 from funcpipe.distributed.launcher import Pool, launch
 from funcpipe.errors import (
     CommunicationError,
@@ -67,10 +74,11 @@ from funcpipe.errors import (
     ShapeInferenceError,
     ShapeInferenceWarning,
 )
+from funcpipe.measure import profile, tune
+from funcpipe.measure.profile import measure_memory, measure_stages, profile_stages
 from funcpipe.pipeline.microbatch import merge, microbatch_sizes, split
 from funcpipe.pipeline.pipeline import Pipeline, StepResult
 from funcpipe.pipeline.reference import reference_step
-from funcpipe.profile import measure_memory, measure_stages, profile_stages
 from funcpipe.stages.compile import compile_stage
 from funcpipe.stages.partition import Partition, partition
 from funcpipe.stages.precision import autocast_stage
@@ -78,6 +86,7 @@ from funcpipe.stages.shapes import StageSpec, TensorSpec, infer_specs
 from funcpipe.stages.split_module import ModuleSplit, split_module
 from funcpipe.stages.stage import Stage, as_inputs, compose, from_module
 from funcpipe.stages.ties import describe_ties, find_ties
+from funcpipe.train import data, loss_scale, optim
 
 __version__ = "0.1.0"
 

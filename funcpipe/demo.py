@@ -1,9 +1,9 @@
 """``funcpipe demo``: train a GPT with pipeline x tensor x data parallelism on local processes.
 
 The job: a byte-level GPT (:mod:`funcpipe.models.gpt`) on text that ships with Python
-(:mod:`funcpipe.data`), split into pipeline stages that are each tensor-parallel (1D, with
+(:mod:`funcpipe.train.data`), split into pipeline stages that are each tensor-parallel (1D, with
 vocabulary-parallel embedding and cross-entropy), trained with the pure AdamW of
-:mod:`funcpipe.optim` and global-norm clipping across every rank. It evaluates on the validation
+:mod:`funcpipe.train.optim` and global-norm clipping across every rank. It evaluates on the validation
 split, writes a loss curve, the executed timeline of one step (picture and Chrome trace) and a
 checkpoint, and prints a summary with the measured against the simulated bubble.
 
@@ -13,7 +13,7 @@ GPUs when there is one per rank); or, under ``torchrun``, runs as one rank of th
 describes (the same script). ``--size`` picks the model and batch, ``--precision bf16`` runs every
 stage under bf16 autocast on float32 parameters (:func:`funcpipe.autocast_stage`), ``--compile``
 compiles every stage (:func:`funcpipe.compile_stage`). The summary reports tokens/s over the
-steps after the warm-up and, on GPUs of known peak (:data:`funcpipe.throughput.PEAK_FLOPS`), the model FLOPs
+steps after the warm-up and, on GPUs of known peak (:data:`funcpipe.train.throughput.PEAK_FLOPS`), the model FLOPs
 utilisation: ``tokens/s x`` :func:`funcpipe.models.gpt.flops_per_token` ``/ (peak x GPUs)``.
 """
 
@@ -33,7 +33,7 @@ import torch
 
 from funcpipe.errors import InvalidArgument, RankFailed
 from funcpipe.runtime.clock import timer
-from funcpipe.throughput import peak_flops, throughput, warmup_steps
+from funcpipe.train.throughput import peak_flops, throughput, warmup_steps
 
 __all__ = [
     "SIZES",
@@ -332,7 +332,7 @@ def _check_out(o: DemoOptions) -> None:
             "run would train and then lose its checkpoint, history and pictures; choose a "
             "writable directory"
         ) from None
-    from funcpipe import checkpoint
+    from funcpipe.train import checkpoint
 
     if o.resume and checkpoint.latest(o.out) is None:
         raise InvalidArgument(
@@ -410,13 +410,13 @@ def train_rank(rank: int, o: DemoOptions) -> dict[str, Any] | None:
     """Everything one rank does; returns the summary on the first rank."""
     import torch.distributed as dist
 
-    from funcpipe import checkpoint, optim
-    from funcpipe.data import load_corpus
     from funcpipe.models import gpt
     from funcpipe.parallel.mesh import build_mesh
     from funcpipe.pipeline.pipeline import Pipeline
     from funcpipe.schedule.generators import generate, to_eval
     from funcpipe.schedule.simulate import simulate
+    from funcpipe.train import checkpoint, optim
+    from funcpipe.train.data import load_corpus
 
     torch.manual_seed(o.seed)
     device = _rank_device(o)

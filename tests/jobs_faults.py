@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from funcpipe import checkpoint, optim
 from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.schedule.generators import generate
 from funcpipe.stages.stage import Stage
+from funcpipe.train import checkpoint, optim
 from tests.jobs_runtime import _middle, data, mse, toy
 
 

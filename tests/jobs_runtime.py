@@ -267,15 +267,15 @@ def traced_step(rank: int) -> list[float]:
 
 
 def tune_agrees_across_ranks(rank: int) -> tuple[int, list[float]]:
-    """``funcpipe.tune.fastest`` over gloo: candidate 0 is slow on rank 0 only (0.3 s),
+    """``funcpipe.measure.tune.fastest`` over gloo: candidate 0 is slow on rank 0 only (0.3 s),
     candidate 1 slow on rank 1 only (0.6 s), candidate 2 a real auto program (milliseconds,
     far below either even on a loaded machine). Every rank must pick by the slowest rank's
     time: candidate 2 everywhere, though rank 0 alone would see candidate 1 as fast as 2.
     Then 0 vs 1 alone: candidate 0 (0.3 s < 0.6 s) on both ranks."""
     import time
 
+    from funcpipe.measure.tune import fastest
     from funcpipe.schedule.auto import auto_candidates
-    from funcpipe.tune import fastest
 
     stages, params = toy(2)
     x, y = data(8)
@@ -299,7 +299,7 @@ def tune_agrees_across_ranks(rank: int) -> tuple[int, list[float]]:
 def count_left_for_w(counter: Any) -> Iterator[None]:
     """Count in ``counter`` what each I keeps outside autograd's graph for its W (the gradients
     recorded where W starts), from the I until the W, as ``measure_memory`` counts it."""
-    from funcpipe.profile import _left_for_w
+    from funcpipe.measure.profile import _left_for_w
     from funcpipe.runtime import autodiff
 
     real_i, real_w = autodiff.backward_input, autodiff.backward_weight
@@ -327,7 +327,7 @@ def auto_bytes_step(rank: int) -> tuple[int, float, float]:
     stages; the last also keeps the loss's inputs), one step over gloo checked against the
     single-device reference, one with every saved byte counted (as ``benchmarks/memory.py``
     does): (measured peak, peak_memory's figure, limit)."""
-    from funcpipe.profile import measure_memory
+    from funcpipe.measure.profile import measure_memory
     from funcpipe.runtime.saved import SavedBytes
     from funcpipe.schedule import auto, peak_memory
 

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import funcpipe as fp
-from funcpipe import checkpoint, optim
-from funcpipe.data import Corpus
+from funcpipe.train import checkpoint, optim
+from funcpipe.train.data import Corpus
 
 F64 = torch.float64
 WIDTH = 8

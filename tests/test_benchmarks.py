@@ -211,7 +211,9 @@ def test_auto_executed_runs_every_program_with_exact_gradients(pool: Pool) -> No
                 "auto-v",
                 "auto-tuned",
             }
-        tuned = cell["auto-tuned"]  # funcpipe.tune.fastest's pick: auto's candidates, built-ins
+        tuned = cell[
+            "auto-tuned"
+        ]  # funcpipe.measure.tune.fastest's pick: auto's candidates, built-ins
         assert tuned["picked"] in tuned["tune_medians_ms"] and tuned["grad_ref"] < 1e-10
         assert tuned["picked"].split(":")[0] in ("auto", "auto-v", "built-in")
     assert {r["schedule"] for r in rows if r["memory"] == "2p"} >= {"interleaved", "zb-h2"}

@@ -1,4 +1,4 @@
-"""funcpipe.checkpoint: round trips, atomicity under SIGKILL, exact resume, resharding over gloo
+"""funcpipe.train.checkpoint: round trips, atomicity under SIGKILL, exact resume, resharding over gloo
 ranks, and a metadata file that tries to run code."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import optree
 import pytest
 import torch
 
-from funcpipe import checkpoint, optim
-from funcpipe.data import load_corpus
 from funcpipe.errors import FuncpipeError, InvalidArgument
 from funcpipe.testing import assert_trees_close
+from funcpipe.train import checkpoint, optim
+from funcpipe.train.data import load_corpus
 from tests import jobs_train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_metadata_is_never_unpickled_beyond_dcp_types(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------- kill mid-save
 _SAVER = """
 import sys, torch
-from funcpipe import checkpoint
+from funcpipe.train import checkpoint
 state = {"w": torch.full((512, 1024), 2.0, dtype=torch.float64), "step": 2}
 checkpoint.save(sys.argv[1], state, step=2)
 """

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from funcpipe import checkpoint, demo
+from funcpipe import demo
 from funcpipe.errors import FuncpipeError, InvalidArgument
+from funcpipe.train import checkpoint
 
 
 def _state() -> dict[str, Any]:

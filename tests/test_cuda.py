@@ -28,13 +28,14 @@ import torch._dynamo
 import torch.distributed as dist
 
 import funcpipe as fp
-from funcpipe import checkpoint, gpu_check, optim
+from funcpipe import gpu_check
 from funcpipe.models import gpt
 from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.runtime import clock, interpreter
 from funcpipe.schedule import generate
 from funcpipe.schedule.ir import Op
 from funcpipe.testing import assert_trees_close
+from funcpipe.train import checkpoint, optim
 from funcpipe.tree import tree_leaves, tree_map
 from tests.jobs_runtime import CUDA, DEVICES, data, mse, toy
 

@@ -1,4 +1,4 @@
-"""funcpipe.data: the offline corpus and its deterministic, rank-disjoint batches."""
+"""funcpipe.train.data: the offline corpus and its deterministic, rank-disjoint batches."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from funcpipe import data
-from funcpipe.data import load_corpus
 from funcpipe.errors import InvalidArgument
+from funcpipe.train import data
+from funcpipe.train.data import load_corpus
 
 SMALL = 60_000
 

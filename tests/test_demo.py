@@ -225,7 +225,7 @@ def test_matmul_params_are_all_but_the_position_embedding() -> None:
 
 
 def test_throughput_and_mfu() -> None:
-    from funcpipe.throughput import throughput
+    from funcpipe.train.throughput import throughput
 
     got = throughput([0.5, 0.5], tokens_per_step=1000, flops_per_token=1e9, peak=1e13, devices=2)
     assert got["tokens_per_s"] == pytest.approx(2000.0)
@@ -240,7 +240,7 @@ def test_throughput_and_mfu() -> None:
 def test_peak_flops_by_device_name(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from funcpipe.throughput import peak_flops
+    from funcpipe.train.throughput import peak_flops
 
     assert peak_flops("cpu", "bf16") is None and peak_flops("cpu", "fp32") is None
     names = iter(
@@ -268,7 +268,7 @@ def test_peak_flops_by_device_name(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_warmup_steps_left_out() -> None:
-    from funcpipe.throughput import warmup_steps
+    from funcpipe.train.throughput import warmup_steps
 
     assert [warmup_steps(n, False) for n in (1, 2, 4, 150)] == [0, 1, 1, 37]
     assert [warmup_steps(n, True) for n in (2, 3, 4, 150)] == [1, 2, 2, 37]

@@ -32,7 +32,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import funcpipe as fp  # noqa: E402
-from funcpipe import checkpoint, optim  # noqa: E402
 from funcpipe.errors import (  # noqa: E402
     InvalidArgument,
     ScheduleError,
@@ -52,6 +51,7 @@ from funcpipe.schedule import (  # noqa: E402
     read_csv,
     send,
 )
+from funcpipe.train import checkpoint, optim  # noqa: E402
 
 DOCS = ROOT / "docs" / "errors.md"
 F32 = torch.float32
@@ -1077,7 +1077,7 @@ CASES: list[Case] = [
         lambda: checkpoint.save(_under_a_file(), {"w": torch.ones(3)}),
         NotADirectoryError,
         ("Not a directory", "could not write the checkpoint"),
-        "funcpipe/checkpoint.py: the OSError itself (was CheckpointException ranks:dict_keys([0]))",
+        "funcpipe/train/checkpoint.py: the OSError itself (was CheckpointException ranks:dict_keys([0]))",
     ),
     Case(
         "checkpoint-save-disk-full",
@@ -1086,7 +1086,7 @@ CASES: list[Case] = [
         _disk_full,
         OSError,
         ("No space left on device", "rank 0 could not write the checkpoint"),
-        "funcpipe/checkpoint.py: the OSError itself (was CheckpointException ranks:dict_keys([0]))",
+        "funcpipe/train/checkpoint.py: the OSError itself (was CheckpointException ranks:dict_keys([0]))",
     ),
     Case(
         "checkpoint-flipped-bit",
@@ -1095,7 +1095,7 @@ CASES: list[Case] = [
         _flipped_bit,
         fp.FuncpipeError,
         ("is corrupt: the data of key 'w'", "checksum"),
-        "funcpipe/checkpoint.py: CRC-32 of every tensor recorded at save, verified at load "
+        "funcpipe/train/checkpoint.py: CRC-32 of every tensor recorded at save, verified at load "
         "(loaded silently)",
     ),
     Case(

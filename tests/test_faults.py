@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import torch
 
-from funcpipe import checkpoint, optim
 from funcpipe.distributed.launcher import Pool
 from funcpipe.errors import RankFailed
+from funcpipe.train import checkpoint, optim
 from tests import jobs_faults
 from tests.jobs_runtime import toy
 

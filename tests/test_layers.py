@@ -28,7 +28,7 @@ SCHEDULE = "funcpipe.schedule"
 ABOVE_SCHEDULE = (
     "funcpipe.runtime",
     "funcpipe.pipeline.pipeline",
-    "funcpipe.profile",
+    "funcpipe.measure.profile",
     "torch.distributed",
 )
 """What no module of the schedule package may import (each name or anything under it)."""
@@ -206,7 +206,7 @@ def test_the_schedule_package_imports_nothing_above_it() -> None:
     assert not bad, (
         "funcpipe.schedule must not import the runtime, the pipeline, the profiler or "
         "torch.distributed (a schedule is data, checked and simulated without them); move what "
-        "runs stages above the schedule package (e.g. funcpipe/profile.py), or the pure piece "
+        "runs stages above the schedule package (e.g. funcpipe/measure/profile.py), or the pure piece "
         "the runtime also needs into funcpipe/schedule/:\n" + "\n".join(bad)
     )
 

@@ -1,4 +1,4 @@
-"""funcpipe.loss_scale: exact scaling by powers of two, overflow -> skipped step and backoff,
+"""funcpipe.train.loss_scale: exact scaling by powers of two, overflow -> skipped step and backoff,
 growth, the rule of torch's GradScaler, a float16 model whose gradients underflow without
 scaling and trains with it, the flag agreed over two gloo ranks, and a Pipeline following a
 changing scale."""
@@ -15,10 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import funcpipe as fp
-from funcpipe import loss_scale, optim
 from funcpipe.errors import InvalidArgument
 from funcpipe.schedule import generate
 from funcpipe.testing import assert_trees_close
+from funcpipe.train import loss_scale, optim
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 EXACT = {"rtol": 0.0, "atol": 0.0}

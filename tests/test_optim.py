@@ -1,4 +1,4 @@
-"""funcpipe.optim: the pure optimizers against torch.optim, clipping against clip_grad_norm_,
+"""funcpipe.train.optim: the pure optimizers against torch.optim, clipping against clip_grad_norm_,
 the schedules, and clipping across two gloo ranks."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from funcpipe import optim
 from funcpipe.errors import InvalidArgument
 from funcpipe.testing import assert_trees_close
+from funcpipe.train import optim
 from tests import jobs_train
 
 F64 = torch.float64

@@ -1,10 +1,10 @@
-"""funcpipe.optim with master_weights=True: float32 master copies and float32 optimizer state for
+"""funcpipe.train.optim with master_weights=True: float32 master copies and float32 optimizer state for
 bfloat16 / float16 params.
 
 The master-weight update is the float32 optimizer run on float32 copies of the params (bitwise),
 with the params its rounding; a bfloat16 GPT trained with master weights tracks the float32 one;
 pure bfloat16 updates lose small steps to rounding; float32 params are untouched by the option;
-the state round-trips through funcpipe.checkpoint; bad arguments and states are refused.
+the state round-trips through funcpipe.train.checkpoint; bad arguments and states are refused.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import optree
 import pytest
 import torch
 
-from funcpipe import checkpoint, optim
 from funcpipe.errors import InvalidArgument
 from funcpipe.models import gpt
 from funcpipe.testing import assert_trees_close
+from funcpipe.train import checkpoint, optim
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 EXACT = {"rtol": 0.0, "atol": 0.0}

@@ -25,9 +25,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import funcpipe as fp
-from funcpipe import checkpoint
 from funcpipe.errors import FuncpipeError, InvalidArgument, ScheduleError
 from funcpipe.schedule import parse_instr, parse_program, read_csv
+from funcpipe.train import checkpoint
 from tests import jobs_faults
 from tests.jobs_runtime import data, tied_reference, toy
 

@@ -1,4 +1,4 @@
-"""funcpipe.tune.fastest: choose among programs by measured step time."""
+"""funcpipe.measure.tune.fastest: choose among programs by measured step time."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 
 import funcpipe as fp
 from funcpipe.errors import InvalidArgument
+from funcpipe.measure.tune import Tuned, fastest
 from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.schedule import generate
 from funcpipe.schedule.auto import auto_candidates
 from funcpipe.testing import assert_trees_close
-from funcpipe.tune import Tuned, fastest
 from tests import jobs_runtime
 from tests.jobs_runtime import data, mse, toy
 
@@ -41,7 +41,7 @@ def test_picks_the_lowest_median_and_reports_every_time() -> None:
 def test_ties_go_to_the_first_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
     """Equal medians (a clock that makes every step last exactly 1 s): the earlier candidate
     wins, whichever program it is."""
-    import funcpipe.tune as tune
+    import funcpipe.measure.tune as tune
 
     ticks = iter(range(10_000))
     monkeypatch.setattr(tune.time, "perf_counter", lambda: float(next(ticks)))
@@ -56,7 +56,7 @@ def test_ties_go_to_the_first_candidate(monkeypatch: pytest.MonkeyPatch) -> None
 def _clocked(monkeypatch: pytest.MonkeyPatch, cost: dict[str, float], slow: set[int]):  # type: ignore[no-untyped-def]
     """A fake clock: a step of program ``p`` lasts ``cost[p]``, 3x as long in the rounds
     counted in ``slow`` (the machine slowing down for a while). Returns (step, calls)."""
-    import funcpipe.tune as tune
+    import funcpipe.measure.tune as tune
 
     now = [0.0]
     calls: list[str] = []

@@ -354,7 +354,7 @@ class Pipeline:
         """One training step (or one evaluation, for an eval program): ``(loss, grads)``.
 
         ``loss_scale``: multiply the loss's gradient by this (loss scaling for float16, see
-        :mod:`funcpipe.loss_scale`): the gradients come back scaled by it, the loss does not. A
+        :mod:`funcpipe.train.loss_scale`): the gradients come back scaled by it, the loss does not. A
         one-element tensor (``LossScaleState.scale``) is used where it is, without reading it,
         so the step does not wait for the device.
 

@@ -6,7 +6,7 @@ offset, shape, stride and dtype, from the moment it is saved until no graph node
 more. Tensors kept outside the graph (what an I leaves for its W) can be counted too, with
 :meth:`SavedBytes.hold` and :meth:`SavedBytes.release`.
 
-:func:`funcpipe.profile.measure_memory` uses it to give each stage its activation
+:func:`funcpipe.measure.profile.measure_memory` uses it to give each stage its activation
 bytes for :func:`funcpipe.schedule.simulate.peak_memory`; the memory benchmark uses it to
 measure a whole step.
 """

@@ -3,7 +3,7 @@
 Nothing here touches ``torch.distributed`` or :mod:`funcpipe.runtime`: a schedule can be
 generated, checked, simulated and drawn without a process group. Measuring real stages
 (``profile_stages``, ``measure_stages``, ``measure_memory``) runs the runtime, so it lives above
-this package, in :mod:`funcpipe.profile`; what it returns (``StageTimes``, ``StageMemory``,
+this package, in :mod:`funcpipe.measure.profile`; what it returns (``StageTimes``, ``StageMemory``,
 ``Costs``) is data defined here.
 """
 

@@ -640,7 +640,7 @@ def auto(
             stages ``r`` and ``2p - 1 - r``, as ZB-V).
         costs: per-stage :class:`~funcpipe.schedule.simulate.Costs` (``f``, ``b`` the input
             gradient, ``w`` the weight gradient, ``comm`` the message latency): numbers, or one
-            value per stage in model order (as :func:`~funcpipe.profile.profile_stages`
+            value per stage in model order (as :func:`~funcpipe.measure.profile.profile_stages`
             returns them). Default F = B = W = 1, comm = 0.
         max_activations: the most (stage, microbatch) activations a rank may keep at once,
             counted as :func:`~funcpipe.schedule.simulate.peak_activations` does (a chunk
@@ -654,7 +654,7 @@ def auto(
         max_memory, memory: a limit in bytes instead of a count: ``memory`` gives each
             stage's activation bytes for one microbatch (a
             :class:`~funcpipe.schedule.costs.StageMemory` from
-            :func:`~funcpipe.profile.measure_memory`, or one number per stage), and
+            :func:`~funcpipe.measure.profile.measure_memory`, or one number per stage), and
             ``max_memory`` the most a rank may keep (one number, or one per rank). Each F
             holds its stage's ``max(activation, for_w)`` until its I, then ``for_w`` until its
             W (a B frees it all), so the program keeps ``peak_memory(program, activation,
@@ -735,7 +735,7 @@ def auto_candidates(
     Each passes the checker and keeps the memory limit. A candidate that is exactly a built-in
     generator's program carries that generator's name (``"zb-h1"``, ...), the others are named
     ``"auto"``, ``"auto-2"``, ... For choosing by measurement rather than by the simulator's
-    word: time them on the real stages with :func:`funcpipe.tune.fastest`.
+    word: time them on the real stages with :func:`funcpipe.measure.tune.fastest`.
     """
     k = check_int("auto_candidates", "count", count)
     problem = _problem(

@@ -2,7 +2,7 @@
 
 :class:`StageTimes` and :class:`StageMemory` are what :func:`funcpipe.measure_stages` and
 :func:`funcpipe.measure_memory` return (those run the real stages, so they live above the
-schedule package, in :mod:`funcpipe.profile`). :func:`costs_from_timelines` reads the same
+schedule package, in :mod:`funcpipe.measure.profile`). :func:`costs_from_timelines` reads the same
 costs off executed steps instead (``Pipeline.step(..., trace=True).timeline``): what each
 instruction took inside a real step, next to the other ranks and stages, which can differ from
 a stage timed alone (caches, memory bandwidth shared by the ranks).

@@ -190,7 +190,7 @@ def peak_memory(
     ``activation``: the gradients I recorded for W come on top of what the graph still holds).
     Walking each rank's instructions in order: F adds ``activation``; B removes it; I removes
     ``activation`` and adds ``for_w``; W removes ``for_w``. A stage recomputed with R counts
-    from its R. :func:`funcpipe.profile.measure_memory` measures both on real stages.
+    from its R. :func:`funcpipe.measure.profile.measure_memory` measures both on real stages.
     """
     for name, value in (("activation", activation), ("for_w", for_w)):
         if value is not None:

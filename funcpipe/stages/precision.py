@@ -11,7 +11,7 @@ is equally supported; this transform only saves the boilerplate and picks the de
 
 Parameters keep their own dtype: float32 parameters under bf16 autocast are the usual mixed
 precision (float32 weights, bf16 matmuls); bf16 parameters need no autocast at all. For the
-optimizer side (float32 master weights and state) see :mod:`funcpipe.optim`; to sum gradients
+optimizer side (float32 master weights and state) see :mod:`funcpipe.train.optim`; to sum gradients
 of bf16 parameters in float32 across microbatches, ``Pipeline(grad_dtype=torch.float32)``.
 """
 
@@ -68,7 +68,7 @@ def autocast_stage(
     Args:
         stage: a :class:`funcpipe.Stage`.
         dtype: ``torch.bfloat16`` (the default) or ``torch.float16``. float16 gradients can
-            underflow: use loss scaling (:mod:`funcpipe.loss_scale`).
+            underflow: use loss scaling (:mod:`funcpipe.train.loss_scale`).
         device_type: ``"cuda"``, ``"cpu"``, ...; default: the device of the stage's first
             tensor (parameter or input) at each call, so one stage serves CPU tests and GPU runs.
 

@@ -1,4 +1,4 @@
-"""Automatic schedules (funcpipe.schedule.auto) and stage profiling (funcpipe.profile).
+"""Automatic schedules (funcpipe.schedule.auto) and stage profiling (funcpipe.measure.profile).
 
 ``auto`` is checked with the real checker and timed with the real simulator against the
 built-in generators; its programs run through ``Pipeline`` against the single-device reference.
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 import funcpipe as fp
 from funcpipe.cli import main
 from funcpipe.errors import InvalidArgument
+from funcpipe.measure.profile import measure_stages, profile_stages
 from funcpipe.pipeline.pipeline import Pipeline
-from funcpipe.profile import measure_stages, profile_stages
 from funcpipe.schedule import auto as auto_from_package
 from funcpipe.schedule.auto import BUILTINS, auto, auto_candidates, minimum_activations
 from funcpipe.schedule.check import check

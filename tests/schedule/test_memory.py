@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import funcpipe as fp
 from funcpipe.errors import InvalidArgument
-from funcpipe.profile import measure_memory
+from funcpipe.measure.profile import measure_memory
 from funcpipe.schedule import (
     GENERATORS,
     StageMemory,

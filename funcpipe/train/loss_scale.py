@@ -29,7 +29,7 @@ import optree
 import torch
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.optim import _all_reduce_sum, _check_number, _low, _real
+from funcpipe.train.optim import _all_reduce_sum, _check_number, _low, _real
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 __all__ = ["latest", "load", "save", "state_keys"]
 
 Tensor = torch.Tensor
-FORMAT = "funcpipe.checkpoint"
+FORMAT = "funcpipe.train.checkpoint"
 VERSION = 1
 INFO = "funcpipe.json"
 _PAUSE_ENV = "FUNCPIPE_TEST_CHECKPOINT_PAUSE"
