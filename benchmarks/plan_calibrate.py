@@ -1,11 +1,11 @@
-"""Measure the efficiencies the planner (funcpipe.plan) is calibrated on, on one GPU.
+"""Measure the efficiencies the planner (funcpipe.planner) is calibrated on, on one GPU.
 
 ``python benchmarks/plan_calibrate.py > out.json`` on a CUDA machine (needs torch, nothing from
 funcpipe). In bf16 it times: matrix products ``(M, K) @ (K, N)`` over the shapes a transformer
 block makes; memory-bound ops (add, GeLU, LayerNorm, softmax over 4096 columns); causal fused
 attention (``scaled_dot_product_attention``) forward and forward + backward. Each number is the
 mean of 20 runs after 3 warm-ups, timed with CUDA events. ``--shares`` reads such a JSON and
-prints each as a share of the chip's datasheet peak: what ``funcpipe/plan/calibration.py``
+prints each as a share of the chip's datasheet peak: what ``funcpipe/planner/calibration.py``
 holds. ``benchmarks/results/plan_calibrate_h100.json`` is one run on an H100 80GB HBM3.
 """
 

@@ -4,7 +4,7 @@ The measured steps are docs/benchmarks.md's (``benchmarks/results/vs_peer_gpt.js
 the benchmark GPT, float32, 2 and 4 ranks on 2 cores). The planner needs a "GPU" for the CPU:
 this script measures one (one thread: float32 matrix products at the GPT's own shapes, fitted
 to ``time = flops / peak + overhead``; an add over 64 MiB for the memory bandwidth) and prices
-the same steps with :func:`funcpipe.plan.estimate` and the simulator. 4 ranks share 2 cores,
+the same steps with :func:`funcpipe.planner.estimate` and the simulator. 4 ranks share 2 cores,
 which the planner is told by halving each rank's peak and bandwidth. Nothing here reads the
 measured step times before predicting. ``python benchmarks/plan_demo.py [--json out.json]``.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from funcpipe.plan import GPU, Calibration, Cluster, Layout, Link, Transformer, estimate
+from funcpipe.planner import GPU, Calibration, Cluster, ClusterLayout, Link, Transformer, estimate
 
 ROOT = Path(__file__).resolve().parent
 SCHEDULES = {"GPipe": ("gpipe", 1), "1F1B": ("1f1b", 1), "interleaved 1F1B": ("interleaved", 2),
@@ -82,7 +82,7 @@ def main() -> None:
         cpu = Cluster(GPU("cpu", {"fp32": peak * share}, 24e9, bw * share), gpus_per_node=ranks,
                       intra=Link(2e9, 50e-6))  # fmt: skip
         v = 2 if row["schedule"] in ("interleaved", "zbv") else 1
-        lay = Layout(pipeline=ranks, microbatch=2, interleave=v, schedule=row["schedule"])
+        lay = ClusterLayout(pipeline=ranks, microbatch=2, interleave=v, schedule=row["schedule"])
         if model.layers % (ranks * v):
             continue
         e = estimate(model, cpu, lay, global_batch=16, calibration=cal, simulate=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from funcpipe.plan import Transformer, candidates, cluster, search
+from funcpipe.planner import Transformer, candidates, cluster, search
 
 
 def main() -> None:

@@ -17,8 +17,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from funcpipe.plan import Layout, Transformer, cluster, estimate, search
-from funcpipe.plan.published import (
+from funcpipe.planner import ClusterLayout, Transformer, cluster, estimate, search
+from funcpipe.planner.published import (
     MEGATRON_2021,
     ZERO_BUBBLE_2024_MEMORY_GB,
     ZERO_BUBBLE_2024_MODELS,
@@ -34,9 +34,9 @@ def model_of(layers: int, hidden: int, heads: int) -> Transformer:
                        flash=False)  # fmt: skip
 
 
-def published_layout(size: float, t: int, p: int, gpus: int) -> Layout:
+def published_layout(size: float, t: int, p: int, gpus: int) -> ClusterLayout:
     v = 2 if size == 145.6 else 1
-    return Layout(tensor=t, pipeline=p, data=gpus // (t * p), microbatch=1, interleave=v,
+    return ClusterLayout(tensor=t, pipeline=p, data=gpus // (t * p), microbatch=1, interleave=v,
                   recompute="full", schedule="interleaved" if v > 1 else "1f1b")  # fmt: skip
 
 
@@ -89,7 +89,7 @@ def main() -> None:
 
 def zero_bubble(vocab: int | None = None) -> list[dict[str, object]]:
     """Zero Bubble (Qi et al., ICLR 2024) Table 4: samples per GPU per second of 1F1B, ZB-1p
-    and ZB-2p, predicted for the paper's runs (:func:`funcpipe.plan.published.zero_bubble_run`;
+    and ZB-2p, predicted for the paper's runs (:func:`funcpipe.planner.published.zero_bubble_run`;
     ZB-H1 and ZB-H2 price ZB-1p and ZB-2p) with the simulator, beside the published ones."""
     a100 = cluster("a100-80gb")
     rows: list[dict[str, object]] = []

@@ -141,11 +141,17 @@ from funcpipe.parallel import ParallelConfig, build_mesh, shard_spec
 
 __all__ += ["ParallelConfig", "build_mesh", "parallel", "shard_spec"]
 
-# the cluster planner (pure Python, no torch): the package is callable, funcpipe.plan(...) is
-# funcpipe.plan.api.plan; funcpipe.plan.search, .estimate, .Transformer, .Layout ... beside it
-from funcpipe import plan
+# the cluster planner (pure Python, no torch): funcpipe.plan(...) predicts or searches layouts;
+# the package is funcpipe.planner (search, estimate, Transformer, ClusterLayout ...). The old
+# package path funcpipe.plan.X names it too, while funcpipe.plan itself stays the function.
+from funcpipe import planner
+from funcpipe.planner import plan
 
-__all__ += ["plan"]
+sys.modules.setdefault("funcpipe.plan", planner)
+_PLANNER = "api calibration cluster comm compute estimate layout model pipeline published search"
+_MOVED.update({f"funcpipe.plan.{m}": f"funcpipe.planner.{m}" for m in _PLANNER.split()})
+
+__all__ += ["plan", "planner"]
 
 # Old paths of modules already loaded are entered now: importing them later then leaves the
 # package's attributes alone (``funcpipe.partition`` stays the function, not the module).

@@ -24,8 +24,8 @@ _LAYOUT_FLAGS = (
 
 
 def register(subparsers: Any) -> None:
-    from funcpipe.plan.cluster import GPUS
-    from funcpipe.plan.layout import RECOMPUTE, SCHEDULES
+    from funcpipe.planner.cluster import GPUS
+    from funcpipe.planner.layout import RECOMPUTE, SCHEDULES
 
     parser = subparsers.add_parser(
         "plan",
@@ -74,7 +74,7 @@ def register(subparsers: Any) -> None:
 
 
 def _layout(args: argparse.Namespace) -> Any:
-    from funcpipe.plan.layout import Layout
+    from funcpipe.planner.layout import ClusterLayout
 
     t = args.tensor or 1
     p = args.pipeline or 1
@@ -90,7 +90,7 @@ def _layout(args: argparse.Namespace) -> Any:
         d = args.gpus // (t * p)
     else:
         d = args.data
-    return Layout(
+    return ClusterLayout(
         tensor=t,
         pipeline=p,
         data=d,
@@ -116,7 +116,7 @@ def _stage_layers(text: str | None) -> tuple[int, ...] | None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from funcpipe.plan import Transformer, plan
+    from funcpipe.planner import Transformer, plan
 
     model = Transformer(
         layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq=args.seq

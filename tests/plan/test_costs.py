@@ -9,10 +9,20 @@ from pathlib import Path
 import pytest
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.plan import GPU, GPUS, Calibration, Cluster, Layout, Link, Transformer, cluster, comm
-from funcpipe.plan.compute import layer_costs
-from funcpipe.plan.estimate import estimate
-from funcpipe.plan.pipeline import closed_form, in_flight, program
+from funcpipe.planner import (
+    GPU,
+    GPUS,
+    Calibration,
+    Cluster,
+    ClusterLayout,
+    Link,
+    Transformer,
+    cluster,
+    comm,
+)
+from funcpipe.planner.compute import layer_costs
+from funcpipe.planner.estimate import estimate
+from funcpipe.planner.pipeline import closed_form, in_flight, program
 from funcpipe.schedule import Costs, peak_activations, simulate
 
 GPT = Transformer(layers=24, hidden=2304, heads=24, vocab=51200, seq=2048, flash=False)
@@ -78,7 +88,7 @@ def test_matmuls_are_flops_over_calibrated_peak() -> None:
     h, s, f = 1024, 512, 4096
     model = Transformer(layers=1, hidden=h, heads=8, vocab=1000, seq=s, flash=False)
     for t in (1, 2, 4):
-        c = layer_costs(model, Layout(tensor=t), where, cal)
+        c = layer_costs(model, ClusterLayout(tensor=t), where, cal)
         linear = 2 * s * (4 * h * h + 2 * h * f) / t
         scores = 4 * s * s * h / t
         assert isclose(c.f, (linear + scores) / 50e12)
@@ -88,7 +98,7 @@ def test_matmuls_are_flops_over_calibrated_peak() -> None:
 
 def test_recompute_trades_time_for_memory() -> None:
     a100 = cluster("a100-80gb")
-    costs = {rc: layer_costs(GPT, Layout(recompute=rc), a100, Calibration()) for rc in
+    costs = {rc: layer_costs(GPT, ClusterLayout(recompute=rc), a100, Calibration()) for rc in
              ("none", "selective", "full")}  # fmt: skip
     assert costs["none"].recompute == 0
     assert 0 < costs["selective"].recompute < costs["full"].recompute
@@ -116,12 +126,12 @@ def test_memory_counts_the_mixed_precision_state() -> None:
     """18 bytes per parameter (bf16 weights, fp32 gradients, fp32 master + Adam moments);
     ZeRO-1 divides the 12 optimizer bytes by data."""
     a100 = cluster("a100-80gb")
-    lay = Layout(data=8, recompute="full")
+    lay = ClusterLayout(data=8, recompute="full")
     e = estimate(GPT, a100, lay, global_batch=64)
     n = GPT.params()
     assert isclose(e.memory["parameters"] + e.memory["gradients"] + e.memory["optimizer"],
                    18 * n, rel_tol=1e-6)  # fmt: skip
-    z = estimate(GPT, a100, Layout(data=8, recompute="full", zero1=True), global_batch=64)
+    z = estimate(GPT, a100, ClusterLayout(data=8, recompute="full", zero1=True), global_batch=64)
     assert isclose(z.memory["optimizer"], 12 * n / 8, rel_tol=1e-6)
     assert z.memory_bytes_per_gpu < e.memory_bytes_per_gpu
 
@@ -129,20 +139,20 @@ def test_memory_counts_the_mixed_precision_state() -> None:
 def test_estimate_rejects_layouts_that_do_not_fit_the_model() -> None:
     a100 = cluster("a100-80gb")
     with pytest.raises(InvalidArgument, match="layers=24"):
-        estimate(GPT, a100, Layout(pipeline=5), global_batch=5)
+        estimate(GPT, a100, ClusterLayout(pipeline=5), global_batch=5)
     with pytest.raises(InvalidArgument, match="heads=24"):
-        estimate(GPT, a100, Layout(tensor=16), global_batch=16)
+        estimate(GPT, a100, ClusterLayout(tensor=16), global_batch=16)
     with pytest.raises(InvalidArgument, match="global_batch=10"):
-        estimate(GPT, a100, Layout(data=4), global_batch=10)
+        estimate(GPT, a100, ClusterLayout(data=4), global_batch=10)
     with pytest.raises(InvalidArgument, match="interleave"):
-        Layout(schedule="1f1b", interleave=2)
+        ClusterLayout(schedule="1f1b", interleave=2)
     with pytest.raises(InvalidArgument, match="sequence_parallel"):
-        Layout(sequence_parallel=True)
+        ClusterLayout(sequence_parallel=True)
 
 
 def test_plan_package_imports_no_torch() -> None:
     root = Path(__file__).resolve().parents[2] / "funcpipe" / "plan"
-    allowed = ("funcpipe.errors", "funcpipe.plan", "funcpipe.schedule")
+    allowed = ("funcpipe.errors", "funcpipe.planner", "funcpipe.schedule")
     for path in root.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = []

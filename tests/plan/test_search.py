@@ -10,8 +10,8 @@ import pytest
 import funcpipe
 from funcpipe.cli import main
 from funcpipe.errors import InvalidArgument
-from funcpipe.plan import Layout, Transformer, candidates, cluster, estimate, search
-from funcpipe.plan.published import MEGATRON_2021
+from funcpipe.planner import ClusterLayout, Transformer, candidates, cluster, estimate, search
+from funcpipe.planner.published import MEGATRON_2021
 
 TINY = Transformer(layers=4, hidden=256, heads=4, vocab=1000, seq=128)
 
@@ -52,10 +52,10 @@ def test_candidates_are_the_valid_layouts() -> None:
 def test_plan_is_callable_from_the_package() -> None:
     got = funcpipe.plan(TINY, gpus=4, global_batch=8, gpu="a100-40gb", top=2)
     assert len(got) == 2 and got[0].step_time_s <= got[1].step_time_s
-    one = funcpipe.plan(TINY, gpus=4, global_batch=8, layout=Layout(pipeline=2, data=2))
-    assert one[0].layout == Layout(pipeline=2, data=2) and one[0].simulated
+    one = funcpipe.plan(TINY, gpus=4, global_batch=8, layout=ClusterLayout(pipeline=2, data=2))
+    assert one[0].layout == ClusterLayout(pipeline=2, data=2) and one[0].simulated
     with pytest.raises(InvalidArgument, match="gpus=4"):
-        funcpipe.plan(TINY, gpus=4, global_batch=8, layout=Layout(pipeline=2))
+        funcpipe.plan(TINY, gpus=4, global_batch=8, layout=ClusterLayout(pipeline=2))
 
 
 ARGS = ["plan", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "1000",
@@ -93,7 +93,7 @@ def _megatron(row: tuple[float, int, int, int, int, int, int, int, float]) -> tu
     model = Transformer(layers=layers, hidden=hidden, heads=heads, vocab=51200, seq=2048,
                         flash=False)  # fmt: skip
     v = 2 if size == 145.6 else 1
-    lay = Layout(tensor=t, pipeline=p, data=gpus // (t * p), interleave=v, recompute="full",
+    lay = ClusterLayout(tensor=t, pipeline=p, data=gpus // (t * p), interleave=v, recompute="full",
                  schedule="interleaved" if v > 1 else "1f1b")  # fmt: skip
     return model, lay, gpus, batch, pub
 
@@ -120,14 +120,14 @@ def test_search_beats_the_published_layout(row: tuple) -> None:  # type: ignore[
 def test_stage_layers_even_split_is_the_default() -> None:
     model = Transformer(layers=8, hidden=512, heads=8, vocab=50000, seq=256)
     a100 = cluster("a100-80gb")
-    base = estimate(model, a100, Layout(pipeline=4, schedule="zb-h1"), global_batch=16,
+    base = estimate(model, a100, ClusterLayout(pipeline=4, schedule="zb-h1"), global_batch=16,
                     simulate=True)  # fmt: skip
-    same = estimate(model, a100, Layout(pipeline=4, schedule="zb-h1", stage_layers=(2, 2, 2, 2)),
+    same = estimate(model, a100, ClusterLayout(pipeline=4, schedule="zb-h1", stage_layers=(2, 2, 2, 2)),
                     global_batch=16, simulate=True)  # fmt: skip
     assert same.step_time_s == base.step_time_s
     assert same.memory_bytes_per_gpu == base.memory_bytes_per_gpu
     # the last stage carries the output layer: moving a block off it shortens the step
-    lighter = estimate(model, a100, Layout(pipeline=4, schedule="zb-h1",
+    lighter = estimate(model, a100, ClusterLayout(pipeline=4, schedule="zb-h1",
                                            stage_layers=(2, 2, 3, 1)),
                        global_batch=16, simulate=True)  # fmt: skip
     assert lighter.step_time_s < base.step_time_s
@@ -146,13 +146,13 @@ def test_stage_layers_even_split_is_the_default() -> None:
 )
 def test_stage_layers_refused_with_the_reason(counts: object, needle: str) -> None:
     with pytest.raises(InvalidArgument, match=needle):
-        Layout(pipeline=4, stage_layers=counts)  # type: ignore[arg-type]
+        ClusterLayout(pipeline=4, stage_layers=counts)  # type: ignore[arg-type]
 
 
 def test_stage_layers_must_add_up_to_the_model() -> None:
     model = Transformer(layers=8, hidden=512, heads=8, vocab=5000, seq=256)
     with pytest.raises(InvalidArgument, match="add up to 9 blocks but the model has layers=8"):
-        estimate(model, cluster("a100-80gb"), Layout(pipeline=4, stage_layers=(3, 2, 2, 2)),
+        estimate(model, cluster("a100-80gb"), ClusterLayout(pipeline=4, stage_layers=(3, 2, 2, 2)),
                  global_batch=16)  # fmt: skip
 
 

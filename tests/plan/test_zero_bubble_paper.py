@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from funcpipe.plan import cluster, estimate
-from funcpipe.plan.published import (
+from funcpipe.planner import cluster, estimate
+from funcpipe.planner.published import (
     ZERO_BUBBLE_2024_BUBBLE,
     ZERO_BUBBLE_2024_MODELS,
     ZERO_BUBBLE_2024_PROFILED_MS,

@@ -1,7 +1,7 @@
 """Per-layer compute costs on one GPU: F, I and W seconds and the bytes kept for backward.
 
 A roofline per op: matrix products take ``flops / (peak * matmul) + matmul_overhead``
-(:mod:`funcpipe.plan.calibration`), memory-bound ops take ``bytes / (bandwidth * share)``.
+(:mod:`funcpipe.planner.calibration`), memory-bound ops take ``bytes / (bandwidth * share)``.
 Backward splits as the zero-bubble paper does: I (input gradients) repeats each product once and
 carries the backward of every memory-bound op and of attention; W (weight gradients) repeats each
 weight product once. Recompute adds a forward (``full``) or the attention core (``selective``) to
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from funcpipe.plan.calibration import Calibration
-from funcpipe.plan.cluster import Cluster
-from funcpipe.plan.layout import Layout
-from funcpipe.plan.model import Transformer
+from funcpipe.planner.calibration import Calibration
+from funcpipe.planner.cluster import Cluster
+from funcpipe.planner.layout import ClusterLayout
+from funcpipe.planner.model import Transformer
 
 __all__ = ["OpCosts", "head_costs", "layer_costs"]
 
@@ -39,7 +39,9 @@ def _gemm(m: float, n: float, k: float, peak: float, cal: Calibration) -> float:
     return 2.0 * m * n * k / (peak * cal.matmul) + cal.matmul_overhead
 
 
-def layer_costs(model: Transformer, layout: Layout, cluster: Cluster, cal: Calibration) -> OpCosts:
+def layer_costs(
+    model: Transformer, layout: ClusterLayout, cluster: Cluster, cal: Calibration
+) -> OpCosts:
     """One transformer block on one GPU of its tensor group, for one microbatch."""
     peak = cluster.gpu.peak(model.dtype)
     bw = cluster.gpu.bandwidth
@@ -90,7 +92,9 @@ def layer_costs(model: Transformer, layout: Layout, cluster: Cluster, cal: Calib
     return OpCosts(f=f, i=i, w=linear, recompute=extra, activation=act, working=working)
 
 
-def head_costs(model: Transformer, layout: Layout, cluster: Cluster, cal: Calibration) -> OpCosts:
+def head_costs(
+    model: Transformer, layout: ClusterLayout, cluster: Cluster, cal: Calibration
+) -> OpCosts:
     """The output layer and the loss (vocab-parallel over ``tensor``) for one microbatch."""
     peak = cluster.gpu.peak(model.dtype)
     bw = cluster.gpu.bandwidth

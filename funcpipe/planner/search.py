@@ -1,6 +1,6 @@
 """Search the layouts of a GPU count and global batch for the fastest that fits in memory.
 
-Every candidate is priced with the closed forms (:mod:`funcpipe.plan.pipeline`), those that do
+Every candidate is priced with the closed forms (:mod:`funcpipe.planner.pipeline`), those that do
 not fit are dropped, and the best few (``refine``, plus any within ``margin`` of the best, up to
 ``2 * refine``) are priced again with the simulator, which sees uneven stages; the result is
 sorted by that price. 3,072 GPUs x 512 microbatches take seconds (benchmarks/plan_search.py).
@@ -12,11 +12,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.plan.calibration import DEFAULT, Calibration
-from funcpipe.plan.cluster import Cluster
-from funcpipe.plan.estimate import Estimate, estimate
-from funcpipe.plan.layout import RECOMPUTE, Layout
-from funcpipe.plan.model import Transformer
+from funcpipe.planner.calibration import DEFAULT, Calibration
+from funcpipe.planner.cluster import Cluster
+from funcpipe.planner.estimate import Estimate, estimate
+from funcpipe.planner.layout import RECOMPUTE, ClusterLayout
+from funcpipe.planner.model import Transformer
 
 __all__ = ["candidates", "search"]
 
@@ -39,7 +39,7 @@ def candidates(
     interleaves: Sequence[int] = (2, 3, 4, 6, 8),
     sequence_parallel: Sequence[bool] = (False, True),
     zero1: Sequence[bool] = (False,),
-) -> Iterator[Layout]:
+) -> Iterator[ClusterLayout]:
     """Every valid layout: ``tensor`` within a node and dividing the heads, ``pipeline`` and
     ``interleave`` splitting the layers evenly, ``data`` the rest, ``microbatch`` dividing the
     batch of one data rank."""
@@ -66,7 +66,7 @@ def candidates(
                         for rc in recompute:
                             for sp in sequence_parallel if t > 1 else (False,):
                                 for z in zero1 if d > 1 else (False,):
-                                    yield Layout(t, p, d, b, v, rc, sp, sched, z)
+                                    yield ClusterLayout(t, p, d, b, v, rc, sp, sched, z)
 
 
 def search(

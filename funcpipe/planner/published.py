@@ -11,8 +11,8 @@ schedule with 2 chunks per rank (as the issue states), the others plain 1F1B.
 
 from __future__ import annotations
 
-from funcpipe.plan.layout import Layout
-from funcpipe.plan.model import Transformer
+from funcpipe.planner.layout import ClusterLayout
+from funcpipe.planner.model import Transformer
 
 __all__ = [
     "MEGATRON_2021",
@@ -171,8 +171,10 @@ has exactly ZB-H1's bubble in all 12 settings of Table 5; ZB-2p (searched under 
 limit) has no generator here, and ZB-H2 (the same limit, made for equal F, B, W) stands in."""
 
 
-def zero_bubble_run(name: str, microbatches: int, schedule: str) -> tuple[Transformer, Layout, int]:
-    """(Transformer, Layout, global batch) of one Zero Bubble Table 4 run in planner terms:
+def zero_bubble_run(
+    name: str, microbatches: int, schedule: str
+) -> tuple[Transformer, ClusterLayout, int]:
+    """(Transformer, ClusterLayout, global batch) of one Zero Bubble Table 4 run in planner terms:
     unfused attention (Megatron-LM's, as the paper's activation formula ``sb(34h + 5as)`` implies),
     tied embedding, the first and last stage one block fewer. ``schedule`` is a key of
     :data:`ZERO_BUBBLE_2024_STANDINS`."""
@@ -181,6 +183,6 @@ def zero_bubble_run(name: str, microbatches: int, schedule: str) -> tuple[Transf
     counts = (mid - 1,) + (mid,) * (p - 2) + (mid - 1,)
     model = Transformer(layers=layers, hidden=hidden, heads=heads, vocab=ZERO_BUBBLE_2024_VOCAB,
                         seq=seq, flash=False)  # fmt: skip
-    layout = Layout(pipeline=p, microbatch=b, schedule=ZERO_BUBBLE_2024_STANDINS[schedule],
+    layout = ClusterLayout(pipeline=p, microbatch=b, schedule=ZERO_BUBBLE_2024_STANDINS[schedule],
                     stage_layers=counts)  # fmt: skip
     return model, layout, microbatches * b

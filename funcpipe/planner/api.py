@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.plan.calibration import DEFAULT, Calibration
-from funcpipe.plan.cluster import Cluster, cluster
-from funcpipe.plan.estimate import Estimate, estimate
-from funcpipe.plan.layout import Layout
-from funcpipe.plan.model import Transformer
-from funcpipe.plan.search import search
+from funcpipe.planner.calibration import DEFAULT, Calibration
+from funcpipe.planner.cluster import Cluster, cluster
+from funcpipe.planner.estimate import Estimate, estimate
+from funcpipe.planner.layout import ClusterLayout
+from funcpipe.planner.model import Transformer
+from funcpipe.planner.search import search
 
 __all__ = ["plan"]
 
@@ -21,18 +21,18 @@ def plan(
     gpus: int,
     global_batch: int,
     gpu: str | Cluster = "h100-sxm",
-    layout: Layout | None = None,
+    layout: ClusterLayout | None = None,
     top: int = 1,
     calibration: Calibration = DEFAULT,
     overlap_grad_reduce: bool = True,
     **space: Any,
 ) -> list[Estimate]:
     """Predict ``model``'s training step on ``gpus`` GPUs of ``gpu`` (a preset name of
-    :data:`funcpipe.plan.GPUS` or a :class:`~funcpipe.plan.Cluster`).
+    :data:`funcpipe.planner.GPUS` or a :class:`~funcpipe.planner.Cluster`).
 
     With ``layout`` given: a one-element list, that layout priced with the simulator (it may not
     fit: see ``fits``). Without: the ``top`` fastest layouts that fit, best first
-    (:func:`funcpipe.plan.search`; ``space`` narrows it). ``global_batch`` is in sequences.
+    (:func:`funcpipe.planner.search`; ``space`` narrows it). ``global_batch`` is in sequences.
     """
     if not isinstance(model, Transformer):
         raise InvalidArgument(f"plan(model={model!r}): pass a funcpipe.plan.Transformer")

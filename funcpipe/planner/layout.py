@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 from funcpipe.errors import InvalidArgument
 
-__all__ = ["RECOMPUTE", "SCHEDULES", "Layout"]
+__all__ = ["RECOMPUTE", "SCHEDULES", "ClusterLayout", "Layout"]
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "zb-h2", "zbv")
@@ -16,7 +16,7 @@ _CHUNKS = {"1f1b": 1, "gpipe": 1, "zb-h1": 1, "zb-h2": 1, "zbv": 2}
 
 
 @dataclass(frozen=True)
-class Layout:
+class ClusterLayout:
     """``tensor`` x ``pipeline`` x ``data`` GPUs; ``microbatch`` sequences per microbatch;
     ``interleave`` stages (chunks) per pipeline rank; ``recompute`` one of
     :data:`RECOMPUTE`; ``sequence_parallel`` shards norms and dropout over the tensor axis;
@@ -40,25 +40,25 @@ class Layout:
         for name in ("tensor", "pipeline", "data", "microbatch", "interleave"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"Layout({name}={value!r}): a positive integer")
+                raise InvalidArgument(f"ClusterLayout({name}={value!r}): a positive integer")
         if self.recompute not in RECOMPUTE:
             raise InvalidArgument(
-                f"Layout(recompute={self.recompute!r}): one of {', '.join(RECOMPUTE)}"
+                f"ClusterLayout(recompute={self.recompute!r}): one of {', '.join(RECOMPUTE)}"
             )
         if self.schedule not in SCHEDULES:
             raise InvalidArgument(
-                f"Layout(schedule={self.schedule!r}): one of {', '.join(SCHEDULES)}"
+                f"ClusterLayout(schedule={self.schedule!r}): one of {', '.join(SCHEDULES)}"
             )
         fixed = _CHUNKS.get(self.schedule)
         if fixed is not None and self.interleave != fixed:
             raise InvalidArgument(
-                f"Layout(schedule={self.schedule!r}, interleave={self.interleave}): that "
+                f"ClusterLayout(schedule={self.schedule!r}, interleave={self.interleave}): that "
                 f"schedule runs {fixed} stage(s) per rank; pass interleave={fixed} or "
                 "schedule='interleaved'"
             )
         if self.schedule == "interleaved" and self.interleave < 2:
             raise InvalidArgument(
-                "Layout(schedule='interleaved', interleave=1): interleaving needs interleave >= 2"
+                "ClusterLayout(schedule='interleaved', interleave=1): interleaving needs interleave >= 2"
             )
         if self.stage_layers is not None:
             counts = self.stage_layers
@@ -72,13 +72,13 @@ class Layout:
                 or not any(counts)
             ):
                 raise InvalidArgument(
-                    f"Layout(stage_layers={counts!r}): give one block count (an integer >= 0) "
+                    f"ClusterLayout(stage_layers={counts!r}): give one block count (an integer >= 0) "
                     f"per stage, pipeline x interleave = {stages} of them, not all zero"
                 )
             object.__setattr__(self, "stage_layers", tuple(counts))
         if self.sequence_parallel and self.tensor == 1:
             raise InvalidArgument(
-                "Layout(sequence_parallel=True, tensor=1): sequence parallelism shards over "
+                "ClusterLayout(sequence_parallel=True, tensor=1): sequence parallelism shards over "
                 "the tensor axis; pass tensor > 1 or leave it off"
             )
 
@@ -107,3 +107,7 @@ class Layout:
             bits.append("layers " + ",".join(map(str, self.stage_layers)))
         bits.append(self.schedule)
         return " ".join(bits)
+
+
+Layout = ClusterLayout
+"""The name before 2026-11-28 (``from funcpipe.plan import Layout``), kept for old code."""

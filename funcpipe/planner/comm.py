@@ -2,12 +2,12 @@
 
 A ring over ``n`` members moves ``(n - 1) / n`` of the buffer per member for an all-gather or a
 reduce-scatter and twice that for an all-reduce, in ``n - 1`` (``2 (n - 1)``) steps of one
-latency each, on the link the group uses (:meth:`funcpipe.plan.Cluster.link`).
+latency each, on the link the group uses (:meth:`funcpipe.planner.Cluster.link`).
 """
 
 from __future__ import annotations
 
-from funcpipe.plan.cluster import Link
+from funcpipe.planner.cluster import Link
 
 __all__ = ["all_gather", "all_reduce", "p2p", "reduce_scatter"]
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.plan import comm
-from funcpipe.plan.calibration import DEFAULT, Calibration
-from funcpipe.plan.cluster import Cluster
-from funcpipe.plan.compute import head_costs, layer_costs
-from funcpipe.plan.layout import Layout
-from funcpipe.plan.model import Transformer
-from funcpipe.plan.pipeline import closed_form, in_flight, placement, simulated
+from funcpipe.planner import comm
+from funcpipe.planner.calibration import DEFAULT, Calibration
+from funcpipe.planner.cluster import Cluster
+from funcpipe.planner.compute import head_costs, layer_costs
+from funcpipe.planner.layout import ClusterLayout
+from funcpipe.planner.model import Transformer
+from funcpipe.planner.pipeline import closed_form, in_flight, placement, simulated
 
 __all__ = ["Estimate", "check_layout", "estimate"]
 
@@ -22,7 +22,7 @@ GiB = 2**30
 class Estimate:
     """A predicted training step. Times in seconds, memory in bytes (``*_gib`` in GiB)."""
 
-    layout: Layout
+    layout: ClusterLayout
     step_time_s: float
     mfu: float
     hardware_tflops_per_gpu: float
@@ -55,7 +55,7 @@ class Estimate:
         }
 
 
-def check_layout(model: Transformer, layout: Layout, gpus: int, global_batch: int) -> int:
+def check_layout(model: Transformer, layout: ClusterLayout, gpus: int, global_batch: int) -> int:
     """Raise InvalidArgument unless ``layout`` fits the model and batch; return microbatches."""
     t, p, d, b, v = (
         layout.tensor,
@@ -96,7 +96,7 @@ def check_layout(model: Transformer, layout: Layout, gpus: int, global_batch: in
 def estimate(
     model: Transformer,
     cluster: Cluster,
-    layout: Layout,
+    layout: ClusterLayout,
     *,
     global_batch: int,
     calibration: Calibration = DEFAULT,
