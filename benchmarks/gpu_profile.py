@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import funcpipe as fp
-from funcpipe.demo import SIZES
+from funcpipe.cli.demo import SIZES
 from funcpipe.models import gpt
 from funcpipe.schedule import generate
 from funcpipe.tree import tree_leaves, tree_structure, tree_unflatten

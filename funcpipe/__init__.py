@@ -14,6 +14,10 @@ import types
 # ``import funcpipe.train.optim`` or ``from funcpipe.cut import split_module`` gives the module at its
 # new place, the very same object (so classes, isinstance checks and monkeypatches agree).
 _MOVED = {
+    "funcpipe.cli_plan": "funcpipe.cli.plan",
+    "funcpipe.cli_schedule": "funcpipe.cli.schedule",
+    "funcpipe.demo": "funcpipe.cli.demo",
+    "funcpipe.tour": "funcpipe.cli.tour",
     "funcpipe.checkpoint": "funcpipe.train.checkpoint",
     "funcpipe.data": "funcpipe.train.data",
     "funcpipe.loss_scale": "funcpipe.train.loss_scale",

@@ -1,5 +1,5 @@
 """``python -m funcpipe`` runs the ``funcpipe`` command."""
 
-from funcpipe.cli import main
+from funcpipe.cli.app import main
 
 raise SystemExit(main())

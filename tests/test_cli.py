@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from funcpipe.cli import _build_parser, main
+from funcpipe.cli.app import _build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -84,7 +84,7 @@ def test_interrupted_demo_resumes_with_the_same_losses(tmp_path: Path) -> None:
 
 
 def test_demo_rejects_bad_layouts(capsys: pytest.CaptureFixture[str]) -> None:
-    from funcpipe.cli import main
+    from funcpipe.cli.app import main
 
     assert main(["demo", "--tensor", "3"]) == 2
     assert "divisible" in capsys.readouterr().err
@@ -110,7 +110,7 @@ def _gpus(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
 
 
 def test_sizes_fill_the_model_and_given_options_override(no_cuda: None) -> None:
-    from funcpipe.demo import SIZES, DemoOptions, parse
+    from funcpipe.cli.demo import SIZES, DemoOptions, parse
 
     o = parse([])
     assert (o.device, o.size, o.precision, o.compile) == ("cpu", "small", "fp32", False)
@@ -139,7 +139,7 @@ def test_sizes_fill_the_model_and_given_options_override(no_cuda: None) -> None:
 def test_demo_refuses_bad_choices(
     argv: list[str], words: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from funcpipe.cli import main
+    from funcpipe.cli.app import main
 
     with pytest.raises(SystemExit) as e:
         main(["demo", *argv])
@@ -149,8 +149,8 @@ def test_demo_refuses_bad_choices(
 
 
 def test_cuda_without_cuda_names_the_fix(no_cuda: None, capsys: pytest.CaptureFixture[str]) -> None:
-    from funcpipe.cli import main
-    from funcpipe.demo import DemoOptions, parse, run
+    from funcpipe.cli.app import main
+    from funcpipe.cli.demo import DemoOptions, parse, run
     from funcpipe.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument, match=r"is_available\(\) is False.*use --device cpu"):
@@ -162,7 +162,7 @@ def test_cuda_without_cuda_names_the_fix(no_cuda: None, capsys: pytest.CaptureFi
 
 
 def test_cuda_needs_a_gpu_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    from funcpipe.demo import parse
+    from funcpipe.cli.demo import parse
     from funcpipe.errors import InvalidArgument
 
     _gpus(monkeypatch, 2)
@@ -176,7 +176,7 @@ def test_cuda_needs_a_gpu_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_auto_takes_the_gpus_only_when_there_is_one_per_rank(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from funcpipe.demo import parse
+    from funcpipe.cli.demo import parse
 
     _gpus(monkeypatch, 4)
     assert parse([]).device == "cuda"
@@ -188,7 +188,7 @@ def test_auto_takes_the_gpus_only_when_there_is_one_per_rank(
 
 
 def test_help_lists_device_size_precision_compile(capsys: pytest.CaptureFixture[str]) -> None:
-    from funcpipe.cli import main
+    from funcpipe.cli.app import main
 
     with pytest.raises(SystemExit):
         main(["demo", "--help"])

@@ -243,7 +243,7 @@ def _no_cuda() -> None:
 
 
 def _cli(*argv: str) -> None:
-    from funcpipe.cli import _build_parser
+    from funcpipe.cli.app import _build_parser
 
     args = _build_parser().parse_args(list(argv))
     args.handler(args)
@@ -279,7 +279,7 @@ def _flipped_bit() -> None:
 
 
 def _demo(*argv: str) -> None:
-    from funcpipe import demo
+    from funcpipe.cli.app import demo
 
     demo.run(demo.parse(["--steps", "2", "--device", "cpu", *argv]))
 
@@ -1068,7 +1068,7 @@ CASES: list[Case] = [
         lambda: _cli("schedule", "1f1b", "-p", "2", "-m", "4000000"),
         InvalidArgument,
         ("8,000,000 (stage, microbatch) pairs", "-m 10000", "--no-size-limit"),
-        "funcpipe/cli_schedule.py (ran for tens of minutes and about 20 GB)",
+        "funcpipe/cli/schedule.py (ran for tens of minutes and about 20 GB)",
     ),
     Case(
         "checkpoint-save-not-a-directory",
@@ -1105,7 +1105,7 @@ CASES: list[Case] = [
         lambda: _demo("--out", _under_a_file()),
         InvalidArgument,
         ("cannot be written", "NotADirectoryError", "choose a writable directory"),
-        "funcpipe/demo.py, before training (was found at the final save, losing the run)",
+        "funcpipe/cli/demo.py, before training (was found at the final save, losing the run)",
     ),
     Case(
         "demo-resume-without-checkpoint",
@@ -1114,7 +1114,7 @@ CASES: list[Case] = [
         lambda: _demo("--out", _tmp(), "--resume"),
         InvalidArgument,
         ("--resume: there is no complete checkpoint", "drop --resume"),
-        "funcpipe/demo.py, before training (silently started from step 0)",
+        "funcpipe/cli/demo.py, before training (silently started from step 0)",
     ),
 ]
 

@@ -254,7 +254,7 @@ def test_cli_refuses_a_schedule_too_large_to_build_in_seconds(
 ) -> None:
     import time
 
-    from funcpipe.cli import main
+    from funcpipe.cli.app import main
 
     start = time.monotonic()
     assert main(["schedule", "1f1b", "-p", "2", "-m", "4000000"]) == 2

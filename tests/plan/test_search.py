@@ -8,7 +8,7 @@ from math import isclose
 import pytest
 
 import funcpipe
-from funcpipe.cli import main
+from funcpipe.cli.app import main
 from funcpipe.errors import InvalidArgument
 from funcpipe.planner import ClusterLayout, Transformer, candidates, cluster, estimate, search
 from funcpipe.planner.published import MEGATRON_2021

@@ -16,7 +16,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import funcpipe as fp
-from funcpipe.cli import main
+from funcpipe.cli.app import main
 from funcpipe.errors import InvalidArgument
 from funcpipe.measure.profile import measure_stages, profile_stages
 from funcpipe.pipeline.pipeline import Pipeline

@@ -1,4 +1,4 @@
-"""``funcpipe schedule`` and ``funcpipe check``, called through ``funcpipe.cli.main``."""
+"""``funcpipe schedule`` and ``funcpipe check``, called through ``funcpipe.cli.app.main``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from funcpipe.cli import main
+from funcpipe.cli.app import main
 from funcpipe.schedule.ir import parse_program
 
 GOOD = """\

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from funcpipe.cli import main
+from funcpipe.cli.app import main
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "schedules.md"
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from funcpipe.cli import main
+from funcpipe.cli.app import main
 from funcpipe.errors import InvalidArgument
 from funcpipe.schedule import exact
 from funcpipe.schedule.auto import _peak, _problem, _timing, auto

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from funcpipe.cli import main
+from funcpipe.cli.app import main
 from funcpipe.errors import InvalidArgument, ScheduleError
 from funcpipe.schedule.check import check
 from funcpipe.schedule.generators import CHUNKS, GENERATORS, generate

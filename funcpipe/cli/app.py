@@ -26,7 +26,7 @@ def _add_demo(subparsers: Subparsers) -> None:
         "tensor x data parallelism on local CPU processes (or under torchrun). All options: "
         "funcpipe demo --help.",
     )
-    parser.set_defaults(handler=lambda args: 0)  # main() hands `demo ...` to funcpipe.demo
+    parser.set_defaults(handler=lambda args: 0)  # main() hands `demo ...` to funcpipe.cli.demo
 
 
 def _add_tour(subparsers: Subparsers) -> None:
@@ -44,7 +44,7 @@ def _add_tour(subparsers: Subparsers) -> None:
 
 
 def _run_tour(args: argparse.Namespace) -> int:
-    from funcpipe.tour import run_demo
+    from funcpipe.cli.tour import run_demo
 
     run_demo(microbatches=args.microbatches, stages=args.stages, steps=args.steps)
     return 0
@@ -60,10 +60,10 @@ def _build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in _SUBCOMMANDS:
         add(subparsers)
-    from funcpipe.cli_schedule import register as add_schedule_commands  # schedule, check
+    from funcpipe.cli.schedule import register as add_schedule_commands  # schedule, check
 
     add_schedule_commands(subparsers)
-    from funcpipe.cli_plan import register as add_plan_command  # plan
+    from funcpipe.cli.plan import register as add_plan_command  # plan
 
     add_plan_command(subparsers)
     return parser
@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``funcpipe`` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # the demo parses its own options (it also runs under torchrun)
-        from funcpipe.demo import main as demo_main
+        from funcpipe.cli.demo import main as demo_main
 
         try:
             return demo_main(argv[1:])

@@ -1,6 +1,6 @@
 """The ``funcpipe schedule`` and ``funcpipe check`` subcommands.
 
-``register(subparsers)`` adds both to the ``funcpipe`` parser (see :mod:`funcpipe.cli`). Neither
+``register(subparsers)`` adds both to the ``funcpipe`` parser (see :mod:`funcpipe.cli.app`). Neither
 imports torch: they generate, read, lower, check, simulate and draw programs only.
 
 Exit status: 0 sound, 1 the program is unsound (the :class:`ScheduleError` message, which names
