@@ -33,9 +33,9 @@ test: $(STAMP)
 	$(MAKE) lint
 
 lint: $(STAMP)
-	$(BIN)/ruff check funcpipe tests
-	$(BIN)/ruff format --check funcpipe tests examples
-	$(BIN)/mypy funcpipe
+	$(BIN)/ruff check funcpipe tests tools
+	$(BIN)/ruff format --check funcpipe tests examples tools
+	$(BIN)/mypy funcpipe tools
 
 # On a machine with CUDA: the CUDA tests and the demo on a GPU, one report (gpu-check.md); without
 # CUDA it says so and exits 0. It needs no venv and no network (GPU machines come with torch):
@@ -44,4 +44,4 @@ GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 GPU_CHECK_ARGS ?=
 
 gpu-check:
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) funcpipe/gpu_check.py $(GPU_CHECK_ARGS)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)

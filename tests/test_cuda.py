@@ -1,6 +1,6 @@
 """funcpipe on CUDA: every test takes a device and runs its CPU cell everywhere (CI) and its CUDA
 cell where torch sees a GPU (skipped with the reason otherwise). ``make gpu-check`` runs this
-file and tests/test_devices.py on a GPU machine and writes the report (funcpipe/gpu_check.py).
+file and tests/test_devices.py on a GPU machine and writes the report (tools/gpu_check.py).
 
 Tolerances, against ``reference_step`` on the same device: float32 ``rtol=1e-4, atol=1e-5``
 (the GPT, split into stages against the unsplit model: ``rtol=1e-3``), bf16 autocast ``rtol=1e-2,
@@ -12,6 +12,7 @@ kernel times on a GPU. The last part runs the gpu-check command itself on the CP
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
 import json
 import os
@@ -28,7 +29,6 @@ import torch._dynamo
 import torch.distributed as dist
 
 import funcpipe as fp
-from funcpipe import gpu_check
 from funcpipe.models import gpt
 from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.runtime import clock, interpreter
@@ -43,6 +43,19 @@ F32 = {"rtol": 1e-4, "atol": 1e-5}
 GPT32 = {"rtol": 1e-3, "atol": 1e-5}
 BF16 = {"rtol": 1e-2, "atol": 1e-3}
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_gpu_check() -> Any:
+    """tools/gpu_check.py is a script of the repository, not a module of the package."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_check = _load_gpu_check()
 
 
 def on(device: str, tree: Any, dtype: torch.dtype | None = None) -> Any:
@@ -374,7 +387,7 @@ def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path: Path) -> None:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
     done = subprocess.run(
-        [sys.executable, "-m", "funcpipe.gpu_check", "--out", str(out)],
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--out", str(out)],
         cwd=tmp_path,
         env=env,
         capture_output=True,

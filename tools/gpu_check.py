@@ -2,8 +2,9 @@
 
 Run from the repository root::
 
-    python3 -m funcpipe.gpu_check [--out gpu-check] [--steps 20]
-    python3 funcpipe/gpu_check.py ...      # the same, with funcpipe neither installed nor importable
+    python3 tools/gpu_check.py [--out gpu-check] [--steps 20]   # works with funcpipe not importable
+
+It is a script of the repository, not part of the installed package.
 
 ``--out`` is a folder (on the device tool: ``--out $OUT/gpu-check``). Everything is written there
 as it happens, so a check killed at any point still leaves what ran: ``gpu-check.md`` (the report,
@@ -409,7 +410,7 @@ def failed(checks: Sequence[Check], demo: Demo | None) -> bool:
 # ----------------------------------------------------------------------------- the command
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m funcpipe.gpu_check",
+        prog="python tools/gpu_check.py",
         description="Run funcpipe's CUDA checks and the demo on CUDA; write one report. "
         "Without CUDA: say so and exit 0.",
     )
