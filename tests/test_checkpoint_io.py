@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from funcpipe.cli.app import demo
+from funcpipe.cli import demo
 from funcpipe.errors import FuncpipeError, InvalidArgument
 from funcpipe.train import checkpoint
 

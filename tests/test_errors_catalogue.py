@@ -279,7 +279,7 @@ def _flipped_bit() -> None:
 
 
 def _demo(*argv: str) -> None:
-    from funcpipe.cli.app import demo
+    from funcpipe.cli import demo
 
     demo.run(demo.parse(["--steps", "2", "--device", "cpu", *argv]))
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 import funcpipe as fp
-from funcpipe.cli.app import demo
+from funcpipe.cli import demo
 from funcpipe.distributed import launcher
 from funcpipe.errors import CommunicationError, InvalidArgument, RankFailed
 
