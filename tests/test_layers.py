@@ -4,6 +4,10 @@
    ``torch.distributed``): a schedule can be generated, checked, simulated and drawn without
    them (docs/ARCHITECTURE: ``funcpipe/schedule/`` may use nothing from runtime).
 2. No module of funcpipe imports itself back through others: the import graph has no cycle.
+3. Every room (a folder of the package, or one of the top-level modules) imports only its own
+   modules and rooms of lower layers (:data:`LAYERS`, docs/design.md "The tree"); the package's
+   face (``funcpipe/__init__.py``, ``__main__.py``) may import anything.
+4. The top level holds only the face and the ground (:data:`TOP_LEVEL`).
 
 Every import statement counts, wherever it is (module level, inside a function, under
 ``TYPE_CHECKING``), and so does ``importlib.import_module("...")`` / ``__import__("...")`` with
@@ -25,13 +29,30 @@ import funcpipe
 PACKAGE = Path(funcpipe.__file__).resolve().parent
 
 SCHEDULE = "funcpipe.schedule"
-ABOVE_SCHEDULE = (
-    "funcpipe.runtime",
-    "funcpipe.pipeline.pipeline",
-    "funcpipe.measure.profile",
-    "torch.distributed",
-)
+ABOVE_SCHEDULE = ("funcpipe.runtime", "funcpipe.pipeline", "funcpipe.measure", "torch.distributed")
 """What no module of the schedule package may import (each name or anything under it)."""
+
+LAYERS = {
+    "funcpipe.errors": 0,
+    "funcpipe.tree": 1,
+    "funcpipe.testing": 2,
+    "funcpipe.schedule": 2,
+    "funcpipe.planner": 3,
+    "funcpipe.stages": 3,
+    "funcpipe.runtime": 4,
+    "funcpipe.distributed": 5,
+    "funcpipe.parallel": 6,
+    "funcpipe.pipeline": 6,
+    "funcpipe.train": 7,
+    "funcpipe.measure": 7,
+    "funcpipe.models": 7,
+    "funcpipe.cli": 8,
+}
+"""Each room's layer, bottom (0) to top: a room imports only itself and lower layers, so two rooms
+of one layer import nothing of each other."""
+
+FACE = ("funcpipe", "funcpipe.__main__")
+TOP_LEVEL = {"__init__.py", "__main__.py", "errors.py", "tree.py", "testing.py", "py.typed"}
 
 
 @dataclass(frozen=True)
@@ -206,7 +227,7 @@ def test_the_schedule_package_imports_nothing_above_it() -> None:
     assert not bad, (
         "funcpipe.schedule must not import the runtime, the pipeline, the profiler or "
         "torch.distributed (a schedule is data, checked and simulated without them); move what "
-        "runs stages above the schedule package (e.g. funcpipe/measure/profile.py), or the pure piece "
+        "runs stages above the schedule package (e.g. funcpipe/measure/), or the pure piece "
         "the runtime also needs into funcpipe/schedule/:\n" + "\n".join(bad)
     )
 
@@ -221,6 +242,64 @@ def test_funcpipe_has_no_import_cycles() -> None:
         "need into a module below them (an import inside a function still counts):\n"
         + "\n".join(describe(c, graph, known, PACKAGE.parent) for c in found)
     )
+
+
+def room(module: str) -> str:
+    """``funcpipe.stages.ties`` -> ``funcpipe.stages``; a top-level module is its own room."""
+    return ".".join(module.split(".")[:2])
+
+
+def upward_imports(graph: Graph, layers: dict[str, int] = LAYERS) -> list[str]:
+    """``a (layer) imports b (layer)`` for each edge that leaves its room sideways or upwards."""
+    out = []
+    for name, edges in sorted(graph.items()):
+        if name in FACE:
+            continue
+        here = room(name)
+        for target, line in sorted(edges.items()):
+            there = room(target)
+            if there == here or target in FACE:
+                continue
+            if layers[there] >= layers[here]:
+                out.append(
+                    f"{name}:{line} (layer {layers[here]}) imports {target} (layer {layers[there]})"
+                )
+    return out
+
+
+def test_every_room_has_a_layer() -> None:
+    rooms = {room(n) for n in modules()} - set(FACE)
+    assert rooms == set(LAYERS), (
+        f"rooms without a layer: {sorted(rooms - set(LAYERS))}; layers without a room: "
+        f"{sorted(set(LAYERS) - rooms)}: give a new folder its layer in LAYERS and docs/design.md"
+    )
+
+
+def test_no_room_imports_sideways_or_upwards() -> None:
+    graph = import_graph(modules())
+    bad = upward_imports(graph)
+    assert not bad, (
+        "an import against the layers (docs/design.md, 'The tree'): move the piece both need "
+        "into the lower room, or the importing code up:\n" + "\n".join(bad)
+    )
+
+
+def test_the_top_level_holds_only_the_face_and_the_ground() -> None:
+    found = {p.name for p in PACKAGE.iterdir() if p.is_file() and not p.name.startswith(".")}
+    assert found <= TOP_LEVEL, f"modules at the top level: {sorted(found - TOP_LEVEL)}"
+
+
+def test_an_upward_or_sideways_import_is_found() -> None:
+    graph: Graph = {
+        "funcpipe.stages.a": {"funcpipe.runtime.b": 3, "funcpipe.schedule.ir": 4},
+        "funcpipe.train.c": {"funcpipe.measure.d": 7, "funcpipe.train.e": 8},
+        "funcpipe.cli.f": {"funcpipe.errors": 1},
+        "funcpipe": {"funcpipe.cli.f": 2},
+    }
+    assert upward_imports(graph) == [
+        "funcpipe.stages.a:3 (layer 3) imports funcpipe.runtime.b (layer 4)",
+        "funcpipe.train.c:7 (layer 7) imports funcpipe.measure.d (layer 7)",
+    ]
 
 
 # ------------------------------------------------------------- the readers, on made-up modules
@@ -244,7 +323,7 @@ def _package(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
         "from funcpipe.runtime import autodiff",
         "from funcpipe import runtime",
         "from funcpipe import pipeline as p",
-        "from funcpipe.profile import measure_memory",
+        "from funcpipe.measure.profile import measure_memory",
         "import torch.distributed as dist",
         "from torch import distributed",
         "from .. import runtime",
