@@ -14,33 +14,33 @@ import types
 # ``import funcpipe.train.optim`` or ``from funcpipe.cut import split_module`` gives the module at its
 # new place, the very same object (so classes, isinstance checks and monkeypatches agree).
 _MOVED = {
+    "funcpipe.checkpoint": "funcpipe.train.checkpoint",
     "funcpipe.cli_plan": "funcpipe.cli.plan",
     "funcpipe.cli_schedule": "funcpipe.cli.schedule",
-    "funcpipe.demo": "funcpipe.cli.demo",
-    "funcpipe.tour": "funcpipe.cli.tour",
-    "funcpipe.checkpoint": "funcpipe.train.checkpoint",
-    "funcpipe.data": "funcpipe.train.data",
-    "funcpipe.loss_scale": "funcpipe.train.loss_scale",
-    "funcpipe.optim": "funcpipe.train.optim",
-    "funcpipe.profile": "funcpipe.measure.profile",
-    "funcpipe.throughput": "funcpipe.train.throughput",
-    "funcpipe.tune": "funcpipe.measure.tune",
-    "funcpipe.runtime.strict": "funcpipe.runtime.nccl_rules",
-    "funcpipe.groups": "funcpipe.distributed.groups",
-    "funcpipe.launcher": "funcpipe.distributed.launcher",
-    "funcpipe.world": "funcpipe.distributed.world",
-    "funcpipe.microbatch": "funcpipe.pipeline.microbatch",
-    "funcpipe.reference": "funcpipe.pipeline.reference",
-    "funcpipe.validate": "funcpipe.pipeline.checks",
     "funcpipe.compile": "funcpipe.stages.compile",
     "funcpipe.cut": "funcpipe.stages.split_module",
+    "funcpipe.data": "funcpipe.train.data",
+    "funcpipe.demo": "funcpipe.cli.demo",
+    "funcpipe.groups": "funcpipe.distributed.groups",
+    "funcpipe.launcher": "funcpipe.distributed.launcher",
+    "funcpipe.loss_scale": "funcpipe.train.loss_scale",
+    "funcpipe.microbatch": "funcpipe.pipeline.microbatch",
+    "funcpipe.optim": "funcpipe.train.optim",
     "funcpipe.partition": "funcpipe.stages.partition",
     "funcpipe.precision": "funcpipe.stages.precision",
+    "funcpipe.profile": "funcpipe.measure.profile",
+    "funcpipe.reference": "funcpipe.pipeline.reference",
     "funcpipe.runtime.plan": "funcpipe.stages.boundaries",
+    "funcpipe.runtime.strict": "funcpipe.runtime.nccl_rules",
     "funcpipe.shapes": "funcpipe.stages.shapes",
     "funcpipe.sharing": "funcpipe.stages.ties",
     "funcpipe.stage": "funcpipe.stages.stage",
+    "funcpipe.throughput": "funcpipe.train.throughput",
     "funcpipe.ties": "funcpipe.stages.ties",
+    "funcpipe.tour": "funcpipe.cli.tour",
+    "funcpipe.tune": "funcpipe.measure.tune",
+    "funcpipe.validate": "funcpipe.pipeline.checks",
+    "funcpipe.world": "funcpipe.distributed.world",
 }
 
 
@@ -157,8 +157,13 @@ _MOVED.update({f"funcpipe.plan.{m}": f"funcpipe.planner.{m}" for m in _PLANNER.s
 
 __all__ += ["plan", "planner"]
 
-# Old paths of modules already loaded are entered now: importing them later then leaves the
-# package's attributes alone (``funcpipe.partition`` stays the function, not the module).
+# Old paths of modules already loaded are entered now, and named on their parent package as a
+# submodule would be (``import funcpipe.launcher; funcpipe.launcher.launch``) unless that name is
+# taken: importing them later then leaves the package's attributes alone (``funcpipe.partition``
+# stays the function, not the module).
 for _old, _new in _MOVED.items():
     if _new in sys.modules:
         sys.modules.setdefault(_old, sys.modules[_new])
+        _parent, _, _leaf = _old.rpartition(".")
+        if not hasattr(sys.modules[_parent], _leaf):
+            setattr(sys.modules[_parent], _leaf, sys.modules[_new])
