@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from funcpipe.models import gpt
-from funcpipe.parallel.layout import gather_tree
 from funcpipe.parallel.mesh import Place
+from funcpipe.parallel.sharding import gather_tree
 from funcpipe.testing import assert_trees_close
 from tests import jobs_gpt
 
@@ -18,10 +18,10 @@ def _check(results: list[dict], schedule: str, pipeline: int, steps: int) -> Non
         assert r["losses"] == pytest.approx(ref_losses, rel=1e-10, abs=1e-10)
     assert ref_losses[-1] < ref_losses[0]  # and it learns
     n = len(ref_grads)
-    lay = gpt.layouts(jobs_gpt.CFG, n)
+    lay = gpt.shardings(jobs_gpt.CFG, n)
     for s in range(n):
         holders = [r for r in results if s in r["stages"] and r["place"].coords["data"] == 0]
-        # the layouts name only the tensor axis: gather over it alone
+        # the shardings name only the tensor axis: gather over it alone
         places = [
             Place(
                 k, {"tensor": r["place"].coords["tensor"]}, {"tensor": r["place"].sizes["tensor"]}

@@ -9,8 +9,8 @@ the vocabulary-parallel cross-entropy (the full logits never exist on one rank).
 ``stages`` splits it for a pipeline: stage 0 holds the embedding, the last stage the final norm
 and the head, and the blocks are spread as evenly as possible. Parameters are plain nested dicts;
 :func:`init` makes the full (single-device) ones, :func:`split` cuts them per stage and
-:func:`layouts` says how each leaf is sharded over the tensor axis
-(:meth:`funcpipe.parallel.Layout.shard` / ``gather``). With a size-1 tensor axis the same
+:func:`shardings` says how each leaf is sharded over the tensor axis
+(:meth:`funcpipe.parallel.Sharding.shard` / ``gather``). With a size-1 tensor axis the same
 functions are the single-device reference.
 """
 
@@ -27,8 +27,8 @@ from torch import Tensor
 
 from funcpipe.errors import InvalidArgument
 from funcpipe.parallel import ops
-from funcpipe.parallel.layout import Layout
 from funcpipe.parallel.mesh import Axis
+from funcpipe.parallel.sharding import Sharding
 from funcpipe.stages.stage import Stage
 
 __all__ = [
@@ -37,9 +37,9 @@ __all__ = [
     "flops_per_token",
     "full_forward",
     "init",
-    "layouts",
     "loss_fn",
     "matmul_params",
+    "shardings",
     "single_axis",
     "split",
     "stages",
@@ -218,25 +218,28 @@ def split(full: dict[str, Any], config: GPTConfig, n_stages: int) -> tuple[dict[
     return tuple(parts)
 
 
-def layouts(
+def shardings(
     config: GPTConfig, n_stages: int, *, axis: str = "tensor"
 ) -> tuple[dict[str, Any], ...]:
     """How every leaf of :func:`split`'s params is sharded over ``axis`` (1D tensor parallel)."""
     block = {
-        "attn": ops.attention_block_layout(axis=axis).params,
-        "mlp": ops.mlp_block_layout(axis=axis).params,
+        "attn": ops.attention_block_sharding(axis=axis).params,
+        "mlp": ops.mlp_block_sharding(axis=axis).params,
     }
-    rep1, rep2 = Layout.of(None), Layout.of(None, None)
+    rep1, rep2 = Sharding.of(None), Sharding.of(None, None)
     out = []
     for s, blocks in enumerate(blocks_per_stage(config, n_stages)):
         lay: dict[str, Any] = {"blocks": {str(i): block for i in blocks}}
         if s == 0:
-            lay["wte"], lay["wpe"] = Layout.of(axis, None), rep2
+            lay["wte"], lay["wpe"] = Sharding.of(axis, None), rep2
         if s == n_stages - 1:
             lay["norm"] = {"weight": rep1, "bias": rep1}
-            lay["wte"] = Layout.of(axis, None)
+            lay["wte"] = Sharding.of(axis, None)
         out.append(lay)
     return tuple(out)
+
+
+layouts = shardings  # the old name (a tensor's layout over the mesh is now its sharding)
 
 
 # ------------------------------------------------------------------------------ stage functions

@@ -80,7 +80,7 @@ def _near_powers(n: int, k: int) -> list[int]:
 class Place:
     """Where one rank sits in the mesh: ``coords[axis]`` in ``range(sizes[axis])``, by axis name.
 
-    Pure data (no process group); the sharding helpers (:mod:`funcpipe.parallel.layout`) use it.
+    Pure data (no process group); the sharding helpers (:mod:`funcpipe.parallel.sharding`) use it.
     ``derived`` maps an axis that merely renames or flattens mesh dims (``tensor`` in the 2D,
     2.5D, 3D and sequence modes) to those dims.
     """

@@ -2,13 +2,13 @@
 
 Every op is a pure function ``op(inputs..., params, *, axis, ...)`` over this rank's shards;
 ``axis`` is the :class:`~funcpipe.parallel.Axis` the op splits over (``mesh['tensor']``, or
-``mesh['sequence']`` for ring attention). Each op has a ``*_layout(...)`` function returning an
-:class:`~funcpipe.parallel.layout.OpLayout` whose ``shard_params`` cuts full weights into one
+``mesh['sequence']`` for ring attention). Each op has a ``*_sharding(...)`` function returning an
+:class:`~funcpipe.parallel.sharding.OpSharding` whose ``shard_params`` cuts full weights into one
 rank's params and whose ``gather_params`` puts per-rank params (or their gradients) back
 together. Activations are ``[b, s, d]``; weights follow ``torch.nn.Linear`` (``weight[out, in]``,
 ``bias[out]``), so a module's state dict shards directly.
 
-Layouts (t = axis size; "rep" = replicated):
+Shardings (t = axis size; "rep" = replicated):
 
 ============================  =====================  ==============================  ==============
 op                            input                  weights                         output
@@ -36,61 +36,61 @@ from torch import Tensor
 
 from funcpipe.errors import InvalidArgument
 from funcpipe.parallel import collectives as C
-from funcpipe.parallel.layout import Layout, OpLayout
 from funcpipe.parallel.mesh import Axis
+from funcpipe.parallel.sharding import OpSharding, Sharding
 from funcpipe.parallel.spec import shard_spec
 
 __all__ = [
     "attention",
     "attention_block",
-    "attention_block_layout",
-    "column_parallel_layout",
+    "attention_block_sharding",
     "column_parallel_linear",
+    "column_parallel_sharding",
     "mlp_block",
-    "mlp_block_layout",
+    "mlp_block_sharding",
     "parallel_attention",
-    "parallel_attention_layout",
+    "parallel_attention_sharding",
     "parallel_mlp",
-    "parallel_mlp_layout",
+    "parallel_mlp_sharding",
     "ring_attention",
-    "ring_attention_layout",
+    "ring_attention_sharding",
     "ring_self_attention",
-    "ring_self_attention_layout",
-    "row_parallel_layout",
+    "ring_self_attention_sharding",
     "row_parallel_linear",
+    "row_parallel_sharding",
     "sp_attention_block",
-    "sp_attention_block_layout",
-    "sp_column_parallel_layout",
+    "sp_attention_block_sharding",
     "sp_column_parallel_linear",
+    "sp_column_parallel_sharding",
     "sp_layer_norm",
-    "sp_layer_norm_layout",
+    "sp_layer_norm_sharding",
     "sp_mlp_block",
-    "sp_mlp_block_layout",
-    "sp_row_parallel_layout",
+    "sp_mlp_block_sharding",
     "sp_row_parallel_linear",
+    "sp_row_parallel_sharding",
     "vocab_parallel_cross_entropy",
-    "vocab_parallel_cross_entropy_layout",
+    "vocab_parallel_cross_entropy_sharding",
     "vocab_parallel_embedding",
-    "vocab_parallel_embedding_layout",
+    "vocab_parallel_embedding_sharding",
 ]
 
 LN_EPS = 1e-5
-_REP3 = Layout.of(None, None, None)
+_REP3 = Sharding.of(None, None, None)
 
 
-def _linear_layouts(kind: str, axis: str, bias: bool) -> dict[str, Layout]:
+def _linear_shardings(kind: str, axis: str, bias: bool) -> dict[str, Sharding]:
     if kind == "column":
-        out = {"weight": Layout.of(axis, None), "bias": Layout.of(axis)}
+        out = {"weight": Sharding.of(axis, None), "bias": Sharding.of(axis)}
     else:
-        out = {"weight": Layout.of(None, axis), "bias": Layout.of(None)}
+        out = {"weight": Sharding.of(None, axis), "bias": Sharding.of(None)}
     if not bias:
         del out["bias"]
     return out
 
 
-def _norm_layout() -> dict[str, Layout]:
+def _norm_sharding() -> dict[str, Sharding]:
     """A replicated layer norm's params."""
-    return {"weight": Layout.of(None), "bias": Layout.of(None)}
+    return {"weight": Sharding.of(None), "bias": Sharding.of(None)}
 
 
 def _heads(d: int, num_heads: int, t: int, what: str) -> int:
@@ -125,14 +125,14 @@ def column_parallel_linear(
     return C.gather_from_group(y, axis, dim=-1) if gather_output else y
 
 
-def column_parallel_layout(
+def column_parallel_sharding(
     *, axis: str = "tensor", gather_output: bool = False, bias: bool = True
-) -> OpLayout:
-    """Layouts of :func:`column_parallel_linear` (``shard_params`` / ``gather_params`` of full weights)."""
-    return OpLayout(
+) -> OpSharding:
+    """Shardings of :func:`column_parallel_linear` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpSharding(
         (_REP3,),
-        _linear_layouts("column", axis, bias),
-        Layout.of(None, None, None if gather_output else axis),
+        _linear_shardings("column", axis, bias),
+        Sharding.of(None, None, None if gather_output else axis),
     )
 
 
@@ -147,9 +147,9 @@ def row_parallel_linear(x: Tensor, params: dict[str, Tensor], *, axis: Axis) -> 
     return y
 
 
-def row_parallel_layout(*, axis: str = "tensor", bias: bool = True) -> OpLayout:
-    """Layouts of :func:`row_parallel_linear` (``shard_params`` / ``gather_params`` of full weights)."""
-    return OpLayout((Layout.of(None, None, axis),), _linear_layouts("row", axis, bias), _REP3)
+def row_parallel_sharding(*, axis: str = "tensor", bias: bool = True) -> OpSharding:
+    """Shardings of :func:`row_parallel_linear` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpSharding((Sharding.of(None, None, axis),), _linear_shardings("row", axis, bias), _REP3)
 
 
 # ------------------------------------------------------------------------------ vocab parallel
@@ -167,9 +167,9 @@ def vocab_parallel_embedding(ids: Tensor, params: dict[str, Tensor], *, axis: Ax
     return C.reduce_from_group(y, axis)
 
 
-def vocab_parallel_embedding_layout(*, axis: str = "tensor") -> OpLayout:
-    """Layouts of :func:`vocab_parallel_embedding` (``shard_params`` / ``gather_params`` of full weights)."""
-    return OpLayout((Layout.of(None, None),), {"weight": Layout.of(axis, None)}, _REP3)
+def vocab_parallel_embedding_sharding(*, axis: str = "tensor") -> OpSharding:
+    """Shardings of :func:`vocab_parallel_embedding` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpSharding((Sharding.of(None, None),), {"weight": Sharding.of(axis, None)}, _REP3)
 
 
 class _VocabCrossEntropy(torch.autograd.Function):
@@ -230,9 +230,11 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, *, axis: Axis) 
     return _VocabCrossEntropy.apply(logits, target, axis)
 
 
-def vocab_parallel_cross_entropy_layout(*, axis: str = "tensor") -> OpLayout:
-    """Layouts of :func:`vocab_parallel_cross_entropy` (``shard_params`` / ``gather_params`` of full weights)."""
-    return OpLayout((Layout.of(None, None, axis), Layout.of(None, None)), {}, Layout.of(None, None))
+def vocab_parallel_cross_entropy_sharding(*, axis: str = "tensor") -> OpSharding:
+    """Shardings of :func:`vocab_parallel_cross_entropy` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpSharding(
+        (Sharding.of(None, None, axis), Sharding.of(None, None)), {}, Sharding.of(None, None)
+    )
 
 
 # ------------------------------------------------------------------------------ attention, MLP
@@ -280,12 +282,12 @@ def parallel_attention(
     return row_parallel_linear(_local_attention(h, params, heads, causal), params["o"], axis=axis)
 
 
-def parallel_attention_layout(*, axis: str = "tensor", bias: bool = True) -> OpLayout:
-    """Layouts of :func:`parallel_attention` (``shard_params`` / ``gather_params`` of full weights)."""
-    col = _linear_layouts("column", axis, bias)
-    return OpLayout(
+def parallel_attention_sharding(*, axis: str = "tensor", bias: bool = True) -> OpSharding:
+    """Shardings of :func:`parallel_attention` (``shard_params`` / ``gather_params`` of full weights)."""
+    col = _linear_shardings("column", axis, bias)
+    return OpSharding(
         (_REP3,),
-        {"q": col, "k": col, "v": col, "o": _linear_layouts("row", axis, bias)},
+        {"q": col, "k": col, "v": col, "o": _linear_shardings("row", axis, bias)},
         _REP3,
     )
 
@@ -297,11 +299,14 @@ def parallel_mlp(x: Tensor, params: dict[str, Any], *, axis: Axis) -> Tensor:
     return row_parallel_linear(h, params["fc2"], axis=axis)
 
 
-def parallel_mlp_layout(*, axis: str = "tensor", bias: bool = True) -> OpLayout:
-    """Layouts of :func:`parallel_mlp` (``shard_params`` / ``gather_params`` of full weights)."""
-    return OpLayout(
+def parallel_mlp_sharding(*, axis: str = "tensor", bias: bool = True) -> OpSharding:
+    """Shardings of :func:`parallel_mlp` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpSharding(
         (_REP3,),
-        {"fc1": _linear_layouts("column", axis, bias), "fc2": _linear_layouts("row", axis, bias)},
+        {
+            "fc1": _linear_shardings("column", axis, bias),
+            "fc2": _linear_shardings("row", axis, bias),
+        },
         _REP3,
     )
 
@@ -315,10 +320,10 @@ def mlp_block(x: Tensor, params: dict[str, Any], *, axis: Axis) -> Tensor:
     return x + parallel_mlp(_layer_norm(x, params["norm"]), params, axis=axis)
 
 
-def mlp_block_layout(*, axis: str = "tensor") -> OpLayout:
-    """Layouts of :func:`mlp_block` (``shard_params`` / ``gather_params`` of full weights)."""
-    inner = parallel_mlp_layout(axis=axis)
-    return OpLayout((_REP3,), {**inner.params, "norm": _norm_layout()}, _REP3)
+def mlp_block_sharding(*, axis: str = "tensor") -> OpSharding:
+    """Shardings of :func:`mlp_block` (``shard_params`` / ``gather_params`` of full weights)."""
+    inner = parallel_mlp_sharding(axis=axis)
+    return OpSharding((_REP3,), {**inner.params, "norm": _norm_sharding()}, _REP3)
 
 
 def attention_block(
@@ -329,10 +334,10 @@ def attention_block(
     return x + parallel_attention(h, params, axis=axis, num_heads=num_heads, causal=causal)
 
 
-def attention_block_layout(*, axis: str = "tensor") -> OpLayout:
-    """Layouts of :func:`attention_block` (``shard_params`` / ``gather_params`` of full weights)."""
-    inner = parallel_attention_layout(axis=axis)
-    return OpLayout((_REP3,), {**inner.params, "norm": _norm_layout()}, _REP3)
+def attention_block_sharding(*, axis: str = "tensor") -> OpSharding:
+    """Shardings of :func:`attention_block` (``shard_params`` / ``gather_params`` of full weights)."""
+    inner = parallel_attention_sharding(axis=axis)
+    return OpSharding((_REP3,), {**inner.params, "norm": _norm_sharding()}, _REP3)
 
 
 # ------------------------------------------------------------------------------ sequence parallel
@@ -344,10 +349,10 @@ def sp_layer_norm(x: Tensor, params: dict[str, Tensor], *, axis: Axis) -> Tensor
     return F.layer_norm(x, x.shape[-1:], w, b, LN_EPS)
 
 
-def sp_layer_norm_layout(*, axis: str = "tensor") -> OpLayout:
-    """Layouts of :func:`sp_layer_norm` (``shard_params`` / ``gather_params`` of full weights)."""
-    seq = Layout.of(None, axis, None)
-    return OpLayout((seq,), _norm_layout(), seq)
+def sp_layer_norm_sharding(*, axis: str = "tensor") -> OpSharding:
+    """Shardings of :func:`sp_layer_norm` (``shard_params`` / ``gather_params`` of full weights)."""
+    seq = Sharding.of(None, axis, None)
+    return OpSharding((seq,), _norm_sharding(), seq)
 
 
 def sp_column_parallel_linear(x: Tensor, params: dict[str, Tensor], *, axis: Axis) -> Tensor:
@@ -358,12 +363,12 @@ def sp_column_parallel_linear(x: Tensor, params: dict[str, Tensor], *, axis: Axi
     return y + params["bias"] if params.get("bias") is not None else y
 
 
-def sp_column_parallel_layout(*, axis: str = "tensor", bias: bool = True) -> OpLayout:
-    """Layouts of :func:`sp_column_parallel_linear` (``shard_params`` / ``gather_params`` of full weights)."""
-    return OpLayout(
-        (Layout.of(None, axis, None),),
-        _linear_layouts("column", axis, bias),
-        Layout.of(None, None, axis),
+def sp_column_parallel_sharding(*, axis: str = "tensor", bias: bool = True) -> OpSharding:
+    """Shardings of :func:`sp_column_parallel_linear` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpSharding(
+        (Sharding.of(None, axis, None),),
+        _linear_shardings("column", axis, bias),
+        Sharding.of(None, None, axis),
     )
 
 
@@ -378,12 +383,12 @@ def sp_row_parallel_linear(x: Tensor, params: dict[str, Tensor], *, axis: Axis) 
     return y
 
 
-def sp_row_parallel_layout(*, axis: str = "tensor", bias: bool = True) -> OpLayout:
-    """Layouts of :func:`sp_row_parallel_linear` (``shard_params`` / ``gather_params`` of full weights)."""
-    return OpLayout(
-        (Layout.of(None, None, axis),),
-        _linear_layouts("row", axis, bias),
-        Layout.of(None, axis, None),
+def sp_row_parallel_sharding(*, axis: str = "tensor", bias: bool = True) -> OpSharding:
+    """Shardings of :func:`sp_row_parallel_linear` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpSharding(
+        (Sharding.of(None, None, axis),),
+        _linear_shardings("row", axis, bias),
+        Sharding.of(None, axis, None),
     )
 
 
@@ -395,15 +400,15 @@ def sp_mlp_block(x: Tensor, params: dict[str, Any], *, axis: Axis) -> Tensor:
     return x + sp_row_parallel_linear(h, params["fc2"], axis=axis)
 
 
-def sp_mlp_block_layout(*, axis: str = "tensor") -> OpLayout:
-    """Layouts of :func:`sp_mlp_block` (``shard_params`` / ``gather_params`` of full weights)."""
-    seq = Layout.of(None, axis, None)
+def sp_mlp_block_sharding(*, axis: str = "tensor") -> OpSharding:
+    """Shardings of :func:`sp_mlp_block` (``shard_params`` / ``gather_params`` of full weights)."""
+    seq = Sharding.of(None, axis, None)
     params = {
-        "norm": _norm_layout(),
-        "fc1": _linear_layouts("column", axis, True),
-        "fc2": _linear_layouts("row", axis, True),
+        "norm": _norm_sharding(),
+        "fc1": _linear_shardings("column", axis, True),
+        "fc2": _linear_shardings("row", axis, True),
     }
-    return OpLayout((seq,), params, seq)
+    return OpSharding((seq,), params, seq)
 
 
 def sp_attention_block(
@@ -418,13 +423,13 @@ def sp_attention_block(
     return x + sp_row_parallel_linear(y, params["o"], axis=axis)
 
 
-def sp_attention_block_layout(*, axis: str = "tensor") -> OpLayout:
-    """Layouts of :func:`sp_attention_block` (``shard_params`` / ``gather_params`` of full weights)."""
-    seq = Layout.of(None, axis, None)
-    col = _linear_layouts("column", axis, True)
-    params = {"norm": _norm_layout(), "q": col, "k": col, "v": col}
-    params["o"] = _linear_layouts("row", axis, True)
-    return OpLayout((seq,), params, seq)
+def sp_attention_block_sharding(*, axis: str = "tensor") -> OpSharding:
+    """Shardings of :func:`sp_attention_block` (``shard_params`` / ``gather_params`` of full weights)."""
+    seq = Sharding.of(None, axis, None)
+    col = _linear_shardings("column", axis, True)
+    params = {"norm": _norm_sharding(), "q": col, "k": col, "v": col}
+    params["o"] = _linear_shardings("row", axis, True)
+    return OpSharding((seq,), params, seq)
 
 
 # ------------------------------------------------------------------------------ ring attention
@@ -518,10 +523,10 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, axis: Axis, causal: bool 
     return _RingAttention.apply(q, k, v, axis, bool(causal))
 
 
-def ring_attention_layout(*, axis: str = "sequence") -> OpLayout:
-    """Layouts of :func:`ring_attention` (``shard_params`` / ``gather_params`` of full weights)."""
-    seq = Layout.of(None, None, axis, None)
-    return OpLayout((seq, seq, seq), {}, seq)
+def ring_attention_sharding(*, axis: str = "sequence") -> OpSharding:
+    """Shardings of :func:`ring_attention` (``shard_params`` / ``gather_params`` of full weights)."""
+    seq = Sharding.of(None, None, axis, None)
+    return OpSharding((seq, seq, seq), {}, seq)
 
 
 def ring_self_attention(
@@ -540,8 +545,27 @@ def ring_self_attention(
     return _local_linear(y, p["o"])
 
 
-def ring_self_attention_layout(*, axis: str = "sequence") -> OpLayout:
-    """Layouts of :func:`ring_self_attention` (``shard_params`` / ``gather_params`` of full weights)."""
-    seq = Layout.of(None, axis, None)
-    lin = {"weight": Layout.of(None, None), "bias": Layout.of(None)}
-    return OpLayout((seq,), {"q": lin, "k": lin, "v": lin, "o": lin}, seq)
+def ring_self_attention_sharding(*, axis: str = "sequence") -> OpSharding:
+    """Shardings of :func:`ring_self_attention` (``shard_params`` / ``gather_params`` of full weights)."""
+    seq = Sharding.of(None, axis, None)
+    lin = {"weight": Sharding.of(None, None), "bias": Sharding.of(None)}
+    return OpSharding((seq,), {"q": lin, "k": lin, "v": lin, "o": lin}, seq)
+
+
+# ------------------------------------------------------------------------------ old names
+# the ``*_layout`` names from before a tensor's layout was called its sharding, for old code
+attention_block_layout = attention_block_sharding
+column_parallel_layout = column_parallel_sharding
+mlp_block_layout = mlp_block_sharding
+parallel_attention_layout = parallel_attention_sharding
+parallel_mlp_layout = parallel_mlp_sharding
+ring_attention_layout = ring_attention_sharding
+ring_self_attention_layout = ring_self_attention_sharding
+row_parallel_layout = row_parallel_sharding
+sp_attention_block_layout = sp_attention_block_sharding
+sp_column_parallel_layout = sp_column_parallel_sharding
+sp_layer_norm_layout = sp_layer_norm_sharding
+sp_mlp_block_layout = sp_mlp_block_sharding
+sp_row_parallel_layout = sp_row_parallel_sharding
+vocab_parallel_cross_entropy_layout = vocab_parallel_cross_entropy_sharding
+vocab_parallel_embedding_layout = vocab_parallel_embedding_sharding

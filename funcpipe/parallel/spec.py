@@ -13,7 +13,7 @@ axis is split, the local results are partial sums, and ``reduce`` says how they 
 ``scatter``) or ``"partial"`` (left as partial sums). Inputs may arrive in another layout
 (``in_shards={0: {"s": "tensor"}}``: input 0 arrives split along ``s``), and a split output may
 be gathered (``gather_output=True``). From this the spec derives every collective, forward and
-backward, and lists them in :attr:`ShardSpec.plan`:
+backward, and lists them in :attr:`ShardSpec.collectives`:
 
 - an input replicated over a mesh axis the op splits: identity forward, all-reduce backward;
 - an input that arrives split but is needed whole: all-gather forward, reduce-scatter backward;
@@ -24,16 +24,20 @@ backward, and lists them in :attr:`ShardSpec.plan`:
 
 Only the first (outer) factor of a parenthesised group may be split (``(h k)`` with ``h``): its
 shards are then contiguous blocks. Parsing is cached (parse -> cached recipe -> apply, as in
-einops), and so is the per-shape plan. Calls take local shards: ``column(x, w, mesh=mesh)``;
+einops), and so is the per-shape recipe. Calls take local shards: ``column(x, w, mesh=mesh)``;
 sizes of grouped axes are global (``h=8``), as einops takes them.
+
+This module holds :class:`ShardSpec` (validation, derivation, the call) and :func:`shard_spec`;
+the pattern's parsing is in :mod:`~funcpipe.parallel.spec_pattern`, the collectives table in
+:mod:`~funcpipe.parallel.spec_table` and the shape solving in
+:mod:`~funcpipe.parallel.spec_shapes`.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import einops
@@ -41,128 +45,30 @@ import torch
 from torch import Tensor
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.parallel import collectives as C
-from funcpipe.parallel.layout import Layout
 from funcpipe.parallel.mesh import Axis
+from funcpipe.parallel.sharding import Sharding
+from funcpipe.parallel.spec_pattern import (
+    ELLIPSIS,
+    Group,
+    _axes,
+    _dim_of,
+    _parse_operand,
+    _text,
+)
+from funcpipe.parallel.spec_shapes import _ShapeRecipe, _solve
+from funcpipe.parallel.spec_table import CollectiveRow, Collectives, _apply_pair, _Step, _table
 
-__all__ = ["Plan", "PlanRow", "ShardSpec", "shard_spec"]
+__all__ = ["CollectiveRow", "Collectives", "Plan", "PlanRow", "ShardSpec", "shard_spec"]
 
-ELLIPSIS = "..."
 REDUCE_MODES = ("all_reduce", "reduce_scatter", "partial")
-Group = tuple[str, ...]
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
-
-# ------------------------------------------------------------------------------ parsing
-def _parse_operand(text: str, pattern: str) -> tuple[Group, ...]:
-    groups: list[Group] = []
-    tokens = re.findall(r"\(|\)|\.\.\.|[^\s()]+", text)
-    current: list[str] | None = None
-    for tok in tokens:
-        if tok == "(":
-            if current is not None:
-                raise InvalidArgument(f"pattern {pattern!r}: nested parentheses in {text!r}.")
-            current = []
-        elif tok == ")":
-            if current is None:
-                raise InvalidArgument(f"pattern {pattern!r}: unbalanced ')' in {text!r}.")
-            if not current:
-                raise InvalidArgument(
-                    f"pattern {pattern!r}: empty group '()' in {text!r}; drop it (a spec has "
-                    "no unit axes)."
-                )
-            groups.append(tuple(current))
-            current = None
-        elif tok == ELLIPSIS:
-            if current is not None:
-                raise InvalidArgument(
-                    f"pattern {pattern!r}: '...' inside a group in {text!r} is not supported."
-                )
-            groups.append((ELLIPSIS,))
-        elif _NAME.match(tok):
-            if current is not None:
-                current.append(tok)
-            else:
-                groups.append((tok,))
-        else:
-            raise InvalidArgument(
-                f"pattern {pattern!r}: {tok!r} in {text!r} is not an axis name (use "
-                "identifiers such as 'b', 'seq', 'h'; numbers and unit axes are not supported)."
-            )
-    if current is not None:
-        raise InvalidArgument(f"pattern {pattern!r}: unbalanced '(' in {text!r}.")
-    flat = [a for g in groups for a in g]
-    dup = sorted({a for a in flat if flat.count(a) > 1})
-    if dup:
-        raise InvalidArgument(
-            f"pattern {pattern!r}: axis {dup[0]!r} appears twice in operand {text.strip()!r}; "
-            "each axis may appear once per operand."
-        )
-    return tuple(groups)
-
-
-def _text(groups: Sequence[Group]) -> str:
-    return " ".join(g[0] if len(g) == 1 else "(" + " ".join(g) + ")" for g in groups)
-
-
-def _axes(groups: Sequence[Group]) -> list[str]:
-    return [a for g in groups for a in g if a != ELLIPSIS]
-
-
-def _dim_of(groups: Sequence[Group], axis: str) -> int | None:
-    for i, g in enumerate(groups):
-        if axis in g:
-            return i
-    return None
-
-
-# ------------------------------------------------------------------------------ plan
-@dataclass(frozen=True)
-class PlanRow:
-    """One operand on one mesh axis: its layout before/after and the collectives it needs."""
-
-    operand: str
-    pattern: str
-    mesh_axis: str
-    before: str
-    after: str
-    forward: str
-    backward: str
-
-
-def _layout_text(layout: str | None) -> str:
-    if layout is None:
-        return "replicated"
-    if layout == "+":
-        return "partial sum"
-    return f"split on {layout}"
-
-
-@dataclass(frozen=True)
-class _Step:
-    """One conversion on one mesh axis: which pair, along which pattern axis."""
-
-    operand: int  # input index, or -1 for the output
-    mesh_axis: str
-    pair: str  # copy_to_group, split_to_group, all_gather, gather_from_group, ...
-    along: str | None  # the pattern axis whose dim the collective works on
-    before: str | None
-    after: str | None
-
-
-_PAIRS: dict[str, tuple[str, str]] = {
-    "copy_to_group": ("identity", "all_reduce"),
-    "split_to_group": ("take shard", "all_gather"),
-    "all_gather": ("all_gather", "reduce_scatter"),
-    "gather_from_group": ("all_gather", "take shard"),
-    "reduce_from_group": ("all_reduce", "identity"),
-    "reduce_scatter": ("reduce_scatter", "all_gather"),
-    "none": ("-", "-"),
-}
+# the old names of the collectives table (before "plan" meant only the cluster planner)
+Plan = Collectives
+PlanRow = CollectiveRow
 
 
 class ShardSpec:
-    """A parsed sharded einsum: :attr:`plan` lists its collectives; call it on local shards.
+    """A parsed sharded einsum: :attr:`collectives` lists them; call it on local shards.
 
     Build with :func:`shard_spec` (cached). ``spec(*xs, mesh=mesh, **sizes)`` runs it; ``mesh``
     maps each mesh axis name of the spec to an :class:`~funcpipe.parallel.Axis`.
@@ -197,7 +103,7 @@ class ShardSpec:
         self.output = _parse_operand(rhs, pattern)
         self._validate()
         self.steps = self._derive()
-        self._shape_cache: dict[Any, _ShapePlan] = {}
+        self._shape_cache: dict[Any, _ShapeRecipe] = {}
 
     # -------------------------------------------------------------------------- validation
     def _fail(self, rule: str) -> InvalidArgument:
@@ -345,37 +251,18 @@ class ShardSpec:
         return tuple(steps)
 
     @property
-    def plan(self) -> Plan:
+    def collectives(self) -> Collectives:
         """The derived collectives, one row per operand and mesh axis."""
-        rows = []
-        for s in self.steps:
-            name = "out" if s.operand < 0 else f"in{s.operand}"
-            groups = self.output if s.operand < 0 else self.inputs[s.operand]
-            fwd, bwd = _PAIRS[s.pair]
-            if s.pair in ("all_gather", "gather_from_group", "split_to_group", "reduce_scatter"):
-                d = _tensor_dim(groups, s.along or "")
-                where = f" on {s.along} (dim {d})" if d is not None else ""
-                fwd = fwd + where if fwd not in ("identity",) else fwd
-                bwd = bwd + where if bwd not in ("identity",) else bwd
-            rows.append(
-                PlanRow(
-                    name,
-                    _text(groups),
-                    s.mesh_axis,
-                    _layout_text(s.before),
-                    _layout_text(s.after),
-                    fwd,
-                    bwd,
-                )
-            )
-        return Plan(self.pattern, tuple(rows))
+        return _table(self.pattern, self.steps, self.inputs, self.output)
 
-    # -------------------------------------------------------------------------- layouts
+    plan = collectives  # the old name (before "plan" meant only the cluster planner)
+
+    # -------------------------------------------------------------------------- shardings
     def _no_ellipsis(self, groups: Sequence[Group]) -> None:
         if (ELLIPSIS,) in groups:
             raise InvalidArgument(
-                f"pattern {self.pattern!r}: a Layout needs one entry per dim, and '...' hides "
-                "how many there are; name the axes instead of '...' to get layouts."
+                f"pattern {self.pattern!r}: a Sharding needs one entry per dim, and '...' hides "
+                "how many there are; name the axes instead of '...' to get shardings."
             )
 
     def _arrive_dims(self, i: int) -> list[tuple[str, ...]]:
@@ -399,17 +286,21 @@ class ShardSpec:
                     dims[d] = (*dims[d], s.mesh_axis)
         return dims, partial
 
-    def input_layout(self, i: int) -> Layout:
-        """How input ``i`` arrives (for :meth:`Layout.shard` of a full tensor)."""
+    def input_sharding(self, i: int) -> Sharding:
+        """How input ``i`` arrives (for :meth:`Sharding.shard` of a full tensor)."""
         self._no_ellipsis(self.inputs[i])
-        return Layout(tuple(self._arrive_dims(i)))
+        return Sharding(tuple(self._arrive_dims(i)))
 
     @property
-    def output_layout(self) -> Layout:
+    def output_sharding(self) -> Sharding:
         """How the output leaves the spec; ``partial`` lists the axes left as partial sums."""
         self._no_ellipsis(self.output)
         dims, partial = self._leave_dims()
-        return Layout(tuple(dims), tuple(partial))
+        return Sharding(tuple(dims), tuple(partial))
+
+    # the old names (a tensor's layout over the mesh is now its sharding)
+    input_layout = input_sharding
+    output_layout = output_sharding
 
     # -------------------------------------------------------------------------- shapes
     def check_shapes(
@@ -423,22 +314,24 @@ class ShardSpec:
                 f"shapes {list(shapes)}."
             )
         glob = [tuple(int(n) for n in s) for s in shapes]
-        plan = self._shape_plan(tuple(glob), tuple(sorted(mesh_sizes.items())), sizes, local=False)
-        return [*plan.arrive_shapes, plan.out_shape]
+        recipe = self._shape_recipe(
+            tuple(glob), tuple(sorted(mesh_sizes.items())), sizes, local=False
+        )
+        return [*recipe.arrive_shapes, recipe.out_shape]
 
-    def _shape_plan(
+    def _shape_recipe(
         self,
         shapes: tuple[tuple[int, ...], ...],
         mesh_sizes: tuple[tuple[str, int], ...],
         sizes: Mapping[str, int],
         *,
         local: bool,
-    ) -> _ShapePlan:
+    ) -> _ShapeRecipe:
         key = (shapes, mesh_sizes, tuple(sorted(sizes.items())), local)
-        plan = self._shape_cache.get(key)
-        if plan is None:
-            plan = self._shape_cache[key] = _solve(self, shapes, dict(mesh_sizes), sizes, local)
-        return plan
+        recipe = self._shape_cache.get(key)
+        if recipe is None:
+            recipe = self._shape_cache[key] = _solve(self, shapes, dict(mesh_sizes), sizes, local)
+        return recipe
 
     # -------------------------------------------------------------------------- apply
     def __call__(self, *xs: Tensor, mesh: Mapping[str, Axis], **sizes: int) -> Tensor:
@@ -459,7 +352,7 @@ class ShardSpec:
                 raise InvalidArgument(
                     f"input {i} of pattern {self.pattern!r} is {x!r}, not a Tensor."
                 )
-        sp = self._shape_plan(
+        sp = self._shape_recipe(
             tuple(tuple(x.shape) for x in xs),
             tuple(sorted((m, a.size) for m, a in axes.items())),
             sizes,
@@ -498,210 +391,6 @@ class ShardSpec:
         if gather:
             parts.append("gather_output=True")
         return f"shard_spec({', '.join(parts)})"
-
-
-_APPLY: dict[str, Callable[..., Tensor]] = {
-    "copy_to_group": lambda x, ax, d: C.copy_to_group(x, ax),
-    "split_to_group": lambda x, ax, d: C.split_to_group(x, ax, dim=d),
-    "all_gather": lambda x, ax, d: C.all_gather(x, ax, dim=d),
-    "gather_from_group": lambda x, ax, d: C.gather_from_group(x, ax, dim=d),
-    "reduce_from_group": lambda x, ax, d: C.reduce_from_group(x, ax),
-    "reduce_scatter": lambda x, ax, d: C.reduce_scatter(x, ax, dim=d),
-}
-
-
-def _tensor_dim(groups: Sequence[Group], axis: str) -> int | None:
-    """The tensor dim holding ``axis`` (negative when it comes after a ``...``)."""
-    d = _dim_of(groups, axis)
-    ell = _dim_of(groups, ELLIPSIS)
-    if d is not None and ell is not None and d > ell:
-        return d - len(groups)
-    return d
-
-
-def _apply_pair(step: _Step, x: Tensor, axis: Axis, groups: Sequence[Group]) -> Tensor:
-    if step.pair == "none":
-        return x
-    dim = _tensor_dim(groups, step.along) if step.along is not None else None
-    return _APPLY[step.pair](x, axis, dim)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The derived collectives of a spec; ``str(plan)`` is a markdown table."""
-
-    pattern: str
-    rows: tuple[PlanRow, ...]
-
-    def table(self) -> str:
-        head = ("operand", "pattern", "mesh axis", "layout in", "layout out", "forward", "backward")
-        body = [
-            (r.operand, r.pattern, r.mesh_axis, r.before, r.after, r.forward, r.backward)
-            for r in self.rows
-        ]
-        widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-
-        def line(cells: Sequence[str]) -> str:
-            return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-        sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-        return "\n".join([line(head), sep, *(line(b) for b in body)])
-
-    def __str__(self) -> str:
-        return self.table()
-
-
-# ------------------------------------------------------------------------------ shape solving
-@dataclass(frozen=True)
-class _ShapePlan:
-    arrive_shapes: tuple[tuple[int, ...], ...]
-    out_shape: tuple[int, ...]
-    in_rearrange: tuple[tuple[str, dict[str, int]], ...]
-    equation: str
-    out_rearrange: str
-
-
-def _solve(
-    spec: ShardSpec,
-    shapes: tuple[tuple[int, ...], ...],
-    mesh_sizes: dict[str, int],
-    sizes: Mapping[str, int],
-    local: bool,
-) -> _ShapePlan:
-    where = (
-        f"pattern {spec.pattern!r} with axes {spec.axes}, "
-        f"{'local' if local else 'global'} shapes {list(shapes)}, mesh sizes {mesh_sizes}"
-    )
-    for m in spec._mesh_axes():
-        if m not in mesh_sizes:
-            raise InvalidArgument(f"{where}: no size for mesh axis {m!r}.")
-    for name, v in sizes.items():
-        if not isinstance(v, int) or v < 1:
-            raise InvalidArgument(f"{where}: axis size {name}={v!r} must be a positive int.")
-    ell_shape: tuple[int, ...] | None = None
-    groups_global: list[tuple[Group, int]] = []
-    for i, (groups, shape) in enumerate(zip(spec.inputs, shapes, strict=True)):
-        has_ell = (ELLIPSIS,) in groups
-        named = len(groups) - has_ell
-        if len(shape) < named or (not has_ell and len(shape) != named):
-            raise InvalidArgument(
-                f"{where}: input {i} ({_text(groups)!r}) has {len(shape)} dims; the pattern "
-                f"gives it {named}{' or more' if has_ell else ''}."
-            )
-        k = 0
-        for g, lay in zip(groups, spec._arrive_dims(i), strict=True):
-            if g == (ELLIPSIS,):
-                n_ell = len(shape) - named
-                es = shape[k : k + n_ell]
-                if ell_shape is not None and es != ell_shape:
-                    raise InvalidArgument(
-                        f"{where}: the '...' dims differ between inputs ({ell_shape} vs {es}); "
-                        "they must be equal (no broadcasting)."
-                    )
-                ell_shape = es
-                k += n_ell
-                continue
-            n = shape[k] * (_prod(mesh_sizes[m] for m in lay) if local else 1)
-            groups_global.append((g, n))
-            k += 1
-    known: dict[str, int] = {a: int(v) for a, v in sizes.items()}
-    unknown_names = [a for a in known if a not in {x for g, _ in groups_global for x in g}]
-    if unknown_names:
-        raise InvalidArgument(f"{where}: sizes given for {unknown_names}, not axes of the pattern.")
-    changed = True
-    while changed:
-        changed = False
-        for g, n in groups_global:
-            missing = [a for a in g if a not in known]
-            prod_known = _prod(known[a] for a in g if a in known)
-            if len(missing) == 1:
-                if n % prod_known:
-                    raise InvalidArgument(
-                        f"{where}: dim ({' '.join(g)}) has size {n}, not divisible by "
-                        f"{prod_known} (the known factors)."
-                    )
-                known[missing[0]] = n // prod_known
-                changed = True
-            elif not missing and prod_known != n:
-                raise InvalidArgument(
-                    f"{where}: axis sizes disagree: ({' '.join(g)}) = {n} but the sizes give "
-                    f"{' * '.join(str(known[a]) for a in g)} = {prod_known}; every axis must "
-                    "have one size across operands."
-                )
-    for g, _ in groups_global:
-        missing = [a for a in g if a not in known]
-        if missing:
-            raise InvalidArgument(
-                f"{where}: cannot infer the size of {missing} in group ({' '.join(g)}); pass "
-                f"it as a keyword, e.g. {missing[0]}=<global size>."
-            )
-    # divisibility of every split axis
-    split_by: list[tuple[str, str, str]] = [
-        (a, m, "the op splits it") for a, m in spec.axes.items()
-    ]
-    for i, sh in spec.in_shards.items():
-        split_by += [(a, m, f"input {i} arrives split on it") for a, m in sh.items()]
-    split_by += [(o, m, "reduce_scatter scatters along it") for m, o in spec.scatter.items()]
-    for a, m, why in split_by:
-        if known[a] % mesh_sizes[m]:
-            raise InvalidArgument(
-                f"{where}: axis {a!r} has global size {known[a]}, not divisible by mesh axis "
-                f"{m!r} of size {mesh_sizes[m]} ({why}); use a multiple of {mesh_sizes[m]}."
-            )
-    # local sizes during the computation
-    comp = dict(known)
-    for a, m in spec.axes.items():
-        comp[a] = known[a] // mesh_sizes[m]
-    letters = {
-        a: chr(ord("a") + i) if i < 26 else chr(ord("A") + i - 26)
-        for i, a in enumerate(sorted({x for g, _ in groups_global for x in g}))
-    }
-    if len(letters) > 52:
-        raise InvalidArgument(f"{where}: more than 52 axes.")
-    in_re = []
-    eq_in = []
-    for groups in spec.inputs:
-        if any(len(g) > 1 for g in groups):  # ungroup: 'd (h k)' -> 'd h k' with local sizes
-            flat = " ".join(a for g in groups for a in g)
-            grouped = {a: comp[a] for g in groups if len(g) > 1 for a in g}
-            in_re.append((f"{_text(groups)} -> {flat}", grouped))
-        else:
-            in_re.append(("", {}))
-        eq_in.append("".join("..." if a == ELLIPSIS else letters[a] for g in groups for a in g))
-    eq_out = "".join("..." if a == ELLIPSIS else letters[a] for g in spec.output for a in g)
-    out_re = ""
-    if any(len(g) > 1 for g in spec.output):
-        out_re = f"{' '.join(a for g in spec.output for a in g)} -> {_text(spec.output)}"
-    # shapes as they arrive (inputs) and leave (output)
-    arrive = []
-    for i, groups in enumerate(spec.inputs):
-        shp: list[int] = []
-        for g, lay in zip(groups, spec._arrive_dims(i), strict=True):
-            if g == (ELLIPSIS,):
-                shp += list(ell_shape or ())
-            else:
-                shp.append(_prod(known[a] for a in g) // _prod(mesh_sizes[m] for m in lay))
-        arrive.append(tuple(shp))
-    out_shape: list[int] = []
-    for g, lay in zip(spec.output, spec._leave_dims()[0], strict=True):
-        if g == (ELLIPSIS,):
-            out_shape += list(ell_shape or ())
-        else:
-            out_shape.append(_prod(known[a] for a in g) // _prod(mesh_sizes[m] for m in lay))
-    return _ShapePlan(
-        tuple(arrive),
-        tuple(out_shape),
-        tuple(in_re),
-        ",".join(eq_in) + "->" + eq_out,
-        out_re,
-    )
-
-
-def _prod(xs: Any) -> int:
-    out = 1
-    for x in xs:
-        out *= int(x)
-    return out
 
 
 # ------------------------------------------------------------------------------ public builder

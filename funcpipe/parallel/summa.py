@@ -22,7 +22,7 @@ pair's backward mirrors it. The output is split like the input with ``in_axis`` 
 
 Each mode has a linear layer, a layer norm, an embedding, a classifier with its loss
 (vocab-parallel cross-entropy over the axis that splits the logits) and the two pre-norm
-residual blocks of a transformer, each with a ``*_layout`` function for sharding full weights.
+residual blocks of a transformer, each with a ``*_sharding`` function for sharding full weights.
 """
 
 from __future__ import annotations
@@ -36,48 +36,48 @@ from torch import Tensor
 
 from funcpipe.errors import InvalidArgument
 from funcpipe.parallel import collectives as C
-from funcpipe.parallel.layout import Layout, OpLayout
 from funcpipe.parallel.mesh import Axis
 from funcpipe.parallel.ops import LN_EPS, attention, vocab_parallel_cross_entropy
+from funcpipe.parallel.sharding import OpSharding, Sharding
 from funcpipe.tree import tree_map
 
 __all__ = [
     "attention_block_2d",
-    "attention_block_2d_layout",
+    "attention_block_2d_sharding",
     "attention_block_2p5d",
-    "attention_block_2p5d_layout",
+    "attention_block_2p5d_sharding",
     "attention_block_3d",
-    "attention_block_3d_layout",
+    "attention_block_3d_sharding",
     "classifier_loss_2d",
-    "classifier_loss_2d_layout",
+    "classifier_loss_2d_sharding",
     "classifier_loss_2p5d",
-    "classifier_loss_2p5d_layout",
+    "classifier_loss_2p5d_sharding",
     "classifier_loss_3d",
-    "classifier_loss_3d_layout",
+    "classifier_loss_3d_sharding",
     "embedding_2d",
-    "embedding_2d_layout",
+    "embedding_2d_sharding",
     "embedding_2p5d",
-    "embedding_2p5d_layout",
+    "embedding_2p5d_sharding",
     "embedding_3d",
-    "embedding_3d_layout",
+    "embedding_3d_sharding",
     "layer_norm_2d",
-    "layer_norm_2d_layout",
+    "layer_norm_2d_sharding",
     "layer_norm_2p5d",
-    "layer_norm_2p5d_layout",
+    "layer_norm_2p5d_sharding",
     "layer_norm_3d",
-    "layer_norm_3d_layout",
+    "layer_norm_3d_sharding",
     "linear_2d",
-    "linear_2d_layout",
+    "linear_2d_sharding",
     "linear_2p5d",
-    "linear_2p5d_layout",
+    "linear_2p5d_sharding",
     "linear_3d",
-    "linear_3d_layout",
+    "linear_3d_sharding",
     "mlp_block_2d",
-    "mlp_block_2d_layout",
+    "mlp_block_2d_sharding",
     "mlp_block_2p5d",
-    "mlp_block_2p5d_layout",
+    "mlp_block_2p5d_sharding",
     "mlp_block_3d",
-    "mlp_block_3d_layout",
+    "mlp_block_3d_sharding",
 ]
 
 Params = dict[str, Any]
@@ -170,15 +170,15 @@ def linear_2d(x: Tensor, params: Params, *, row: Axis, col: Axis) -> Tensor:
     return y
 
 
-def linear_2d_layout(
+def linear_2d_sharding(
     *, row: str = "tensor_row", col: str = "tensor_col", bias: bool = True
-) -> OpLayout:
-    """Layouts of :func:`linear_2d` (``shard_params`` / ``gather_params`` of full weights)."""
-    act = Layout.of(row, None, col)
-    params = {"weight": Layout.of(row, col), "bias": Layout.of(col)}
+) -> OpSharding:
+    """Shardings of :func:`linear_2d` (``shard_params`` / ``gather_params`` of full weights)."""
+    act = Sharding.of(row, None, col)
+    params = {"weight": Sharding.of(row, col), "bias": Sharding.of(col)}
     if not bias:
         del params["bias"]
-    return OpLayout((act,), params, act)
+    return OpSharding((act,), params, act)
 
 
 def _moments(x: Tensor, axis: Axis, width: int) -> tuple[Tensor, Tensor]:
@@ -204,23 +204,23 @@ def layer_norm_2d(x: Tensor, params: Params, *, row: Axis, col: Axis) -> Tensor:
     return _split_norm(x, params, col, (row,))
 
 
-def layer_norm_2d_layout(*, row: str = "tensor_row", col: str = "tensor_col") -> OpLayout:
-    """Layouts of :func:`layer_norm_2d` (``shard_params`` / ``gather_params`` of full weights)."""
-    act = Layout.of(row, None, col)
-    return OpLayout((act,), {"weight": Layout.of(col), "bias": Layout.of(col)}, act)
+def layer_norm_2d_sharding(*, row: str = "tensor_row", col: str = "tensor_col") -> OpSharding:
+    """Shardings of :func:`layer_norm_2d` (``shard_params`` / ``gather_params`` of full weights)."""
+    act = Sharding.of(row, None, col)
+    return OpSharding((act,), {"weight": Sharding.of(col), "bias": Sharding.of(col)}, act)
 
 
 def embedding_2d(ids: Tensor, params: Params, *, row: Axis, col: Axis) -> Tensor:
     """``ids[b/q, s]`` looked up in ``weight[V, d/q]`` -> ``x[b/q, s, d/q]`` (the 2D activation
-    layout); no forward communication, the weight gradient is all-reduced over ``row``."""
+    sharding); no forward communication, the weight gradient is all-reduced over ``row``."""
     _grid(row, col, "embedding_2d")
     return F.embedding(ids, C.copy_to_group(params["weight"], row))
 
 
-def embedding_2d_layout(*, row: str = "tensor_row", col: str = "tensor_col") -> OpLayout:
-    """Layouts of :func:`embedding_2d` (``shard_params`` / ``gather_params`` of full weights)."""
-    return OpLayout(
-        (Layout.of(row, None),), {"weight": Layout.of(None, col)}, Layout.of(row, None, col)
+def embedding_2d_sharding(*, row: str = "tensor_row", col: str = "tensor_col") -> OpSharding:
+    """Shardings of :func:`embedding_2d` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpSharding(
+        (Sharding.of(row, None),), {"weight": Sharding.of(None, col)}, Sharding.of(row, None, col)
     )
 
 
@@ -234,12 +234,12 @@ def classifier_loss_2d(
     return vocab_parallel_cross_entropy(logits, target, axis=col)
 
 
-def classifier_loss_2d_layout(*, row: str = "tensor_row", col: str = "tensor_col") -> OpLayout:
-    """Layouts of :func:`classifier_loss_2d` (``shard_params`` / ``gather_params`` of full weights)."""
-    return OpLayout(
-        (Layout.of(row, None, col), Layout.of(row, None)),
-        {"weight": Layout.of(row, col)},
-        Layout.of(row, None),
+def classifier_loss_2d_sharding(*, row: str = "tensor_row", col: str = "tensor_col") -> OpSharding:
+    """Shardings of :func:`classifier_loss_2d` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpSharding(
+        (Sharding.of(row, None, col), Sharding.of(row, None)),
+        {"weight": Sharding.of(row, col)},
+        Sharding.of(row, None),
     )
 
 
@@ -250,12 +250,12 @@ def mlp_block_2d(x: Tensor, params: Params, *, row: Axis, col: Axis) -> Tensor:
     return x + linear_2d(h, params["fc2"], row=row, col=col)
 
 
-def mlp_block_2d_layout(*, row: str = "tensor_row", col: str = "tensor_col") -> OpLayout:
-    """Layouts of :func:`mlp_block_2d` (``shard_params`` / ``gather_params`` of full weights)."""
-    lin = linear_2d_layout(row=row, col=col).params
-    norm = layer_norm_2d_layout(row=row, col=col).params
-    act = Layout.of(row, None, col)
-    return OpLayout((act,), {"norm": norm, "fc1": lin, "fc2": lin}, act)
+def mlp_block_2d_sharding(*, row: str = "tensor_row", col: str = "tensor_col") -> OpSharding:
+    """Shardings of :func:`mlp_block_2d` (``shard_params`` / ``gather_params`` of full weights)."""
+    lin = linear_2d_sharding(row=row, col=col).params
+    norm = layer_norm_2d_sharding(row=row, col=col).params
+    act = Sharding.of(row, None, col)
+    return OpSharding((act,), {"norm": norm, "fc1": lin, "fc2": lin}, act)
 
 
 def attention_block_2d(
@@ -269,12 +269,12 @@ def attention_block_2d(
     return x + linear_2d(_attend(q, k, v, heads, causal), params["o"], row=row, col=col)
 
 
-def attention_block_2d_layout(*, row: str = "tensor_row", col: str = "tensor_col") -> OpLayout:
-    """Layouts of :func:`attention_block_2d` (``shard_params`` / ``gather_params`` of full weights)."""
-    lin = linear_2d_layout(row=row, col=col).params
-    norm = layer_norm_2d_layout(row=row, col=col).params
-    act = Layout.of(row, None, col)
-    return OpLayout((act,), {"norm": norm, "q": lin, "k": lin, "v": lin, "o": lin}, act)
+def attention_block_2d_sharding(*, row: str = "tensor_row", col: str = "tensor_col") -> OpSharding:
+    """Shardings of :func:`attention_block_2d` (``shard_params`` / ``gather_params`` of full weights)."""
+    lin = linear_2d_sharding(row=row, col=col).params
+    norm = layer_norm_2d_sharding(row=row, col=col).params
+    act = Sharding.of(row, None, col)
+    return OpSharding((act,), {"norm": norm, "q": lin, "k": lin, "v": lin, "o": lin}, act)
 
 
 # ------------------------------------------------------------------------------ 2.5D
@@ -284,15 +284,15 @@ def _over_depth(params: Params, dep: Axis) -> Params:
     return tree_map(lambda w: C.copy_to_group(w, dep), params)
 
 
-def _layout_2p5d(lay: OpLayout, dep: str, row: str) -> OpLayout:
-    """A 2D layout with the batch (dim 0 of activations) split over ``(dep, row)``."""
+def _sharding_2p5d(lay: OpSharding, dep: str, row: str) -> OpSharding:
+    """A 2D sharding with the batch (dim 0 of activations) split over ``(dep, row)``."""
 
-    def deepen(act: Layout) -> Layout:
+    def deepen(act: Sharding) -> Sharding:
         first = act.dims[0]
         dims = ((dep, *first), *act.dims[1:]) if first == (row,) else act.dims
-        return Layout(dims, act.partial)
+        return Sharding(dims, act.partial)
 
-    return OpLayout(tuple(deepen(a) for a in lay.inputs), lay.params, deepen(lay.output))
+    return OpSharding(tuple(deepen(a) for a in lay.inputs), lay.params, deepen(lay.output))
 
 
 def linear_2p5d(x: Tensor, params: Params, *, dep: Axis, row: Axis, col: Axis) -> Tensor:
@@ -301,15 +301,15 @@ def linear_2p5d(x: Tensor, params: Params, *, dep: Axis, row: Axis, col: Axis) -
     return linear_2d(x, _over_depth(params, dep), row=row, col=col)
 
 
-def linear_2p5d_layout(
+def linear_2p5d_sharding(
     *,
     dep: str = "tensor_dep",
     row: str = "tensor_row",
     col: str = "tensor_col",
     bias: bool = True,
-) -> OpLayout:
-    """Layouts of :func:`linear_2p5d` (``shard_params`` / ``gather_params`` of full weights)."""
-    return _layout_2p5d(linear_2d_layout(row=row, col=col, bias=bias), dep, row)
+) -> OpSharding:
+    """Shardings of :func:`linear_2p5d` (``shard_params`` / ``gather_params`` of full weights)."""
+    return _sharding_2p5d(linear_2d_sharding(row=row, col=col, bias=bias), dep, row)
 
 
 def layer_norm_2p5d(x: Tensor, params: Params, *, dep: Axis, row: Axis, col: Axis) -> Tensor:
@@ -317,11 +317,11 @@ def layer_norm_2p5d(x: Tensor, params: Params, *, dep: Axis, row: Axis, col: Axi
     return layer_norm_2d(x, _over_depth(params, dep), row=row, col=col)
 
 
-def layer_norm_2p5d_layout(
+def layer_norm_2p5d_sharding(
     *, dep: str = "tensor_dep", row: str = "tensor_row", col: str = "tensor_col"
-) -> OpLayout:
-    """Layouts of :func:`layer_norm_2p5d` (``shard_params`` / ``gather_params`` of full weights)."""
-    return _layout_2p5d(layer_norm_2d_layout(row=row, col=col), dep, row)
+) -> OpSharding:
+    """Shardings of :func:`layer_norm_2p5d` (``shard_params`` / ``gather_params`` of full weights)."""
+    return _sharding_2p5d(layer_norm_2d_sharding(row=row, col=col), dep, row)
 
 
 def embedding_2p5d(ids: Tensor, params: Params, *, dep: Axis, row: Axis, col: Axis) -> Tensor:
@@ -329,11 +329,11 @@ def embedding_2p5d(ids: Tensor, params: Params, *, dep: Axis, row: Axis, col: Ax
     return embedding_2d(ids, _over_depth(params, dep), row=row, col=col)
 
 
-def embedding_2p5d_layout(
+def embedding_2p5d_sharding(
     *, dep: str = "tensor_dep", row: str = "tensor_row", col: str = "tensor_col"
-) -> OpLayout:
-    """Layouts of :func:`embedding_2p5d` (``shard_params`` / ``gather_params`` of full weights)."""
-    return _layout_2p5d(embedding_2d_layout(row=row, col=col), dep, row)
+) -> OpSharding:
+    """Shardings of :func:`embedding_2p5d` (``shard_params`` / ``gather_params`` of full weights)."""
+    return _sharding_2p5d(embedding_2d_sharding(row=row, col=col), dep, row)
 
 
 def classifier_loss_2p5d(
@@ -343,22 +343,22 @@ def classifier_loss_2p5d(
     return classifier_loss_2d(x, _over_depth(params, dep), target=target, row=row, col=col)
 
 
-def classifier_loss_2p5d_layout(
+def classifier_loss_2p5d_sharding(
     *, dep: str = "tensor_dep", row: str = "tensor_row", col: str = "tensor_col"
-) -> OpLayout:
-    """Layouts of :func:`classifier_loss_2p5d` (``shard_params`` / ``gather_params`` of full weights)."""
-    return _layout_2p5d(classifier_loss_2d_layout(row=row, col=col), dep, row)
+) -> OpSharding:
+    """Shardings of :func:`classifier_loss_2p5d` (``shard_params`` / ``gather_params`` of full weights)."""
+    return _sharding_2p5d(classifier_loss_2d_sharding(row=row, col=col), dep, row)
 
 
 def mlp_block_2p5d(x: Tensor, params: Params, *, dep: Axis, row: Axis, col: Axis) -> Tensor:
     return mlp_block_2d(x, _over_depth(params, dep), row=row, col=col)
 
 
-def mlp_block_2p5d_layout(
+def mlp_block_2p5d_sharding(
     *, dep: str = "tensor_dep", row: str = "tensor_row", col: str = "tensor_col"
-) -> OpLayout:
-    """Layouts of :func:`mlp_block_2p5d` (``shard_params`` / ``gather_params`` of full weights)."""
-    return _layout_2p5d(mlp_block_2d_layout(row=row, col=col), dep, row)
+) -> OpSharding:
+    """Shardings of :func:`mlp_block_2p5d` (``shard_params`` / ``gather_params`` of full weights)."""
+    return _sharding_2p5d(mlp_block_2d_sharding(row=row, col=col), dep, row)
 
 
 def attention_block_2p5d(
@@ -375,11 +375,11 @@ def attention_block_2p5d(
     return attention_block_2d(x, p, row=row, col=col, num_heads=num_heads, causal=causal)
 
 
-def attention_block_2p5d_layout(
+def attention_block_2p5d_sharding(
     *, dep: str = "tensor_dep", row: str = "tensor_row", col: str = "tensor_col"
-) -> OpLayout:
-    """Layouts of :func:`attention_block_2p5d` (``shard_params`` / ``gather_params`` of full weights)."""
-    return _layout_2p5d(attention_block_2d_layout(row=row, col=col), dep, row)
+) -> OpSharding:
+    """Shardings of :func:`attention_block_2p5d` (``shard_params`` / ``gather_params`` of full weights)."""
+    return _sharding_2p5d(attention_block_2d_sharding(row=row, col=col), dep, row)
 
 
 # ------------------------------------------------------------------------------ 3D
@@ -417,21 +417,21 @@ def linear_3d(x: Tensor, params: Params, *, in_axis: Axis, wt_axis: Axis, out_ax
     return y
 
 
-def linear_3d_layout(
+def linear_3d_sharding(
     *,
     in_axis: str = "tensor_in",
     wt_axis: str = "tensor_wt",
     out_axis: str = "tensor_out",
     bias: bool = True,
-) -> OpLayout:
-    """Layouts of :func:`linear_3d` (``shard_params`` / ``gather_params`` of full weights)."""
-    params = {"weight": Layout.of((out_axis, wt_axis), in_axis), "bias": Layout.of(in_axis)}
+) -> OpSharding:
+    """Shardings of :func:`linear_3d` (``shard_params`` / ``gather_params`` of full weights)."""
+    params = {"weight": Sharding.of((out_axis, wt_axis), in_axis), "bias": Sharding.of(in_axis)}
     if not bias:
         del params["bias"]
-    return OpLayout(
-        (Layout.of((wt_axis, in_axis), None, out_axis),),
+    return OpSharding(
+        (Sharding.of((wt_axis, in_axis), None, out_axis),),
         params,
-        Layout.of((wt_axis, out_axis), None, in_axis),
+        Sharding.of((wt_axis, out_axis), None, in_axis),
     )
 
 
@@ -444,12 +444,12 @@ def layer_norm_3d(
     return _split_norm(x, params, out_axis, (wt_axis, in_axis))
 
 
-def layer_norm_3d_layout(
+def layer_norm_3d_sharding(
     *, in_axis: str = "tensor_in", wt_axis: str = "tensor_wt", out_axis: str = "tensor_out"
-) -> OpLayout:
-    """Layouts of :func:`layer_norm_3d` (``shard_params`` / ``gather_params`` of full weights)."""
-    act = Layout.of((wt_axis, in_axis), None, out_axis)
-    return OpLayout((act,), {"weight": Layout.of(out_axis), "bias": Layout.of(out_axis)}, act)
+) -> OpSharding:
+    """Shardings of :func:`layer_norm_3d` (``shard_params`` / ``gather_params`` of full weights)."""
+    act = Sharding.of((wt_axis, in_axis), None, out_axis)
+    return OpSharding((act,), {"weight": Sharding.of(out_axis), "bias": Sharding.of(out_axis)}, act)
 
 
 def embedding_3d(
@@ -462,14 +462,14 @@ def embedding_3d(
     return F.embedding(ids, w)
 
 
-def embedding_3d_layout(
+def embedding_3d_sharding(
     *, in_axis: str = "tensor_in", wt_axis: str = "tensor_wt", out_axis: str = "tensor_out"
-) -> OpLayout:
-    """Layouts of :func:`embedding_3d` (``shard_params`` / ``gather_params`` of full weights)."""
-    return OpLayout(
-        (Layout.of((wt_axis, in_axis), None),),
-        {"weight": Layout.of(None, out_axis)},
-        Layout.of((wt_axis, in_axis), None, out_axis),
+) -> OpSharding:
+    """Shardings of :func:`embedding_3d` (``shard_params`` / ``gather_params`` of full weights)."""
+    return OpSharding(
+        (Sharding.of((wt_axis, in_axis), None),),
+        {"weight": Sharding.of(None, out_axis)},
+        Sharding.of((wt_axis, in_axis), None, out_axis),
     )
 
 
@@ -485,13 +485,13 @@ def classifier_loss_3d(
     return vocab_parallel_cross_entropy(logits, target, axis=in_axis)
 
 
-def classifier_loss_3d_layout(
+def classifier_loss_3d_sharding(
     *, in_axis: str = "tensor_in", wt_axis: str = "tensor_wt", out_axis: str = "tensor_out"
-) -> OpLayout:
-    """Layouts of :func:`classifier_loss_3d` (``shard_params`` / ``gather_params`` of full weights)."""
-    lin = linear_3d_layout(in_axis=in_axis, wt_axis=wt_axis, out_axis=out_axis, bias=False)
-    rows = Layout.of((wt_axis, out_axis), None)
-    return OpLayout((lin.inputs[0], rows), lin.params, rows)
+) -> OpSharding:
+    """Shardings of :func:`classifier_loss_3d` (``shard_params`` / ``gather_params`` of full weights)."""
+    lin = linear_3d_sharding(in_axis=in_axis, wt_axis=wt_axis, out_axis=out_axis, bias=False)
+    rows = Sharding.of((wt_axis, out_axis), None)
+    return OpSharding((lin.inputs[0], rows), lin.params, rows)
 
 
 def _swap3(
@@ -514,15 +514,15 @@ def mlp_block_3d(
     return x + _swap3(linear_3d, h, params["fc2"], axes, True)
 
 
-def mlp_block_3d_layout(
+def mlp_block_3d_sharding(
     *, in_axis: str = "tensor_in", wt_axis: str = "tensor_wt", out_axis: str = "tensor_out"
-) -> OpLayout:
-    """Layouts of :func:`mlp_block_3d` (``shard_params`` / ``gather_params`` of full weights)."""
-    fwd = linear_3d_layout(in_axis=in_axis, wt_axis=wt_axis, out_axis=out_axis)
-    back = linear_3d_layout(in_axis=out_axis, wt_axis=wt_axis, out_axis=in_axis)
-    norm = layer_norm_3d_layout(in_axis=in_axis, wt_axis=wt_axis, out_axis=out_axis)
+) -> OpSharding:
+    """Shardings of :func:`mlp_block_3d` (``shard_params`` / ``gather_params`` of full weights)."""
+    fwd = linear_3d_sharding(in_axis=in_axis, wt_axis=wt_axis, out_axis=out_axis)
+    back = linear_3d_sharding(in_axis=out_axis, wt_axis=wt_axis, out_axis=in_axis)
+    norm = layer_norm_3d_sharding(in_axis=in_axis, wt_axis=wt_axis, out_axis=out_axis)
     params = {"norm": norm.params, "fc1": fwd.params, "fc2": back.params}
-    return OpLayout(fwd.inputs, params, fwd.inputs[0])
+    return OpSharding(fwd.inputs, params, fwd.inputs[0])
 
 
 def attention_block_3d(
@@ -544,13 +544,35 @@ def attention_block_3d(
     return x + _swap3(linear_3d, _attend(q, k, v, heads, causal), params["o"], axes, True)
 
 
-def attention_block_3d_layout(
+def attention_block_3d_sharding(
     *, in_axis: str = "tensor_in", wt_axis: str = "tensor_wt", out_axis: str = "tensor_out"
-) -> OpLayout:
-    """Layouts of :func:`attention_block_3d` (``shard_params`` / ``gather_params`` of full weights)."""
-    fwd = linear_3d_layout(in_axis=in_axis, wt_axis=wt_axis, out_axis=out_axis)
-    back = linear_3d_layout(in_axis=out_axis, wt_axis=wt_axis, out_axis=in_axis)
-    norm = layer_norm_3d_layout(in_axis=in_axis, wt_axis=wt_axis, out_axis=out_axis)
+) -> OpSharding:
+    """Shardings of :func:`attention_block_3d` (``shard_params`` / ``gather_params`` of full weights)."""
+    fwd = linear_3d_sharding(in_axis=in_axis, wt_axis=wt_axis, out_axis=out_axis)
+    back = linear_3d_sharding(in_axis=out_axis, wt_axis=wt_axis, out_axis=in_axis)
+    norm = layer_norm_3d_sharding(in_axis=in_axis, wt_axis=wt_axis, out_axis=out_axis)
     params = {"norm": norm.params, "q": fwd.params, "k": fwd.params, "v": fwd.params}
     params["o"] = back.params
-    return OpLayout(fwd.inputs, params, fwd.inputs[0])
+    return OpSharding(fwd.inputs, params, fwd.inputs[0])
+
+
+# ------------------------------------------------------------------------------ old names
+# the ``*_layout`` names from before a tensor's layout was called its sharding, for old code
+attention_block_2d_layout = attention_block_2d_sharding
+attention_block_2p5d_layout = attention_block_2p5d_sharding
+attention_block_3d_layout = attention_block_3d_sharding
+classifier_loss_2d_layout = classifier_loss_2d_sharding
+classifier_loss_2p5d_layout = classifier_loss_2p5d_sharding
+classifier_loss_3d_layout = classifier_loss_3d_sharding
+embedding_2d_layout = embedding_2d_sharding
+embedding_2p5d_layout = embedding_2p5d_sharding
+embedding_3d_layout = embedding_3d_sharding
+layer_norm_2d_layout = layer_norm_2d_sharding
+layer_norm_2p5d_layout = layer_norm_2p5d_sharding
+layer_norm_3d_layout = layer_norm_3d_sharding
+linear_2d_layout = linear_2d_sharding
+linear_2p5d_layout = linear_2p5d_sharding
+linear_3d_layout = linear_3d_sharding
+mlp_block_2d_layout = mlp_block_2d_sharding
+mlp_block_2p5d_layout = mlp_block_2p5d_sharding
+mlp_block_3d_layout = mlp_block_3d_sharding

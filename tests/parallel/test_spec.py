@@ -10,13 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.parallel import Layout, shard_spec
+from funcpipe.parallel import Sharding, shard_spec
 from tests import jobs_parallel as J
 from tests.parallel.strategies import divisors, scaled
 
 
 def rows(spec: Any) -> list[tuple[str, str, str, str]]:
-    return [(r.operand, r.mesh_axis, r.forward, r.backward) for r in spec.plan.rows]
+    return [(r.operand, r.mesh_axis, r.forward, r.backward) for r in spec.collectives.rows]
 
 
 # ------------------------------------------------------------------------------ derivation rules
@@ -27,15 +27,15 @@ def test_replicated_input_of_a_split_op_is_copied_to_the_group() -> None:
         ("in1", "tensor", "-", "-"),
         ("out", "tensor", "-", "-"),
     ]
-    assert spec.input_layout(1) == Layout.of("tensor", None)
-    assert spec.output_layout == Layout.of(None, None, "tensor")
+    assert spec.input_sharding(1) == Sharding.of("tensor", None)
+    assert spec.output_sharding == Sharding.of(None, None, "tensor")
 
 
 def test_partial_sum_resolutions() -> None:
     pattern = "b s (h k), d (h k) -> b s d"
     ar = shard_spec(pattern, {"h": "tensor"}, reduce="all_reduce")
     assert rows(ar)[-1] == ("out", "tensor", "all_reduce", "identity")
-    assert ar.output_layout == Layout.of(None, None, None)
+    assert ar.output_sharding == Sharding.of(None, None, None)
     rs = shard_spec(pattern, {"h": "tensor"}, reduce="reduce_scatter", scatter="s")
     assert rows(rs)[-1] == (
         "out",
@@ -43,13 +43,24 @@ def test_partial_sum_resolutions() -> None:
         "reduce_scatter on s (dim 1)",
         "all_gather on s (dim 1)",
     )
-    assert rs.output_layout == Layout.of(None, "tensor", None)
+    assert rs.output_sharding == Sharding.of(None, "tensor", None)
     keep = shard_spec(pattern, {"h": "tensor"}, reduce="partial")
     assert rows(keep)[-1] == ("out", "tensor", "-", "-")
-    assert keep.output_layout == Layout.of(None, None, None, partial=("tensor",))
+    assert keep.output_sharding == Sharding.of(None, None, None, partial=("tensor",))
 
 
-def test_input_layout_conversions() -> None:
+def test_the_old_names_give_the_same_values() -> None:
+    """``spec.plan``, ``input_layout``, ``output_layout``, ``Plan`` and ``PlanRow``: old names."""
+    from funcpipe.parallel import CollectiveRow, Collectives, Plan, PlanRow, spec
+
+    sp = shard_spec("b s i, o i -> b s o", {"o": "tensor"}, in_shards={0: {"s": "tensor"}})
+    assert sp.plan == sp.collectives and str(sp.plan) == str(sp.collectives)
+    assert sp.input_layout(0) == sp.input_sharding(0)
+    assert sp.output_layout == sp.output_sharding
+    assert Plan is spec.Plan is Collectives and PlanRow is spec.PlanRow is CollectiveRow
+
+
+def test_input_sharding_conversions() -> None:
     sp = shard_spec("b s i, o i -> b s o", {"o": "tensor"}, in_shards={0: {"s": "tensor"}})
     assert rows(sp)[0] == (
         "in0",
@@ -57,7 +68,7 @@ def test_input_layout_conversions() -> None:
         "all_gather on s (dim 1)",
         "reduce_scatter on s (dim 1)",
     )
-    assert sp.input_layout(0) == Layout.of(None, "tensor", None)
+    assert sp.input_sharding(0) == Sharding.of(None, "tensor", None)
     split = shard_spec("b i, o i -> b o", {"o": "tensor"}, in_shards={1: {}})
     assert rows(split)[1] == ("in1", "tensor", "take shard on o (dim 0)", "all_gather on o (dim 0)")
     other = shard_spec("b i, o i -> b o", {"o": "tensor"}, in_shards={0: {"b": "data"}})
@@ -212,8 +223,8 @@ def test_grouped_axis_sizes() -> None:
         spec.check_shapes((2, 12), (12, 3), mesh_sizes={"tensor": 2}, h=5)
     with pytest.raises(InvalidArgument, match=r"sizes given for \['z'\], not axes of the pattern"):
         spec.check_shapes((2, 12), (12, 3), mesh_sizes={"tensor": 2}, h=2, z=1)
-    with pytest.raises(InvalidArgument, match="a Layout needs one entry per dim"):
-        _ = shard_spec("... d, d f -> ... f", {"f": "tensor"}).output_layout
+    with pytest.raises(InvalidArgument, match="a Sharding needs one entry per dim"):
+        _ = shard_spec("... d, d f -> ... f", {"f": "tensor"}).output_sharding
 
 
 # ------------------------------------------------------------------------------ random specs on gloo

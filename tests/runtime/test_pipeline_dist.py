@@ -9,17 +9,7 @@ import pytest
 from funcpipe.errors import RankFailed
 from tests import jobs_resources, jobs_runtime
 
-NAMES = [
-    "gpipe",
-    "1f1b",
-    "interleaved",
-    "looped-bfs",
-    "zb-h1",
-    "zb-h2",
-    "zbv",
-    "dualpipev",
-    "chimera",
-]
+NAMES = jobs_runtime.TRAINING  # every training schedule of the registry (GENERATORS)
 
 
 @pytest.mark.timeout(180)

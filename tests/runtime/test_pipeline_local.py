@@ -18,6 +18,7 @@ from funcpipe.testing import assert_trees_close
 from funcpipe.tree import tree_flatten
 from tests.jobs_runtime import (
     F64,
+    TRAINING,
     D,
     accuracy,
     data,
@@ -29,17 +30,7 @@ from tests.jobs_runtime import (
     toy,
 )
 
-NAMES = [
-    "gpipe",
-    "1f1b",
-    "interleaved",
-    "looped-bfs",
-    "zb-h1",
-    "zb-h2",
-    "zbv",
-    "dualpipev",
-    "chimera",
-]
+NAMES = TRAINING  # every training schedule of the registry (GENERATORS)
 
 
 @pytest.mark.parametrize("name", NAMES)
