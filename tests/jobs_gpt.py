@@ -8,8 +8,8 @@ import torch
 
 import funcpipe as fp
 from funcpipe.models import gpt
-from funcpipe.parallel.layout import shard_tree
 from funcpipe.parallel.mesh import build_mesh
+from funcpipe.parallel.sharding import shard_tree
 from funcpipe.schedule import generate
 from funcpipe.tree import tree_map
 
@@ -62,7 +62,7 @@ def pipeline_step(
     program = generate(schedule, ranks=pipeline, microbatches=4)
     n = program.n_stages
     full = gpt.split(gpt.init(CFG, seed=0, dtype=torch.float64), CFG, n)
-    lay = gpt.layouts(CFG, n)
+    lay = gpt.shardings(CFG, n)
     mine = set(program.stages_on(place.coords["pipe"]))
     params = tuple(
         shard_tree(full[s], lay[s], place)

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from funcpipe.parallel import (
-    Layout,
     Mesh,
-    OpLayout,
+    OpSharding,
     ParallelConfig,
+    Sharding,
     build_mesh,
     count_bytes,
     ops,
@@ -154,7 +154,7 @@ class Op:
     make: Callable[[dict[str, int], torch.Generator], tuple[Inputs, Any]]
     run: Callable[[Mesh, Inputs, Any, dict[str, int]], Tensor]
     ref: Callable[[Inputs, Any, dict[str, int]], Tensor]
-    layout: Callable[[dict[str, int]], OpLayout]
+    layout: Callable[[dict[str, int]], OpSharding]
     traffic: Callable[[dict[str, int], dict[str, int]], Traffic]
 
 
@@ -167,7 +167,7 @@ def _one_d(
     make: Callable[[dict[str, int], torch.Generator], tuple[Inputs, Any]],
     run: Callable[..., Tensor],
     ref: Callable[[Inputs, Any, dict[str, int]], Tensor],
-    layout: Callable[[dict[str, int]], OpLayout],
+    layout: Callable[[dict[str, int]], OpSharding],
     traffic: Callable[[dict[str, int], int], Traffic],
     *,
     mode: str = "1d",
@@ -192,7 +192,7 @@ _one_d(
     lambda d, g: ((R(g, d["b"], d["s"], d["i"]),), lin_p(g, d["o"], d["i"])),
     lambda x, p, axis, d: ops.column_parallel_linear(x, p, axis=axis),
     lambda xs, p, d: ref_lin(xs[0], p),
-    lambda d: ops.column_parallel_layout(),
+    lambda d: ops.column_parallel_sharding(),
     lambda d, t: AR("backward", T, d["b"] * d["s"] * d["i"], t),
 )
 _one_d(
@@ -201,7 +201,7 @@ _one_d(
     lambda d, g: ((R(g, d["b"], d["s"], d["i"]),), lin_p(g, d["o"], d["i"])),
     lambda x, p, axis, d: ops.column_parallel_linear(x, p, axis=axis, gather_output=True),
     lambda xs, p, d: ref_lin(xs[0], p),
-    lambda d: ops.column_parallel_layout(gather_output=True),
+    lambda d: ops.column_parallel_sharding(gather_output=True),
     lambda d, t: total(
         AG("forward", T, d["b"] * d["s"] * d["o"] // t, t),
         AR("backward", T, d["b"] * d["s"] * d["i"], t),
@@ -213,7 +213,7 @@ _one_d(
     lambda d, g: ((R(g, d["b"], d["s"], d["i"]),), lin_p(g, d["o"], d["i"])),
     lambda x, p, axis, d: ops.row_parallel_linear(x, p, axis=axis),
     lambda xs, p, d: ref_lin(xs[0], p),
-    lambda d: ops.row_parallel_layout(),
+    lambda d: ops.row_parallel_sharding(),
     lambda d, t: AR("forward", T, d["b"] * d["s"] * d["o"], t),
 )
 # ---- vocab parallel
@@ -226,7 +226,7 @@ _one_d(
     ),
     lambda ids, p, axis, d: ops.vocab_parallel_embedding(ids, p, axis=axis),
     lambda xs, p, d: F.embedding(xs[0], p["weight"]),
-    lambda d: ops.vocab_parallel_embedding_layout(),
+    lambda d: ops.vocab_parallel_embedding_sharding(),
     lambda d, t: AR("forward", T, d["b"] * d["s"] * d["d"], t),
 )
 _one_d(
@@ -241,7 +241,7 @@ _one_d(
     ),
     lambda logits, target, p, axis, d: ops.vocab_parallel_cross_entropy(logits, target, axis=axis),
     lambda xs, p, d: ref_ce(xs[0], xs[1]),
-    lambda d: ops.vocab_parallel_cross_entropy_layout(),
+    lambda d: ops.vocab_parallel_cross_entropy_sharding(),
     lambda d, t: total(
         AR("forward", T, d["b"] * d["s"], t), AR("forward", T, 2 * d["b"] * d["s"], t)
     ),
@@ -275,7 +275,7 @@ _one_d(
         x, p, axis=axis, num_heads=d["h"], causal=bool(d["causal"])
     ),
     lambda xs, p, d: ref_mha(xs[0], p, d["h"], bool(d["causal"])),
-    lambda d: ops.parallel_attention_layout(),
+    lambda d: ops.parallel_attention_sharding(),
     lambda d, t: total(
         AR("forward", T, d["b"] * d["s"] * _width(d), t),
         AR("backward", T, d["b"] * d["s"] * _width(d), t),
@@ -287,7 +287,7 @@ _one_d(
     lambda d, g: (_x(d, g), _mlp_p(d, g)),
     lambda x, p, axis, d: ops.parallel_mlp(x, p, axis=axis),
     lambda xs, p, d: ref_mlp(xs[0], p),
-    lambda d: ops.parallel_mlp_layout(),
+    lambda d: ops.parallel_mlp_sharding(),
     lambda d, t: total(
         AR("forward", T, d["b"] * d["s"] * _width(d), t),
         AR("backward", T, d["b"] * d["s"] * _width(d), t),
@@ -299,7 +299,7 @@ _one_d(
     lambda d, g: (_x(d, g), {**_mlp_p(d, g), "norm": norm_p(g, _width(d))}),
     lambda x, p, axis, d: ops.mlp_block(x, p, axis=axis),
     lambda xs, p, d: xs[0] + ref_mlp(ref_ln(xs[0], p["norm"]), p),
-    lambda d: ops.mlp_block_layout(),
+    lambda d: ops.mlp_block_sharding(),
     lambda d, t: total(
         AR("forward", T, d["b"] * d["s"] * _width(d), t),
         AR("backward", T, d["b"] * d["s"] * _width(d), t),
@@ -313,7 +313,7 @@ _one_d(
         x, p, axis=axis, num_heads=d["h"], causal=bool(d["causal"])
     ),
     lambda xs, p, d: xs[0] + ref_mha(ref_ln(xs[0], p["norm"]), p, d["h"], bool(d["causal"])),
-    lambda d: ops.attention_block_layout(),
+    lambda d: ops.attention_block_sharding(),
     lambda d, t: total(
         AR("forward", T, d["b"] * d["s"] * _width(d), t),
         AR("backward", T, d["b"] * d["s"] * _width(d), t),
@@ -327,7 +327,7 @@ _one_d(
     lambda d, g: (_x(d, g), norm_p(g, _width(d))),
     lambda x, p, axis, d: ops.sp_layer_norm(x, p, axis=axis),
     lambda xs, p, d: ref_ln(xs[0], p),
-    lambda d: ops.sp_layer_norm_layout(),
+    lambda d: ops.sp_layer_norm_sharding(),
     lambda d, t: total(AR("backward", T, _width(d), t), AR("backward", T, _width(d), t)),
 )
 _one_d(
@@ -336,7 +336,7 @@ _one_d(
     lambda d, g: ((R(g, d["b"], d["s"], d["i"]),), lin_p(g, d["o"], d["i"])),
     lambda x, p, axis, d: ops.sp_column_parallel_linear(x, p, axis=axis),
     lambda xs, p, d: ref_lin(xs[0], p),
-    lambda d: ops.sp_column_parallel_layout(),
+    lambda d: ops.sp_column_parallel_sharding(),
     lambda d, t: total(
         AG("forward", T, d["b"] * d["s"] // t * d["i"], t),
         RS("backward", T, d["b"] * d["s"] * d["i"], t),
@@ -348,7 +348,7 @@ _one_d(
     lambda d, g: ((R(g, d["b"], d["s"], d["i"]),), lin_p(g, d["o"], d["i"])),
     lambda x, p, axis, d: ops.sp_row_parallel_linear(x, p, axis=axis),
     lambda xs, p, d: ref_lin(xs[0], p),
-    lambda d: ops.sp_row_parallel_layout(),
+    lambda d: ops.sp_row_parallel_sharding(),
     lambda d, t: total(
         RS("forward", T, d["b"] * d["s"] * d["o"], t),
         AG("backward", T, d["b"] * d["s"] // t * d["o"], t),
@@ -376,7 +376,7 @@ _one_d(
     lambda d, g: (_x(d, g), {**_mlp_p(d, g), "norm": norm_p(g, _width(d))}),
     lambda x, p, axis, d: ops.sp_mlp_block(x, p, axis=axis),
     lambda xs, p, d: xs[0] + ref_mlp(ref_ln(xs[0], p["norm"]), p),
-    lambda d: ops.sp_mlp_block_layout(),
+    lambda d: ops.sp_mlp_block_sharding(),
     _sp_block_traffic,
 )
 _one_d(
@@ -387,7 +387,7 @@ _one_d(
         x, p, axis=axis, num_heads=d["h"], causal=bool(d["causal"])
     ),
     lambda xs, p, d: xs[0] + ref_mha(ref_ln(xs[0], p["norm"]), p, d["h"], bool(d["causal"])),
-    lambda d: ops.sp_attention_block_layout(),
+    lambda d: ops.sp_attention_block_sharding(),
     _sp_block_traffic,
 )
 
@@ -410,7 +410,7 @@ _one_d(
     lambda d, g: (tuple(R(g, d["b"], d["h"], d["s"], d["e"]) for _ in range(3)), {}),
     lambda q, k, v, p, axis, d: ops.ring_attention(q, k, v, axis=axis, causal=bool(d["causal"])),
     lambda xs, p, d: ref_sdpa(*xs, bool(d["causal"])),
-    lambda d: ops.ring_attention_layout(),
+    lambda d: ops.ring_attention_sharding(),
     _ring_traffic,
     mode="sequence",
     axis=S,
@@ -423,7 +423,7 @@ _one_d(
         x, p, axis=axis, num_heads=d["h"], causal=bool(d["causal"])
     ),
     lambda xs, p, d: ref_mha(xs[0], p, d["h"], bool(d["causal"])),
-    lambda d: ops.ring_self_attention_layout(),
+    lambda d: ops.ring_self_attention_sharding(),
     lambda d, t: total(
         _ring_traffic(d, t),
         *(AR("backward", S, _width(d) ** 2, t) for _ in range(4)),
@@ -554,8 +554,8 @@ def _register_grid(mode: str) -> None:
     def fn(name: str) -> Callable[..., Any]:
         return getattr(lib, f"{name}_{sfx}")
 
-    def layout(name: str) -> Callable[[dict[str, int]], OpLayout]:
-        return lambda d: getattr(lib, f"{name}_{sfx}_layout")()
+    def layout(name: str) -> Callable[[dict[str, int]], OpSharding]:
+        return lambda d: getattr(lib, f"{name}_{sfx}_sharding")()
 
     def bm(sz: dict[str, int]) -> int:
         return _batch_multiple(mode, sz)
@@ -684,9 +684,9 @@ def _make(op: Op, dims: dict[str, int], seed: int) -> tuple[Inputs, Any, Tensor]
     return xs, params, R(g, *shape)
 
 
-def _grad_layout(layout: Layout) -> Layout:
+def _grad_layout(layout: Sharding) -> Sharding:
     """The upstream gradient of a partial-sum output is the same on every rank."""
-    return Layout(layout.dims)
+    return Sharding(layout.dims)
 
 
 def _leaf(t: Tensor) -> Tensor:
@@ -951,11 +951,12 @@ def run_spec_cases(rank: int, cases: Sequence[dict[str, Any]]) -> list[dict[str,
         spec = spec_of(case)
         xs, g_full, _ = spec_full(case)
         local = [
-            spec.input_layout(i).shard(x, mesh.place).requires_grad_(True) for i, x in enumerate(xs)
+            spec.input_sharding(i).shard(x, mesh.place).requires_grad_(True)
+            for i, x in enumerate(xs)
         ]
         with count_bytes() as counter:
             y = spec(*local, mesh=mesh, **_group_sizes(case))
-            y.backward(_grad_layout(spec.output_layout).shard(g_full, mesh.place))
+            y.backward(_grad_layout(spec.output_sharding).shard(g_full, mesh.place))
         out.append(
             {
                 "out": y.detach(),
@@ -973,7 +974,7 @@ def check_spec_case(case: dict[str, Any], per_rank: Sequence[dict[str, Any]], wo
     xs = [x.clone().requires_grad_(True) for x in xs]
     ref = spec_reference(case, xs)
     ref.backward(g_full)
-    lay = spec.output_layout
+    lay = spec.output_sharding
     where = f"{case} ({spec!r})"
     assert_trees_close(
         lay.gather([r["out"] for r in per_rank], places), ref.detach(), msg=f"{where} output"
@@ -984,7 +985,7 @@ def check_spec_case(case: dict[str, Any], per_rank: Sequence[dict[str, Any]], wo
                 res["out"], lay.shard(ref.detach(), places[r]), msg=f"{where} rank {r}"
             )
         for i, x in enumerate(xs):
-            want = spec.input_layout(i).shard(x.grad, places[r])
+            want = spec.input_sharding(i).shard(x.grad, places[r])
             assert_trees_close(res["grads"][i], want, msg=f"{where} rank {r} d_in{i}")
 
 

@@ -39,8 +39,8 @@ from funcpipe.errors import (  # noqa: E402
 )
 from funcpipe.models.gpt import GPTConfig  # noqa: E402
 from funcpipe.parallel import ops, summa  # noqa: E402
-from funcpipe.parallel.layout import Layout  # noqa: E402
 from funcpipe.parallel.mesh import Axis, ParallelConfig  # noqa: E402
+from funcpipe.parallel.sharding import Sharding  # noqa: E402
 from funcpipe.schedule import (  # noqa: E402
     Program,
     check,
@@ -736,7 +736,7 @@ CASES: list[Case] = [
         "tp-shard-not-divisible",
         "tensor-parallel shapes",
         "sharding a dim of 5 over 2 tensor ranks",
-        lambda: Layout.of("tensor", None).shard(
+        lambda: Sharding.of("tensor", None).shard(
             torch.randn(5, 4), ParallelConfig.from_dict({"tensor": 2}, world_size=2).place(0)
         ),
         InvalidArgument,
