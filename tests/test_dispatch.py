@@ -28,6 +28,23 @@ def test_a_blocks_ops_do_not_grow(precision: str) -> None:
     )
 
 
+@pytest.mark.parametrize("precision", dispatch.PRECISIONS)
+def test_a_block_is_within_a_tenth_of_the_nanogpt_block(precision: str) -> None:
+    """Issue 41's target: ATen ops and non-matmul bytes (the demo's shapes) <= 1.1x those of the
+    independent nanoGPT-style block, in the same precision."""
+    torch.set_num_threads(1)
+    ours, ref = (dispatch.count_block(b, dispatch.TINY, precision) for b in ("funcpipe", "nanogpt"))
+    assert ours.ops <= 1.1 * ref.ops, (ours.ops, ref.ops)
+    ours, ref = (
+        dispatch.count_block(b, dispatch.LARGE, precision, fake=True)
+        for b in ("funcpipe", "nanogpt")
+    )
+    assert ours.nonmatmul_bytes <= 1.1 * ref.nonmatmul_bytes, (
+        ours.nonmatmul_bytes,
+        ref.nonmatmul_bytes,
+    )
+
+
 def test_the_counter_sees_forward_and_backward() -> None:
     step = dispatch.block_step("nanogpt", dispatch.TINY, "fp32")
     step()

@@ -38,7 +38,8 @@ def _check(results: list[dict], schedule: str, pipeline: int, steps: int) -> Non
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    ("pipeline", "tensor", "schedule"), [(2, 2, "1f1b"), (2, 1, "1f1b"), (2, 1, "zbv")]
+    ("pipeline", "tensor", "schedule"),
+    [(2, 2, "1f1b"), (1, 4, "1f1b"), (2, 1, "1f1b"), (2, 1, "zbv")],
 )
 def test_gpt_matches_the_single_device_reference(
     pool, pipeline: int, tensor: int, schedule: str

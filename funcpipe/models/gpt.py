@@ -142,9 +142,12 @@ def init(
     resid = 1.0 / math.sqrt(2 * c.layers)  # keep the residual stream's scale with depth
     blocks = []
     for _ in range(c.layers):
-        attn = {n: draw.linear(d, d) for n in ("q", "k", "v")}
-        attn["o"] = draw.linear(d, d, resid)
-        attn["norm"] = draw.norm(d)
+        q, k, v = (draw.linear(d, d) for _ in range(3))
+        attn = {
+            "qkv": {n: ops.fuse_qkv(q[n], k[n], v[n], num_heads=c.heads) for n in q},
+            "o": draw.linear(d, d, resid),
+            "norm": draw.norm(d),
+        }
         mlp = {
             "fc1": draw.linear(c.mlp, d),
             "fc2": draw.linear(d, c.mlp, resid),
@@ -223,7 +226,7 @@ def shardings(
 ) -> tuple[dict[str, Any], ...]:
     """How every leaf of :func:`split`'s params is sharded over ``axis`` (1D tensor parallel)."""
     block = {
-        "attn": ops.attention_block_sharding(axis=axis).params,
+        "attn": ops.attention_block_sharding(axis=axis, fused_qkv=True).params,
         "mlp": ops.mlp_block_sharding(axis=axis).params,
     }
     rep1, rep2 = Sharding.of(None), Sharding.of(None, None)

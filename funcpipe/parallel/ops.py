@@ -46,6 +46,7 @@ __all__ = [
     "attention_block_sharding",
     "column_parallel_linear",
     "column_parallel_sharding",
+    "fuse_qkv",
     "mlp_block",
     "mlp_block_sharding",
     "parallel_attention",
@@ -118,10 +119,8 @@ def column_parallel_linear(
     gradient of ``x``.
     """
     y = shard_spec("... i, o i -> ... o", {"o": axis.name})(
-        x, params["weight"], mesh={axis.name: axis}
+        x, params["weight"], bias=params.get("bias"), mesh={axis.name: axis}
     )
-    if params.get("bias") is not None:
-        y = y + params["bias"]
     return C.gather_from_group(y, axis, dim=-1) if gather_output else y
 
 
@@ -141,10 +140,7 @@ def row_parallel_linear(x: Tensor, params: dict[str, Tensor], *, axis: Axis) -> 
     after the sum) -> ``y[..., out]`` replicated. Forward: one all-reduce of ``y``; backward:
     nothing."""
     spec = shard_spec("... i, o i -> ... o", {"i": axis.name}, reduce="all_reduce")
-    y = spec(x, params["weight"], mesh={axis.name: axis})
-    if params.get("bias") is not None:
-        y = y + params["bias"]
-    return y
+    return spec(x, params["weight"], bias=params.get("bias"), mesh={axis.name: axis})
 
 
 def row_parallel_sharding(*, axis: str = "tensor", bias: bool = True) -> OpSharding:
@@ -267,8 +263,27 @@ def _local_linear(x: Tensor, p: dict[str, Tensor]) -> Tensor:
 
 
 def _local_attention(h: Tensor, params: dict[str, Any], heads: int, causal: bool) -> Tensor:
-    q, k, v = (_split_heads(_local_linear(h, params[n]), heads) for n in ("q", "k", "v"))
+    if "qkv" in params:  # one projection; rows head-interleaved: [heads, (q, k, v), e]
+        y = _local_linear(h, params["qkv"])
+        b, s, w = y.shape
+        q, k, v = y.view(b, s, heads, 3, w // (3 * heads)).transpose(1, 2).unbind(3)
+    else:
+        q, k, v = (_split_heads(_local_linear(h, params[n]), heads) for n in ("q", "k", "v"))
     return _merge_heads(attention(q, k, v, causal=causal))
+
+
+def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, *, num_heads: int) -> Tensor:
+    """The fused ``qkv`` weight ``[3 d, d]`` (or bias ``[3 d]``) of :func:`parallel_attention`
+    from separate ``q``, ``k``, ``v`` ones: rows grouped per head (``[heads, (q, k, v), e]``),
+    so a split of the rows over the tensor axis keeps whole heads on each rank."""
+    rows = q.shape[0]
+    if num_heads < 1 or rows % num_heads or k.shape != q.shape or v.shape != q.shape:
+        raise InvalidArgument(
+            f"fuse_qkv: q, k, v of one shape with rows divisible by num_heads={num_heads}; got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    per_head = [t.reshape(num_heads, rows // num_heads, *t.shape[1:]) for t in (q, k, v)]
+    return torch.stack(per_head, dim=1).reshape(3 * rows, *q.shape[1:])
 
 
 def parallel_attention(
@@ -276,20 +291,23 @@ def parallel_attention(
 ) -> Tensor:
     """Multi-head attention with the heads split over ``axis``: ``x[b, s, d]`` replicated ->
     ``y[b, s, d]`` replicated. ``q``, ``k``, ``v`` are column-parallel (one shared identity /
-    all-reduce on ``x``), ``o`` is row-parallel. Forward: one all-reduce; backward: one."""
+    all-reduce on ``x``), ``o`` is row-parallel. Forward: one all-reduce; backward: one.
+
+    ``params`` holds ``q``, ``k``, ``v`` and ``o`` linears, or ``qkv`` (one linear of ``3 d``
+    outputs, rows grouped per head: :func:`fuse_qkv`) and ``o``: one matmul instead of three."""
     heads = _heads(x.shape[-1], num_heads, axis.size, "parallel_attention")
     h = C.copy_to_group(x, axis)
     return row_parallel_linear(_local_attention(h, params, heads, causal), params["o"], axis=axis)
 
 
-def parallel_attention_sharding(*, axis: str = "tensor", bias: bool = True) -> OpSharding:
-    """Shardings of :func:`parallel_attention` (``shard_params`` / ``gather_params`` of full weights)."""
+def parallel_attention_sharding(
+    *, axis: str = "tensor", bias: bool = True, fused_qkv: bool = False
+) -> OpSharding:
+    """Shardings of :func:`parallel_attention` (``shard_params`` / ``gather_params`` of full
+    weights); ``fused_qkv=True`` for params with one ``qkv`` linear."""
     col = _linear_shardings("column", axis, bias)
-    return OpSharding(
-        (_REP3,),
-        {"q": col, "k": col, "v": col, "o": _linear_shardings("row", axis, bias)},
-        _REP3,
-    )
+    qkv = {"qkv": col} if fused_qkv else {"q": col, "k": col, "v": col}
+    return OpSharding((_REP3,), {**qkv, "o": _linear_shardings("row", axis, bias)}, _REP3)
 
 
 def parallel_mlp(x: Tensor, params: dict[str, Any], *, axis: Axis) -> Tensor:
@@ -334,9 +352,9 @@ def attention_block(
     return x + parallel_attention(h, params, axis=axis, num_heads=num_heads, causal=causal)
 
 
-def attention_block_sharding(*, axis: str = "tensor") -> OpSharding:
+def attention_block_sharding(*, axis: str = "tensor", fused_qkv: bool = False) -> OpSharding:
     """Shardings of :func:`attention_block` (``shard_params`` / ``gather_params`` of full weights)."""
-    inner = parallel_attention_sharding(axis=axis)
+    inner = parallel_attention_sharding(axis=axis, fused_qkv=fused_qkv)
     return OpSharding((_REP3,), {**inner.params, "norm": _norm_sharding()}, _REP3)
 
 
@@ -359,8 +377,7 @@ def sp_column_parallel_linear(x: Tensor, params: dict[str, Tensor], *, axis: Axi
     """``x[b, s/t, in]`` -> all-gather of the sequence -> column-parallel -> ``y[b, s, out/t]``.
     Backward: reduce-scatter of the gradient of ``x`` along the sequence."""
     spec = shard_spec("b s i, o i -> b s o", {"o": axis.name}, in_shards={0: {"s": axis.name}})
-    y = spec(x, params["weight"], mesh={axis.name: axis})
-    return y + params["bias"] if params.get("bias") is not None else y
+    return spec(x, params["weight"], bias=params.get("bias"), mesh={axis.name: axis})
 
 
 def sp_column_parallel_sharding(*, axis: str = "tensor", bias: bool = True) -> OpSharding:

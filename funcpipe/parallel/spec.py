@@ -42,6 +42,7 @@ from typing import Any
 
 import einops
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from funcpipe.errors import InvalidArgument
@@ -61,6 +62,19 @@ from funcpipe.parallel.spec_table import CollectiveRow, Collectives, _apply_pair
 __all__ = ["CollectiveRow", "Collectives", "Plan", "PlanRow", "ShardSpec", "shard_spec"]
 
 REDUCE_MODES = ("all_reduce", "reduce_scatter", "partial")
+
+
+@functools.lru_cache(maxsize=256)
+def _is_linear(equation: str) -> bool:
+    """Is ``equation`` ``x[..., i] * w[o, i] -> y[..., o]`` (what ``F.linear`` computes)?"""
+    lhs, out = equation.split("->")
+    operands = lhs.split(",")
+    if len(operands) != 2 or len(operands[1]) != 2:
+        return False
+    x, w = operands
+    o, i, lead = w[0], w[1], x[:-1]
+    return x.endswith(i) and out == lead + o and i not in lead and o not in x and o != i
+
 
 # the old names of the collectives table (before "plan" meant only the cluster planner)
 Plan = Collectives
@@ -334,7 +348,16 @@ class ShardSpec:
         return recipe
 
     # -------------------------------------------------------------------------- apply
-    def __call__(self, *xs: Tensor, mesh: Mapping[str, Axis], **sizes: int) -> Tensor:
+    def __call__(
+        self, *xs: Tensor, mesh: Mapping[str, Axis], bias: Tensor | None = None, **sizes: int
+    ) -> Tensor:
+        """The spec on local shards, plus ``bias`` (the output's local shape, broadcast) if given.
+
+        The local product lowers to ``F.linear`` (one ``addmm``, the bias fused in the compute
+        dtype) when it is ``x[..., i] * w[o, i] -> y[..., o]``, else to ``torch.einsum``; either
+        way the collectives are exactly those of :attr:`collectives`. The bias is added after
+        the output's collectives (once, after a sum), so it is fused only where those move
+        nothing (none, or a mesh axis of size 1)."""
         if len(xs) != len(self.inputs):
             raise InvalidArgument(
                 f"pattern {self.pattern!r} has {len(self.inputs)} inputs; got {len(xs)} tensors."
@@ -352,6 +375,8 @@ class ShardSpec:
                 raise InvalidArgument(
                     f"input {i} of pattern {self.pattern!r} is {x!r}, not a Tensor."
                 )
+        if bias is not None and not isinstance(bias, Tensor):
+            raise InvalidArgument(f"bias of pattern {self.pattern!r} is {bias!r}, not a Tensor.")
         sp = self._shape_recipe(
             tuple(tuple(x.shape) for x in xs),
             tuple(sorted((m, a.size) for m, a in axes.items())),
@@ -368,13 +393,23 @@ class ShardSpec:
             einops.rearrange(x, p, **sz) if p else x
             for x, (p, sz) in zip(ins, sp.in_rearrange, strict=True)
         ]
-        y = torch.einsum(sp.equation, *flat)
-        if sp.out_rearrange:
-            y = einops.rearrange(y, sp.out_rearrange)
-        for s in self.steps:
-            if s.operand == -1:
-                y = _apply_pair(s, y, axes[s.mesh_axis], self.output)
-        return y
+        moved = [
+            s
+            for s in self.steps
+            if s.operand == -1 and s.pair != "none" and axes[s.mesh_axis].size > 1
+        ]
+        if _is_linear(sp.equation) and not sp.out_rearrange:
+            fused = bias is not None and not moved
+            y = F.linear(flat[0], flat[1], bias if fused else None)
+            if fused:
+                bias = None
+        else:
+            y = torch.einsum(sp.equation, *flat)
+            if sp.out_rearrange:
+                y = einops.rearrange(y, sp.out_rearrange)
+        for s in moved:
+            y = _apply_pair(s, y, axes[s.mesh_axis], self.output)
+        return y if bias is None else y + bias
 
     def __repr__(self) -> str:
         axes, reduce, scatter, in_shards, gather = self._args
