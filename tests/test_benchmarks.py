@@ -276,3 +276,22 @@ def test_auto_bytes() -> None:
     for r in rows:
         if r["keep"] < 1:
             assert r["bytes"] <= whole[tuple(r[k] for k in keys)]
+
+
+def test_gpu_profile_runs_every_model_on_the_cpu(tmp_path) -> None:
+    """The GPU comparison (nanoGPT-style baseline vs funcpipe's GPT, both precisions) runs end
+    to end at the tiny size, so the script handed to a GPU machine is known to work."""
+    import json
+
+    from benchmarks import gpu_profile
+
+    out = tmp_path / "profile.jsonl"
+    argv = ["--device", "cpu", "--size", "tiny", "--steps", "1", "--warmup", "1"]
+    assert gpu_profile.main([*argv, "--compile", "none", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["model"], r["precision"]) for r in rows] == [
+        ("nanogpt", "fp32-autocast"),
+        ("funcpipe", "bf16-master"),
+        ("funcpipe", "fp32-autocast"),
+    ]
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
