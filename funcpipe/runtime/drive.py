@@ -9,7 +9,8 @@ from collections.abc import Generator, Mapping
 from funcpipe.errors import CommunicationError
 from funcpipe.runtime.interpreter import RankResult
 from funcpipe.runtime.nccl_rules import RULES
-from funcpipe.runtime.transport import Handle, LocalWorld
+from funcpipe.runtime.transport_common import Handle
+from funcpipe.runtime.transport_local import LocalWorld
 
 __all__ = ["drive", "drive_local"]
 

@@ -27,7 +27,7 @@ import torch
 from funcpipe.errors import InvalidArgument, NonFiniteError
 from funcpipe.runtime import autodiff
 from funcpipe.runtime.clock import step_clock
-from funcpipe.runtime.transport import P2P, RECV, SEND, Handle, Transport
+from funcpipe.runtime.transport_common import P2P, RECV, SEND, Handle, Transport
 from funcpipe.schedule.check import in_program
 from funcpipe.schedule.ir import ACT, COMPUTE_OPS, GRAD, Instr, Op, Program, groups
 from funcpipe.stages.boundaries import BoundarySpecs, OutputSpec, rebuild
