@@ -13,8 +13,8 @@ import torch
 
 import funcpipe as fp
 from funcpipe.errors import CommunicationError
-from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.pipeline import pipeline as pipeline_module
+from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.runtime.drive import drive_local
 from funcpipe.runtime.transport import P2P, Handle, LocalTransport, LocalWorld
 from funcpipe.schedule.generators import GENERATORS, generate
