@@ -108,14 +108,7 @@ def reference_step(
     batches = _split_named(batch, microbatches, dim=dim, name="batch")
     target_mbs: list[Any] = [None] * len(batches)
     if targets is not None:
-        n_batch = _batch_size(batch, dim=dim, name="batch")
-        n_targets = _batch_size(targets, dim=targets_dim, name="targets")
-        if n_batch != n_targets:
-            raise InvalidArgument(
-                f"batch and targets must have the same number of samples; batch has {n_batch} "
-                f"and targets has {n_targets} (targets_dim={targets_dim!r})."
-            )
-        target_mbs = _split_named(targets, microbatches, dim=targets_dim, name="targets")
+        target_mbs = _split_targets(batch, targets, microbatches, dim, targets_dim)
 
     flat = [tree_flatten(p) for p in params]
     leaves = [[t.detach().requires_grad_(True) for t in ls] for ls, _ in flat]
@@ -134,16 +127,7 @@ def reference_step(
                 outputs = stage(stage_params[i], *inputs)
                 inputs = as_inputs(outputs)
             loss = loss_fn(outputs) if targets is None else loss_fn(outputs, target_mb)
-        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-            got = (
-                f"a tensor of shape {tuple(loss.shape)}"
-                if isinstance(loss, torch.Tensor)
-                else repr(loss)
-            )
-            raise InvalidArgument(
-                f"loss_fn must return a scalar tensor; for microbatch {j} it returned {got}. "
-                "Reduce it, e.g. with .mean() or .sum()."
-            )
+        _check_loss(loss, j)
         if all_leaves and loss.requires_grad:
             with torch.enable_grad():
                 scaled = loss / m
@@ -168,6 +152,34 @@ def reference_step(
         check_tensor_tree(outputs_mbs[0], name="outputs")
         return loss_mean, tuple(out_grads), merge(outputs_mbs, dim=outputs_dim)
     return loss_mean, tuple(out_grads)
+
+
+def _split_targets(
+    batch: Any, targets: Any, microbatches: int, dim: Any, targets_dim: Any
+) -> list[Any]:
+    """``targets`` split into microbatches, once they hold as many samples as ``batch``."""
+    n_batch = _batch_size(batch, dim=dim, name="batch")
+    n_targets = _batch_size(targets, dim=targets_dim, name="targets")
+    if n_batch != n_targets:
+        raise InvalidArgument(
+            f"batch and targets must have the same number of samples; batch has {n_batch} "
+            f"and targets has {n_targets} (targets_dim={targets_dim!r})."
+        )
+    return _split_named(targets, microbatches, dim=targets_dim, name="targets")
+
+
+def _check_loss(loss: Any, j: int) -> None:
+    """``loss_fn``'s result for microbatch ``j`` is a scalar tensor."""
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        got = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else repr(loss)
+        )
+        raise InvalidArgument(
+            f"loss_fn must return a scalar tensor; for microbatch {j} it returned {got}. "
+            "Reduce it, e.g. with .mean() or .sum()."
+        )
 
 
 def _detach(tree: Any) -> Any:

@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Generator, Mapping
 
 from funcpipe.errors import CommunicationError
-from funcpipe.runtime.interpreter import RankResult
 from funcpipe.runtime.nccl_rules import RULES
-from funcpipe.runtime.transport import Handle, LocalWorld
+from funcpipe.runtime.rank_io import RankResult
+from funcpipe.runtime.transport_common import Handle
+from funcpipe.runtime.transport_local import LocalWorld
 
 __all__ = ["drive", "drive_local"]
 

@@ -14,12 +14,15 @@ weight gradients are returned as a fresh pytree, nothing is accumulated across s
 step, autograd sums each microbatch's parameter gradients in place into the ``.grad`` of the
 parameter leaves :class:`funcpipe.Pipeline` created for this rank and this step (no per-microbatch
 gradient tensors to allocate, add and free); the rank hands those sums back as values.
+
+What a rank's step takes and gives back (:class:`RankInputs`, :class:`RankResult`) is in
+:mod:`funcpipe.runtime.rank_io`, and the function one forward runs (the stage and ``loss_fn``
+called and checked) in :mod:`funcpipe.runtime.stage_call`; this module names both types.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import torch
@@ -27,64 +30,17 @@ import torch
 from funcpipe.errors import InvalidArgument, NonFiniteError
 from funcpipe.runtime import autodiff
 from funcpipe.runtime.clock import step_clock
-from funcpipe.runtime.transport import P2P, RECV, SEND, Handle, Transport
+from funcpipe.runtime.rank_io import RankInputs, RankResult
+from funcpipe.runtime.stage_call import stage_fn
+from funcpipe.runtime.transport_common import P2P, RECV, SEND, Handle, Transport
 from funcpipe.schedule.check import in_program
-from funcpipe.schedule.ir import ACT, COMPUTE_OPS, GRAD, Instr, Op, Program, groups
-from funcpipe.stages.boundaries import BoundarySpecs, OutputSpec, rebuild
-from funcpipe.stages.shapes import TensorSpec
-from funcpipe.stages.stage import Stage, as_inputs
-from funcpipe.tree import PyTreeSpec, tree_flatten, tree_unflatten
+from funcpipe.schedule.ir import ACT, COMPUTE_OPS, GRAD, Instr, Op, groups
+from funcpipe.stages.boundaries import OutputSpec, rebuild
+from funcpipe.tree import tree_flatten
 
 __all__ = ["RankInputs", "RankResult", "run_rank"]
 
 Tensor = torch.Tensor
-
-
-@dataclass
-class RankInputs:
-    """Everything one rank needs for one step (built by :class:`funcpipe.Pipeline`)."""
-
-    program: Program
-    rank: int
-    stages: Mapping[int, Stage]  # program stage -> function (replicas resolved)
-    params: Mapping[int, tuple[list[Tensor], PyTreeSpec]]  # owner stage -> (leaves, tree)
-    entry: Sequence[tuple[Any, ...]]  # per microbatch: entry stage positional inputs
-    side: Sequence[Mapping[int, Mapping[str, Any]]]  # per microbatch: stage -> keyword inputs
-    targets: Sequence[Any] | None  # per microbatch, or None
-    layouts: Sequence[BoundarySpecs]  # per microbatch: stage -> output specs
-    loss_fn: Callable[..., Tensor] | None
-    metric_fn: Callable[..., Tensor] | None = None
-    recompute: frozenset[int] = frozenset()
-    keep_outputs: bool = False
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    ties: Mapping[str, Sequence[tuple[int, int]]] = field(
-        default_factory=dict
-    )  # name -> (owner, leaf)
-    data_size: int = 1
-    trace: bool = False  # record when each instruction starts and ends (runtime.clock)
-    check_finite: bool = False  # raise NonFiniteError at the first NaN/inf (stage, microbatch)
-    # owner stage -> per parameter leaf, the dtype the stage computes with when the leaf is kept
-    # in another (Pipeline(grad_dtype=...): float32 leaves summing float32 gradients, cast to
-    # bf16 inside each forward); None: the leaf as it is
-    casts: Mapping[int, tuple[torch.dtype | None, ...]] = field(default_factory=dict)
-    # the loss's gradient is multiplied by this (loss scaling); a tensor stays on its device
-    loss_scale: float | Tensor = 1.0
-    # reduce (loss sum, metric sum, has loss) over this transport group once this rank has run
-    # its last instruction (every rank; never earlier: see _Rank.run); None: the caller does it
-    scalars_group: str | None = None
-
-
-@dataclass
-class RankResult:
-    loss_sum: Tensor | None = None  # sum over this rank's sink microbatches of the loss
-    metric_sum: Tensor | None = None
-    grads: dict[int, list[Tensor]] = field(default_factory=dict)  # owner stage -> flat grads
-    outputs: dict[int, Any] = field(default_factory=dict)  # microbatch -> sink outputs
-    peak_activations: int = 0  # most (stage, microbatch) activations alive at once
-    # with trace: start, end of each instruction, perf_counter seconds (CUDA: from events)
-    times: list[float] = field(default_factory=list)
-    # with RankInputs.scalars_group: (float64 [loss sum, metric sum, has loss], its reduction)
-    scalars: tuple[Tensor, Handle] | None = None
 
 
 def _wait(handle: Handle) -> Generator[Handle, None, None]:
@@ -141,97 +97,6 @@ class _Rank:
     # ------------------------------------------------------------------ helpers
     def spec(self, s: int, m: int) -> OutputSpec:
         return self.x.layouts[m][s]
-
-    def _flat_fn(
-        self, s: int, m: int
-    ) -> Callable[[Sequence[Tensor], Sequence[Tensor]], list[Tensor]]:
-        x, p = self.x, self.p
-        stage = x.stages[s]
-        _, ptree = x.params[self.owner[s]]
-        casts = x.casts.get(self.owner[s])
-        producers = p.producers(s)
-        kwargs = x.side[m].get(s, {})
-        sink = not p.consumers(s)
-        want = self.spec(s, m)
-        target = x.targets[m] if (sink and x.targets is not None) else None
-        entry_tree = tree_flatten(x.entry[m])[1] if not producers else None
-
-        def fn(params: Sequence[Tensor], leaves: Sequence[Tensor]) -> list[Tensor]:
-            if entry_tree is not None:
-                args = tree_unflatten(entry_tree, list(leaves))
-            else:
-                args, k = [], 0
-                for q in producers:
-                    n = len(self.spec(q, m).leaves)
-                    args.extend(as_inputs(rebuild(self.spec(q, m), leaves[k : k + n])))
-                    k += n
-                args = tuple(args)
-            if casts is not None:
-                params = [p if c is None else p.to(c) for p, c in zip(params, casts, strict=True)]
-            try:
-                out = stage(tree_unflatten(ptree, list(params)), *args, **kwargs)
-            except Exception as e:
-                _note(
-                    e, f"stage {s} ({stage.name!r}), microbatch {m}, rank {x.rank}; inputs", leaves
-                )
-                raise
-            flat, tree = tree_flatten(out)
-            if tree != want.tree or len(flat) != len(want.leaves):
-                raise InvalidArgument(
-                    f"stage {s} ({stage.name!r}) returned outputs of structure {tree} for "
-                    f"microbatch {m}, but shape inference saw {want.tree}; a stage must return "
-                    "the same structure for inputs of the same shapes"
-                )
-            for j, (t, spec) in enumerate(zip(flat, want.leaves, strict=True)):
-                if (
-                    not isinstance(t, torch.Tensor)
-                    or t.shape != spec.shape
-                    or t.dtype != spec.dtype
-                ):
-                    got = TensorSpec.from_tensor(t) if isinstance(t, torch.Tensor) else repr(t)
-                    raise InvalidArgument(
-                        f"stage {s} ({stage.name!r}) returned output #{j} = {got} for "
-                        f"microbatch {m}, but shape inference (run without data) saw {spec}; "
-                        "a stage must return the same shapes and dtypes for inputs of the same "
-                        "shapes and dtypes (the receiving rank sized its buffers from them)"
-                    )
-            if sink and x.loss_fn is not None and (target is not None or p.training):
-                try:
-                    loss = x.loss_fn(out, target) if target is not None else x.loss_fn(out)
-                except Exception as e:
-                    what = f"loss_fn after stage {s}, microbatch {m}, rank {x.rank}; outputs"
-                    _note(e, what, flat, tree_flatten(target)[0])
-                    raise
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise InvalidArgument(
-                        f"loss_fn must return a scalar tensor; got {type(loss).__name__}"
-                        + (
-                            f" of shape {tuple(loss.shape)}"
-                            if isinstance(loss, torch.Tensor)
-                            else ""
-                        )
-                    )
-                if (
-                    not loss.requires_grad
-                    and torch.is_grad_enabled()
-                    and any(t.requires_grad for t in flat)
-                ):
-                    raise InvalidArgument(
-                        f"loss_fn after stage {s}, microbatch {m}, rank {x.rank} returned a "
-                        "tensor that does not require grad, though the stage's outputs do: it "
-                        "is cut off from them (.detach(), .item(), torch.tensor(...) or "
-                        "torch.no_grad() inside loss_fn), so every gradient would be zero. "
-                        "Compute the loss from the outputs with differentiable torch operations"
-                    )
-                extra = []
-                if x.metric_fn is not None:
-                    with torch.no_grad():
-                        mv = x.metric_fn(out, target) if target is not None else x.metric_fn(out)
-                    extra = [torch.as_tensor(mv, dtype=torch.float64).detach().reshape(())]
-                return [loss.reshape(()), *extra, *flat]
-            return list(flat)
-
-        return fn
 
     def _inputs(self, s: int, m: int) -> list[Tensor]:
         producers = self.p.producers(s)
@@ -352,7 +217,7 @@ class _Rank:
     # ------------------------------------------------------------------ instructions
     def forward(self, i: Instr) -> None:
         s, m = i.stage, i.microbatch
-        fn = self._flat_fn(s, m)
+        fn = stage_fn(self.x, self.owner[s], s, m)
         leaves = self._inputs(s, m)
         if self.p.training:
             needs = bool(self.p.producers(s))
@@ -647,21 +512,6 @@ def _take_grad(leaf: Tensor) -> Tensor:
         return torch.zeros_like(leaf)
     leaf.grad = None
     return g
-
-
-def _note(e: BaseException, where: str, inputs: Sequence[Any], targets: Sequence[Any] = ()) -> None:
-    """Say on a user function's exception where funcpipe called it, and on what (a traceback
-    note: the exception keeps its type)."""
-    if not hasattr(e, "add_note"):  # Python < 3.11
-        return
-
-    def specs(ts: Sequence[Any]) -> str:
-        return ", ".join(str(TensorSpec.from_tensor(t)) for t in ts if isinstance(t, torch.Tensor))
-
-    text = f"funcpipe: raised by {where} {specs(inputs)}"
-    if targets:
-        text += f"; targets {specs(targets)}"
-    e.add_note(text)
 
 
 def run_rank(x: RankInputs, transport: Transport) -> Generator[Handle, None, RankResult]:

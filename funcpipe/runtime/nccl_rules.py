@@ -255,7 +255,7 @@ def _why(sides: Mapping[int, Side], r: int, op: Op) -> str:
 
 class Shared:
     """This process's side under the rules, shared with the program's other ranks through the
-    process group's store (strict :class:`funcpipe.runtime.transport.DistTransport`).
+    process group's store (strict :class:`funcpipe.runtime.transport_dist.DistTransport`).
 
     ``keys[r]`` is where program rank ``r`` publishes its side (counters, groups not yet complete,
     and what it is blocked on); every process of the program must use the same keys.

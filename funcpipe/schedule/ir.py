@@ -21,21 +21,49 @@ maximal run ``i, i+1 (joined), i+2 (joined), ...``; a SEND/RECV without ``joined
 group (a lone one is a group of one). Under NCCL a group is posted as one batched operation
 (``batch_isend_irecv``), so its members can all match at once; see
 :mod:`funcpipe.schedule.analysis` for the rules the checker applies.
+
+The instructions (:class:`Op`, :class:`Instr`, their constructors, :func:`parse_instr`,
+:func:`groups`) live in :mod:`funcpipe.schedule.instr`; this module holds :class:`Program`, the
+text form of a program and its rank x step table, and names both.
 """
 
 from __future__ import annotations
 
-import enum
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from funcpipe.errors import ScheduleError
+from funcpipe.schedule.instr import (
+    ACT,
+    BACKWARD_OPS,
+    COMM_OPS,
+    COMPUTE_OPS,
+    GRAD,
+    Instr,
+    Op,
+    backward,
+    backward_input,
+    backward_weight,
+    forward,
+    groups,
+    keep_groups,
+    parse_instr,
+    recompute,
+    recv,
+    reduce,
+    send,
+)
 
 _T = TypeVar("_T")
 
 __all__ = [
+    "ACT",
+    "BACKWARD_OPS",
+    "COMM_OPS",
+    "COMPUTE_OPS",
+    "GRAD",
     "Instr",
     "Op",
     "Program",
@@ -54,193 +82,6 @@ __all__ = [
     "reduce",
     "send",
 ]
-
-
-class Op(str, enum.Enum):
-    """The kinds of instruction."""
-
-    F = "F"  # forward
-    B = "B"  # full backward (input and weight gradients)
-    I = "I"  # noqa: E741  backward to the stage inputs only
-    W = "W"  # backward to the stage weights only (after I)
-    R = "R"  # recompute a forward whose activations were not kept
-    SEND = "SEND"
-    RECV = "RECV"
-    REDUCE = "REDUCE"
-
-    def __repr__(self) -> str:
-        return f"Op.{self.name}"
-
-
-COMPUTE_OPS = frozenset({Op.F, Op.B, Op.I, Op.W, Op.R})
-BACKWARD_OPS = frozenset({Op.B, Op.I})  # the ops that produce input gradients
-COMM_OPS = frozenset({Op.SEND, Op.RECV})
-ACT = "act"
-GRAD = "grad"
-
-
-@dataclass(frozen=True, slots=True)
-class Instr:
-    """One instruction of one rank.
-
-    ``stage`` is always a stage held by the rank that runs the instruction. For SEND/RECV,
-    ``other`` is the stage at the far end of the edge, ``peer`` the rank holding it and ``kind``
-    ``"act"`` (forward activation) or ``"grad"`` (its gradient). REDUCE uses ``group``.
-    ``joined`` (SEND/RECV only) posts the instruction in one group with the one before it.
-    """
-
-    op: Op
-    stage: int
-    microbatch: int = -1
-    kind: str = ""
-    other: int = -1
-    peer: int = -1
-    group: str = ""
-    joined: bool = False
-
-    def __post_init__(self) -> None:
-        # canonical form: fields an op does not use are blank, so equal text means equal value
-        fix = object.__setattr__
-        if self.op in COMM_OPS:
-            if self.group:
-                fix(self, "group", "")
-            if self.joined is not True and self.joined is not False:
-                fix(self, "joined", bool(self.joined))
-            return
-        if self.op is Op.REDUCE:
-            blank = {"microbatch": -1, "kind": "", "other": -1, "peer": -1, "joined": False}
-        else:
-            blank = {"kind": "", "other": -1, "peer": -1, "group": "", "joined": False}
-        for name, value in blank.items():
-            if getattr(self, name) != value:
-                fix(self, name, value)
-
-    @property
-    def edge(self) -> tuple[int, int]:
-        """(producer stage, consumer stage) of the data a SEND/RECV moves."""
-        if self.op not in COMM_OPS:
-            raise ValueError(f"{self} is not a SEND/RECV and has no edge")
-        local_produces = (self.op is Op.SEND) == (self.kind == ACT)
-        return (self.stage, self.other) if local_produces else (self.other, self.stage)
-
-    @property
-    def key(self) -> tuple[str, tuple[int, int], int]:
-        """What a SEND/RECV carries: (kind, edge, microbatch); equal on both ends of a message."""
-        return (self.kind, self.edge, self.microbatch)
-
-    def __str__(self) -> str:
-        if self.op in COMPUTE_OPS:
-            return f"{self.op.value} s{self.stage} m{self.microbatch}"
-        if self.op is Op.REDUCE:
-            return f"REDUCE s{self.stage} {self.group}"
-        p, c = self.edge
-        direction = "to" if self.op is Op.SEND else "from"
-        joined = "+ " if self.joined else ""
-        return (
-            f"{joined}{self.op.value} {self.kind} s{p}>s{c} m{self.microbatch} "
-            f"{direction} r{self.peer}"
-        )
-
-    def join(self, joined: bool = True) -> Instr:
-        """This SEND/RECV with ``joined`` set (posted in one group with the instruction before)."""
-        if self.op not in COMM_OPS:
-            raise ScheduleError(
-                f"{self}: only a SEND or RECV joins a communication group",
-                instruction=self,
-                rule="a group holds SEND and RECV instructions only",
-            )
-        return replace(self, joined=joined)
-
-    def __repr__(self) -> str:
-        return f"Instr({str(self)!r})"
-
-
-def forward(stage: int, microbatch: int) -> Instr:
-    return Instr(Op.F, stage, microbatch)
-
-
-def backward(stage: int, microbatch: int) -> Instr:
-    return Instr(Op.B, stage, microbatch)
-
-
-def backward_input(stage: int, microbatch: int) -> Instr:
-    return Instr(Op.I, stage, microbatch)
-
-
-def backward_weight(stage: int, microbatch: int) -> Instr:
-    return Instr(Op.W, stage, microbatch)
-
-
-def recompute(stage: int, microbatch: int) -> Instr:
-    return Instr(Op.R, stage, microbatch)
-
-
-def _comm(
-    op: Op, kind: str, edge: tuple[int, int], microbatch: int, peer: int, joined: bool = False
-) -> Instr:
-    if kind not in (ACT, GRAD):
-        raise ScheduleError(f"kind={kind!r}: a message carries 'act' or 'grad'")
-    producer, consumer = edge
-    local_produces = (op is Op.SEND) == (kind == ACT)
-    stage, other = (producer, consumer) if local_produces else (consumer, producer)
-    return Instr(op, stage, microbatch, kind=kind, other=other, peer=peer, joined=joined)
-
-
-def send(
-    kind: str, edge: tuple[int, int], microbatch: int, peer: int, *, joined: bool = False
-) -> Instr:
-    """SEND the ``kind`` data of ``edge=(producer, consumer)`` for ``microbatch`` to rank ``peer``
-    (``joined=True``: in one group with the SEND/RECV before it)."""
-    return _comm(Op.SEND, kind, edge, microbatch, peer, joined)
-
-
-def recv(
-    kind: str, edge: tuple[int, int], microbatch: int, peer: int, *, joined: bool = False
-) -> Instr:
-    """RECV the ``kind`` data of ``edge=(producer, consumer)`` for ``microbatch`` from ``peer``
-    (``joined=True``: in one group with the SEND/RECV before it)."""
-    return _comm(Op.RECV, kind, edge, microbatch, peer, joined)
-
-
-def reduce(stage: int, group: str) -> Instr:
-    """REDUCE the gradients of ``stage`` over the group named ``group`` (``data``, ``tie:wte``…)."""
-    return Instr(Op.REDUCE, stage, group=group)
-
-
-_COMPUTE_RE = re.compile(r"([FBIWR])\s+s(\d+)\s+m(\d+)")
-_COMM_RE = re.compile(
-    r"(\+\s*)?(SEND|RECV)\s+(act|grad)\s+s(\d+)\s*>\s*s(\d+)\s+m(\d+)\s+(to|from)\s+r(\d+)"
-)
-_REDUCE_RE = re.compile(r"REDUCE\s+s(\d+)\s+([A-Za-z_][\w:.\-]*)")
-_INSTR_FORMS = (
-    "'F s0 m1' (also B, I, W, R), 'SEND act s0>s1 m1 to r1', 'RECV grad s0>s1 m1 from r1', "
-    "'REDUCE s0 data', and '+ ' before a SEND/RECV that joins the group of the one before it"
-)
-
-
-def parse_instr(text: str) -> Instr:
-    """Parse the text form of one instruction (the inverse of ``str``)."""
-    t = text.strip()
-    if m := _COMPUTE_RE.fullmatch(t):
-        return Instr(Op(m[1]), int(m[2]), int(m[3]))
-    if m := _COMM_RE.fullmatch(t):
-        op = Op(m[2])
-        want = "to" if op is Op.SEND else "from"
-        if m[7] != want:
-            raise ScheduleError(
-                f"cannot parse {text!r}: a {op.value} names its peer with '{want} rN'"
-            )
-        return _comm(op, m[3], (int(m[4]), int(m[5])), int(m[6]), int(m[8]), m[1] is not None)
-    if t.startswith("+"):
-        rest = t[1:].strip()
-        if _COMPUTE_RE.fullmatch(rest) or _REDUCE_RE.fullmatch(rest):
-            raise ScheduleError(
-                f"cannot parse {text!r}: only a SEND or RECV joins a communication group ('+ '); "
-                f"write {rest!r} without the '+'"
-            )
-    if m := _REDUCE_RE.fullmatch(t):
-        return reduce(int(m[1]), m[2])
-    raise ScheduleError(f"cannot parse instruction {text!r}; the forms are {_INSTR_FORMS}")
 
 
 def chain(stages: int) -> tuple[tuple[int, int], ...]:
@@ -618,44 +459,6 @@ def parse_program(text: str) -> Program:
         entries=entries,
         replica_of=replicas,
     )
-
-
-def groups(instrs: Sequence[Instr]) -> tuple[tuple[int, ...], ...]:
-    """The communication groups of one rank's instructions, as tuples of steps, in order.
-
-    A group is a SEND/RECV without ``joined`` followed by the SEND/RECVs joined to it; every
-    SEND/RECV is in exactly one group (a lone one in a group of one).
-    """
-    out: list[list[int]] = []
-    for t, i in enumerate(instrs):
-        if i.op not in COMM_OPS:
-            continue
-        if i.joined and out and out[-1][-1] == t - 1:
-            out[-1].append(t)
-        else:
-            out.append([t])
-    return tuple(tuple(g) for g in out)
-
-
-def keep_groups(instrs: Sequence[Instr], keep: Callable[[Instr], bool]) -> tuple[Instr, ...]:
-    """The instructions for which ``keep`` is true; what is left of each communication group
-    stays one group (a SEND/RECV is joined to the one before it only if both are left of the
-    same group)."""
-    out: list[Instr] = []
-    group = -1  # the group of the last instruction kept
-    current = -1
-    for i in instrs:
-        if i.op in COMM_OPS and not i.joined:
-            current += 1
-        if not keep(i):
-            continue
-        if i.op in COMM_OPS:
-            i = i.join(bool(out) and out[-1].op in COMM_OPS and group == current)
-            group = current
-        else:
-            group = -1
-        out.append(i)
-    return tuple(out)
 
 
 def flatten(program: Program) -> Iterable[tuple[int, int, Instr]]:

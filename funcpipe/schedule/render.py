@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -131,45 +132,7 @@ def draw_timeline(
     used: set[str] = set()
     for r, events in enumerate(tl.events):
         ax.broken_barh([(0, span)], (r - height / 2, height), facecolors="#F3F3F3", zorder=0)
-        for e in events:
-            kind = _kind(e.instr)
-            length = e.end - e.start
-            if length <= 0:
-                continue
-            used.add(kind)
-            colour = COLOURS[kind]
-            if kind == "comm":
-                ax.broken_barh(
-                    [(e.start, length)], (r - height / 2 - 0.12, 0.12), facecolors=colour, zorder=1
-                )
-                continue
-            if multi and kind != "REDUCE":
-                colour = _mix(colour, min(0.55, 0.45 * chunk_of[e.instr.stage]))
-            ax.broken_barh(
-                [(e.start, length)],
-                (r - height / 2, height),
-                facecolors=colour,
-                edgecolors="white",
-                linewidth=0.6,
-                zorder=2,
-            )
-            if kind == "REDUCE" or font < 3.5:
-                continue
-            i = e.instr
-            label = f"{i.microbatch}\ns{i.stage}" if multi else str(i.microbatch)
-            if font * (0.6 * len(str(i.microbatch)) + 0.2) > points_per_unit * length:
-                continue  # does not fit
-            ax.text(
-                e.start + length / 2,
-                r,
-                label,
-                ha="center",
-                va="center",
-                fontsize=font,
-                color=_text_colour(colour),
-                zorder=3,
-                linespacing=0.9,
-            )
+        used |= _draw_row(ax, r, events, height, font, points_per_unit, chunk_of if multi else None)
     for r, starts in enumerate(_group_posts(tl)):
         if starts:  # one tick per communication group, where the rank posted it
             ax.vlines(starts, r - height / 2 - 0.14, r - height / 2, colors="#5F5A57", lw=0.6)
@@ -201,6 +164,62 @@ def draw_timeline(
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     return out
+
+
+def _draw_row(
+    ax: Any,
+    r: int,
+    events: Sequence[Event],
+    height: float,
+    font: float,
+    points_per_unit: float,
+    chunk_of: Mapping[int, int] | None,
+) -> set[str]:
+    """Draw rank ``r``'s blocks on ``ax`` (``chunk_of``: each stage's chunk on its rank, when a
+    rank holds several, for the lighter tones and the stage in the label); return the kinds
+    drawn."""
+    multi = chunk_of is not None
+    used: set[str] = set()
+    for e in events:
+        kind = _kind(e.instr)
+        length = e.end - e.start
+        if length <= 0:
+            continue
+        used.add(kind)
+        colour = COLOURS[kind]
+        if kind == "comm":
+            ax.broken_barh(
+                [(e.start, length)], (r - height / 2 - 0.12, 0.12), facecolors=colour, zorder=1
+            )
+            continue
+        if chunk_of is not None and kind != "REDUCE":
+            colour = _mix(colour, min(0.55, 0.45 * chunk_of[e.instr.stage]))
+        ax.broken_barh(
+            [(e.start, length)],
+            (r - height / 2, height),
+            facecolors=colour,
+            edgecolors="white",
+            linewidth=0.6,
+            zorder=2,
+        )
+        if kind == "REDUCE" or font < 3.5:
+            continue
+        i = e.instr
+        label = f"{i.microbatch}\ns{i.stage}" if multi else str(i.microbatch)
+        if font * (0.6 * len(str(i.microbatch)) + 0.2) > points_per_unit * length:
+            continue  # does not fit
+        ax.text(
+            e.start + length / 2,
+            r,
+            label,
+            ha="center",
+            va="center",
+            fontsize=font,
+            color=_text_colour(colour),
+            zorder=3,
+            linespacing=0.9,
+        )
+    return used
 
 
 def _group_posts(tl: Timeline) -> list[list[float]]:

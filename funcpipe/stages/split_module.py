@@ -334,18 +334,9 @@ def split_module(
 def _cut(
     module: nn.Module, ep: Any, cut_at: Sequence[str], entry: Sequence[str], by_name: bool
 ) -> ModuleSplit:
-    from torch.export.graph_signature import InputKind, OutputKind
+    from torch.export.graph_signature import InputKind
 
-    mutated = [
-        s.target for s in ep.graph_signature.output_specs if s.kind != OutputKind.USER_OUTPUT
-    ]
-    mutated += [n for n in _written_inputs(ep) if n not in mutated]  # in-place, in the graph
-    if mutated:
-        raise InvalidArgument(
-            f"{type(module).__name__}.forward writes {mutated!r} (a buffer updated in the "
-            "forward, e.g. BatchNorm in training mode); a stage must be a pure function: call "
-            "module.eval(), or keep that state out of the model."
-        )
+    _check_pure(module, ep)
     graph: fx.Graph = ep.graph_module.graph
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -388,33 +379,7 @@ def _cut(
         stage_of[node] = 0  # the batch enters at the first stage and is carried from there
     output = next(n for n in nodes if n.op == "output")
     outs = list(output.args[0])
-
-    # where each value is used: a later stage's use means it is carried up to there
-    last_use: dict[fx.Node, int] = {}
-    for node in nodes:
-        if node.op == "output":
-            for v in outs:
-                if isinstance(v, fx.Node):
-                    last_use[v] = max(last_use.get(v, -1), n_stages - 1)
-            continue
-        if node not in stage_of:
-            continue
-        for u in node.all_input_nodes:
-            last_use[u] = max(last_use.get(u, -1), stage_of[node])
-    carried: list[list[fx.Node]] = []  # carried[s]: what stage s passes to stage s + 1
-    for s in range(n_stages - 1):
-        carried.append(
-            [n for n in nodes if n in stage_of and stage_of[n] <= s and last_use.get(n, -1) > s]
-        )
-    for s, vals in enumerate(carried):
-        for v in vals:
-            val = v.meta.get("val")
-            if not isinstance(val, Tensor):
-                raise InvalidArgument(
-                    f"the value {v.name!r} ({type(val).__name__}) crosses from stage {s} to stage "
-                    f"{s + 1} but only tensors can cross stages; move the cut point "
-                    f"{starts[s][1]!r} so that it is not used across the cut."
-                )
+    carried = _carried(nodes, stage_of, outs, [name for _, name in starts])
 
     stages: list[Stage] = []
     params: list[dict[str, Tensor]] = []
@@ -462,3 +427,58 @@ def _cut(
         tuple(p for _, p in starts),
         tuple(kind[n][1] for n in entry_nodes),
     )
+
+
+def _check_pure(module: nn.Module, ep: Any) -> None:
+    """Refuse a forward that writes a buffer or an input (a stage is a pure function)."""
+    from torch.export.graph_signature import OutputKind
+
+    mutated = [
+        s.target for s in ep.graph_signature.output_specs if s.kind != OutputKind.USER_OUTPUT
+    ]
+    mutated += [n for n in _written_inputs(ep) if n not in mutated]  # in-place, in the graph
+    if mutated:
+        raise InvalidArgument(
+            f"{type(module).__name__}.forward writes {mutated!r} (a buffer updated in the "
+            "forward, e.g. BatchNorm in training mode); a stage must be a pure function: call "
+            "module.eval(), or keep that state out of the model."
+        )
+
+
+def _carried(
+    nodes: Sequence[fx.Node],
+    stage_of: Mapping[fx.Node, int],
+    outs: Sequence[Any],
+    cuts: Sequence[str],
+) -> list[list[fx.Node]]:
+    """``carried[s]``: the values stage ``s`` passes to stage ``s + 1`` (those made at or before
+    ``s`` and used after it; ``cuts[s]`` is the cut point that starts stage ``s + 1``). Only
+    tensors can cross stages."""
+    n_stages = len(cuts) + 1
+    # where each value is used: a later stage's use means it is carried up to there
+    last_use: dict[fx.Node, int] = {}
+    for node in nodes:
+        if node.op == "output":
+            for v in outs:
+                if isinstance(v, fx.Node):
+                    last_use[v] = max(last_use.get(v, -1), n_stages - 1)
+            continue
+        if node not in stage_of:
+            continue
+        for u in node.all_input_nodes:
+            last_use[u] = max(last_use.get(u, -1), stage_of[node])
+    carried: list[list[fx.Node]] = []  # carried[s]: what stage s passes to stage s + 1
+    for s in range(n_stages - 1):
+        carried.append(
+            [n for n in nodes if n in stage_of and stage_of[n] <= s and last_use.get(n, -1) > s]
+        )
+    for s, vals in enumerate(carried):
+        for v in vals:
+            val = v.meta.get("val")
+            if not isinstance(val, Tensor):
+                raise InvalidArgument(
+                    f"the value {v.name!r} ({type(val).__name__}) crosses from stage {s} to stage "
+                    f"{s + 1} but only tensors can cross stages; move the cut point "
+                    f"{cuts[s]!r} so that it is not used across the cut."
+                )
+    return carried

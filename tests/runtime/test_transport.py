@@ -27,6 +27,23 @@ def test_p2p_states_its_rules() -> None:
     assert P2P("send", [torch.ones(1)], 1).tensors[0].shape == (1,)  # type: ignore[arg-type]
 
 
+def test_the_transport_module_names_both_transports_and_their_interface() -> None:
+    """``funcpipe.runtime.transport`` names what its three modules define (the path others
+    import from)."""
+    from funcpipe.runtime import transport, transport_common, transport_dist, transport_local
+
+    for name in transport.__all__:
+        defined = [
+            m
+            for m in (transport_common, transport_dist, transport_local)
+            if name in m.__all__ and getattr(m, name) is getattr(transport, name)
+        ]
+        assert len(defined) == 1, name
+    assert transport.LocalWorld is transport_local.LocalWorld
+    assert transport.DistTransport is transport_dist.DistTransport
+    assert transport.P2P is transport_common.P2P
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_post_gives_one_handle_per_operation(strict: bool) -> None:
     world = LocalWorld(2, strict=strict)

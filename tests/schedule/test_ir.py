@@ -246,3 +246,12 @@ def test_a_joined_instruction_must_follow_a_send_or_recv(rank0: str, step: int, 
             microbatches=1,
             training=False,
         )
+
+
+def test_ir_names_the_instructions() -> None:
+    """The instructions live in ``funcpipe.schedule.instr``; ``funcpipe.schedule.ir`` names
+    every one of them (the path the package and its users import from)."""
+    from funcpipe.schedule import instr, ir
+
+    for name in instr.__all__:
+        assert getattr(ir, name) is getattr(instr, name), name

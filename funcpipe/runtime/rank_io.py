@@ -1,0 +1,72 @@
+"""What one rank's step takes and gives back: the interface between :class:`funcpipe.Pipeline`
+and the interpreter (:func:`funcpipe.runtime.interpreter.run_rank`).
+
+:class:`RankInputs` is everything one rank needs for one step (the pipeline builds it);
+:class:`RankResult` is what the rank hands back (loss and metric sums, gradient sums as values,
+outputs, peak activations, the trace, the scalars' reduction in flight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from funcpipe.runtime.transport_common import Handle
+from funcpipe.schedule.ir import Program
+from funcpipe.stages.boundaries import BoundarySpecs
+from funcpipe.stages.stage import Stage
+from funcpipe.tree import PyTreeSpec
+
+__all__ = ["RankInputs", "RankResult"]
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class RankInputs:
+    """Everything one rank needs for one step (built by :class:`funcpipe.Pipeline`)."""
+
+    program: Program
+    rank: int
+    stages: Mapping[int, Stage]  # program stage -> function (replicas resolved)
+    params: Mapping[int, tuple[list[Tensor], PyTreeSpec]]  # owner stage -> (leaves, tree)
+    entry: Sequence[tuple[Any, ...]]  # per microbatch: entry stage positional inputs
+    side: Sequence[Mapping[int, Mapping[str, Any]]]  # per microbatch: stage -> keyword inputs
+    targets: Sequence[Any] | None  # per microbatch, or None
+    layouts: Sequence[BoundarySpecs]  # per microbatch: stage -> output specs
+    loss_fn: Callable[..., Tensor] | None
+    metric_fn: Callable[..., Tensor] | None = None
+    recompute: frozenset[int] = frozenset()
+    keep_outputs: bool = False
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    ties: Mapping[str, Sequence[tuple[int, int]]] = field(
+        default_factory=dict
+    )  # name -> (owner, leaf)
+    data_size: int = 1
+    trace: bool = False  # record when each instruction starts and ends (runtime.clock)
+    check_finite: bool = False  # raise NonFiniteError at the first NaN/inf (stage, microbatch)
+    # owner stage -> per parameter leaf, the dtype the stage computes with when the leaf is kept
+    # in another (Pipeline(grad_dtype=...): float32 leaves summing float32 gradients, cast to
+    # bf16 inside each forward); None: the leaf as it is
+    casts: Mapping[int, tuple[torch.dtype | None, ...]] = field(default_factory=dict)
+    # the loss's gradient is multiplied by this (loss scaling); a tensor stays on its device
+    loss_scale: float | Tensor = 1.0
+    # reduce (loss sum, metric sum, has loss) over this transport group once this rank has run
+    # its last instruction (every rank; never earlier: see _Rank.run); None: the caller does it
+    scalars_group: str | None = None
+
+
+@dataclass
+class RankResult:
+    loss_sum: Tensor | None = None  # sum over this rank's sink microbatches of the loss
+    metric_sum: Tensor | None = None
+    grads: dict[int, list[Tensor]] = field(default_factory=dict)  # owner stage -> flat grads
+    outputs: dict[int, Any] = field(default_factory=dict)  # microbatch -> sink outputs
+    peak_activations: int = 0  # most (stage, microbatch) activations alive at once
+    # with trace: start, end of each instruction, perf_counter seconds (CUDA: from events)
+    times: list[float] = field(default_factory=list)
+    # with RankInputs.scalars_group: (float64 [loss sum, metric sum, has loss], its reduction)
+    scalars: tuple[Tensor, Handle] | None = None
