@@ -72,6 +72,7 @@ class Count:
 
     ops: int = 0
     casts: int = 0
+    collectives: int = 0  # torch.distributed's ops (namespace c10d): all-reduce, all-gather...
     nonmatmul_bytes: int = 0
     by_op: Counter[str] = field(default_factory=Counter)
 
@@ -93,6 +94,8 @@ class OpCounter(TorchDispatchMode):
         c = self.count
         c.ops += 1
         c.by_op[name] += 1
+        if func.namespace == "c10d":
+            c.collectives += 1
         if name in CASTS:
             c.casts += 1
         if name not in MATMUL and name not in FREE and not name.startswith(ATTENTION):
@@ -246,6 +249,48 @@ def block_table(precisions: tuple[str, ...] = PRECISIONS) -> list[dict[str, Any]
                 }
             )
     return rows
+
+
+# ------------------------------------------------------------------------ tensor parallel
+def count_block_tensor_parallel(rank: int, tensor: int, precision: str = "fp32") -> dict[str, Any]:
+    """One rank's ATen ops for one block (forward + backward) at ``tensor`` ranks, in a process
+    group of ``tensor`` processes (a pool job: call on every rank): total, collectives, and the
+    ops other than collectives, to compare with the block at tensor size 1."""
+    from funcpipe.parallel import build_mesh
+    from funcpipe.parallel.sharding import shard_tree
+
+    mesh = build_mesh({"tensor": tensor})
+    axis = mesh["tensor"]
+    shape = Shape(batch=2, seq=8, d_model=16 * tensor, heads=2 * tensor)
+    cfg = gpt.GPTConfig(
+        vocab=256, context=shape.seq, d_model=shape.d_model, heads=shape.heads, layers=1
+    )
+    dtype = _param_dtype(precision)
+    full = gpt.init(cfg, seed=0, dtype=dtype)["blocks"][0]
+    sharding = {
+        "attn": ops.attention_block_sharding(fused_qkv=True).params,
+        "mlp": ops.mlp_block_sharding().params,
+    }
+    block = fp.tree.tree_map(lambda t: t.requires_grad_(), shard_tree(full, sharding, mesh.place))
+    x = torch.randn(shape.batch, shape.seq, shape.d_model, dtype=dtype, requires_grad=True)
+
+    def step() -> None:
+        with _precision(precision):
+            h = ops.attention_block(x, block["attn"], axis=axis, num_heads=shape.heads, causal=True)
+            y = ops.mlp_block(h, block["mlp"], axis=axis)
+        torch.autograd.backward(y, torch.ones_like(y))
+
+    step()
+    with OpCounter() as counter:
+        step()
+    c = counter.count
+    return {
+        "rank": rank,
+        "tensor": tensor,
+        "ops": c.ops,
+        "collectives": c.collectives,
+        "by_op": dict(c.by_op),
+    }
 
 
 # ------------------------------------------------------------------------- a Pipeline step
