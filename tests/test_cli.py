@@ -34,6 +34,53 @@ def test_parser_requires_a_command() -> None:
         _build_parser().parse_args([])
 
 
+def test_every_subcommand_registers_a_parser_and_a_handler() -> None:
+    """One ``register(subparsers)`` per module; the demo's options are a subparser like any."""
+    parser = _build_parser()
+    for argv in (
+        ["demo", "--steps", "3", "--size", "tiny"],
+        ["tour"],
+        ["schedule", "1f1b", "-p", "2", "-m", "2"],
+        ["check", "prog.txt"],
+        ["plan", "--layers", "2", "--hidden", "8", "--heads", "2", "--vocab", "16", "--seq", "4",
+         "--global-batch", "2", "--gpus", "1", "--gpu", "h100-sxm"],
+    ):  # fmt: skip
+        args = parser.parse_args(argv)
+        assert args.command == argv[0] and callable(args.handler)
+    args = parser.parse_args(["demo", "--steps", "3", "--size", "tiny"])
+    assert (args.steps, args.size, args.compile_backend) == (3, "tiny", "inductor")
+
+
+@pytest.mark.parametrize(
+    "command", [["demo"], ["tour"], ["schedule", "1f1b", "-p", "2", "-m", "2"]]
+)
+def test_an_unknown_argument_is_reported_by_its_subcommand(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--no-such-option"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: funcpipe {command[0]} " in err
+    assert f"funcpipe {command[0]}: error: unrecognized arguments: --no-such-option" in err
+
+
+def test_cli_modules_stay_small() -> None:
+    """No module of funcpipe/cli over 600 lines, no function over 80, a docstring on each."""
+    import ast
+
+    for path in sorted((ROOT / "funcpipe" / "cli").glob("*.py")):
+        text = path.read_text()
+        assert len(text.splitlines()) <= 600, path.name
+        tree = ast.parse(text)
+        assert ast.get_docstring(tree), path.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                assert node.end_lineno is not None
+                length = node.end_lineno - node.lineno + 1
+                assert length <= 80, f"{path.name}: {node.name} is {length} lines"
+
+
 def test_quickstart_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     runpy.run_path(str(ROOT / "examples" / "quickstart.py"), run_name="__main__")
     out = capsys.readouterr().out

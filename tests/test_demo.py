@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,6 +90,35 @@ def test_demo_rejects_bad_layouts(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--tensor", "3"]) == 2
     assert "divisible" in capsys.readouterr().err
     assert main(["demo", "--stop-after", "99", "--steps", "5"]) == 2
+
+
+def test_demo_builds_its_program_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The program validation generates is the one every rank runs (passed through launch)."""
+    from funcpipe.cli.app import main
+    from funcpipe.cli.demo import train_rank
+    from funcpipe.distributed import launcher
+    from funcpipe.schedule import generators
+    from funcpipe.schedule.ir import Program
+
+    built: list[Program] = []
+    generate = generators.generate
+
+    def counted(*args: Any, **kwargs: Any) -> Program:
+        built.append(generate(*args, **kwargs))
+        return built[-1]
+
+    launched: list[tuple[Any, ...]] = []
+
+    def fake_launch(fn: Any, n: int, *args: Any, **options: Any) -> list[None]:
+        launched.append((fn, *args))
+        return [None]
+
+    monkeypatch.setattr(generators, "generate", counted)
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    assert main(["demo", "--device", "cpu", "--schedule", "zbv", "--out", str(tmp_path)]) == 0
+    assert len(built) == 1
+    [(fn, options, program)] = launched
+    assert fn is train_rank and program is built[0] and options.schedule == "zbv"
 
 
 # ------------------------------------------------------------------------------ options

@@ -1,86 +1,50 @@
-"""The ``funcpipe`` command.
+"""The ``funcpipe`` command: its parser, built from the subcommand modules, and :func:`main`.
 
-Each subcommand lives in one ``_add_<name>(subparsers)`` function that registers its parser and
-sets ``handler`` to a ``_run_<name>(args) -> int`` function; add new ones to ``_SUBCOMMANDS``.
+Every module of ``_COMMANDS`` has a ``register(subparsers)`` that adds its parser(s) and sets
+``handler`` to a function of the parsed arguments returning the exit status; the modules are
+imported when the parser is built (``import funcpipe.cli`` stays light, and ``python -m
+funcpipe.cli.demo`` runs the module it names). :func:`main` parses once and calls the handler; a :class:`~funcpipe.errors.FuncpipeError` it raises is printed as
+``funcpipe COMMAND: error: ...`` with exit status 2, and an argument no subcommand knows is
+reported by that subcommand's parser (its usage, exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
+from funcpipe.cli.args import Subparsers
 from funcpipe.errors import FuncpipeError
 
 __all__ = ["main"]
 
-Subparsers = Any  # argparse's _SubParsersAction is private
+# modules of funcpipe.cli, in the order `funcpipe --help` lists their subcommands (schedule
+# registers `schedule` and `check`)
+_COMMANDS = ("demo", "tour", "schedule", "plan")
 
 
-def _add_demo(subparsers: Subparsers) -> None:
-    parser = subparsers.add_parser(
-        "demo",
-        help="train a GPT with pipeline x tensor x data parallelism on local processes",
-        description="Train a byte-level GPT on text that ships with Python, with pipeline x "
-        "tensor x data parallelism on local CPU processes (or under torchrun). All options: "
-        "funcpipe demo --help.",
-    )
-    parser.set_defaults(handler=lambda args: 0)  # main() hands `demo ...` to funcpipe.cli.demo
-
-
-def _add_tour(subparsers: Subparsers) -> None:
-    parser = subparsers.add_parser(
-        "tour",
-        help="partition an MLP, infer its shapes, check the reference step and train it",
-        description="Partition a float64 MLP into stages by parameter count, infer every "
-        "stage's shapes without data, compare reference_step with plain autograd on "
-        "the whole module, then train with pure SGD updates (one process).",
-    )
-    parser.add_argument("--microbatches", type=int, default=4, metavar="M", help="default: 4")
-    parser.add_argument("--stages", type=int, default=2, metavar="N", help="default: 2")
-    parser.add_argument("--steps", type=int, default=20, help="SGD steps (default: 20)")
-    parser.set_defaults(handler=_run_tour)
-
-
-def _run_tour(args: argparse.Namespace) -> int:
-    from funcpipe.cli.tour import run_demo
-
-    run_demo(microbatches=args.microbatches, stages=args.stages, steps=args.steps)
-    return 0
-
-
-_SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (_add_demo, _add_tour)
-
-
-def _build_parser() -> argparse.ArgumentParser:
+def _build() -> tuple[argparse.ArgumentParser, Subparsers]:
     parser = argparse.ArgumentParser(
         prog="funcpipe", description="Pure-functional pipeline-parallel training for PyTorch."
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in _SUBCOMMANDS:
-        add(subparsers)
-    from funcpipe.cli.schedule import register as add_schedule_commands  # schedule, check
+    for name in _COMMANDS:
+        importlib.import_module(f"funcpipe.cli.{name}").register(subparsers)
+    return parser, subparsers
 
-    add_schedule_commands(subparsers)
-    from funcpipe.cli.plan import register as add_plan_command  # plan
 
-    add_plan_command(subparsers)
-    return parser
+def _build_parser() -> argparse.ArgumentParser:
+    return _build()[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``funcpipe`` command; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["demo"]:  # the demo parses its own options (it also runs under torchrun)
-        from funcpipe.cli.demo import main as demo_main
-
-        try:
-            return demo_main(argv[1:])
-        except FuncpipeError as e:
-            print(f"funcpipe demo: error: {e}", file=sys.stderr)
-            return 2
-    args = _build_parser().parse_args(argv)
+    parser, subparsers = _build()
+    args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    if unknown:  # as the subcommand's own parser says it (usage and all), exit status 2
+        subparsers.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         status: int = args.handler(args)
     except FuncpipeError as e:

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from funcpipe.cli.args import Subparsers
 from funcpipe.errors import InvalidArgument
 
 __all__ = ["register"]
@@ -23,7 +24,8 @@ _LAYOUT_FLAGS = (
 )
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subparsers) -> None:
+    """Add the ``plan`` subcommand to ``subparsers``."""
     from funcpipe.planner.cluster import GPUS
     from funcpipe.planner.layout import RECOMPUTE, SCHEDULES
 

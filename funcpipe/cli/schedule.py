@@ -1,4 +1,4 @@
-"""The ``funcpipe schedule`` and ``funcpipe check`` subcommands.
+"""``funcpipe schedule`` and ``funcpipe check``: programs generated or read, checked, simulated, drawn.
 
 ``register(subparsers)`` adds both to the ``funcpipe`` parser (see :mod:`funcpipe.cli.app`). Neither
 imports torch: they generate, read, lower, check, simulate and draw programs only.
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from funcpipe.cli.args import Subparsers, costs, memory, numbers, positive_int, seconds
 from funcpipe.errors import InvalidArgument, ScheduleError
 
 __all__ = ["register"]
@@ -24,61 +25,6 @@ __all__ = ["register"]
 # two busy cores), so this is a few seconds; a program's pattern repeats with a period of
 # about its ranks, so a few hundred microbatches already show its steady state
 MAX_PAIRS = 20_000
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0 seconds")
-    return value
-
-
-def _costs(text: str) -> Any:
-    from funcpipe.schedule.simulate import Costs
-
-    try:
-        return Costs.parse(text)
-    except InvalidArgument as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _memory(text: str) -> tuple[float, float | None]:
-    parts = [p.strip() for p in text.split(",")]
-    try:
-        values = [float(p) for p in parts]
-    except ValueError:
-        values = []
-    if len(values) not in (1, 2) or not all(0 <= v < float("inf") for v in values):
-        raise argparse.ArgumentTypeError(
-            f"--memory={text!r}: write ACTIVATION or ACTIVATION,FOR_W as numbers >= 0 (what one "
-            "F keeps, what an I leaves for its W, e.g. bytes: '131072' or '163840,131072')"
-        )
-    return values[0], values[1] if len(values) == 2 else None
-
-
-def _numbers(text: str) -> list[float]:
-    try:
-        values = [float(p.strip()) for p in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or not all(0 <= v < float("inf") for v in values):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: write numbers >= 0 separated by commas, e.g. '4096' or '1024,1024,1536'"
-        )
-    return values
 
 
 def _generator_names() -> str:
@@ -92,8 +38,13 @@ def _generator_names() -> str:
 _COSTS_HELP = "costs per stage as F,B,W or F,B,W,COMM (default 1,1,1: a full B costs B+W)"
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subparsers) -> None:
     """Add the ``schedule`` and ``check`` subcommands to ``subparsers``."""
+    _add_schedule(subparsers)
+    _add_check(subparsers)
+
+
+def _add_schedule(subparsers: Subparsers) -> None:
     sched = subparsers.add_parser(
         "schedule",
         help="generate a built-in schedule, check it, simulate it and print or draw it",
@@ -104,58 +55,23 @@ def register(subparsers: Any) -> None:
     sched.add_argument(
         "name", metavar="NAME", help=f"generator name: {_generator_names()}, or auto (search)"
     )
-    sched.add_argument("--ranks", "-p", type=_positive_int, required=True, metavar="P")
-    sched.add_argument("--microbatches", "-m", type=_positive_int, required=True, metavar="M")
+    sched.add_argument("--ranks", "-p", type=positive_int, required=True, metavar="P")
+    sched.add_argument("--microbatches", "-m", type=positive_int, required=True, metavar="M")
     sched.add_argument(
         "--no-size-limit",
         action="store_true",
         help=f"build programs of more than {MAX_PAIRS:,} (stage, microbatch) pairs (slow)",
     )
     sched.add_argument(
-        "--chunks", "-v", type=_positive_int, default=None, metavar="V", help="stages per rank"
+        "--chunks", "-v", type=positive_int, default=None, metavar="V", help="stages per rank"
     )
     sched.add_argument(
-        "--costs", type=_costs, default=None, metavar="F,B,W[,COMM]", help=_COSTS_HELP
+        "--costs", type=costs, default=None, metavar="F,B,W[,COMM]", help=_COSTS_HELP
     )
-    sched.add_argument(
-        "--placement",
-        choices=["loop", "v"],
-        default=None,
-        help="auto only: stage placement (default loop; v holds 2 chunks per rank)",
-    )
-    sched.add_argument(
-        "--max-activations",
-        type=_positive_int,
-        default=None,
-        metavar="N",
-        help="auto only: the most activations a rank may keep at once (default: no limit)",
-    )
-    sched.add_argument(
-        "--exact",
-        type=_seconds,
-        default=None,
-        metavar="SECONDS",
-        help="auto only: refine with an exact solver (needs scipy) for up to SECONDS",
-    )
-    sched.add_argument(
-        "--max-memory",
-        type=_numbers,
-        default=None,
-        metavar="B[,B...]",
-        help="auto only: the most activation bytes a rank may keep (one number, or one per "
-        "rank), with --stage-memory",
-    )
-    sched.add_argument(
-        "--stage-memory",
-        type=_numbers,
-        default=None,
-        metavar="A0,A1,...",
-        help="auto only: each stage's activation bytes for one microbatch, in model order "
-        "(funcpipe.measure_memory), with --max-memory",
-    )
+    _add_auto_options(sched)
     sched.add_argument(
         "--memory",
-        type=_memory,
+        type=memory,
         default=None,
         metavar="ACT[,FOR_W]",
         help="also print each rank's peak activation memory (funcpipe.schedule.peak_memory): "
@@ -175,6 +91,48 @@ def register(subparsers: Any) -> None:
     sched.add_argument("--text", type=Path, metavar="FILE", help="write the program text form")
     sched.set_defaults(handler=_run_schedule)
 
+
+def _add_auto_options(sched: argparse.ArgumentParser) -> None:
+    """The options of ``funcpipe schedule auto`` (the search) only."""
+    sched.add_argument(
+        "--placement",
+        choices=["loop", "v"],
+        default=None,
+        help="auto only: stage placement (default loop; v holds 2 chunks per rank)",
+    )
+    sched.add_argument(
+        "--max-activations",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="auto only: the most activations a rank may keep at once (default: no limit)",
+    )
+    sched.add_argument(
+        "--exact",
+        type=seconds,
+        default=None,
+        metavar="SECONDS",
+        help="auto only: refine with an exact solver (needs scipy) for up to SECONDS",
+    )
+    sched.add_argument(
+        "--max-memory",
+        type=numbers,
+        default=None,
+        metavar="B[,B...]",
+        help="auto only: the most activation bytes a rank may keep (one number, or one per "
+        "rank), with --stage-memory",
+    )
+    sched.add_argument(
+        "--stage-memory",
+        type=numbers,
+        default=None,
+        metavar="A0,A1,...",
+        help="auto only: each stage's activation bytes for one microbatch, in model order "
+        "(funcpipe.measure_memory), with --max-memory",
+    )
+
+
+def _add_check(subparsers: Subparsers) -> None:
     chk = subparsers.add_parser(
         "check",
         help="check a hand-written program (text form, or torch CSV if FILE ends in .csv)",
@@ -195,7 +153,7 @@ def register(subparsers: Any) -> None:
         "side; a group's ('+') messages to one peer match together, to another peer they are "
         "another batch)",
     )
-    chk.add_argument("--costs", type=_costs, default=None, metavar="F,B,W[,COMM]", help=_COSTS_HELP)
+    chk.add_argument("--costs", type=costs, default=None, metavar="F,B,W[,COMM]", help=_COSTS_HELP)
     chk.add_argument("--json", action="store_true", help="print one JSON object")
     chk.set_defaults(handler=_run_check)
 
@@ -241,51 +199,9 @@ def _fail(command: str, error: ScheduleError) -> int:
 def _run_schedule(args: argparse.Namespace) -> int:
     from funcpipe.schedule.check import check
     from funcpipe.schedule.passes import lower
-    from funcpipe.schedule.render import draw_timeline, write_chrome_trace
     from funcpipe.schedule.simulate import simulate
 
-    try:
-        from funcpipe.schedule.generators import generate
-    except ImportError:
-        raise InvalidArgument("funcpipe.schedule.generators is not available yet") from None
-    pairs = args.ranks * (args.chunks or 1) * args.microbatches
-    if pairs > MAX_PAIRS and not args.no_size_limit:
-        raise InvalidArgument(
-            f"--ranks {args.ranks} x --chunks {args.chunks or 1} x --microbatches "
-            f"{args.microbatches} = {pairs:,} (stage, microbatch) pairs: more than the "
-            f"{MAX_PAIRS:,} that build in seconds (about 0.2 ms a pair; 200,000 take half a "
-            "minute and 0.5 GB). A schedule's pattern repeats every few microbatches: use fewer "
-            f"(e.g. -m {max(1, MAX_PAIRS // (args.ranks * (args.chunks or 1)))}), or pass "
-            "--no-size-limit to build it anyway"
-        )
-    options: dict[str, Any] = {"ranks": args.ranks, "microbatches": args.microbatches}
-    if args.chunks is not None:
-        options["chunks"] = args.chunks
-    if args.name.strip().lower() == "auto":
-        from funcpipe.schedule.auto import auto
-
-        program = auto(
-            **options,
-            placement=args.placement or "loop",
-            costs=args.costs,
-            max_activations=args.max_activations,
-            exact=args.exact,
-            max_memory=_one_or_all(args.max_memory),
-            memory=args.stage_memory,
-        )
-    elif (
-        args.placement is not None
-        or args.max_activations is not None
-        or args.exact
-        or args.max_memory is not None
-        or args.stage_memory is not None
-    ):
-        raise InvalidArgument(
-            "--placement/--max-activations/--exact/--max-memory/--stage-memory are options of "
-            f"'auto', not of {args.name!r}; drop them or run 'funcpipe schedule auto ...'"
-        )
-    else:
-        program = generate(args.name, **options)
+    program = _generate(args)
     try:
         check(program)
         if args.lower:
@@ -305,6 +221,71 @@ def _run_schedule(args: argparse.Namespace) -> int:
         from funcpipe.schedule.simulate import peak_memory
 
         extra["peak_memory"] = list(peak_memory(program, *sizes))
+    written = _write_files(args, program, timeline)
+    _report(program, timeline, as_json=args.json, extra={**extra, "files": written})
+    if not args.json:
+        if sizes is not None:
+            peaks = " ".join(f"{m:g}" for m in extra["peak_memory"])
+            print(f"peak memory       {peaks}  (per rank)")
+        for kind, path in written.items():
+            print(f"wrote {kind}: {path}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> Any:
+    """The program ``funcpipe schedule NAME`` names: a generator's, or ``auto``'s search."""
+    try:
+        from funcpipe.schedule.generators import generate
+    except ImportError:
+        raise InvalidArgument("funcpipe.schedule.generators is not available yet") from None
+    _check_size(args)
+    options: dict[str, Any] = {"ranks": args.ranks, "microbatches": args.microbatches}
+    if args.chunks is not None:
+        options["chunks"] = args.chunks
+    if args.name.strip().lower() == "auto":
+        from funcpipe.schedule.auto import auto
+
+        return auto(
+            **options,
+            placement=args.placement or "loop",
+            costs=args.costs,
+            max_activations=args.max_activations,
+            exact=args.exact,
+            max_memory=_one_or_all(args.max_memory),
+            memory=args.stage_memory,
+        )
+    if (
+        args.placement is not None
+        or args.max_activations is not None
+        or args.exact
+        or args.max_memory is not None
+        or args.stage_memory is not None
+    ):
+        raise InvalidArgument(
+            "--placement/--max-activations/--exact/--max-memory/--stage-memory are options of "
+            f"'auto', not of {args.name!r}; drop them or run 'funcpipe schedule auto ...'"
+        )
+    return generate(args.name, **options)
+
+
+def _check_size(args: argparse.Namespace) -> None:
+    """At most :data:`MAX_PAIRS` (stage, microbatch) pairs, unless ``--no-size-limit``."""
+    pairs = args.ranks * (args.chunks or 1) * args.microbatches
+    if pairs > MAX_PAIRS and not args.no_size_limit:
+        raise InvalidArgument(
+            f"--ranks {args.ranks} x --chunks {args.chunks or 1} x --microbatches "
+            f"{args.microbatches} = {pairs:,} (stage, microbatch) pairs: more than the "
+            f"{MAX_PAIRS:,} that build in seconds (about 0.2 ms a pair; 200,000 take half a "
+            "minute and 0.5 GB). A schedule's pattern repeats every few microbatches: use fewer "
+            f"(e.g. -m {max(1, MAX_PAIRS // (args.ranks * (args.chunks or 1)))}), or pass "
+            "--no-size-limit to build it anyway"
+        )
+
+
+def _write_files(args: argparse.Namespace, program: Any, timeline: Any) -> dict[str, str]:
+    """``--text``, ``--png`` and ``--trace``: what was written where."""
+    from funcpipe.schedule.render import draw_timeline, write_chrome_trace
+
     written: dict[str, str] = {}
     if args.text is not None:
         args.text.parent.mkdir(parents=True, exist_ok=True)
@@ -314,14 +295,7 @@ def _run_schedule(args: argparse.Namespace) -> int:
         written["png"] = str(draw_timeline(timeline, args.png))
     if args.trace is not None:
         written["trace"] = str(write_chrome_trace(timeline, args.trace))
-    _report(program, timeline, as_json=args.json, extra={**extra, "files": written})
-    if not args.json:
-        if sizes is not None:
-            peaks = " ".join(f"{m:g}" for m in extra["peak_memory"])
-            print(f"peak memory       {peaks}  (per rank)")
-        for kind, path in written.items():
-            print(f"wrote {kind}: {path}")
-    return 0
+    return written
 
 
 def _one_or_all(values: list[float] | None) -> float | list[float] | None:

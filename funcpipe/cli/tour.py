@@ -5,6 +5,7 @@ Everything runs in one process on the CPU; it shows the pieces a pipeline is bui
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 from typing import Any, TextIO
@@ -12,15 +13,36 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
+from funcpipe.cli.args import Subparsers
 from funcpipe.pipeline.microbatch import split
 from funcpipe.pipeline.reference import reference_step
 from funcpipe.stages.partition import partition
 from funcpipe.stages.shapes import infer_specs
 from funcpipe.tree import tree_leaves, tree_map
 
-__all__ = ["run_demo"]
+__all__ = ["register", "run_demo"]
 
 WIDTHS = (16, 32, 32, 32, 4)
+
+
+def register(subparsers: Subparsers) -> None:
+    """Add the ``tour`` subcommand to ``subparsers``."""
+    parser = subparsers.add_parser(
+        "tour",
+        help="partition an MLP, infer its shapes, check the reference step and train it",
+        description="Partition a float64 MLP into stages by parameter count, infer every "
+        "stage's shapes without data, compare reference_step with plain autograd on "
+        "the whole module, then train with pure SGD updates (one process).",
+    )
+    parser.add_argument("--microbatches", type=int, default=4, metavar="M", help="default: 4")
+    parser.add_argument("--stages", type=int, default=2, metavar="N", help="default: 2")
+    parser.add_argument("--steps", type=int, default=20, help="SGD steps (default: 20)")
+    parser.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    run_demo(microbatches=args.microbatches, stages=args.stages, steps=args.steps)
+    return 0
 
 
 def _mse(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

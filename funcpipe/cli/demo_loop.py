@@ -1,0 +1,419 @@
+"""The demo's training loop: what one rank of the job does, from its shard of the model to the summary.
+
+:func:`train_rank` is the function :func:`funcpipe.launch` runs on every rank: build this
+rank's stages, pipelines, optimizer and data (:class:`_Rank`), resume from a checkpoint, train,
+evaluate, trace one step against the simulator and, on the first rank, write the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from funcpipe.cli.demo_options import COMPILE_BACKEND, DemoOptions
+from funcpipe.cli.demo_report import History, pictures, progress, summary
+from funcpipe.runtime.clock import timer
+from funcpipe.train.throughput import peak_flops, throughput, warmup_steps
+
+if TYPE_CHECKING:
+    from funcpipe.schedule.ir import Program
+
+__all__ = ["train_rank"]
+
+
+def train_rank(rank: int, o: DemoOptions, program: Program | None = None) -> dict[str, Any] | None:
+    """Everything one rank does; returns the summary on the first rank. ``program`` is the one
+    :func:`funcpipe.cli.demo_options.validate` built (generated from ``o`` when None)."""
+    from funcpipe.train import checkpoint
+
+    torch.manual_seed(o.seed)
+    r, params, state = _build(o, program)
+    params, state, start, history = _resume(r, params, state)
+    if start == 0:
+        history["val"].append([0, _val_loss(r, params)])  # where it starts: about ln 256
+    t_start = time.perf_counter()
+    end = o.stop_after or o.steps
+    params, state, step_times, last = _train(r, params, state, history, start, end)
+    if end < o.steps:  # interrupted on purpose: keep what a resume needs, nothing else
+        checkpoint.save(r.ckpt_dir, {r.tag: {"params": params, "opt": state}, "step": end})
+        if r.first:
+            _write_history(o, history)
+        return None
+    final_val = _val_loss(r, params)
+    history["val"].append([o.steps, final_val])
+    traced, simulated = _traced_step(r, params)
+    checkpoint.save(r.ckpt_dir, {r.tag: {"params": params, "opt": state}, "step": o.steps})
+    peak_memory = _peak_memory(r.device)  # every rank takes part (a gather)
+    if not r.first:
+        return None
+    _write_history(o, history)
+    files = pictures(o, history, traced)
+    return _summarise(
+        r,
+        start=start,
+        history=history,
+        step_times=step_times,
+        last=last,
+        final_val=final_val,
+        traced=traced,
+        simulated=simulated,
+        peak_memory=peak_memory,
+        files=files,
+        t_start=t_start,
+    )
+
+
+# ------------------------------------------------------------------------------ the rank's job
+@dataclass(frozen=True)
+class _Rank:
+    """What one rank trains with: its device and clock, the model's config and stages, the
+    training and evaluation pipelines, the optimizer, the clipping weights and the data."""
+
+    o: DemoOptions
+    device: torch.device
+    now: Callable[[], float]
+    cfg: Any
+    stages: list[Any]
+    pipe: Any
+    evaluate: Any
+    opt: Any
+    weights: Any
+    corpus: Any
+    data_rank: int
+    tag: str  # this rank's key in the checkpoint: tensor shards get keys of their own
+    first: bool  # the rank that reports
+
+    @property
+    def ckpt_dir(self) -> str:
+        return os.path.join(self.o.out, "checkpoint")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.o.batch * self.o.data * self.o.context
+
+    def batch(self, split: str, index: int) -> tuple[Any, Any]:
+        """This data rank's ``index``-th batch of ``split`` (``"train"`` or ``"val"``)."""
+        o = self.o
+        x, y = self.corpus.get_batch(
+            split,
+            index,
+            batch=o.batch,
+            context=o.context,
+            seed=o.seed,
+            data_rank=self.data_rank,
+            data_size=o.data,
+        )
+        return x, y
+
+
+def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, ...], Any]:
+    """This rank's :class:`_Rank`, its shard of the model's parameters and the optimizer state."""
+    import torch.distributed as dist
+
+    from funcpipe.models import gpt
+    from funcpipe.parallel.mesh import build_mesh
+    from funcpipe.pipeline.pipeline import Pipeline
+    from funcpipe.schedule.generators import generate, to_eval
+    from funcpipe.train import optim
+    from funcpipe.train.data import load_corpus
+
+    device = _rank_device(o)
+    now = timer(device)
+    mesh = build_mesh({"pipeline": o.pipeline, "tensor": o.tensor})
+    place = mesh.place
+    axis = mesh["tensor"]
+    cfg = gpt.GPTConfig(
+        vocab=256, context=o.context, d_model=o.d_model, heads=o.heads, layers=o.layers
+    )
+    if program is None:
+        program = generate(o.schedule, ranks=o.pipeline, microbatches=o.microbatches)
+    n = program.n_stages
+    # drawn on the CPU (the same values on every rank and device), each shard then moved
+    full = gpt.split(gpt.init(cfg, seed=o.seed), cfg, n)
+    layouts = gpt.layouts(cfg, n)
+    mine = set(program.stages_on(place.coords["pipe"]))
+    params = tuple(
+        _shard(full[s], layouts[s], place, device if s in mine else None) for s in range(n)
+    )
+    del full
+    stages = _transform(gpt.stages(cfg, n, axis=axis), o)
+    loss = gpt.loss_fn(axis=axis)
+    on_gpu = device if device.type == "cuda" else None  # CPU: where the params are
+    pipe = Pipeline(
+        stages,
+        program,
+        loss_fn=loss,
+        ties=gpt.tie_spec(n),
+        transport="dist",
+        mesh=mesh,
+        scatter_gather=o.tensor > 1,  # each tensor rank sends 1/t of every boundary tensor
+        device=on_gpu,
+    )
+    evaluate = Pipeline(
+        stages, to_eval(program), loss_fn=loss, transport="dist", mesh=mesh, device=on_gpu
+    )
+    schedule = optim.warmup_cosine(
+        o.lr, warmup=max(1, o.steps // 10), total=o.steps, final=o.lr / 10
+    )
+    opt = optim.adamw(schedule, weight_decay=0.01)
+    state = opt.init(params)
+    rank = _Rank(
+        o=o,
+        device=device,
+        now=now,
+        cfg=cfg,
+        stages=stages,
+        pipe=pipe,
+        evaluate=evaluate,
+        opt=opt,
+        weights=_clip_weights(layouts, n, o),
+        corpus=load_corpus(max_bytes=o.corpus_bytes),
+        data_rank=place.coords["data"],
+        tag=f"tensor{axis.coord}of{o.tensor}",
+        first=dist.get_rank() == 0,
+    )
+    return rank, params, state
+
+
+def _resume(r: _Rank, params: Any, state: Any) -> tuple[Any, Any, int, History]:
+    """``--resume``: the parameters, optimizer state, step and loss history of the newest
+    complete checkpoint in ``--out``; otherwise the given ones, step 0 and no history."""
+    from funcpipe.train import checkpoint
+
+    o = r.o
+    start = 0
+    history: History = {"train": [], "val": []}
+    # the newest complete checkpoint: `checkpoint`, or the `checkpoint.old-*` a save killed
+    # between its two renames left behind (never a half-written `.tmp-` one)
+    found = checkpoint.latest(o.out) if o.resume else None
+    if found is not None:
+        like = {r.tag: {"params": params, "opt": state}, "step": 0}
+        loaded = checkpoint.load(found, like)
+        params, state, start = loaded[r.tag]["params"], loaded[r.tag]["opt"], int(loaded["step"])
+        hist_file = os.path.join(o.out, "history.json")
+        if os.path.exists(hist_file):
+            with open(hist_file) as f:
+                history = json.load(f)
+            history = {k: [row for row in v if row[0] < start] for k, v in history.items()}
+    return params, state, start, history
+
+
+def _train(
+    r: _Rank, params: Any, state: Any, history: History, start: int, end: int
+) -> tuple[Any, Any, list[float], float]:
+    """Steps ``start`` to ``end``: pipeline step, clipping, AdamW, a validation loss every
+    ``--eval-every`` steps (appended to ``history``); returns the new parameters and state, each
+    step's time and the last loss."""
+    import torch.distributed as dist
+
+    from funcpipe.train import optim
+
+    o = r.o
+    tty = r.first and sys.stdout.isatty()
+    step_times: list[float] = []
+    last = float("nan")
+    for step in range(start, end):
+        x, y = r.batch("train", step)
+        t0 = r.now()  # on a GPU after its queued work: the step's kernels are timed, not launches
+        result = r.pipe.step(params, x, y)
+        held = tuple(
+            w if g is not None else None for w, g in zip(r.weights, result.grads, strict=True)
+        )
+        grads, _ = optim.clip_by_global_norm(
+            result.grads, 1.0, group=dist.group.WORLD, weights=held
+        )
+        params, state = r.opt.update(grads, state, params)
+        step_times.append(r.now() - t0)
+        last = float(result.loss)
+        history["train"].append([step, last])
+        if o.eval_every and (step + 1) % o.eval_every == 0 and step + 1 < o.steps:
+            history["val"].append([step + 1, _val_loss(r, params)])
+        if r.first:
+            recent = step_times[-10:]
+            tps = r.tokens_per_step * len(recent) / sum(recent)
+            progress(step + 1, o.steps, last, tps, tty, history["val"])
+    return params, state, step_times, last
+
+
+def _val_loss(r: _Rank, params: Any) -> float:
+    """The mean loss of ``--eval-batches`` validation batches."""
+    total = 0.0
+    for k in range(r.o.eval_batches):
+        x, y = r.batch("val", k)
+        total += float(r.evaluate.step(params, x, y).loss)
+    return total / r.o.eval_batches
+
+
+def _traced_step(r: _Rank, params: Any) -> tuple[Any, Any]:
+    """One traced step: the executed timeline, and the simulator's fed its measured costs."""
+    from funcpipe.schedule.simulate import simulate
+
+    x, y = r.batch("train", r.o.steps)
+    traced = r.pipe.step(params, x, y, trace=True).timeline
+    costs = _measured_costs(traced)
+    simulated = simulate(r.pipe.program, costs, p2p=r.pipe.p2p, layout=r.pipe.p2p_layout)
+    return traced, simulated
+
+
+def _write_history(o: DemoOptions, history: History) -> None:
+    os.makedirs(o.out, exist_ok=True)
+    with open(os.path.join(o.out, "history.json"), "w") as f:
+        json.dump(history, f)
+
+
+def _summarise(
+    r: _Rank,
+    *,
+    start: int,
+    history: History,
+    step_times: list[float],
+    last: float,
+    final_val: float,
+    traced: Any,
+    simulated: Any,
+    peak_memory: list[int] | None,
+    files: dict[str, str],
+    t_start: float,
+) -> dict[str, Any]:
+    """The first rank's summary (throughput over the steps after the warm-up), written to
+    ``summary.json`` under ``--out``."""
+    from funcpipe.models import gpt
+
+    o, cfg, device = r.o, r.cfg, r.device
+    skipped = warmup_steps(len(step_times), o.compile)
+    speed = throughput(
+        step_times[skipped:],
+        tokens_per_step=r.tokens_per_step,
+        flops_per_token=gpt.flops_per_token(cfg),
+        peak=peak_flops(device, o.precision),
+        devices=o.world,
+    )
+    result = summary(
+        o,
+        device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        params=gpt.matmul_params(cfg) + cfg.context * cfg.d_model,
+        stages=[repr(st) for st in r.stages],
+        speed=speed,
+        skipped=skipped,
+        peak_memory=peak_memory,
+        start=start,
+        history=history,
+        final_val=final_val,
+        wall_s=time.perf_counter() - t_start,
+        traced=traced,
+        simulated=simulated,
+        files=files,
+        last=last,
+        bytes_sent=r.pipe.bytes_sent,
+    )
+    with open(os.path.join(o.out, "summary.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    return result
+
+
+# ------------------------------------------------------------------------------ pieces
+def _measured_costs(timeline: Any) -> Any:
+    """Per-stage median F, B (split in I/W halves when only B ran), I and W times of a run.
+
+    Not :func:`funcpipe.schedule.costs.costs_from_timelines`, whose numbers differ: it takes
+    the mean of the two middle times of an even count (here the upper one: a stage runs one F
+    per microbatch, mostly an even count), prices a B at its own median where a program also
+    splits backwards (DualPipeV; here at I + W), and refuses a program without backwards
+    (``--schedule forward``; here b = w = 0)."""
+    from collections import defaultdict
+
+    from funcpipe.schedule.ir import Op
+    from funcpipe.schedule.simulate import Costs
+
+    spans: dict[tuple[Op, int], list[float]] = defaultdict(list)
+    for rank in timeline.events:
+        for e in rank:
+            spans[(e.instr.op, e.instr.stage)].append(e.end - e.start)
+
+    def med(v: list[float]) -> float:
+        v = sorted(v)
+        return v[len(v) // 2] if v else 0.0
+
+    n = timeline.program.n_stages
+    f = [med(spans[(Op.F, s)]) for s in range(n)]
+    b, w = [], []
+    for s in range(n):
+        if spans[(Op.I, s)]:
+            b.append(med(spans[(Op.I, s)]))
+            w.append(med(spans[(Op.W, s)]))
+        else:
+            full = med(spans[(Op.B, s)])
+            b.append(full / 2)
+            w.append(full / 2)
+    return Costs(f=f, b=b, w=w)
+
+
+def _shard(tree: Any, layouts: Any, place: Any, device: torch.device | None) -> Any:
+    """This rank's shard of ``tree`` on ``device`` (``None``: a stage it does not run, meta)."""
+    from funcpipe.parallel.layout import shard_tree
+    from funcpipe.tree import tree_map
+
+    sharded = shard_tree(tree, layouts, place)
+    where = torch.device("meta") if device is None else device
+    return tree_map(lambda t: t.to(where), sharded)
+
+
+def _clip_weights(layouts: Any, n_stages: int, o: DemoOptions) -> Any:
+    """Each leaf's share of the global norm: 1/tensor for leaves every tensor rank holds, 1/data
+    for the data copies, 1/2 for the two tied copies of the embedding."""
+    from funcpipe.parallel.layout import Layout
+    from funcpipe.tree import tree_map
+
+    def weight(lay: Layout) -> float:
+        sharded = any(lay.dims)
+        return (1.0 if sharded else 1.0 / o.tensor) / o.data
+
+    out = []
+    for lay in layouts:
+        w = tree_map(weight, lay)
+        if n_stages > 1 and "wte" in w:
+            w = {**w, "wte": w["wte"] * 0.5}
+        out.append(w)
+    return tuple(out)
+
+
+def _rank_device(o: DemoOptions) -> torch.device:
+    """This rank's device: the CPU, or the GPU the launcher (or its torchrun path) made current
+    before the process group started (:func:`funcpipe.distributed.launcher.rank_device`)."""
+    if o.device != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.reset_peak_memory_stats(device)
+    return device
+
+
+def _transform(stages: list[Any], o: DemoOptions) -> list[Any]:
+    """The stages under ``--precision`` and ``--compile``: autocast inside, compile outside (the
+    compiled graph then holds the casts)."""
+    from funcpipe.stages.compile import compile_stage
+    from funcpipe.stages.precision import autocast_stage
+
+    if o.precision == "bf16":
+        stages = [autocast_stage(s, torch.bfloat16) for s in stages]
+    if o.compile:
+        backend = {} if o.compile_backend == COMPILE_BACKEND else {"backend": o.compile_backend}
+        stages = [compile_stage(s, **backend) for s in stages]
+    return stages
+
+
+def _peak_memory(device: torch.device) -> list[int] | None:
+    """Every rank's ``torch.cuda.max_memory_allocated`` (bytes) on rank 0; None on the CPU."""
+    import torch.distributed as dist
+
+    if device.type != "cuda":
+        return None
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, int(torch.cuda.max_memory_allocated(device)))
+    return [int(v) for v in out]

@@ -1,0 +1,350 @@
+"""The demo's options: ``funcpipe demo``'s command line, resolved and checked into :class:`DemoOptions`.
+
+:func:`add_options` puts the options on a parser (the ``demo`` subcommand's, or the one
+:func:`parse` builds); :func:`resolve` turns the parsed values into :class:`DemoOptions`
+(``--device auto`` resolved, the model filled from ``--size``); :func:`validate` checks them and
+returns the program the job runs, built once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, NamedTuple
+
+from funcpipe.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from funcpipe.schedule.ir import Program
+
+__all__ = [
+    "COMPILE_BACKEND",
+    "DESCRIPTION",
+    "DEVICES",
+    "PRECISIONS",
+    "SIZES",
+    "DemoOptions",
+    "Size",
+    "add_options",
+    "parse",
+    "resolve",
+    "resolve_device",
+    "validate",
+]
+
+
+class Size(NamedTuple):
+    """The model and workload of a ``--size``: the GPT's shape, the batch (sequences per data
+    rank and step) in its microbatches, and the peak learning rate."""
+
+    d_model: int
+    layers: int
+    heads: int
+    context: int
+    batch: int
+    microbatches: int
+    lr: float
+
+
+# "small" is the CPU default (about a minute on two cores); "large" the CUDA default: 302M
+# parameters, 1024 tokens of context, 32 x 1024 tokens a step (at pipeline 2 x tensor 2 about
+# 1.2 GB of float32 params, grads and AdamW state per rank, activations in bf16 on top).
+SIZES: dict[str, Size] = {
+    "tiny": Size(16, 2, 2, 16, batch=4, microbatches=2, lr=3e-3),
+    "small": Size(64, 4, 4, 64, batch=8, microbatches=4, lr=3e-3),
+    "medium": Size(256, 8, 8, 256, batch=16, microbatches=8, lr=1e-3),
+    "large": Size(1024, 24, 16, 1024, batch=32, microbatches=8, lr=3e-4),
+}
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("fp32", "bf16")
+COMPILE_BACKEND = "inductor"  # torch.compile's default; tests pass --compile-backend aot_eager
+DESCRIPTION = (
+    "Train a byte-level GPT with pipeline x tensor x data parallelism on local processes: CPU "
+    "ranks over gloo, or one GPU per rank over NCCL (--device); or as one rank under torchrun."
+)
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """One demo job: its layout, schedule, model, training, output and device (the command
+    line's options, one field each; :func:`parse` fills the model's fields from ``size``)."""
+
+    pipeline: int = 2
+    tensor: int = 2
+    data: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    steps: int = 150
+    batch: int = 8  # sequences per data-parallel rank and step
+    context: int = 64
+    d_model: int = 64
+    layers: int = 4
+    heads: int = 4
+    lr: float = 3e-3
+    eval_every: int = 50
+    eval_batches: int = 4
+    seed: int = 0
+    out: str = "runs/demo"
+    resume: bool = False
+    stop_after: int = 0  # stop (with a checkpoint) after this many steps: 0 = run to --steps
+    timeout: float | None = None  # the job's deadline, s (None: none)
+    pg_timeout: float | None = None  # the process group's timeout, s (None: torch's default)
+    corpus_bytes: int = 3_000_000
+    device: str = "auto"  # "auto": CUDA when this host has a GPU per rank, else the CPU
+    size: str = "small"  # the name of the size the model fields came from (a label)
+    precision: str = "fp32"  # "bf16": float32 params, the stages under bf16 autocast
+    compile: bool = False  # every stage through funcpipe.compile_stage
+    compile_backend: str = COMPILE_BACKEND
+
+    @property
+    def world(self) -> int:
+        return self.pipeline * self.tensor * self.data
+
+
+# ------------------------------------------------------------------------------ the command line
+def add_options(ap: argparse.ArgumentParser) -> None:
+    """Put the demo's options on ``ap`` (their help lists them in this order)."""
+    _add_layout_options(ap)
+    _add_training_options(ap)
+
+
+def _add_layout_options(ap: argparse.ArgumentParser) -> None:
+    """Where the job runs and how: the layout, the schedule, the device, size and precision."""
+    d = DemoOptions()
+    ap.add_argument(
+        "--pipeline", type=int, default=d.pipeline, help=f"pipeline ranks (default {d.pipeline})"
+    )
+    ap.add_argument(
+        "--tensor", type=int, default=d.tensor, help=f"tensor-parallel size (default {d.tensor})"
+    )
+    ap.add_argument(
+        "--data", type=int, default=d.data, help=f"data-parallel copies (default {d.data})"
+    )
+    ap.add_argument("--schedule", default=d.schedule, help=f"schedule name (default {d.schedule})")
+    ap.add_argument(
+        "--device",
+        default=d.device,
+        choices=DEVICES,
+        help="cpu: local processes over gloo; cuda: one GPU per rank over NCCL; auto (the "
+        "default): cuda when torch sees at least pipeline x tensor x data GPUs, else cpu",
+    )
+    ap.add_argument(
+        "--size",
+        default=None,
+        choices=list(SIZES),
+        help="the model and batch: "
+        + "; ".join(
+            f"{k}: d_model {v.d_model}, {v.layers} layers, context {v.context}, batch {v.batch}"
+            for k, v in SIZES.items()
+        )
+        + " (default: small on CPU, large on CUDA; --d-model, --layers, ... override it)",
+    )
+    ap.add_argument(
+        "--precision",
+        default=None,
+        choices=PRECISIONS,
+        help="fp32, or bf16: float32 params and optimizer, every stage under bf16 autocast "
+        "(default: bf16 on CUDA, fp32 on CPU)",
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile every stage with torch.compile (funcpipe.compile_stage; the first steps "
+        "compile, and are left out of the throughput)",
+    )
+    ap.add_argument(
+        "--compile-backend",
+        default=d.compile_backend,
+        dest="compile_backend",
+        help=argparse.SUPPRESS,  # tests: aot_eager compiles in a fraction of inductor's time
+    )
+
+
+def _add_training_options(ap: argparse.ArgumentParser) -> None:
+    """The model (the size's unless given), the training, evaluation, output and timeouts."""
+    d = DemoOptions()
+    ap.add_argument("--microbatches", type=int, default=None, help="default: the size's")
+    ap.add_argument("--steps", type=int, default=d.steps)
+    ap.add_argument(
+        "--batch", type=int, default=None, help="sequences per data rank per step (the size's)"
+    )
+    ap.add_argument("--context", type=int, default=None, help="tokens per sequence (the size's)")
+    ap.add_argument("--d-model", type=int, default=None, dest="d_model", help="the size's")
+    ap.add_argument("--layers", type=int, default=None, help="the size's")
+    ap.add_argument("--heads", type=int, default=None, help="the size's")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (the size's)")
+    ap.add_argument("--eval-every", type=int, default=d.eval_every, dest="eval_every")
+    ap.add_argument("--eval-batches", type=int, default=d.eval_batches, dest="eval_batches")
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--out", default=d.out, help="where pictures, traces and checkpoints go")
+    ap.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    ap.add_argument(
+        "--stop-after",
+        type=int,
+        default=d.stop_after,
+        dest="stop_after",
+        help="stop after this many steps, saving a checkpoint (as if interrupted; --resume goes on)",
+    )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=d.timeout,
+        help="the job's deadline in seconds: stopped, with an error, if still running then "
+        "(default: none)",
+    )
+    ap.add_argument(
+        "--pg-timeout",
+        type=float,
+        default=d.pg_timeout,
+        dest="pg_timeout",
+        help="the process group's timeout in seconds: how long one collective or message may "
+        "wait before gloo raises or NCCL's watchdog aborts the rank (default: torch's, 600 for "
+        "NCCL, 1800 for gloo)",
+    )
+    ap.add_argument("--corpus-bytes", type=int, default=d.corpus_bytes, dest="corpus_bytes")
+
+
+def resolve(parsed: argparse.Namespace) -> DemoOptions:
+    """The options of a parsed command line: ``--device auto`` resolved to ``cpu`` or ``cuda``
+    and the model's fields filled from ``--size`` (default: ``small`` on CPU, ``large`` on CUDA)
+    where they are not given, each given one overriding the size's. Not yet validated."""
+    args = {f.name: getattr(parsed, f.name) for f in fields(DemoOptions)}
+    device = resolve_device(
+        args["device"], args["pipeline"] * args["tensor"] * args["data"], announce=True
+    )
+    size = args["size"] or ("large" if device == "cuda" else "small")
+    for name in Size._fields:
+        if args[name] is None:
+            args[name] = getattr(SIZES[size], name)
+    args["size"] = size
+    args["device"] = device
+    args["precision"] = args["precision"] or ("bf16" if device == "cuda" else "fp32")
+    return DemoOptions(**args)
+
+
+def parse(argv: Sequence[str] | None = None) -> DemoOptions:
+    """The options of ``argv``, resolved (:func:`resolve`) and validated (:func:`validate`)."""
+    ap = argparse.ArgumentParser(prog="funcpipe demo", description=DESCRIPTION)
+    add_options(ap)
+    opts = resolve(ap.parse_args(argv))
+    validate(opts)
+    return opts
+
+
+# ------------------------------------------------------------------------------ the device
+def _gpus(world: int) -> tuple[int, int]:
+    """(GPUs this host's ranks need, GPUs torch sees): under torchrun only this host's ranks."""
+    import torch
+
+    need = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if _under_torchrun() else world
+    return need, torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _under_torchrun() -> bool:
+    from funcpipe.distributed.launcher import under_torchrun
+
+    return under_torchrun()
+
+
+def resolve_device(device: str, world: int, *, announce: bool = False) -> str:
+    """``"cpu"`` or ``"cuda"`` for ``--device``; ``cuda`` needs one GPU per rank of this host
+    (NCCL refuses two ranks of one group on one GPU); ``auto`` is ``cuda`` when that holds."""
+    import torch
+
+    if device not in DEVICES:
+        raise InvalidArgument(f"--device {device!r}: use one of {', '.join(DEVICES)}")
+    need, have = _gpus(world)
+    if device == "cpu" or (device == "auto" and have == 0):
+        return "cpu"
+    if device == "auto" and have < need:
+        if announce and int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"funcpipe demo: {need} ranks but {have} GPU{'s' if have != 1 else ''} here: "
+                "running on the CPU (pass --device cuda with --pipeline x --tensor x --data "
+                f"<= {have} to train on the GPUs)",
+                file=sys.stderr,
+            )
+        return "cpu"
+    if have == 0:
+        raise InvalidArgument(
+            f"--device cuda, but torch.cuda.is_available() is False here (torch "
+            f"{torch.__version__}, CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): use --device cpu (or auto), or "
+            "install a CUDA build of torch on a machine with a GPU"
+        )
+    if have < need:
+        raise InvalidArgument(
+            f"--device cuda: pipeline x tensor x data = {need} ranks on this host, one GPU "
+            f"each, but torch sees {have} GPU{'s' if have != 1 else ''}: lower --pipeline, "
+            f"--tensor or --data to a product <= {have}, or use --device cpu"
+        )
+    return "cuda"
+
+
+# ------------------------------------------------------------------------------ validation
+def validate(o: DemoOptions) -> Program:
+    """Check ``o`` (an :class:`InvalidArgument` naming the option otherwise) and return the
+    program its schedule generates: the one the ranks run."""
+    _check_values(o)
+    return _check_model(o)
+
+
+def _check_values(o: DemoOptions) -> None:
+    """Each option on its own: counts >= 1, names among the choices, lr and timeouts > 0."""
+    for name in (
+        "pipeline",
+        "tensor",
+        "data",
+        "microbatches",
+        "steps",
+        "batch",
+        "context",
+        "eval_batches",
+    ):
+        value = getattr(o, name)
+        if not isinstance(value, int) or value < 1:
+            raise InvalidArgument(f"--{name.replace('_', '-')}={value!r}: must be an int >= 1")
+    for name, allowed in (("device", DEVICES), ("size", tuple(SIZES)), ("precision", PRECISIONS)):
+        if getattr(o, name) not in allowed:
+            raise InvalidArgument(f"--{name} {getattr(o, name)!r}: use one of {', '.join(allowed)}")
+    if not isinstance(o.compile, bool):
+        raise InvalidArgument(f"compile={o.compile!r}: True or False")
+    if not (isinstance(o.lr, (int, float)) and o.lr > 0):
+        raise InvalidArgument(f"--lr {o.lr!r}: a learning rate > 0")
+    if o.stop_after < 0 or o.stop_after > o.steps:
+        raise InvalidArgument(f"--stop-after={o.stop_after}: must be in 0..--steps ({o.steps})")
+    if o.eval_every < 0:
+        raise InvalidArgument(f"--eval-every={o.eval_every}: must be >= 0 (0: only at the end)")
+    for name in ("timeout", "pg_timeout"):
+        value = getattr(o, name)
+        if value is not None and not (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+        ):
+            raise InvalidArgument(
+                f"--{name.replace('_', '-')}={value!r}: seconds > 0 (leave it out for the default)"
+            )
+
+
+def _check_model(o: DemoOptions) -> Program:
+    """The options together: the layout, the schedule's program, the model against both."""
+    from funcpipe.models.gpt import GPTConfig
+    from funcpipe.parallel.mesh import ParallelConfig
+    from funcpipe.schedule.generators import generate
+
+    ParallelConfig.from_dict({"pipeline": o.pipeline, "tensor": o.tensor}, world_size=o.world)
+    program = generate(o.schedule, ranks=o.pipeline, microbatches=o.microbatches)
+    cfg = GPTConfig(vocab=256, context=o.context, d_model=o.d_model, heads=o.heads, layers=o.layers)
+    cfg.check_tensor(o.tensor)
+    if program.n_stages > o.layers + 1 and program.n_stages > 1:
+        raise InvalidArgument(
+            f"--schedule {o.schedule} places {program.n_stages} stages but the model has "
+            f"--layers {o.layers}: use at least {program.n_stages - 1} layers"
+        )
+    if o.batch < o.microbatches:
+        raise InvalidArgument(
+            f"--batch {o.batch} < --microbatches {o.microbatches}: every microbatch needs a sequence"
+        )
+    return program
