@@ -137,10 +137,10 @@ def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, .
     n = program.n_stages
     # drawn on the CPU (the same values on every rank and device), each shard then moved
     full = gpt.split(gpt.init(cfg, seed=o.seed), cfg, n)
-    layouts = gpt.layouts(cfg, n)
+    shardings = gpt.shardings(cfg, n)
     mine = set(program.stages_on(place.coords["pipe"]))
     params = tuple(
-        _shard(full[s], layouts[s], place, device if s in mine else None) for s in range(n)
+        _shard(full[s], shardings[s], place, device if s in mine else None) for s in range(n)
     )
     del full
     stages = _transform(gpt.stages(cfg, n, axis=axis), o)
@@ -173,7 +173,7 @@ def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, .
         pipe=pipe,
         evaluate=evaluate,
         opt=opt,
-        weights=_clip_weights(layouts, n, o),
+        weights=_clip_weights(shardings, n, o),
         corpus=load_corpus(max_bytes=o.corpus_bytes),
         data_rank=place.coords["data"],
         tag=f"tensor{axis.coord}of{o.tensor}",
@@ -253,13 +253,29 @@ def _val_loss(r: _Rank, params: Any) -> float:
 
 def _traced_step(r: _Rank, params: Any) -> tuple[Any, Any]:
     """One traced step: the executed timeline, and the simulator's fed its measured costs."""
+    from funcpipe.schedule.costs import costs_from_timelines
     from funcpipe.schedule.simulate import simulate
 
     x, y = r.batch("train", r.o.steps)
     traced = r.pipe.step(params, x, y, trace=True).timeline
-    costs = _measured_costs(traced)
+    costs = costs_from_timelines([traced]) if r.pipe.program.training else _forward_costs(traced)
     simulated = simulate(r.pipe.program, costs, p2p=r.pipe.p2p, layout=r.pipe.p2p_layout)
     return traced, simulated
+
+
+def _forward_costs(timeline: Any) -> Any:
+    """Per-stage median F times of an evaluation run (``--schedule forward``: no backward to
+    price, which :func:`~funcpipe.schedule.costs.costs_from_timelines` refuses)."""
+    import statistics
+
+    from funcpipe.schedule.ir import Op
+    from funcpipe.schedule.simulate import Costs
+
+    n = timeline.program.n_stages
+    spans: list[list[float]] = [[] for _ in range(n)]
+    for e in (e for rank in timeline.events for e in rank if e.instr.op is Op.F):
+        spans[e.instr.stage].append(e.end - e.start)
+    return Costs(f=[statistics.median(v) if v else 0.0 for v in spans], b=0.0, w=0.0)
 
 
 def _write_history(o: DemoOptions, history: History) -> None:
@@ -319,64 +335,28 @@ def _summarise(
 
 
 # ------------------------------------------------------------------------------ pieces
-def _measured_costs(timeline: Any) -> Any:
-    """Per-stage median F, B (split in I/W halves when only B ran), I and W times of a run.
-
-    Not :func:`funcpipe.schedule.costs.costs_from_timelines`, whose numbers differ: it takes
-    the mean of the two middle times of an even count (here the upper one: a stage runs one F
-    per microbatch, mostly an even count), prices a B at its own median where a program also
-    splits backwards (DualPipeV; here at I + W), and refuses a program without backwards
-    (``--schedule forward``; here b = w = 0)."""
-    from collections import defaultdict
-
-    from funcpipe.schedule.ir import Op
-    from funcpipe.schedule.simulate import Costs
-
-    spans: dict[tuple[Op, int], list[float]] = defaultdict(list)
-    for rank in timeline.events:
-        for e in rank:
-            spans[(e.instr.op, e.instr.stage)].append(e.end - e.start)
-
-    def med(v: list[float]) -> float:
-        v = sorted(v)
-        return v[len(v) // 2] if v else 0.0
-
-    n = timeline.program.n_stages
-    f = [med(spans[(Op.F, s)]) for s in range(n)]
-    b, w = [], []
-    for s in range(n):
-        if spans[(Op.I, s)]:
-            b.append(med(spans[(Op.I, s)]))
-            w.append(med(spans[(Op.W, s)]))
-        else:
-            full = med(spans[(Op.B, s)])
-            b.append(full / 2)
-            w.append(full / 2)
-    return Costs(f=f, b=b, w=w)
-
-
-def _shard(tree: Any, layouts: Any, place: Any, device: torch.device | None) -> Any:
+def _shard(tree: Any, shardings: Any, place: Any, device: torch.device | None) -> Any:
     """This rank's shard of ``tree`` on ``device`` (``None``: a stage it does not run, meta)."""
-    from funcpipe.parallel.layout import shard_tree
+    from funcpipe.parallel.sharding import shard_tree
     from funcpipe.tree import tree_map
 
-    sharded = shard_tree(tree, layouts, place)
+    sharded = shard_tree(tree, shardings, place)
     where = torch.device("meta") if device is None else device
     return tree_map(lambda t: t.to(where), sharded)
 
 
-def _clip_weights(layouts: Any, n_stages: int, o: DemoOptions) -> Any:
+def _clip_weights(shardings: Any, n_stages: int, o: DemoOptions) -> Any:
     """Each leaf's share of the global norm: 1/tensor for leaves every tensor rank holds, 1/data
     for the data copies, 1/2 for the two tied copies of the embedding."""
-    from funcpipe.parallel.layout import Layout
+    from funcpipe.parallel.sharding import Sharding
     from funcpipe.tree import tree_map
 
-    def weight(lay: Layout) -> float:
+    def weight(lay: Sharding) -> float:
         sharded = any(lay.dims)
         return (1.0 if sharded else 1.0 / o.tensor) / o.data
 
     out = []
-    for lay in layouts:
+    for lay in shardings:
         w = tree_map(weight, lay)
         if n_stages > 1 and "wte" in w:
             w = {**w, "wte": w["wte"] * 0.5}
