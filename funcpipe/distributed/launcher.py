@@ -57,7 +57,13 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from funcpipe.errors import CommunicationError, InvalidArgument, RankFailed
+from funcpipe.errors import (
+    CommunicationError,
+    InvalidArgument,
+    RankFailed,
+    check_int,
+    check_seconds,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -107,14 +113,6 @@ def pg_seconds(pg_timeout: float | None, backend: str) -> float:
     return PG_TIMEOUTS[backend] if pg_timeout is None else float(pg_timeout)
 
 
-def _check_seconds(name: str, value: Any, what: str) -> None:
-    """``value`` is ``None`` or a number of seconds > 0."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InvalidArgument(f"{name}={value!r}: {what}, seconds > 0 or None")
-
-
 def default_backend() -> str:
     """``"nccl"`` when CUDA is available, else ``"gloo"``: what :func:`launch` uses by default."""
     import torch
@@ -148,8 +146,7 @@ def rank_device(local_rank: int, backend: str, *, share: bool = False) -> torch.
     """
     import torch
 
-    if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
-        raise InvalidArgument(f"local_rank={local_rank!r}: this rank's index on its host, >= 0")
+    check_int("local_rank", local_rank, 0, "this rank's index on its host, >= 0")
     _check_backend(backend)
     if backend == "gloo":
         return torch.device("cpu")
@@ -483,11 +480,10 @@ class Pool:
         grace: float = 5.0,
         paths: Sequence[str] = (),
     ) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise InvalidArgument(f"size={size!r}: the number of processes, an int >= 1")
+        check_int("size", size, 1, "the number of processes, an int >= 1")
         share = _share(share_gpus)
-        _check_seconds("timeout", timeout, "the deadline of each job")
-        _check_seconds("pg_timeout", pg_timeout, "the process group's timeout")
+        check_seconds("timeout", timeout, "the deadline of each job")
+        check_seconds("pg_timeout", pg_timeout, "the process group's timeout")
         if not isinstance(grace, (int, float)) or grace < 0:
             raise InvalidArgument(
                 f"grace={grace!r}: seconds the other ranks get to stop by themselves after a "
@@ -551,7 +547,7 @@ class Pool:
             raise InvalidArgument(
                 "this Pool was closed (a job failed or close() was called); start a new one"
             )
-        _check_seconds("timeout", timeout, "this job's deadline")
+        check_seconds("timeout", timeout, "this job's deadline")
         job = _pickle_job(fn, args, kwargs)
         for c in self.conns:
             c.send(job)
@@ -728,13 +724,10 @@ def launch(
     group, and ``timeout`` does not apply (torchrun owns the processes). The local processes
     bind to 127.0.0.1 (loopback) only.
     """
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise InvalidArgument(
-            f"nprocs={nprocs!r}: the number of local processes to start, an int >= 1"
-        )
+    check_int("nprocs", nprocs, 1, "the number of local processes to start, an int >= 1")
     share = _share(share_gpus)
-    _check_seconds("timeout", timeout, "the job's deadline")
-    _check_seconds("pg_timeout", pg_timeout, "the process group's timeout")
+    check_seconds("timeout", timeout, "the job's deadline")
+    check_seconds("pg_timeout", pg_timeout, "the process group's timeout")
     if under_torchrun():
         rank = _join_torchrun(backend, share=share, pg_timeout=pg_timeout)
         try:

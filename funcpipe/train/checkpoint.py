@@ -52,7 +52,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from funcpipe.errors import FuncpipeError, InvalidArgument
+from funcpipe.errors import FuncpipeError, InvalidArgument, check_int
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -254,8 +254,8 @@ def save(
     tensors: dict[str, Tensor] = {}
     try:
         target = _check_path(path)
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise InvalidArgument(f"step={step!r}: the training step, an int >= 0 (or None)")
+        if step is not None:
+            check_int("step", step, 0, "the training step, an int >= 0 (or None)")
         if os.path.lexists(target) and _read_info(target) is None:
             raise InvalidArgument(
                 f"path={path!r} exists and is not a complete funcpipe checkpoint; refusing to "
