@@ -25,14 +25,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import optree
 import torch
 
-from funcpipe.errors import InvalidArgument
+from funcpipe.errors import InvalidArgument, check_int, check_number, is_real
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -100,25 +99,15 @@ class AdamWState(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- validation
-def _real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _check_number(name: str, value: Any, rule: str, ok: Callable[[float], bool]) -> float:
-    if not _real(value) or not math.isfinite(float(value)) or not ok(float(value)):
-        raise InvalidArgument(f"{name}={value!r}: {rule}")
-    return float(value)
-
-
 def _check_lr(name: str, lr: Any) -> float | Schedule:
     if callable(lr):
         return lr
-    return _check_number(
+    return check_number(
         name,
         lr,
         "the learning rate must be a finite number >= 0, or a schedule step -> lr "
         "(e.g. funcpipe.optim.warmup_cosine(3e-4, warmup=100, total=10_000))",
-        lambda v: v >= 0,
+        ge=0,
     )
 
 
@@ -133,11 +122,11 @@ def _lr_at(hyper_lr: float | Schedule, count: int, override: float | None) -> fl
         return hyper_lr
     if isinstance(value, Tensor) and value.numel() == 1:
         value = value.item()
-    return _check_number(
+    return check_number(
         "lr" if override is not None else "lr(step)",
         value,
         f"{where} must be a finite number >= 0",
-        lambda v: v >= 0,
+        ge=0,
     )
 
 
@@ -381,16 +370,14 @@ def sgd(
             state included, in each param's dtype (as ``torch.optim`` does).
     """
     lr = _check_lr("lr", lr)
-    momentum = _check_number("momentum", momentum, "must be a finite number >= 0", lambda v: v >= 0)
+    momentum = check_number("momentum", momentum, "must be a finite number >= 0", ge=0)
     if not isinstance(nesterov, bool):
         raise InvalidArgument(f"nesterov={nesterov!r}: pass True or False")
     if nesterov and momentum == 0:
         raise InvalidArgument(
             "nesterov=True needs momentum > 0 (got momentum=0.0); pass e.g. momentum=0.9"
         )
-    weight_decay = _check_number(
-        "weight_decay", weight_decay, "must be a finite number >= 0", lambda v: v >= 0
-    )
+    weight_decay = check_number("weight_decay", weight_decay, "must be a finite number >= 0", ge=0)
     hyper = _SGDHyper(
         lr=lr,
         momentum=momentum,
@@ -470,15 +457,13 @@ def adamw(
     if (
         not isinstance(betas, (tuple, list))
         or len(betas) != 2
-        or not all(_real(b) and 0.0 <= float(b) < 1.0 for b in betas)
+        or not all(is_real(b) and 0.0 <= float(b) < 1.0 for b in betas)
     ):
         raise InvalidArgument(
             f"betas={betas!r}: a pair (b1, b2) of numbers in [0, 1), e.g. (0.9, 0.999)"
         )
-    eps = _check_number("eps", eps, "must be a finite number > 0, e.g. 1e-8", lambda v: v > 0)
-    weight_decay = _check_number(
-        "weight_decay", weight_decay, "must be a finite number >= 0", lambda v: v >= 0
-    )
+    eps = check_number("eps", eps, "must be a finite number > 0, e.g. 1e-8", gt=0)
+    weight_decay = check_number("weight_decay", weight_decay, "must be a finite number >= 0", ge=0)
     b1, b2 = (float(b) for b in betas)
     hyper = _AdamWHyper(
         lr=lr,
@@ -568,13 +553,13 @@ def _leaf_weights(grads: Any, weights: Any, leaves: list[Tensor]) -> list[float]
         if isinstance(w, bool):  # a predicate: True counts the leaf, False skips it
             w = float(w)
         out.append(
-            _check_number(
+            check_number(
                 name,
                 w,
                 "a leaf's weight is the fraction of it this rank counts (1 for a leaf it "
                 "owns alone, 1/t for a copy held by t ranks of the group, 0 to skip it); "
                 "a finite number >= 0",
-                lambda v: v >= 0,
+                ge=0,
             )
         )
     return out
@@ -670,11 +655,13 @@ def clip_by_global_norm(
             ``grads`` (e.g. ``(0, "w")``). ``True``/``False`` count as 1/0, so a predicate
             "this rank owns the leaf" works too.
     """
-    if not _real(max_norm) or math.isnan(max_norm) or max_norm <= 0:
-        raise InvalidArgument(
-            f"max_norm={max_norm!r}: the largest allowed global norm, a number > 0 "
-            "(float('inf') to measure without clipping)"
-        )
+    check_number(
+        "max_norm",
+        max_norm,
+        "the largest allowed global norm, a number > 0 (float('inf') to measure without clipping)",
+        gt=0,
+        finite=False,
+    )
     total = global_norm(grads, group=group, weights=weights)
     leaves, spec = optree.tree_flatten(grads, none_is_leaf=False)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -694,19 +681,11 @@ def clip_by_global_norm(
 def _check_step(step: Any) -> int:
     if isinstance(step, Tensor) and step.numel() == 1:
         step = int(step.item())
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise InvalidArgument(f"step={step!r}: the number of updates made so far, an int >= 0")
-    return step
+    return check_int("step", step, 0, "the number of updates made so far, an int >= 0")
 
 
-def _check_steps(name: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidArgument(f"{name}={value!r}: a number of steps, an int >= 0")
-    return value
-
-
-def _check_rate(name: str, value: Any) -> float:
-    return _check_number(name, value, "a learning rate, a finite number >= 0", lambda v: v >= 0)
+_STEPS = "a number of steps, an int >= 0"
+_RATE = "a learning rate, a finite number >= 0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -761,7 +740,7 @@ class _WarmupCosine:
 
 def constant(lr: float) -> Schedule:
     """The schedule ``step -> lr``."""
-    return _Constant(_check_rate("lr", lr))
+    return _Constant(check_number("lr", lr, _RATE, ge=0))
 
 
 def linear_warmup(peak: float, *, warmup: int) -> Schedule:
@@ -770,7 +749,9 @@ def linear_warmup(peak: float, *, warmup: int) -> Schedule:
     The first update (step 0) uses ``peak / warmup`` and step ``warmup - 1`` reaches ``peak``;
     ``warmup=0`` is the constant ``peak``.
     """
-    return _LinearWarmup(_check_rate("peak", peak), _check_steps("warmup", warmup))
+    return _LinearWarmup(
+        check_number("peak", peak, _RATE, ge=0), check_int("warmup", warmup, 0, _STEPS)
+    )
 
 
 def warmup_cosine(peak: float, *, warmup: int, total: int, final: float = 0.0) -> Schedule:
@@ -781,12 +762,12 @@ def warmup_cosine(peak: float, *, warmup: int, total: int, final: float = 0.0) -
       ``p = (step - warmup) / (total - warmup)``, so ``peak`` at ``step == warmup``;
     * ``step >= total``: ``final``.
     """
-    peak = _check_rate("peak", peak)
-    warmup = _check_steps("warmup", warmup)
-    total = _check_steps("total", total)
+    peak = check_number("peak", peak, _RATE, ge=0)
+    warmup = check_int("warmup", warmup, 0, _STEPS)
+    total = check_int("total", total, 0, _STEPS)
     if total < warmup:
         raise InvalidArgument(
             f"total={total!r} < warmup={warmup!r}: total counts all steps, warmup included; "
             "pass total >= warmup"
         )
-    return _WarmupCosine(peak, warmup, total, _check_rate("final", final))
+    return _WarmupCosine(peak, warmup, total, check_number("final", final, _RATE, ge=0))
