@@ -29,7 +29,7 @@ import optree
 import torch
 
 from funcpipe.errors import InvalidArgument, check_number, is_real
-from funcpipe.train.optim import _all_reduce_sum, _low
+from funcpipe.train.common import all_reduce_sum, low_precision
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -164,7 +164,7 @@ def _nonfinite_count(leaves: list[Tensor], device: torch.device) -> Tensor:
 
 def _finite_over(count: Tensor, group: ProcessGroup | None) -> Tensor:
     if group is not None:
-        count = _all_reduce_sum(count, group)
+        count = all_reduce_sum(count, group)
     return count == 0
 
 
@@ -202,7 +202,7 @@ def unscale(
     with torch.no_grad():
         by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, t in enumerate(leaves):
-            dtype = torch.float32 if _low(t) else t.dtype
+            dtype = torch.float32 if low_precision(t) else t.dtype
             by_key.setdefault((t.device, dtype), []).append(i)
         for (dev, dtype), idx in by_key.items():
             wide = [leaves[i].to(dtype) for i in idx]
