@@ -31,8 +31,8 @@ from funcpipe.schedule.simulate import Event, Timeline
 from funcpipe.stages.boundaries import BoundarySpecs, infer_boundaries, signature
 from funcpipe.stages.shapes import stage_device
 from funcpipe.stages.stage import Stage, as_inputs
-from funcpipe.stages.ties import TiePath, add_tie_reduce, check_ties, resolve, tie_values
-from funcpipe.tree import check_tensor_tree, tree_flatten, tree_map, tree_unflatten
+from funcpipe.stages.ties import TiePath, add_tie_reduce, resolve, tie_values
+from funcpipe.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["Pipeline", "StepResult"]
 
@@ -155,91 +155,41 @@ class Pipeline:
         device: torch.device | str | None = None,
         grad_dtype: torch.dtype | None = None,
     ) -> None:
-        self.stages = tuple(stages)
-        for k, s in enumerate(self.stages):
-            if not isinstance(s, Stage):
-                raise InvalidArgument(
-                    f"stages[{k}]={s!r}: pass funcpipe.Stage objects (see from_module)"
-                )
-        if not isinstance(schedule, Program):
-            raise InvalidArgument(
-                f"schedule={schedule!r}: pass a funcpipe.schedule.Program, e.g. "
-                "generate('1f1b', ranks=2, microbatches=4)"
-            )
-        owners = schedule.replica_of or tuple(range(schedule.n_stages))
-        if sorted(set(owners)) != list(range(len(self.stages))):
-            raise InvalidArgument(
-                f"the schedule has {len(set(owners))} model stage(s) but {len(self.stages)} stage(s) "
-                "were given; partition the model into as many stages as the schedule places"
-            )
-        for name, fn in (("loss_fn", loss_fn), ("metric_fn", metric_fn)):
-            if fn is not None and not callable(fn):
-                raise InvalidArgument(f"{name}={fn!r} must be callable")
-        if schedule.training and loss_fn is None:
-            raise InvalidArgument(
-                "a training schedule needs loss_fn (the backward starts at the loss); pass "
-                "loss_fn=..., or use an eval schedule (to_eval(program)) for forward only"
-            )
-        if not isinstance(data, int) or data < 1:
-            raise InvalidArgument(
-                f"data={data!r}: the number of data-parallel replicas, an int >= 1"
-            )
+        checked = _validate.arguments(
+            stages,
+            schedule,
+            loss_fn=loss_fn,
+            metric_fn=metric_fn,
+            ties=ties,
+            side_inputs=side_inputs,
+            data=data,
+            transport=transport,
+            mesh=mesh,
+            scatter_gather=scatter_gather,
+            device=device,
+            grad_dtype=grad_dtype,
+        )
+        self.stages, self.ties, self.device = checked.stages, checked.ties, checked.device
+        self.transport = transport = checked.transport
         self.loss_fn, self.metric_fn, self.dim = loss_fn, metric_fn, dim
-        self.side_inputs = {int(s): tuple(v) for s, v in (side_inputs or {}).items()}
-        for k in self.side_inputs:
-            if not 0 <= k < schedule.n_stages:
-                raise InvalidArgument(
-                    f"side_inputs names stage {k}; the program has stages 0..{schedule.n_stages - 1}"
-                )
+        self.side_inputs = checked.side_inputs
         if schedule.replica_of:  # Chimera: a model stage's side inputs reach all its replicas
             self.side_inputs = {
                 slot: self.side_inputs[o]
                 for slot, o in enumerate(schedule.replica_of)
                 if o in self.side_inputs
             }
-        self.ties = check_ties(ties, len(self.stages))
         self.data = data
-        self.device = torch.device(device) if device is not None else None
-        _validate.device_available(self.device)
         self._loss_arity = _validate.loss_arity(loss_fn)
         self._checked = False  # the first step's checks (shared storage, inference params)
-        if grad_dtype is not None and (
-            not isinstance(grad_dtype, torch.dtype) or not grad_dtype.is_floating_point
-        ):
-            raise InvalidArgument(
-                f"grad_dtype={grad_dtype!r}: a floating torch.dtype (torch.float32 to sum bf16 "
-                "gradients in float32), or None for each parameter's own dtype"
-            )
         self.grad_dtype = grad_dtype
-        if transport is None:
-            transport = "dist" if _world.initialised() else "local"
-        if transport not in ("local", "dist"):
-            raise InvalidArgument(f"transport={transport!r}: use 'local' or 'dist'")
-        if transport == "dist" and not _world.initialised():
-            raise InvalidArgument(
-                "transport='dist' needs torch.distributed initialised (use funcpipe.launch, "
-                "or torchrun and dist.init_process_group); without a process group use "
-                "transport='local' (every rank in this process)"
-            )
-        self.transport = transport
         self.mesh = mesh
         self.scatter_gather = bool(scatter_gather)
-        if scatter_gather and mesh is None:
-            raise InvalidArgument(
-                "scatter_gather=True splits messages over the tensor ranks of mesh=; pass the mesh"
-            )
         if check_finite is None:
             import os
 
             check_finite = os.environ.get("FUNCPIPE_DEBUG", "") not in ("", "0")
         self.check_finite = bool(check_finite)
-        if mesh is not None and transport != "dist":
-            raise InvalidArgument("mesh= describes processes: it needs transport='dist'")
-        if transport == "dist" and data != 1:
-            raise InvalidArgument(
-                "data= is for transport='local'; with 'dist' the data-parallel size is the world "
-                "size divided by the program's ranks"
-            )
         copies = _world.sizes(schedule.n_ranks, mesh)[0] if transport == "dist" else 1
         self.program = self._lower(schedule, recompute, data_parallel=data > 1 or copies > 1)
         self.recompute = frozenset(i.stage for r in self.program.ranks for i in r if i.op is Op.R)
@@ -379,7 +329,7 @@ class Pipeline:
         training = self.program.training
         _validate.autograd_context(training)
         params = self._check_params(params)
-        scale = _loss_scale(loss_scale)
+        scale = _validate.step_loss_scale(loss_scale)
         self._check_step(params, batch, targets)
         # like reference_step: a step inside torch.no_grad() still computes true gradients
         with torch.enable_grad() if training else contextlib.nullcontext():
@@ -503,15 +453,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ pieces
     def _check_params(self, params: Sequence[Any]) -> tuple[Any, ...]:
-        if not isinstance(params, (tuple, list)) or len(params) != len(self.stages):
-            raise InvalidArgument(
-                f"params must be a tuple with one pytree per stage ({len(self.stages)}); got "
-                f"{type(params).__name__}"
-                + (f" of length {len(params)}" if isinstance(params, (tuple, list)) else "")
-            )
-        for k, p in enumerate(params):
-            check_tensor_tree(p, name=f"params[{k}]")
-        params = tuple(params)
+        params = _validate.stage_params(params, len(self.stages))
         if self.ties and self.transport == "local":
             params = tie_values(params, self.ties)
         return params
@@ -767,23 +709,6 @@ def _to(tree: Any, device: torch.device) -> Any:
         return t.to(device, non_blocking=t.is_pinned())
 
     return tree_map(move, tree)
-
-
-def _loss_scale(value: float | Tensor | None) -> float | Tensor:
-    """A number is checked here; a tensor (a loss scaler's state) by
-    :func:`funcpipe.pipeline.checks.tensor_loss_scale`, which never reads one on an accelerator."""
-    if value is None:
-        return 1.0
-    if isinstance(value, Tensor):
-        return _validate.tensor_loss_scale(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InvalidArgument(
-            f"loss_scale={value!r}: a positive number (the factor the loss's gradient is "
-            "multiplied by), or None"
-        )
-    if value == float("inf"):
-        raise InvalidArgument("loss_scale=inf: the loss scale must be finite")
-    return float(value)
 
 
 def _sum(values: Sequence[Tensor | None]) -> Tensor | None:
