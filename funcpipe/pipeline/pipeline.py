@@ -19,58 +19,34 @@ import torch
 from funcpipe.distributed import world as _world
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline import checks as _validate
-from funcpipe.pipeline.microbatch import merge, split, split_targets
+from funcpipe.pipeline.lowering import lower_program, p2p_rules
+from funcpipe.pipeline.microbatch import split, split_targets
+from funcpipe.pipeline.rank_inputs import param_leaves, to_device
+from funcpipe.pipeline.result import (
+    StepResult,
+    dist_scalars,
+    executed_timeline,
+    merged_outputs,
+    stage_grads,
+    total,
+)
 from funcpipe.runtime.drive import drive, drive_local
 from funcpipe.runtime.interpreter import RankInputs, RankResult, run_rank
 from funcpipe.runtime.transport import LocalWorld
-from funcpipe.schedule.check import check
 from funcpipe.schedule.ir import Op, Program
 from funcpipe.schedule.p2p import PAIR
-from funcpipe.schedule.passes import add_communication, add_recompute, add_reduce
-from funcpipe.schedule.simulate import Event, Timeline
 from funcpipe.stages.boundaries import BoundarySpecs, infer_boundaries, signature
 from funcpipe.stages.shapes import stage_device
 from funcpipe.stages.stage import Stage, as_inputs
-from funcpipe.stages.ties import TiePath, add_tie_reduce, resolve, tie_values
-from funcpipe.tree import tree_flatten, tree_map, tree_unflatten
+from funcpipe.stages.ties import TiePath, resolve, tie_values
+from funcpipe.tree import tree_flatten
 
-__all__ = ["Pipeline", "StepResult"]
+__all__ = ["Pipeline", "StepResult"]  # StepResult: defined in funcpipe.pipeline.result
 
 INPUTS = "inputs"  # with side_inputs: the batch field the entry stage takes
 LAYOUT_CACHE = 256  # microbatch signatures whose shape inference a Pipeline keeps
 
 Tensor = torch.Tensor
-
-
-class StepResult(tuple[Any, Any]):
-    """``(loss, grads)``, with ``.metric`` and ``.outputs`` when they were asked for."""
-
-    loss: Tensor | None
-    grads: tuple[Any, ...]
-    metric: Tensor | None
-    outputs: Any
-    peak_activations: dict[int, int]  # program rank -> most activations it kept at once
-    timeline: Any  # with trace=True: the executed funcpipe.schedule.Timeline
-
-    def __new__(
-        cls,
-        loss: Tensor | None,
-        grads: tuple[Any, ...],
-        metric: Tensor | None = None,
-        outputs: Any = None,
-    ) -> StepResult:
-        self = super().__new__(cls, (loss, grads))
-        self.loss, self.grads, self.metric, self.outputs = loss, grads, metric, outputs
-        self.peak_activations = {}
-        self.timeline = None
-        return self
-
-    def __repr__(self) -> str:
-        return f"StepResult(loss={self.loss!r}, metric={self.metric!r}, grads=<{len(self.grads)} stages>)"
-
-
-def _diff(t: Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
 
 
 class Pipeline:
@@ -191,7 +167,14 @@ class Pipeline:
             check_finite = os.environ.get("FUNCPIPE_DEBUG", "") not in ("", "0")
         self.check_finite = bool(check_finite)
         copies = _world.sizes(schedule.n_ranks, mesh)[0] if transport == "dist" else 1
-        self.program = self._lower(schedule, recompute, data_parallel=data > 1 or copies > 1)
+        self.program = lower_program(
+            schedule,
+            recompute=recompute,
+            ties=self.ties,
+            data_parallel=data > 1 or copies > 1,
+            p2p=self._p2p_rules(),
+            layout=self.p2p_layout,
+        )
         self.recompute = frozenset(i.stage for r in self.program.ranks for i in r if i.op is Op.R)
         # shape inference per microbatch signature, most recently used last (bounded: a batch
         # whose length changes every step must not grow it without end)
@@ -247,27 +230,6 @@ class Pipeline:
         ]
         return "\n".join([*head, self.program.to_text()])
 
-    def _lower(
-        self, schedule: Program, recompute: bool | Sequence[int], *, data_parallel: bool
-    ) -> Program:
-        p = schedule
-        rules = self._p2p_rules()
-        layout = self.p2p_layout
-        if p.lowered:
-            check(p, p2p=rules, layout=layout)
-            return p
-        if recompute and p.training:
-            stages = range(p.n_stages) if recompute is True else recompute
-            p = add_recompute(p, stages=stages)
-        # ties first: their sums complete the tied leaves, which the replica sums then skip
-        if p.training and self.ties:
-            p = add_tie_reduce(p, self.ties)
-        if p.training and (data_parallel or len(set(p.replica_of or ())) < p.n_stages):
-            p = add_reduce(p, group="data")  # also adds the replica sums (Chimera)
-        p = add_communication(p)
-        check(p, p2p=rules, layout=layout)
-        return p
-
     @property
     def p2p(self) -> str:
         """The point-to-point rules this pipeline's program is checked and simulated under
@@ -278,17 +240,8 @@ class Pipeline:
 
     def _p2p_rules(self) -> str:
         """The point-to-point rules the program must hold to on this pipeline's transport
-        (``check(..., p2p=..., layout=self.p2p_layout)``): NCCL's where it runs over NCCL or on CUDA
-        devices, gloo's (buffered sends) otherwise. Programs funcpipe lowers hold to NCCL's
-        everywhere."""
-        if self.device is not None and self.device.type == "cuda":
-            return "nccl"
-        if self.transport == "dist":
-            import torch.distributed as dist
-
-            if dist.get_backend() == "nccl":
-                return "nccl"
-        return "gloo"
+        (:func:`funcpipe.pipeline.lowering.p2p_rules`)."""
+        return p2p_rules(self.device, self.transport)
 
     # ------------------------------------------------------------------ step
     def step(
@@ -380,14 +333,20 @@ class Pipeline:
         if self.loss_fn is not None or self.metric_fn is not None:
             x.scalars_group = _world.SCALARS
         result = drive(run_rank(x, self._world.transport))
-        loss, metric = self._dist_scalars(result, m)
+        # every data copy adds its loss; every tensor coordinate holds the same loss
+        loss, metric = dist_scalars(
+            result,
+            m * self.data_size * self.tensor_size,
+            has_loss=self.loss_fn is not None,
+            has_metric=self.metric_fn is not None,
+        )
         grads = self._grads(params, [result])
-        outputs = self._outputs([result]) if return_outputs else None
+        outputs = merged_outputs(program, [result]) if return_outputs else None
         step = StepResult(loss, grads, metric, outputs)
         step.peak_activations = {self.rank: result.peak_activations}
         if trace:
             times = _world.gather_times(program, self._world, result.times)
-            step.timeline = _timeline(program, times)
+            step.timeline = executed_timeline(program, times)
         return step
 
     def _step_local(
@@ -425,18 +384,18 @@ class Pipeline:
                 gens[ranks[r]] = run_rank(x, world.transport(r, ranks))
         results = drive_local(gens, world=world)
         per_rank = [results[r] for r in range(n)]  # replica 0 answers
-        loss = _sum([res.loss_sum for res in results.values()])
-        metric = _sum([res.metric_sum for res in results.values()])
+        loss = total([res.loss_sum for res in results.values()])
+        metric = total([res.metric_sum for res in results.values()])
         scale = 1.0 / (m * self.data)
         out = StepResult(
             None if loss is None else loss * scale,
             self._grads(params, per_rank),
             None if metric is None else metric * scale,
-            self._outputs(per_rank) if return_outputs else None,
+            merged_outputs(program, per_rank) if return_outputs else None,
         )
         out.peak_activations = {r: res.peak_activations for r, res in enumerate(per_rank)}
         if trace:
-            out.timeline = _timeline(program, [res.times for res in per_rank])
+            out.timeline = executed_timeline(program, [res.times for res in per_rank])
         return out
 
     @property
@@ -593,27 +552,17 @@ class Pipeline:
                     raise InvalidArgument(
                         f"params[{o}] is on the meta device but rank {rank} runs stage {s}"
                     )
-                kept = [self._kept_dtype(t) if p.training else None for t in leaves]
-                prm[o] = (
-                    [
-                        (t.detach() if k is None else t.detach().to(k)).requires_grad_(
-                            _diff(t) and p.training
-                        )
-                        for t, k in zip(leaves, kept, strict=True)
-                    ],
-                    tree,
-                )
-                if any(k is not None for k in kept):
-                    casts[o] = tuple(
-                        None if k is None else t.dtype for t, k in zip(leaves, kept, strict=True)
-                    )
+                held, cast = param_leaves(leaves, training=p.training, grad_dtype=self.grad_dtype)
+                prm[o] = (held, tree)
+                if cast is not None:
+                    casts[o] = cast
         device = self._place(params, local=[owners[s] for s in local])
         # this rank's part of the batch goes where its stages run, once per microbatch
         if any(not p.producers(s) for s in local):
-            entry = [_to(e, device) for e in entry]
-        side = [{s: _to(kw, device) for s, kw in sd.items() if s in local} for sd in side]
+            entry = [to_device(e, device) for e in entry]
+        side = [{s: to_device(kw, device) for s, kw in sd.items() if s in local} for sd in side]
         if tgt is not None and any(not p.consumers(s) for s in local):
-            tgt = [_to(t, device) for t in tgt]
+            tgt = [to_device(t, device) for t in tgt]
         ties: dict[str, list[tuple[int, int]]] = {}
         for name, members in self.ties.items():
             ties[name] = [(s, resolve(params[s], path, f"ties[{name!r}]")) for s, path in members]
@@ -637,85 +586,5 @@ class Pipeline:
             casts=casts,
         )
 
-    def _kept_dtype(self, t: Tensor) -> torch.dtype | None:
-        """The dtype a parameter leaf is kept (and its gradient summed) in for the step, when
-        not its own: ``grad_dtype`` for floating leaves of fewer bits."""
-        g = self.grad_dtype
-        if g is None or not t.is_floating_point() or t.dtype.itemsize >= g.itemsize:
-            return None
-        return g
-
     def _grads(self, params: tuple[Any, ...], results: Sequence[RankResult]) -> tuple[Any, ...]:
-        if not self.program.training:
-            return tuple(None for _ in params)
-        found: dict[int, list[Tensor]] = {}
-        for res in results:
-            for o, g in res.grads.items():
-                found.setdefault(o, g)
-        out = []
-        for o, prm in enumerate(params):
-            if o in found:
-                _, tree = tree_flatten(prm)
-                out.append(tree_unflatten(tree, found[o]))
-            else:
-                out.append(None)
-        return tuple(out)
-
-    def _outputs(self, results: Sequence[RankResult]) -> Any:
-        by_mb: dict[int, Any] = {}
-        for res in results:
-            by_mb.update(res.outputs)
-        if len(by_mb) < self.program.microbatches:
-            return None
-        return merge([by_mb[k] for k in range(self.program.microbatches)], dim=0)
-
-    def _dist_scalars(self, result: RankResult, m: int) -> tuple[Tensor | None, Tensor | None]:
-        has_loss = self.loss_fn is not None
-        has_metric = self.metric_fn is not None
-        if not (has_loss or has_metric):
-            return None, None
-        if result.scalars is None:  # every rank posts it once per step (interpreter.run)
-            raise RuntimeError("funcpipe internal error: the step's loss reduction was not posted")
-        buf, handle = result.scalars
-        handle.wait()  # over every rank of every copy: the loss of the whole batch
-        # every data copy adds its loss; every tensor coordinate holds the same loss
-        n = m * self.data_size * self.tensor_size
-        loss = buf[0] / n if (has_loss and buf[2] > 0) else None
-        metric = buf[1] / n if (has_metric and buf[2] > 0) else None
-        return loss, metric
-
-
-def _timeline(program: Program, times: Sequence[Sequence[float]]) -> Timeline:
-    """A :class:`Timeline` from each rank's flat (start, end, start, end, ...) times, in
-    seconds from the earliest start."""
-    t0 = min((t[0] for t in times if t), default=0.0)
-    events = tuple(
-        tuple(
-            Event(r, k, instr, ts[2 * k] - t0, ts[2 * k + 1] - t0)
-            for k, instr in enumerate(program.ranks[r])
-        )
-        for r, ts in enumerate(times)
-    )
-    return Timeline(program=program, events=events)
-
-
-def _to(tree: Any, device: torch.device) -> Any:
-    """``tree``'s tensors on ``device`` (no copy when they are there; asynchronous from pinned
-    memory)."""
-
-    def move(t: Any) -> Any:
-        if not isinstance(t, Tensor) or t.device == device:
-            return t
-        return t.to(device, non_blocking=t.is_pinned())
-
-    return tree_map(move, tree)
-
-
-def _sum(values: Sequence[Tensor | None]) -> Tensor | None:
-    got = [v for v in values if v is not None]
-    if not got:
-        return None
-    total = got[0]
-    for v in got[1:]:
-        total = total + v
-    return total
+        return stage_grads(self.program, params, results)
