@@ -7,6 +7,7 @@
 - ``common``: what those share with ``loss_scale`` (low-precision dtypes, a sum over ranks)
 - ``loss_scale``: dynamic loss scaling for float16, as pure functions of a small state
 - ``checkpoint``: sharded, atomic checkpoints of pytrees (DCP)
+- ``checkpoint_integrity``: a checkpoint read safely (restricted unpickling) and verified (CRC-32)
 - ``data``: a byte-level corpus that needs no download, and a deterministic batch loader
 - ``throughput``: tokens per second and model FLOPs utilisation
 """
