@@ -39,28 +39,57 @@ peers blocked on it name it.
 
 :class:`Pool` keeps such a group of processes alive and runs one function after another on it:
 starting processes costs seconds, so tests start one pool per session.
+
+The backend and device rule is :mod:`funcpipe.distributed.devices`, the failure record's format
+:mod:`funcpipe.distributed.failures`; what stays here shares this process's store, rank and
+group timeout: starting the group (here or under torchrun), recording and naming failures, the
+pool and :func:`launch`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import inspect
 import ipaddress
 import os
 import pickle
-import signal
 import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from funcpipe.errors import CommunicationError, InvalidArgument, RankFailed
+from funcpipe.distributed.devices import BACKENDS as BACKENDS  # (re-exported: its old home)
+from funcpipe.distributed.devices import NCCL_ENV as NCCL_ENV
+from funcpipe.distributed.devices import SHARE_ENV as SHARE_ENV
+from funcpipe.distributed.devices import (
+    choose_backend,
+    claim_device,
+    default_backend,
+    device_id,
+    rank_device,
+    sharing,
+)
+from funcpipe.distributed.failures import FAIL_KEY as FAIL_KEY
+from funcpipe.distributed.failures import (
+    death,
+    describe,
+    first_failure,
+    parse_record,
+    read_record,
+    timed_out,
+)
+from funcpipe.errors import (
+    CommunicationError,
+    InvalidArgument,
+    RankFailed,
+    check_int,
+    check_seconds,
+)
 
-if TYPE_CHECKING:
-    import torch
+# the failure records' helpers under the names they had here (tests reach them so)
+_death, _first_failure = death, first_failure
 
 __all__ = [
     "PG_TIMEOUTS",
@@ -73,7 +102,6 @@ __all__ = [
     "under_torchrun",
 ]
 
-FAIL_KEY = "funcpipe/failed"
 _STORE: Any = None  # this process's rendezvous store (set in ranks started by funcpipe)
 _RANK: int | None = None
 
@@ -81,19 +109,6 @@ _RANK: int | None = None
 def under_torchrun() -> bool:
     """True when the environment describes this process as one rank of a larger job."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
-
-# ------------------------------------------------------------------------ backends and devices
-SHARE_ENV = "FUNCPIPE_SHARE_GPUS"  # "1": NCCL ranks may share GPUs when they outnumber them
-BACKENDS = ("gloo", "nccl")
-# Set in NCCL ranks unless the environment already says otherwise (read when the group starts):
-NCCL_ENV = {
-    # An NCCL error or timeout seen by the watchdog tears the process down (torch's default since
-    # 2.2, pinned here): a rank never lingers blocked on a dead peer, and the launcher (or
-    # torchrun) sees it exit. TORCH_NCCL_BLOCKING_WAIT is left off: it would make every wait()
-    # block the CPU until the GPU finished the operation, serialising compute and communication.
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
-}
 
 
 # The process group's timeout when pg_timeout is None: torch's defaults (torch.distributed's
@@ -105,135 +120,6 @@ _PG_TIMEOUT: float | None = None  # this process's group timeout, where funcpipe
 def pg_seconds(pg_timeout: float | None, backend: str) -> float:
     """The process group timeout in seconds for ``pg_timeout`` (``None``: :data:`PG_TIMEOUTS`)."""
     return PG_TIMEOUTS[backend] if pg_timeout is None else float(pg_timeout)
-
-
-def _check_seconds(name: str, value: Any, what: str) -> None:
-    """``value`` is ``None`` or a number of seconds > 0."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InvalidArgument(f"{name}={value!r}: {what}, seconds > 0 or None")
-
-
-def default_backend() -> str:
-    """``"nccl"`` when CUDA is available, else ``"gloo"``: what :func:`launch` uses by default."""
-    import torch
-
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def _share(share_gpus: bool | None) -> bool:
-    """Whether ranks may share GPUs: ``share_gpus``, or for ``None`` whether
-    ``FUNCPIPE_SHARE_GPUS`` is ``1``, ``true`` or ``yes``."""
-    if share_gpus is not None and not isinstance(share_gpus, bool):
-        raise InvalidArgument(
-            f"share_gpus={share_gpus!r}: True lets NCCL ranks share GPUs when they outnumber "
-            f"them; False forbids it; None reads {SHARE_ENV} from the environment"
-        )
-    if share_gpus is not None:
-        return share_gpus
-    return os.environ.get(SHARE_ENV, "").strip().lower() in ("1", "true", "yes")
-
-
-def rank_device(local_rank: int, backend: str, *, share: bool = False) -> torch.device:
-    """The device of the rank that is number ``local_rank`` among the ranks of its host.
-
-    A gloo rank computes on the CPU: ``cpu``. An NCCL rank gets a GPU of its own:
-    ``cuda:<local_rank>`` (of the devices ``CUDA_VISIBLE_DEVICES`` leaves visible). A local rank
-    with no GPU of its own is an :class:`InvalidArgument`, unless ``share`` is true: ranks then
-    wrap around, ``cuda:<local_rank % device_count>``. (NCCL 2.5 and later refuses two ranks of
-    one process group on one GPU, "Duplicate GPU detected", so sharing is an explicit choice for
-    setups that allow it, never a silent fallback.) ``backend="nccl"`` without CUDA is an
-    :class:`InvalidArgument` too.
-    """
-    import torch
-
-    if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
-        raise InvalidArgument(f"local_rank={local_rank!r}: this rank's index on its host, >= 0")
-    _check_backend(backend)
-    if backend == "gloo":
-        return torch.device("cpu")
-    count = torch.cuda.device_count()
-    if local_rank < count:
-        return torch.device("cuda", local_rank)
-    if share:
-        return torch.device("cuda", local_rank % count)
-    raise InvalidArgument(
-        f"local rank {local_rank} has no GPU of its own: {_gpus(count)}. " + _outnumber_fix(count)
-    )
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise InvalidArgument(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
-    if backend == "nccl":
-        import torch
-
-        if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
-            raise InvalidArgument(
-                "backend='nccl' needs CUDA, but torch.cuda.is_available() is False here "
-                f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
-                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use backend='gloo' for CPU "
-                "ranks, or leave backend unset (NCCL when CUDA is available, else gloo)"
-            )
-
-
-def _gpus(count: int) -> str:
-    """``this host has 2 CUDA devices (cuda:0, cuda:1)``."""
-    names = ", ".join(f"cuda:{i}" for i in range(count))
-    return f"this host has {count} CUDA device{'s' if count != 1 else ''} ({names})"
-
-
-def _outnumber_fix(count: int) -> str:
-    return (
-        f"NCCL ranks get one GPU each: start at most {count} rank{'s' if count != 1 else ''} per "
-        f"host (torchrun --nproc-per-node {count}), use backend='gloo' for CPU ranks, or opt in "
-        f"to sharing with share_gpus=True or {SHARE_ENV}=1 in the environment (local rank r "
-        f"then uses cuda:r % {count}; NCCL itself refuses two ranks of one group on one GPU)"
-    )
-
-
-def _choose_backend(backend: str | None, ranks_here: int | None, *, share: bool) -> str:
-    """The backend for ``ranks_here`` ranks on this host (``None``: unknown), checked against
-    this host's GPUs before any process starts; ``backend=None`` means :func:`default_backend`."""
-    chosen = default_backend() if backend is None else backend
-    _check_backend(chosen)
-    if chosen == "nccl" and ranks_here is not None and not share:
-        import torch
-
-        count = torch.cuda.device_count()
-        if ranks_here > count:
-            raise InvalidArgument(
-                f"{ranks_here} ranks on this host (local ranks 0..{ranks_here - 1}) but "
-                f"{_gpus(count)}. " + _outnumber_fix(count)
-            )
-    return chosen
-
-
-def _claim_device(local_rank: int, backend: str, *, share: bool) -> torch.device:
-    """This process's device (:func:`rank_device`), made current before its group starts."""
-    import torch
-
-    device = rank_device(local_rank, backend, share=share)
-    if device.type == "cuda":
-        for name, value in NCCL_ENV.items():
-            os.environ.setdefault(name, value)
-        torch.cuda.set_device(device)
-    return device
-
-
-def _device_id(device: torch.device) -> dict[str, Any]:
-    """``{"device_id": device}`` for ``init_process_group`` where torch takes it (2.3 and later):
-    the NCCL communicator then starts at once, bound to this rank's GPU."""
-    if device.type != "cuda":
-        return {}
-    import torch.distributed as dist
-
-    try:
-        params = inspect.signature(dist.init_process_group).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {"device_id": device} if "device_id" in params else {}
 
 
 def _env_int(name: str) -> int | None:
@@ -284,17 +170,11 @@ def _loopback_interface() -> str | None:
     return None
 
 
-def _describe(exc: BaseException) -> str:
-    """``Type: message``, then any notes added to the exception (where it was raised)."""
-    notes = getattr(exc, "__notes__", None) or []
-    return "\n".join([f"{type(exc).__name__}: {exc}", *(str(n) for n in notes)])
-
-
 def record_failure(exc: BaseException) -> None:
     """Record in the shared store that this rank failed (first failure wins)."""
     if _STORE is None or _RANK is None:
         return
-    text = f"{_RANK}\n{_describe(exc)}"
+    text = f"{_RANK}\n{describe(exc)}"
     with contextlib.suppress(Exception):  # the store may be gone; the launcher sees the exit
         _STORE.compare_set(FAIL_KEY, "", text)
 
@@ -308,34 +188,7 @@ def _read_failure() -> tuple[int, str] | None:
         raw = _STORE.get(FAIL_KEY).decode()
     except Exception:
         return None
-    return _parse_record(raw)
-
-
-def _parse_record(raw: str) -> tuple[int, str] | None:
-    """``(rank, cause)`` from a failure record; ``None`` while nothing is recorded (``""``)."""
-    rank, _, cause = raw.partition("\n")
-    try:
-        return int(rank), cause
-    except ValueError:
-        return None
-
-
-def _death(rank: int, code: int | None) -> str:
-    """What to say about a rank process that exited without reporting back."""
-    if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        text = f"rank {rank} died: its process was killed by {name} (exit code {code})"
-        if name == "SIGABRT":
-            text += (
-                " (NCCL's watchdog aborts a rank whose collective or message waited longer than "
-                "the process group's timeout, pg_timeout= of funcpipe.launch / funcpipe.Pool, or "
-                "whose peer failed)"
-            )
-        return text
-    return f"rank {rank} died: its process exited with code {code} without reporting an error"
+    return parse_record(raw)
 
 
 def failure_handler() -> Callable[[BaseException, str], BaseException]:
@@ -350,7 +203,7 @@ def failure_handler() -> Callable[[BaseException, str], BaseException]:
                     f"{what} stopped: rank {rank} failed with {cause}", rank=rank, cause=cause
                 )
             time.sleep(0.05)
-        if _timed_out(exc):
+        if timed_out(exc):
             return CommunicationError(f"{what} failed: {exc}. {_pg_expired()}")
         return CommunicationError(
             f"{what} failed: {exc}. No rank recorded an error: a peer process died (killed, out "
@@ -358,14 +211,6 @@ def failure_handler() -> Callable[[BaseException, str], BaseException]:
         )
 
     return handle
-
-
-def _timed_out(exc: BaseException) -> bool:
-    """Whether a communication error is a wait that ran past its timeout (gloo: "Timed out
-    waiting 2000ms for recv operation", "Application timeout caused pair closure"; funcpipe's
-    sockets: a ``TimeoutError``)."""
-    text = str(exc).lower()
-    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
 
 
 def _pg_expired() -> str:
@@ -390,7 +235,7 @@ def _init_group(
     import torch.distributed as dist
 
     # the device first: NCCL binds this process's communicators to the current device
-    device = _claim_device(rank, backend, share=share)
+    device = claim_device(rank, backend, share=share)
     if device.type == "cpu":
         torch.set_num_threads(1)  # ranks share the host's cores; GPU ranks keep torch's default
     if backend == "gloo" and _is_loopback(host) and "GLOO_SOCKET_IFNAME" not in os.environ:
@@ -407,7 +252,7 @@ def _init_group(
         rank=rank,
         world_size=world,
         timeout=limit,
-        **_device_id(device),
+        **device_id(device),
     )
 
 
@@ -483,11 +328,10 @@ class Pool:
         grace: float = 5.0,
         paths: Sequence[str] = (),
     ) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise InvalidArgument(f"size={size!r}: the number of processes, an int >= 1")
-        share = _share(share_gpus)
-        _check_seconds("timeout", timeout, "the deadline of each job")
-        _check_seconds("pg_timeout", pg_timeout, "the process group's timeout")
+        check_int("size", size, 1, "the number of processes, an int >= 1")
+        share = sharing(share_gpus)
+        check_seconds("timeout", timeout, "the deadline of each job")
+        check_seconds("pg_timeout", pg_timeout, "the process group's timeout")
         if not isinstance(grace, (int, float)) or grace < 0:
             raise InvalidArgument(
                 f"grace={grace!r}: seconds the other ranks get to stop by themselves after a "
@@ -495,7 +339,7 @@ class Pool:
             )
         if not isinstance(host, str) or not host:
             raise InvalidArgument(f"host={host!r}: an address to bind, e.g. '127.0.0.1'")
-        backend = _choose_backend(backend, size, share=share)
+        backend = choose_backend(backend, size, share=share)
         import multiprocessing as mp
 
         import torch.distributed as dist
@@ -551,7 +395,7 @@ class Pool:
             raise InvalidArgument(
                 "this Pool was closed (a job failed or close() was called); start a new one"
             )
-        _check_seconds("timeout", timeout, "this job's deadline")
+        check_seconds("timeout", timeout, "this job's deadline")
         job = _pickle_job(fn, args, kwargs)
         for c in self.conns:
             c.send(job)
@@ -579,7 +423,7 @@ class Pool:
                 if first is None:
                     # a rank may have recorded its failure without its message arriving (NCCL
                     # errors surface in the watchdog, not in the job): the store names it
-                    first = _read_store(self.store)
+                    first = read_record(self.store)
                 if first is not None:
                     raise RankFailed(
                         f"rank {first[0]} failed:\n{first[1]}", rank=first[0], cause=first[1]
@@ -610,7 +454,7 @@ class Pool:
                         self.procs[r].join(timeout=1.0)
                     if self.procs[r].is_alive():
                         continue
-                    text = _death(r, self.procs[r].exitcode)
+                    text = death(r, self.procs[r].exitcode)
                     results[r] = None
                     # tell the ranks still waiting on it who failed (first failure wins)
                     with contextlib.suppress(Exception):
@@ -628,7 +472,7 @@ class Pool:
                 while time.monotonic() < end and any(p.is_alive() for p in self.procs):
                     time.sleep(0.05)
                 self.close(kill=True)
-                rank, text = _first_failure(first, _read_store(self.store))
+                rank, text = first_failure(first, read_record(self.store))
                 raise RankFailed(f"rank {rank} failed: {text}", rank=rank, cause=text)
         return [results[r] for r in range(self.size)]
 
@@ -663,33 +507,6 @@ def _pickle_job(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
             "fn must be a module-level function of an importable module (not a lambda or a "
             "nested function), and its arguments picklable data and tensors"
         ) from None
-
-
-def _first_failure(seen: tuple[int, str], recorded: tuple[int, str] | None) -> tuple[int, str]:
-    """Which failure to report: the first the launcher saw (a rank's error message or its
-    process's exit), or the store's record (first failure wins there) when that names another
-    rank and the launcher saw no death, or saw only a ``SIGABRT`` -- NCCL's watchdog tearing a
-    rank down after a peer's failure -- while the record is an error of its own (not a
-    ``RankFailed`` or ``CommunicationError`` that itself names a peer)."""
-    rank, text = seen
-    if recorded is None or recorded[0] == rank:
-        return seen
-    if "died" not in text:
-        return recorded
-    secondary = recorded[1].startswith(("RankFailed", "CommunicationError"))
-    if "by SIGABRT" in text and not secondary:
-        return recorded
-    return seen
-
-
-def _read_store(store: Any) -> tuple[int, str] | None:
-    try:
-        raw = store.get(FAIL_KEY).decode()
-    except Exception:
-        return None
-    if not raw:
-        return None
-    return _parse_record(raw)
 
 
 def launch(
@@ -728,13 +545,10 @@ def launch(
     group, and ``timeout`` does not apply (torchrun owns the processes). The local processes
     bind to 127.0.0.1 (loopback) only.
     """
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise InvalidArgument(
-            f"nprocs={nprocs!r}: the number of local processes to start, an int >= 1"
-        )
-    share = _share(share_gpus)
-    _check_seconds("timeout", timeout, "the job's deadline")
-    _check_seconds("pg_timeout", pg_timeout, "the process group's timeout")
+    check_int("nprocs", nprocs, 1, "the number of local processes to start, an int >= 1")
+    share = sharing(share_gpus)
+    check_seconds("timeout", timeout, "the job's deadline")
+    check_seconds("pg_timeout", pg_timeout, "the process group's timeout")
     if under_torchrun():
         rank = _join_torchrun(backend, share=share, pg_timeout=pg_timeout)
         try:
@@ -745,7 +559,7 @@ def launch(
     _pickle_job(fn, args, kwargs)  # before starting any process
     with Pool(
         nprocs,
-        backend=_choose_backend(backend, nprocs, share=share),
+        backend=choose_backend(backend, nprocs, share=share),
         share_gpus=share,
         timeout=timeout,
         pg_timeout=pg_timeout,
@@ -767,11 +581,11 @@ def _join_torchrun(backend: str | None, *, share: bool, pg_timeout: float | None
         local = _env_int("LOCAL_RANK")
         if local is None:
             local = _env_int("RANK")
-        chosen = _choose_backend(backend, _env_int("LOCAL_WORLD_SIZE"), share=share)
-        device = _claim_device(0 if local is None else local, chosen, share=share)
+        chosen = choose_backend(backend, _env_int("LOCAL_WORLD_SIZE"), share=share)
+        device = claim_device(0 if local is None else local, chosen, share=share)
         seconds = pg_seconds(pg_timeout, chosen)
         dist.init_process_group(
-            chosen, timeout=datetime.timedelta(seconds=seconds), **_device_id(device)
+            chosen, timeout=datetime.timedelta(seconds=seconds), **device_id(device)
         )
         _PG_TIMEOUT = seconds
     _RANK = dist.get_rank()

@@ -37,25 +37,18 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from funcpipe.errors import InvalidArgument
+from funcpipe.errors import InvalidArgument, check_int
 
 __all__ = ["MODES", "Axis", "Mesh", "ParallelConfig", "Place", "build_mesh"]
 
 MODES = ("1d", "2d", "2.5d", "3d", "sequence")
 _TOP_KEYS = ("pipeline", "tensor", "data")
 _TENSOR_KEYS = ("size", "mode", "depth")
+_POSITIVE = "must be a positive int (1 means 'no parallelism on this axis')."
 
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _positive(name: str, value: object) -> int:
-    if not _is_int(value) or value < 1:  # type: ignore[operator]
-        raise InvalidArgument(
-            f"{name}={value!r}: must be a positive int (1 means 'no parallelism on this axis')."
-        )
-    return int(value)  # type: ignore[call-overload]
 
 
 def _iroot(n: int, k: int) -> int | None:
@@ -116,7 +109,7 @@ class ParallelConfig:
         ``tensor`` is an int (1D) or a dict with ``size``, ``mode`` (default ``'1d'``) and, for
         ``mode='2.5d'``, ``depth``. ``data`` defaults to ``world_size // (pipeline * tensor)``.
         """
-        world = _positive("world_size", world_size)
+        world = check_int("world_size", world_size, 1, _POSITIVE)
         if not isinstance(config, Mapping):
             raise InvalidArgument(
                 f"config={config!r}: must be a dict such as "
@@ -128,7 +121,7 @@ class ParallelConfig:
                 f"config has unknown key(s) {unknown}; the keys are {list(_TOP_KEYS)} "
                 "(data-parallel size is inferred when 'data' is left out)."
             )
-        pipeline = _positive("pipeline", config.get("pipeline", 1))
+        pipeline = check_int("pipeline", config.get("pipeline", 1), 1, _POSITIVE)
         size, mode, depth = _tensor_part(config.get("tensor", 1))
         if world % (pipeline * size):
             raise InvalidArgument(
@@ -137,7 +130,7 @@ class ParallelConfig:
                 f"{pipeline * size}, or sizes whose product divides {world}."
             )
         inferred = world // (pipeline * size)
-        data = _positive("data", config.get("data", inferred))
+        data = check_int("data", config.get("data", inferred), 1, _POSITIVE)
         if data != inferred:
             raise InvalidArgument(
                 f"data={data} does not fit: pipeline ({pipeline}) x tensor ({size}) x data "
@@ -201,7 +194,7 @@ class ParallelConfig:
 
 def _tensor_part(tensor: object) -> tuple[int, str, int]:
     if _is_int(tensor):
-        return _positive("tensor", tensor), "1d", 1
+        return check_int("tensor", tensor, 1, _POSITIVE), "1d", 1
     if not isinstance(tensor, Mapping):
         raise InvalidArgument(
             f"tensor={tensor!r}: must be an int (1D) or a dict such as dict(size=4, mode='2d')."
@@ -213,7 +206,7 @@ def _tensor_part(tensor: object) -> tuple[int, str, int]:
         )
     if "size" not in tensor:
         raise InvalidArgument(f"tensor={dict(tensor)!r} has no 'size'; add e.g. size=4.")
-    size = _positive("tensor size", tensor["size"])
+    size = check_int("tensor size", tensor["size"], 1, _POSITIVE)
     mode = tensor.get("mode", "1d")
     if mode not in MODES:
         raise InvalidArgument(f"tensor mode={mode!r} is unknown; use one of {list(MODES)}.")
@@ -230,7 +223,7 @@ def _tensor_part(tensor: object) -> tuple[int, str, int]:
                 f"tensor mode='2.5d' needs a depth d with size = d*q*q; got size={size} and no "
                 f"depth; e.g. {_depths_hint(size)}."
             )
-        depth = _positive("tensor depth", tensor["depth"])
+        depth = check_int("tensor depth", tensor["depth"], 1, _POSITIVE)
     if mode == "2d" and _iroot(size, 2) is None:
         squares = _near_powers(size, 2)
         raise InvalidArgument(

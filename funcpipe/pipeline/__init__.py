@@ -2,6 +2,9 @@
 
 - ``pipeline``: :class:`Pipeline` (builds the program, runs it per rank) and :class:`StepResult`
 - ``checks``: the checks a Pipeline makes of its arguments and across processes, off the hot path
+- ``lowering``: the schedule lowered into the program a Pipeline runs, and checked
+- ``rank_inputs``: a rank's share of a step (its parameter leaves, its part of the batch)
+- ``result``: :class:`StepResult`, put together from the ranks' results
 - ``microbatch``: split a batch pytree into microbatches and merge them back
 - ``reference``: :func:`reference_step`, the single-device step every schedule must reproduce
 """

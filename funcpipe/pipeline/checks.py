@@ -2,8 +2,9 @@
 
 Each check either passes or raises :class:`~funcpipe.errors.InvalidArgument` naming the
 argument, the value, the rule and the fix, before any work or communication of the step. The
-ones that walk every parameter leaf (:func:`shared_storage`) run on a pipeline's first step
-only; none reads a value on a device.
+constructor's arguments are checked together by :func:`arguments`, before anything is built;
+a step's by the checks under "step". The ones that walk every parameter leaf
+(:func:`shared_storage`) run on a pipeline's first step only; none reads a value on a device.
 """
 
 from __future__ import annotations
@@ -11,15 +12,21 @@ from __future__ import annotations
 import hashlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
 
+from funcpipe.distributed import world as _world
 from funcpipe.errors import InvalidArgument
-from funcpipe.tree import leaf_paths, tree_leaves
+from funcpipe.schedule.ir import Program
+from funcpipe.stages.stage import Stage
+from funcpipe.stages.ties import TiePath, check_ties
+from funcpipe.tree import check_tensor_tree, leaf_paths, tree_leaves
 
 __all__ = [
+    "Arguments",
+    "arguments",
     "autograd_context",
     "device_available",
     "inference_tensors",
@@ -28,6 +35,8 @@ __all__ = [
     "meta_inputs",
     "poison",
     "shared_storage",
+    "stage_params",
+    "step_loss_scale",
     "tensor_loss_scale",
 ]
 
@@ -35,6 +44,137 @@ Tensor = torch.Tensor
 
 
 # ------------------------------------------------------------------------------ construction
+class Arguments(NamedTuple):
+    """A Pipeline's constructor arguments once checked, in the forms it keeps: the stages as a
+    tuple, ``side_inputs`` as ``{stage: (field, ...)}`` (of the program's stages as the user
+    numbered them), ``ties`` normalised, ``device`` a :class:`torch.device` (or ``None``) and
+    ``transport`` chosen (``"local"`` or ``"dist"``)."""
+
+    stages: tuple[Stage, ...]
+    side_inputs: dict[int, tuple[str, ...]]
+    ties: dict[str, list[Any]]
+    device: torch.device | None
+    transport: str
+
+
+def arguments(
+    stages: Sequence[Stage],
+    schedule: Program,
+    *,
+    loss_fn: Callable[..., Any] | None,
+    metric_fn: Callable[..., Any] | None,
+    ties: Mapping[str, Sequence[TiePath]] | None,
+    side_inputs: Mapping[int, Sequence[str]] | None,
+    data: int,
+    transport: str | None,
+    mesh: Any,
+    scatter_gather: bool,
+    device: torch.device | str | None,
+    grad_dtype: torch.dtype | None,
+) -> Arguments:
+    """Every check of :class:`funcpipe.Pipeline`'s constructor, in the order it makes them
+    (the first broken rule is the one reported); see the Pipeline for what each means."""
+    checked = stage_list(stages, schedule)
+    step_functions(loss_fn, metric_fn, schedule.training)
+    if not isinstance(data, int) or data < 1:
+        raise InvalidArgument(f"data={data!r}: the number of data-parallel replicas, an int >= 1")
+    side = side_input_stages(side_inputs, schedule.n_stages)
+    tied = check_ties(ties, len(checked))
+    place = torch.device(device) if device is not None else None
+    device_available(place)
+    gradient_dtype(grad_dtype)
+    chosen = transport_choice(transport, mesh=mesh, scatter_gather=scatter_gather, data=data)
+    return Arguments(checked, side, tied, place, chosen)
+
+
+def stage_list(stages: Sequence[Stage], schedule: Program) -> tuple[Stage, ...]:
+    """``stages`` as a tuple of :class:`~funcpipe.Stage`, as many as ``schedule``'s model
+    stages, and ``schedule`` a :class:`~funcpipe.schedule.Program`."""
+    checked = tuple(stages)
+    for k, s in enumerate(checked):
+        if not isinstance(s, Stage):
+            raise InvalidArgument(
+                f"stages[{k}]={s!r}: pass funcpipe.Stage objects (see from_module)"
+            )
+    if not isinstance(schedule, Program):
+        raise InvalidArgument(
+            f"schedule={schedule!r}: pass a funcpipe.schedule.Program, e.g. "
+            "generate('1f1b', ranks=2, microbatches=4)"
+        )
+    owners = schedule.replica_of or tuple(range(schedule.n_stages))
+    if sorted(set(owners)) != list(range(len(checked))):
+        raise InvalidArgument(
+            f"the schedule has {len(set(owners))} model stage(s) but {len(checked)} stage(s) "
+            "were given; partition the model into as many stages as the schedule places"
+        )
+    return checked
+
+
+def step_functions(
+    loss_fn: Callable[..., Any] | None, metric_fn: Callable[..., Any] | None, training: bool
+) -> None:
+    """``loss_fn`` and ``metric_fn`` are callables or ``None``; a training program has a loss."""
+    for name, fn in (("loss_fn", loss_fn), ("metric_fn", metric_fn)):
+        if fn is not None and not callable(fn):
+            raise InvalidArgument(f"{name}={fn!r} must be callable")
+    if training and loss_fn is None:
+        raise InvalidArgument(
+            "a training schedule needs loss_fn (the backward starts at the loss); pass "
+            "loss_fn=..., or use an eval schedule (to_eval(program)) for forward only"
+        )
+
+
+def side_input_stages(
+    side_inputs: Mapping[int, Sequence[str]] | None, n_stages: int
+) -> dict[int, tuple[str, ...]]:
+    """``side_inputs`` as ``{stage: (field, ...)}``, naming stages of the program only."""
+    side = {int(s): tuple(v) for s, v in (side_inputs or {}).items()}
+    for k in side:
+        if not 0 <= k < n_stages:
+            raise InvalidArgument(
+                f"side_inputs names stage {k}; the program has stages 0..{n_stages - 1}"
+            )
+    return side
+
+
+def gradient_dtype(grad_dtype: torch.dtype | None) -> None:
+    """``grad_dtype`` is ``None`` or a floating :class:`torch.dtype`."""
+    if grad_dtype is not None and (
+        not isinstance(grad_dtype, torch.dtype) or not grad_dtype.is_floating_point
+    ):
+        raise InvalidArgument(
+            f"grad_dtype={grad_dtype!r}: a floating torch.dtype (torch.float32 to sum bf16 "
+            "gradients in float32), or None for each parameter's own dtype"
+        )
+
+
+def transport_choice(transport: str | None, *, mesh: Any, scatter_gather: bool, data: int) -> str:
+    """The transport: ``transport``, or by default ``"dist"`` when a process group exists and
+    ``"local"`` otherwise; checked against this process and the options that need one."""
+    if transport is None:
+        transport = "dist" if _world.initialised() else "local"
+    if transport not in ("local", "dist"):
+        raise InvalidArgument(f"transport={transport!r}: use 'local' or 'dist'")
+    if transport == "dist" and not _world.initialised():
+        raise InvalidArgument(
+            "transport='dist' needs torch.distributed initialised (use funcpipe.launch, "
+            "or torchrun and dist.init_process_group); without a process group use "
+            "transport='local' (every rank in this process)"
+        )
+    if scatter_gather and mesh is None:
+        raise InvalidArgument(
+            "scatter_gather=True splits messages over the tensor ranks of mesh=; pass the mesh"
+        )
+    if mesh is not None and transport != "dist":
+        raise InvalidArgument("mesh= describes processes: it needs transport='dist'")
+    if transport == "dist" and data != 1:
+        raise InvalidArgument(
+            "data= is for transport='local'; with 'dist' the data-parallel size is the world "
+            "size divided by the program's ranks"
+        )
+    return transport
+
+
 def device_available(device: torch.device | None) -> None:
     """``device=`` names a device this process has (``cuda`` without CUDA fails here, not at
     the first step with torch's AssertionError)."""
@@ -79,6 +219,36 @@ def loss_arity(fn: Callable[..., Any] | None) -> tuple[int, int | None] | None:
 
 
 # ------------------------------------------------------------------------------------- step
+def stage_params(params: Any, n_stages: int) -> tuple[Any, ...]:
+    """``params`` as a tuple of one tensor pytree per stage."""
+    if not isinstance(params, (tuple, list)) or len(params) != n_stages:
+        raise InvalidArgument(
+            f"params must be a tuple with one pytree per stage ({n_stages}); got "
+            f"{type(params).__name__}"
+            + (f" of length {len(params)}" if isinstance(params, (tuple, list)) else "")
+        )
+    for k, p in enumerate(params):
+        check_tensor_tree(p, name=f"params[{k}]")
+    return tuple(params)
+
+
+def step_loss_scale(value: float | Tensor | None) -> float | Tensor:
+    """A step's ``loss_scale``: ``None`` is 1.0; a number is checked here; a tensor (a loss
+    scaler's state) by :func:`tensor_loss_scale`, which never reads one on an accelerator."""
+    if value is None:
+        return 1.0
+    if isinstance(value, Tensor):
+        return tensor_loss_scale(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidArgument(
+            f"loss_scale={value!r}: a positive number (the factor the loss's gradient is "
+            "multiplied by), or None"
+        )
+    if value == float("inf"):
+        raise InvalidArgument("loss_scale=inf: the loss scale must be finite")
+    return float(value)
+
+
 def autograd_context(training: bool) -> None:
     """A training step cannot run inside ``torch.inference_mode()``: the tensors made there can
     never be differentiated. (``torch.no_grad()`` is fine: the step enables grad inside.)"""

@@ -19,58 +19,34 @@ import torch
 from funcpipe.distributed import world as _world
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline import checks as _validate
-from funcpipe.pipeline.microbatch import merge, split, split_targets
+from funcpipe.pipeline.lowering import lower_program, p2p_rules
+from funcpipe.pipeline.microbatch import split, split_targets
+from funcpipe.pipeline.rank_inputs import param_leaves, to_device
+from funcpipe.pipeline.result import (
+    StepResult,
+    dist_scalars,
+    executed_timeline,
+    merged_outputs,
+    stage_grads,
+    total,
+)
 from funcpipe.runtime.drive import drive, drive_local
 from funcpipe.runtime.interpreter import RankInputs, RankResult, run_rank
 from funcpipe.runtime.transport import LocalWorld
-from funcpipe.schedule.check import check
 from funcpipe.schedule.ir import Op, Program
 from funcpipe.schedule.p2p import PAIR
-from funcpipe.schedule.passes import add_communication, add_recompute, add_reduce
-from funcpipe.schedule.simulate import Event, Timeline
 from funcpipe.stages.boundaries import BoundarySpecs, infer_boundaries, signature
 from funcpipe.stages.shapes import stage_device
 from funcpipe.stages.stage import Stage, as_inputs
-from funcpipe.stages.ties import TiePath, add_tie_reduce, check_ties, resolve, tie_values
-from funcpipe.tree import check_tensor_tree, tree_flatten, tree_map, tree_unflatten
+from funcpipe.stages.ties import TiePath, resolve, tie_values
+from funcpipe.tree import tree_flatten
 
-__all__ = ["Pipeline", "StepResult"]
+__all__ = ["Pipeline", "StepResult"]  # StepResult: defined in funcpipe.pipeline.result
 
 INPUTS = "inputs"  # with side_inputs: the batch field the entry stage takes
 LAYOUT_CACHE = 256  # microbatch signatures whose shape inference a Pipeline keeps
 
 Tensor = torch.Tensor
-
-
-class StepResult(tuple[Any, Any]):
-    """``(loss, grads)``, with ``.metric`` and ``.outputs`` when they were asked for."""
-
-    loss: Tensor | None
-    grads: tuple[Any, ...]
-    metric: Tensor | None
-    outputs: Any
-    peak_activations: dict[int, int]  # program rank -> most activations it kept at once
-    timeline: Any  # with trace=True: the executed funcpipe.schedule.Timeline
-
-    def __new__(
-        cls,
-        loss: Tensor | None,
-        grads: tuple[Any, ...],
-        metric: Tensor | None = None,
-        outputs: Any = None,
-    ) -> StepResult:
-        self = super().__new__(cls, (loss, grads))
-        self.loss, self.grads, self.metric, self.outputs = loss, grads, metric, outputs
-        self.peak_activations = {}
-        self.timeline = None
-        return self
-
-    def __repr__(self) -> str:
-        return f"StepResult(loss={self.loss!r}, metric={self.metric!r}, grads=<{len(self.grads)} stages>)"
-
-
-def _diff(t: Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
 
 
 class Pipeline:
@@ -155,93 +131,50 @@ class Pipeline:
         device: torch.device | str | None = None,
         grad_dtype: torch.dtype | None = None,
     ) -> None:
-        self.stages = tuple(stages)
-        for k, s in enumerate(self.stages):
-            if not isinstance(s, Stage):
-                raise InvalidArgument(
-                    f"stages[{k}]={s!r}: pass funcpipe.Stage objects (see from_module)"
-                )
-        if not isinstance(schedule, Program):
-            raise InvalidArgument(
-                f"schedule={schedule!r}: pass a funcpipe.schedule.Program, e.g. "
-                "generate('1f1b', ranks=2, microbatches=4)"
-            )
-        owners = schedule.replica_of or tuple(range(schedule.n_stages))
-        if sorted(set(owners)) != list(range(len(self.stages))):
-            raise InvalidArgument(
-                f"the schedule has {len(set(owners))} model stage(s) but {len(self.stages)} stage(s) "
-                "were given; partition the model into as many stages as the schedule places"
-            )
-        for name, fn in (("loss_fn", loss_fn), ("metric_fn", metric_fn)):
-            if fn is not None and not callable(fn):
-                raise InvalidArgument(f"{name}={fn!r} must be callable")
-        if schedule.training and loss_fn is None:
-            raise InvalidArgument(
-                "a training schedule needs loss_fn (the backward starts at the loss); pass "
-                "loss_fn=..., or use an eval schedule (to_eval(program)) for forward only"
-            )
-        if not isinstance(data, int) or data < 1:
-            raise InvalidArgument(
-                f"data={data!r}: the number of data-parallel replicas, an int >= 1"
-            )
+        checked = _validate.arguments(
+            stages,
+            schedule,
+            loss_fn=loss_fn,
+            metric_fn=metric_fn,
+            ties=ties,
+            side_inputs=side_inputs,
+            data=data,
+            transport=transport,
+            mesh=mesh,
+            scatter_gather=scatter_gather,
+            device=device,
+            grad_dtype=grad_dtype,
+        )
+        self.stages, self.ties, self.device = checked.stages, checked.ties, checked.device
+        self.transport = transport = checked.transport
         self.loss_fn, self.metric_fn, self.dim = loss_fn, metric_fn, dim
-        self.side_inputs = {int(s): tuple(v) for s, v in (side_inputs or {}).items()}
-        for k in self.side_inputs:
-            if not 0 <= k < schedule.n_stages:
-                raise InvalidArgument(
-                    f"side_inputs names stage {k}; the program has stages 0..{schedule.n_stages - 1}"
-                )
+        self.side_inputs = checked.side_inputs
         if schedule.replica_of:  # Chimera: a model stage's side inputs reach all its replicas
             self.side_inputs = {
                 slot: self.side_inputs[o]
                 for slot, o in enumerate(schedule.replica_of)
                 if o in self.side_inputs
             }
-        self.ties = check_ties(ties, len(self.stages))
         self.data = data
-        self.device = torch.device(device) if device is not None else None
-        _validate.device_available(self.device)
         self._loss_arity = _validate.loss_arity(loss_fn)
         self._checked = False  # the first step's checks (shared storage, inference params)
-        if grad_dtype is not None and (
-            not isinstance(grad_dtype, torch.dtype) or not grad_dtype.is_floating_point
-        ):
-            raise InvalidArgument(
-                f"grad_dtype={grad_dtype!r}: a floating torch.dtype (torch.float32 to sum bf16 "
-                "gradients in float32), or None for each parameter's own dtype"
-            )
         self.grad_dtype = grad_dtype
-        if transport is None:
-            transport = "dist" if _world.initialised() else "local"
-        if transport not in ("local", "dist"):
-            raise InvalidArgument(f"transport={transport!r}: use 'local' or 'dist'")
-        if transport == "dist" and not _world.initialised():
-            raise InvalidArgument(
-                "transport='dist' needs torch.distributed initialised (use funcpipe.launch, "
-                "or torchrun and dist.init_process_group); without a process group use "
-                "transport='local' (every rank in this process)"
-            )
-        self.transport = transport
         self.mesh = mesh
         self.scatter_gather = bool(scatter_gather)
-        if scatter_gather and mesh is None:
-            raise InvalidArgument(
-                "scatter_gather=True splits messages over the tensor ranks of mesh=; pass the mesh"
-            )
         if check_finite is None:
             import os
 
             check_finite = os.environ.get("FUNCPIPE_DEBUG", "") not in ("", "0")
         self.check_finite = bool(check_finite)
-        if mesh is not None and transport != "dist":
-            raise InvalidArgument("mesh= describes processes: it needs transport='dist'")
-        if transport == "dist" and data != 1:
-            raise InvalidArgument(
-                "data= is for transport='local'; with 'dist' the data-parallel size is the world "
-                "size divided by the program's ranks"
-            )
         copies = _world.sizes(schedule.n_ranks, mesh)[0] if transport == "dist" else 1
-        self.program = self._lower(schedule, recompute, data_parallel=data > 1 or copies > 1)
+        self.program = lower_program(
+            schedule,
+            recompute=recompute,
+            ties=self.ties,
+            data_parallel=data > 1 or copies > 1,
+            p2p=self._p2p_rules(),
+            layout=self.p2p_layout,
+        )
         self.recompute = frozenset(i.stage for r in self.program.ranks for i in r if i.op is Op.R)
         # shape inference per microbatch signature, most recently used last (bounded: a batch
         # whose length changes every step must not grow it without end)
@@ -297,27 +230,6 @@ class Pipeline:
         ]
         return "\n".join([*head, self.program.to_text()])
 
-    def _lower(
-        self, schedule: Program, recompute: bool | Sequence[int], *, data_parallel: bool
-    ) -> Program:
-        p = schedule
-        rules = self._p2p_rules()
-        layout = self.p2p_layout
-        if p.lowered:
-            check(p, p2p=rules, layout=layout)
-            return p
-        if recompute and p.training:
-            stages = range(p.n_stages) if recompute is True else recompute
-            p = add_recompute(p, stages=stages)
-        # ties first: their sums complete the tied leaves, which the replica sums then skip
-        if p.training and self.ties:
-            p = add_tie_reduce(p, self.ties)
-        if p.training and (data_parallel or len(set(p.replica_of or ())) < p.n_stages):
-            p = add_reduce(p, group="data")  # also adds the replica sums (Chimera)
-        p = add_communication(p)
-        check(p, p2p=rules, layout=layout)
-        return p
-
     @property
     def p2p(self) -> str:
         """The point-to-point rules this pipeline's program is checked and simulated under
@@ -328,17 +240,8 @@ class Pipeline:
 
     def _p2p_rules(self) -> str:
         """The point-to-point rules the program must hold to on this pipeline's transport
-        (``check(..., p2p=..., layout=self.p2p_layout)``): NCCL's where it runs over NCCL or on CUDA
-        devices, gloo's (buffered sends) otherwise. Programs funcpipe lowers hold to NCCL's
-        everywhere."""
-        if self.device is not None and self.device.type == "cuda":
-            return "nccl"
-        if self.transport == "dist":
-            import torch.distributed as dist
-
-            if dist.get_backend() == "nccl":
-                return "nccl"
-        return "gloo"
+        (:func:`funcpipe.pipeline.lowering.p2p_rules`)."""
+        return p2p_rules(self.device, self.transport)
 
     # ------------------------------------------------------------------ step
     def step(
@@ -379,7 +282,7 @@ class Pipeline:
         training = self.program.training
         _validate.autograd_context(training)
         params = self._check_params(params)
-        scale = _loss_scale(loss_scale)
+        scale = _validate.step_loss_scale(loss_scale)
         self._check_step(params, batch, targets)
         # like reference_step: a step inside torch.no_grad() still computes true gradients
         with torch.enable_grad() if training else contextlib.nullcontext():
@@ -430,14 +333,20 @@ class Pipeline:
         if self.loss_fn is not None or self.metric_fn is not None:
             x.scalars_group = _world.SCALARS
         result = drive(run_rank(x, self._world.transport))
-        loss, metric = self._dist_scalars(result, m)
+        # every data copy adds its loss; every tensor coordinate holds the same loss
+        loss, metric = dist_scalars(
+            result,
+            m * self.data_size * self.tensor_size,
+            has_loss=self.loss_fn is not None,
+            has_metric=self.metric_fn is not None,
+        )
         grads = self._grads(params, [result])
-        outputs = self._outputs([result]) if return_outputs else None
+        outputs = merged_outputs(program, [result]) if return_outputs else None
         step = StepResult(loss, grads, metric, outputs)
         step.peak_activations = {self.rank: result.peak_activations}
         if trace:
             times = _world.gather_times(program, self._world, result.times)
-            step.timeline = _timeline(program, times)
+            step.timeline = executed_timeline(program, times)
         return step
 
     def _step_local(
@@ -475,18 +384,18 @@ class Pipeline:
                 gens[ranks[r]] = run_rank(x, world.transport(r, ranks))
         results = drive_local(gens, world=world)
         per_rank = [results[r] for r in range(n)]  # replica 0 answers
-        loss = _sum([res.loss_sum for res in results.values()])
-        metric = _sum([res.metric_sum for res in results.values()])
+        loss = total([res.loss_sum for res in results.values()])
+        metric = total([res.metric_sum for res in results.values()])
         scale = 1.0 / (m * self.data)
         out = StepResult(
             None if loss is None else loss * scale,
             self._grads(params, per_rank),
             None if metric is None else metric * scale,
-            self._outputs(per_rank) if return_outputs else None,
+            merged_outputs(program, per_rank) if return_outputs else None,
         )
         out.peak_activations = {r: res.peak_activations for r, res in enumerate(per_rank)}
         if trace:
-            out.timeline = _timeline(program, [res.times for res in per_rank])
+            out.timeline = executed_timeline(program, [res.times for res in per_rank])
         return out
 
     @property
@@ -503,15 +412,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ pieces
     def _check_params(self, params: Sequence[Any]) -> tuple[Any, ...]:
-        if not isinstance(params, (tuple, list)) or len(params) != len(self.stages):
-            raise InvalidArgument(
-                f"params must be a tuple with one pytree per stage ({len(self.stages)}); got "
-                f"{type(params).__name__}"
-                + (f" of length {len(params)}" if isinstance(params, (tuple, list)) else "")
-            )
-        for k, p in enumerate(params):
-            check_tensor_tree(p, name=f"params[{k}]")
-        params = tuple(params)
+        params = _validate.stage_params(params, len(self.stages))
         if self.ties and self.transport == "local":
             params = tie_values(params, self.ties)
         return params
@@ -651,27 +552,17 @@ class Pipeline:
                     raise InvalidArgument(
                         f"params[{o}] is on the meta device but rank {rank} runs stage {s}"
                     )
-                kept = [self._kept_dtype(t) if p.training else None for t in leaves]
-                prm[o] = (
-                    [
-                        (t.detach() if k is None else t.detach().to(k)).requires_grad_(
-                            _diff(t) and p.training
-                        )
-                        for t, k in zip(leaves, kept, strict=True)
-                    ],
-                    tree,
-                )
-                if any(k is not None for k in kept):
-                    casts[o] = tuple(
-                        None if k is None else t.dtype for t, k in zip(leaves, kept, strict=True)
-                    )
+                held, cast = param_leaves(leaves, training=p.training, grad_dtype=self.grad_dtype)
+                prm[o] = (held, tree)
+                if cast is not None:
+                    casts[o] = cast
         device = self._place(params, local=[owners[s] for s in local])
         # this rank's part of the batch goes where its stages run, once per microbatch
         if any(not p.producers(s) for s in local):
-            entry = [_to(e, device) for e in entry]
-        side = [{s: _to(kw, device) for s, kw in sd.items() if s in local} for sd in side]
+            entry = [to_device(e, device) for e in entry]
+        side = [{s: to_device(kw, device) for s, kw in sd.items() if s in local} for sd in side]
         if tgt is not None and any(not p.consumers(s) for s in local):
-            tgt = [_to(t, device) for t in tgt]
+            tgt = [to_device(t, device) for t in tgt]
         ties: dict[str, list[tuple[int, int]]] = {}
         for name, members in self.ties.items():
             ties[name] = [(s, resolve(params[s], path, f"ties[{name!r}]")) for s, path in members]
@@ -695,102 +586,5 @@ class Pipeline:
             casts=casts,
         )
 
-    def _kept_dtype(self, t: Tensor) -> torch.dtype | None:
-        """The dtype a parameter leaf is kept (and its gradient summed) in for the step, when
-        not its own: ``grad_dtype`` for floating leaves of fewer bits."""
-        g = self.grad_dtype
-        if g is None or not t.is_floating_point() or t.dtype.itemsize >= g.itemsize:
-            return None
-        return g
-
     def _grads(self, params: tuple[Any, ...], results: Sequence[RankResult]) -> tuple[Any, ...]:
-        if not self.program.training:
-            return tuple(None for _ in params)
-        found: dict[int, list[Tensor]] = {}
-        for res in results:
-            for o, g in res.grads.items():
-                found.setdefault(o, g)
-        out = []
-        for o, prm in enumerate(params):
-            if o in found:
-                _, tree = tree_flatten(prm)
-                out.append(tree_unflatten(tree, found[o]))
-            else:
-                out.append(None)
-        return tuple(out)
-
-    def _outputs(self, results: Sequence[RankResult]) -> Any:
-        by_mb: dict[int, Any] = {}
-        for res in results:
-            by_mb.update(res.outputs)
-        if len(by_mb) < self.program.microbatches:
-            return None
-        return merge([by_mb[k] for k in range(self.program.microbatches)], dim=0)
-
-    def _dist_scalars(self, result: RankResult, m: int) -> tuple[Tensor | None, Tensor | None]:
-        has_loss = self.loss_fn is not None
-        has_metric = self.metric_fn is not None
-        if not (has_loss or has_metric):
-            return None, None
-        if result.scalars is None:  # every rank posts it once per step (interpreter.run)
-            raise RuntimeError("funcpipe internal error: the step's loss reduction was not posted")
-        buf, handle = result.scalars
-        handle.wait()  # over every rank of every copy: the loss of the whole batch
-        # every data copy adds its loss; every tensor coordinate holds the same loss
-        n = m * self.data_size * self.tensor_size
-        loss = buf[0] / n if (has_loss and buf[2] > 0) else None
-        metric = buf[1] / n if (has_metric and buf[2] > 0) else None
-        return loss, metric
-
-
-def _timeline(program: Program, times: Sequence[Sequence[float]]) -> Timeline:
-    """A :class:`Timeline` from each rank's flat (start, end, start, end, ...) times, in
-    seconds from the earliest start."""
-    t0 = min((t[0] for t in times if t), default=0.0)
-    events = tuple(
-        tuple(
-            Event(r, k, instr, ts[2 * k] - t0, ts[2 * k + 1] - t0)
-            for k, instr in enumerate(program.ranks[r])
-        )
-        for r, ts in enumerate(times)
-    )
-    return Timeline(program=program, events=events)
-
-
-def _to(tree: Any, device: torch.device) -> Any:
-    """``tree``'s tensors on ``device`` (no copy when they are there; asynchronous from pinned
-    memory)."""
-
-    def move(t: Any) -> Any:
-        if not isinstance(t, Tensor) or t.device == device:
-            return t
-        return t.to(device, non_blocking=t.is_pinned())
-
-    return tree_map(move, tree)
-
-
-def _loss_scale(value: float | Tensor | None) -> float | Tensor:
-    """A number is checked here; a tensor (a loss scaler's state) by
-    :func:`funcpipe.pipeline.checks.tensor_loss_scale`, which never reads one on an accelerator."""
-    if value is None:
-        return 1.0
-    if isinstance(value, Tensor):
-        return _validate.tensor_loss_scale(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InvalidArgument(
-            f"loss_scale={value!r}: a positive number (the factor the loss's gradient is "
-            "multiplied by), or None"
-        )
-    if value == float("inf"):
-        raise InvalidArgument("loss_scale=inf: the loss scale must be finite")
-    return float(value)
-
-
-def _sum(values: Sequence[Tensor | None]) -> Tensor | None:
-    got = [v for v in values if v is not None]
-    if not got:
-        return None
-    total = got[0]
-    for v in got[1:]:
-        total = total + v
-    return total
+        return stage_grads(self.program, params, results)

@@ -1,8 +1,13 @@
 """Training around the step: what turns ``(loss, grads)`` into a run.
 
-- ``optim``: pure optimizers (``init`` / ``update``), clipping, learning-rate schedules
+- ``optim``: the namespace users call (``funcpipe.optim``) over the three that follow
+- ``optimizers``: pure optimizers (``init`` / ``update``): SGD and AdamW, master weights
+- ``clip``: gradient clipping by the global norm, across ranks
+- ``lr_schedules``: learning-rate schedules, pure functions of the step
+- ``common``: what those share with ``loss_scale`` (low-precision dtypes, a sum over ranks)
 - ``loss_scale``: dynamic loss scaling for float16, as pure functions of a small state
 - ``checkpoint``: sharded, atomic checkpoints of pytrees (DCP)
+- ``checkpoint_integrity``: a checkpoint read safely (restricted unpickling) and verified (CRC-32)
 - ``data``: a byte-level corpus that needs no download, and a deterministic batch loader
 - ``throughput``: tokens per second and model FLOPs utilisation
 """

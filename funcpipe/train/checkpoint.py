@@ -22,7 +22,8 @@ tensors and returned as Python values of the type ``like`` has. ``funcpipe.json`
 save time) is JSON. DCP's own ``.metadata`` file is a pickle (``pickle.dump`` of a ``Metadata``
 dataclass, torch 2.13); :func:`load` reads it with a restricted unpickler that only builds DCP's
 metadata classes, ``torch.Size``, dtypes, layouts and paths, and refuses anything else, so no
-arbitrary object is ever unpickled.
+arbitrary object is ever unpickled. That reader, and the CRC-32 checksums a save records and a
+load verifies, are in :mod:`funcpipe.train.checkpoint_integrity`.
 
 Test hook: the environment variable ``FUNCPIPE_TEST_CHECKPOINT_PAUSE="<stage>:<seconds>"``
 (stage ``written``: all files written, before the rename; ``aside``: the old checkpoint moved
@@ -33,15 +34,12 @@ chosen point.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
-import pickle
 import secrets
 import shutil
 import time
 import warnings
-import zlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -49,10 +47,17 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from funcpipe.errors import FuncpipeError, InvalidArgument
+from funcpipe.errors import FuncpipeError, InvalidArgument, check_int
+from funcpipe.train.checkpoint_integrity import (
+    SafeReader,
+    check_against,
+    checksums,
+    gather_checksums,
+    verify,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -65,6 +70,7 @@ VERSION = 1
 INFO = "funcpipe.json"
 _PAUSE_ENV = "FUNCPIPE_TEST_CHECKPOINT_PAUSE"
 _SCALARS: dict[type, torch.dtype] = {bool: torch.bool, int: torch.int64, float: torch.float64}
+_SafeReader = SafeReader  # its name here before checkpoint_integrity held it (tests read with it)
 
 
 # ------------------------------------------------------------------------------ flattening
@@ -254,8 +260,8 @@ def save(
     tensors: dict[str, Tensor] = {}
     try:
         target = _check_path(path)
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise InvalidArgument(f"step={step!r}: the training step, an int >= 0 (or None)")
+        if step is not None:
+            check_int("step", step, 0, "the training step, an int >= 0 (or None)")
         if os.path.lexists(target) and _read_info(target) is None:
             raise InvalidArgument(
                 f"path={path!r} exists and is not a complete funcpipe checkpoint; refusing to "
@@ -281,7 +287,7 @@ def save(
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise _save_error(e, target) from None
-    sums, clash = _gather_checksums(_checksums(tensors), group, on)
+    sums, clash = gather_checksums(checksums(tensors), group, on)
     if clash:  # every rank gathered the same table, so every rank raises here
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -326,159 +332,6 @@ def _save_error(e: CheckpointException, target: str) -> BaseException:
     return FuncpipeError(f"cannot write the checkpoint {target!r}: {_failures(e)}")
 
 
-# ------------------------------------------------------------------------------- checksums
-def _crc(t: Tensor) -> str:
-    """CRC-32 of a tensor's bytes (as stored: its dtype, row-major), as ``"crc32:xxxxxxxx"``."""
-    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    buffer: Any = data.numpy()  # no copy: the bytes in place
-    return f"crc32:{zlib.crc32(buffer):08x}"
-
-
-def _checksums(tensors: dict[str, Tensor]) -> dict[str, str]:
-    """This rank's checksums of the plain tensors it writes (DTensor shards are left out)."""
-    return {k: _crc(t) for k, t in tensors.items() if type(t) is Tensor}
-
-
-def _gather_checksums(
-    mine: dict[str, str], group: ProcessGroup | None, on: bool
-) -> tuple[dict[str, str], str]:
-    """Every rank's checksums, one per key, and a sentence naming the first key that two ranks
-    hold with different bytes ("" if none: DCP writes one rank's copy of a shared key)."""
-    if not on:
-        return mine, ""
-    every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    out: dict[str, str] = {}
-    holder: dict[str, int] = {}
-    for rank, part in enumerate(every):
-        for k, v in sorted((part or {}).items()):
-            if k not in out:
-                out[k], holder[k] = v, rank
-            elif out[k] != v:
-                return out, (
-                    f"ranks {holder[k]} and {rank} both hold key {k!r} with different values "
-                    f"({out[k]} and {v})."
-                )
-    return dict(sorted(out.items())), ""
-
-
-def _verify(source: str, info: dict[str, Any], loaded: dict[str, Tensor]) -> None:
-    """Every loaded plain tensor matches the checksum its save recorded (checkpoints written
-    before checksums were recorded have none and are not checked)."""
-    sums = info.get("checksums")
-    if not isinstance(sums, dict):
-        return
-    for k, t in loaded.items():
-        want = sums.get(k)
-        if want is None or type(t) is not Tensor:
-            continue
-        got = _crc(t)
-        if got != want:
-            raise FuncpipeError(
-                f"the checkpoint {source!r} is corrupt: the data of key {k!r} ({t.dtype}, shape "
-                f"{tuple(t.shape)}) has checksum {got}, but {want} was recorded when it was "
-                "saved (a flipped bit, a truncated or overwritten file). Load an earlier "
-                "checkpoint, or save again from a good state"
-            )
-
-
-# ------------------------------------------------------------------------------- loading
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP metadata only: its dataclasses, torch.Size, dtypes, layouts and paths."""
-
-    _ALLOWED = frozenset(
-        {
-            ("torch", "Size"),
-            ("torch.serialization", "_get_layout"),
-            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-            ("collections", "OrderedDict"),
-            ("pathlib", "Path"),
-            ("pathlib", "PosixPath"),
-            ("pathlib", "WindowsPath"),
-            ("pathlib", "PurePosixPath"),
-            ("pathlib", "PureWindowsPath"),
-        }
-    )
-
-    def find_class(self, module: str, name: str) -> Any:
-        # No dotted names: pickle resolves "a.b" attribute by attribute, so a module that merely
-        # imports os (as DCP's metadata module does) would hand out os.system.
-        ok = "." not in name and (
-            (module, name) in self._ALLOWED
-            or (module == "torch.distributed.checkpoint.metadata" and self._dcp_class(name))
-            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        )
-        if not ok:
-            raise pickle.UnpicklingError(
-                f"checkpoint metadata refers to {module}.{name}, which is not part of DCP's "
-                "metadata; funcpipe does not unpickle it"
-            )
-        return super().find_class(module, name)
-
-    @staticmethod
-    def _dcp_class(name: str) -> bool:
-        """A class defined in DCP's metadata module (its dataclasses and enums), nothing it
-        merely imports."""
-        import torch.distributed.checkpoint.metadata as md
-
-        obj = getattr(md, name, None)
-        return isinstance(obj, type) and obj.__module__ == md.__name__
-
-
-class _SafeReader(FileSystemReader):
-    """DCP's file reader, reading ``.metadata`` with :class:`_MetadataUnpickler`."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        rank = kwargs.get("rank")
-        name = ".metadata" if rank is None else f"__{rank}.metadata"
-        with open(os.path.join(os.fspath(self.path), name), "rb") as f:
-            raw = f.read()
-        try:
-            metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
-        except Exception as e:  # refused, truncated or corrupt
-            raise FuncpipeError(
-                f"cannot read the checkpoint metadata {self.path}/{name}: {e}"
-            ) from None
-        for info in (getattr(metadata, "storage_data", None) or {}).values():
-            rel = os.fspath(getattr(info, "relative_path", ""))
-            if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
-                raise FuncpipeError(
-                    f"the checkpoint metadata {self.path}/{name} names the data file {rel!r}, "
-                    "outside the checkpoint directory; funcpipe reads only files inside it"
-                )
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = getattr(self, "load_id", None)
-        return metadata
-
-
-def _check_against(path: str, metadata: Any, wanted: dict[str, Tensor]) -> None:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    stored = metadata.state_dict_metadata
-    missing = sorted(k for k in wanted if k not in stored)
-    if missing:
-        have = sorted(stored)
-        raise InvalidArgument(
-            f"the checkpoint {path!r} has no key(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}"
-            f"; it has {have[:8]}{' ...' if len(have) > 8 else ''} ({len(have)} keys). `like` "
-            "must have the structure of the saved state (None or meta tensors for the parts "
-            "this rank does not load); see funcpipe.checkpoint.state_keys."
-        )
-    for k, t in wanted.items():
-        md = stored[k]
-        if not isinstance(md, TensorStorageMetadata):
-            raise InvalidArgument(f"checkpoint key {k!r} in {path!r} is not a tensor")
-        if tuple(md.size) != tuple(t.shape) or md.properties.dtype != t.dtype:
-            raise InvalidArgument(
-                f"checkpoint key {k!r} in {path!r} is {md.properties.dtype} of shape "
-                f"{tuple(md.size)}, but like has {t.dtype} of shape {tuple(t.shape)}; load "
-                "with a like of the saved dtype and shape, then convert."
-            )
-
-
 def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None = None) -> Any:
     """Read the checkpoint at ``path`` into a new pytree shaped like ``like``.
 
@@ -520,23 +373,21 @@ def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None 
                     wanted[k] = torch.empty_like(v)
             else:
                 wanted[k] = torch.empty((), dtype=_SCALARS[type(v)])
-        _check_against(source, _SafeReader(source).read_metadata(), wanted)
+        check_against(source, SafeReader(source).read_metadata(), wanted)
     except (InvalidArgument, FuncpipeError) as e:
         error = e
     _agree(group, error, "checkpoint.load")
     on = _dist_on()
     try:
         with _quiet_single_process():
-            dcp.load(
-                wanted, storage_reader=_SafeReader(source), process_group=group, no_dist=not on
-            )
+            dcp.load(wanted, storage_reader=SafeReader(source), process_group=group, no_dist=not on)
     except CheckpointException as e:  # a BaseException: say what failed, as a FuncpipeError
         raise FuncpipeError(
             f"cannot read the tensors of the checkpoint {source!r}: {_failures(e)}"
         ) from None
     corrupt: FuncpipeError | None = None
     try:
-        _verify(source, info or {}, wanted)
+        verify(source, info or {}, wanted)
     except FuncpipeError as e:
         corrupt = e
     if on:  # a rank that found corruption must not leave the others running on

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from funcpipe.errors import InvalidArgument
+from funcpipe.errors import InvalidArgument, check_int
 
 __all__ = ["Corpus", "load_corpus"]
 
@@ -110,12 +110,6 @@ def _epoch_order(
     return shift, torch.randperm(windows, generator=g)
 
 
-def _check_int(name: str, value: object, low: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise InvalidArgument(f"{name}={value!r}: an int >= {low}")
-    return value
-
-
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class Corpus:
     """A byte-level corpus: ``train`` and ``val`` are 1-D uint8 tensors of token ids.
@@ -151,7 +145,7 @@ class Corpus:
     def windows(self, split: str, *, context: int) -> int:
         """How many non-overlapping windows of ``context + 1`` tokens an epoch of ``split`` has."""
         n = self.split(split).numel()
-        context = _check_int("context", context, 1)
+        context = check_int("context", context, 1)
         return max(0, (n - context) // context)
 
     def steps_per_epoch(self, split: str, *, batch: int, context: int, data_size: int = 1) -> int:
@@ -208,17 +202,16 @@ class Corpus:
         last incomplete global batch of an epoch is dropped).
         """
         tokens = self.split(split)
-        step = _check_int("step", step, 0)
-        batch = _check_int("batch", batch, 1)
-        context = _check_int("context", context, 1)
-        data_size = _check_int("data_size", data_size, 1)
-        data_rank = _check_int("data_rank", data_rank, 0)
+        step = check_int("step", step, 0)
+        batch = check_int("batch", batch, 1)
+        context = check_int("context", context, 1)
+        data_size = check_int("data_size", data_size, 1)
+        data_rank = check_int("data_rank", data_rank, 0)
         if data_rank >= data_size:
             raise InvalidArgument(
                 f"data_rank={data_rank!r} must be < data_size={data_size!r} (ranks 0..{data_size - 1})"
             )
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise InvalidArgument(f"seed={seed!r}: an int")
+        check_int("seed", seed, None)
         windows = self.windows(split, context=context)
         per_step = batch * data_size
         if per_step > windows:
@@ -253,7 +246,7 @@ class Corpus:
             data_rank=data_rank, data_size=data_size,
         )  # fmt: skip
         if steps is not None:
-            _check_int("steps", steps, 0)
+            check_int("steps", steps, 0)
         return self._iterate(split, batch, context, seed, data_rank, data_size, start, steps)
 
     def _iterate(
@@ -301,9 +294,8 @@ def load_corpus(
         source: ``"stdlib"`` (raise if the sources are missing), ``"generated"``, or ``"auto"``
             (stdlib, falling back to generated text).
     """
-    max_bytes = _check_int("max_bytes", max_bytes, 1024)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise InvalidArgument(f"seed={seed!r}: an int")
+    max_bytes = check_int("max_bytes", max_bytes, 1024)
+    check_int("seed", seed, None)
     if (
         not isinstance(val_fraction, (int, float))
         or isinstance(val_fraction, bool)

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import optree
 import torch
 
-from funcpipe.errors import InvalidArgument
-from funcpipe.train.optim import _all_reduce_sum, _check_number, _low, _real
+from funcpipe.errors import InvalidArgument, check_number, is_real
+from funcpipe.train.common import all_reduce_sum, low_precision
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -78,14 +78,14 @@ def init(
         growth_interval: an int >= 1.
         device: where the scale lives (default CPU; the training step's device avoids copies).
     """
-    initial = _check_number(
-        "initial", initial, "the first loss scale, a finite number > 0, e.g. 2.**16", _pos
+    initial = check_number(
+        "initial", initial, "the first loss scale, a finite number > 0, e.g. 2.**16", gt=0
     )
-    growth_factor = _check_number(
-        "growth_factor", growth_factor, "must be a finite number > 1, e.g. 2.0", lambda v: v > 1
+    growth_factor = check_number(
+        "growth_factor", growth_factor, "must be a finite number > 1, e.g. 2.0", gt=1
     )
-    backoff_factor = _check_number(
-        "backoff_factor", backoff_factor, "must be a number in (0, 1), e.g. 0.5", _fraction
+    backoff_factor = check_number(
+        "backoff_factor", backoff_factor, "must be a number in (0, 1), e.g. 0.5", gt=0, lt=1
     )
     if type(growth_interval) is not int or growth_interval < 1:
         raise InvalidArgument(
@@ -99,14 +99,6 @@ def init(
         backoff_factor,
         growth_interval,
     )
-
-
-def _pos(v: float) -> bool:
-    return v > 0
-
-
-def _fraction(v: float) -> bool:
-    return 0 < v < 1
 
 
 def _check_state(state: Any, fn: str) -> LossScaleState:
@@ -127,7 +119,7 @@ def _scale_of(scale: Any, what: str) -> Tensor | float:
         return scale.scale
     if isinstance(scale, Tensor) and scale.numel() == 1 and scale.is_floating_point():
         return scale.reshape(())
-    if _real(scale) and math.isfinite(scale) and scale > 0:
+    if is_real(scale) and math.isfinite(scale) and scale > 0:
         return float(scale)
     raise InvalidArgument(
         f"{what}={scale!r}: a LossScaleState, a one-element float tensor or a number > 0"
@@ -172,7 +164,7 @@ def _nonfinite_count(leaves: list[Tensor], device: torch.device) -> Tensor:
 
 def _finite_over(count: Tensor, group: ProcessGroup | None) -> Tensor:
     if group is not None:
-        count = _all_reduce_sum(count, group)
+        count = all_reduce_sum(count, group)
     return count == 0
 
 
@@ -210,7 +202,7 @@ def unscale(
     with torch.no_grad():
         by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, t in enumerate(leaves):
-            dtype = torch.float32 if _low(t) else t.dtype
+            dtype = torch.float32 if low_precision(t) else t.dtype
             by_key.setdefault((t.device, dtype), []).append(i)
         for (dev, dtype), idx in by_key.items():
             wide = [leaves[i].to(dtype) for i in idx]

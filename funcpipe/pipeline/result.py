@@ -1,0 +1,129 @@
+"""What a step returns: :class:`StepResult`, put together from the ranks' results.
+
+The gradients by stage, the outputs merged over microbatches, the loss (and metric) of the
+whole batch, and with ``trace=True`` the executed :class:`~funcpipe.schedule.Timeline`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from funcpipe.pipeline.microbatch import merge
+from funcpipe.runtime.interpreter import RankResult
+from funcpipe.schedule.ir import Program
+from funcpipe.schedule.simulate import Event, Timeline
+from funcpipe.tree import tree_flatten, tree_unflatten
+
+__all__ = [
+    "StepResult",
+    "dist_scalars",
+    "executed_timeline",
+    "merged_outputs",
+    "stage_grads",
+    "total",
+]
+
+Tensor = torch.Tensor
+
+
+class StepResult(tuple[Any, Any]):
+    """``(loss, grads)``, with ``.metric`` and ``.outputs`` when they were asked for."""
+
+    loss: Tensor | None
+    grads: tuple[Any, ...]
+    metric: Tensor | None
+    outputs: Any
+    peak_activations: dict[int, int]  # program rank -> most activations it kept at once
+    timeline: Any  # with trace=True: the executed funcpipe.schedule.Timeline
+
+    def __new__(
+        cls,
+        loss: Tensor | None,
+        grads: tuple[Any, ...],
+        metric: Tensor | None = None,
+        outputs: Any = None,
+    ) -> StepResult:
+        self = super().__new__(cls, (loss, grads))
+        self.loss, self.grads, self.metric, self.outputs = loss, grads, metric, outputs
+        self.peak_activations = {}
+        self.timeline = None
+        return self
+
+    def __repr__(self) -> str:
+        return f"StepResult(loss={self.loss!r}, metric={self.metric!r}, grads=<{len(self.grads)} stages>)"
+
+
+def stage_grads(
+    program: Program, params: tuple[Any, ...], results: Sequence[RankResult]
+) -> tuple[Any, ...]:
+    """One gradient pytree per stage, shaped like its params, from the first rank result that
+    holds it (``None`` for a stage none holds; all ``None`` for an eval program)."""
+    if not program.training:
+        return tuple(None for _ in params)
+    found: dict[int, list[Tensor]] = {}
+    for res in results:
+        for o, g in res.grads.items():
+            found.setdefault(o, g)
+    out = []
+    for o, prm in enumerate(params):
+        if o in found:
+            _, tree = tree_flatten(prm)
+            out.append(tree_unflatten(tree, found[o]))
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def merged_outputs(program: Program, results: Sequence[RankResult]) -> Any:
+    """The last stage's outputs of every microbatch, merged along dim 0 (``None`` unless the
+    results hold all of them)."""
+    by_mb: dict[int, Any] = {}
+    for res in results:
+        by_mb.update(res.outputs)
+    if len(by_mb) < program.microbatches:
+        return None
+    return merge([by_mb[k] for k in range(program.microbatches)], dim=0)
+
+
+def dist_scalars(
+    result: RankResult, count: int, *, has_loss: bool, has_metric: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """The step's mean loss and metric over processes: the sums the rank's scalar reduction
+    gathered, divided by ``count`` (microbatches x data copies x tensor ranks)."""
+    if not (has_loss or has_metric):
+        return None, None
+    if result.scalars is None:  # every rank posts it once per step (interpreter.run)
+        raise RuntimeError("funcpipe internal error: the step's loss reduction was not posted")
+    buf, handle = result.scalars
+    handle.wait()  # over every rank of every copy: the loss of the whole batch
+    loss = buf[0] / count if (has_loss and buf[2] > 0) else None
+    metric = buf[1] / count if (has_metric and buf[2] > 0) else None
+    return loss, metric
+
+
+def executed_timeline(program: Program, times: Sequence[Sequence[float]]) -> Timeline:
+    """A :class:`Timeline` from each rank's flat (start, end, start, end, ...) times, in
+    seconds from the earliest start."""
+    t0 = min((t[0] for t in times if t), default=0.0)
+    events = tuple(
+        tuple(
+            Event(r, k, instr, ts[2 * k] - t0, ts[2 * k + 1] - t0)
+            for k, instr in enumerate(program.ranks[r])
+        )
+        for r, ts in enumerate(times)
+    )
+    return Timeline(program=program, events=events)
+
+
+def total(values: Sequence[Tensor | None]) -> Tensor | None:
+    """The sum of the values that are not ``None`` (``None`` when all are)."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return None
+    total = got[0]
+    for v in got[1:]:
+        total = total + v
+    return total

@@ -1,0 +1,197 @@
+"""What makes a checkpoint safe to read and its data trustworthy.
+
+**Reading.** DCP's ``.metadata`` file is a pickle (``pickle.dump`` of a ``Metadata``
+dataclass, torch 2.13). :class:`SafeReader` is DCP's file reader with that file read by
+:class:`MetadataUnpickler`, a restricted unpickler that only builds DCP's metadata classes,
+``torch.Size``, dtypes, layouts and paths, and refuses anything else, so no arbitrary object is
+ever unpickled; data files outside the checkpoint directory are refused too.
+:func:`check_against` checks the stored keys, shapes and dtypes against what a load asks for.
+
+**Checksums.** A save records the CRC-32 of every plain tensor it writes (:func:`checksums`,
+agreed over the ranks by :func:`gather_checksums`, which also finds a key that two ranks hold
+with different bytes); a load verifies what it read against them (:func:`verify`).
+
+:mod:`funcpipe.train.checkpoint` (save, load, latest) uses these.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+
+from funcpipe.errors import FuncpipeError, InvalidArgument
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = [
+    "MetadataUnpickler",
+    "SafeReader",
+    "check_against",
+    "checksums",
+    "crc",
+    "gather_checksums",
+    "verify",
+]
+
+Tensor = torch.Tensor
+
+
+# ------------------------------------------------------------------------------- checksums
+def crc(t: Tensor) -> str:
+    """CRC-32 of a tensor's bytes (as stored: its dtype, row-major), as ``"crc32:xxxxxxxx"``."""
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    buffer: Any = data.numpy()  # no copy: the bytes in place
+    return f"crc32:{zlib.crc32(buffer):08x}"
+
+
+def checksums(tensors: dict[str, Tensor]) -> dict[str, str]:
+    """This rank's checksums of the plain tensors it writes (DTensor shards are left out)."""
+    return {k: crc(t) for k, t in tensors.items() if type(t) is Tensor}
+
+
+def gather_checksums(
+    mine: dict[str, str], group: ProcessGroup | None, on: bool
+) -> tuple[dict[str, str], str]:
+    """Every rank's checksums, one per key, and a sentence naming the first key that two ranks
+    hold with different bytes ("" if none: DCP writes one rank's copy of a shared key)."""
+    if not on:
+        return mine, ""
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    out: dict[str, str] = {}
+    holder: dict[str, int] = {}
+    for rank, part in enumerate(every):
+        for k, v in sorted((part or {}).items()):
+            if k not in out:
+                out[k], holder[k] = v, rank
+            elif out[k] != v:
+                return out, (
+                    f"ranks {holder[k]} and {rank} both hold key {k!r} with different values "
+                    f"({out[k]} and {v})."
+                )
+    return dict(sorted(out.items())), ""
+
+
+def verify(source: str, info: dict[str, Any], loaded: dict[str, Tensor]) -> None:
+    """Every loaded plain tensor matches the checksum its save recorded (checkpoints written
+    before checksums were recorded have none and are not checked)."""
+    sums = info.get("checksums")
+    if not isinstance(sums, dict):
+        return
+    for k, t in loaded.items():
+        want = sums.get(k)
+        if want is None or type(t) is not Tensor:
+            continue
+        got = crc(t)
+        if got != want:
+            raise FuncpipeError(
+                f"the checkpoint {source!r} is corrupt: the data of key {k!r} ({t.dtype}, shape "
+                f"{tuple(t.shape)}) has checksum {got}, but {want} was recorded when it was "
+                "saved (a flipped bit, a truncated or overwritten file). Load an earlier "
+                "checkpoint, or save again from a good state"
+            )
+
+
+# --------------------------------------------------------------------------- reading safely
+class MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP metadata only: its dataclasses, torch.Size, dtypes, layouts and paths."""
+
+    _ALLOWED = frozenset(
+        {
+            ("torch", "Size"),
+            ("torch.serialization", "_get_layout"),
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            ("collections", "OrderedDict"),
+            ("pathlib", "Path"),
+            ("pathlib", "PosixPath"),
+            ("pathlib", "WindowsPath"),
+            ("pathlib", "PurePosixPath"),
+            ("pathlib", "PureWindowsPath"),
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        # No dotted names: pickle resolves "a.b" attribute by attribute, so a module that merely
+        # imports os (as DCP's metadata module does) would hand out os.system.
+        ok = "." not in name and (
+            (module, name) in self._ALLOWED
+            or (module == "torch.distributed.checkpoint.metadata" and self._dcp_class(name))
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not ok:
+            raise pickle.UnpicklingError(
+                f"checkpoint metadata refers to {module}.{name}, which is not part of DCP's "
+                "metadata; funcpipe does not unpickle it"
+            )
+        return super().find_class(module, name)
+
+    @staticmethod
+    def _dcp_class(name: str) -> bool:
+        """A class defined in DCP's metadata module (its dataclasses and enums), nothing it
+        merely imports."""
+        import torch.distributed.checkpoint.metadata as md
+
+        obj = getattr(md, name, None)
+        return isinstance(obj, type) and obj.__module__ == md.__name__
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, reading ``.metadata`` with :class:`MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        with open(os.path.join(os.fspath(self.path), name), "rb") as f:
+            raw = f.read()
+        try:
+            metadata = MetadataUnpickler(io.BytesIO(raw)).load()
+        except Exception as e:  # refused, truncated or corrupt
+            raise FuncpipeError(
+                f"cannot read the checkpoint metadata {self.path}/{name}: {e}"
+            ) from None
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            rel = os.fspath(getattr(info, "relative_path", ""))
+            if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+                raise FuncpipeError(
+                    f"the checkpoint metadata {self.path}/{name} names the data file {rel!r}, "
+                    "outside the checkpoint directory; funcpipe reads only files inside it"
+                )
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+def check_against(path: str, metadata: Any, wanted: dict[str, Tensor]) -> None:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored = metadata.state_dict_metadata
+    missing = sorted(k for k in wanted if k not in stored)
+    if missing:
+        have = sorted(stored)
+        raise InvalidArgument(
+            f"the checkpoint {path!r} has no key(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+            f"; it has {have[:8]}{' ...' if len(have) > 8 else ''} ({len(have)} keys). `like` "
+            "must have the structure of the saved state (None or meta tensors for the parts "
+            "this rank does not load); see funcpipe.checkpoint.state_keys."
+        )
+    for k, t in wanted.items():
+        md = stored[k]
+        if not isinstance(md, TensorStorageMetadata):
+            raise InvalidArgument(f"checkpoint key {k!r} in {path!r} is not a tensor")
+        if tuple(md.size) != tuple(t.shape) or md.properties.dtype != t.dtype:
+            raise InvalidArgument(
+                f"checkpoint key {k!r} in {path!r} is {md.properties.dtype} of shape "
+                f"{tuple(md.size)}, but like has {t.dtype} of shape {tuple(t.shape)}; load "
+                "with a like of the saved dtype and shape, then convert."
+            )

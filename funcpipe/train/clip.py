@@ -1,0 +1,154 @@
+"""Gradient clipping by the global norm, also when the gradient leaves are spread over ranks.
+
+:func:`global_norm` is the 2-norm of every gradient leaf together, summed over a process group
+(with per-leaf weights for copies held by several ranks); :func:`clip_by_global_norm` scales
+the gradients so that it is at most ``max_norm``, with ``torch.nn.utils.clip_grad_norm_``'s
+rule. Users reach these through :mod:`funcpipe.train.optim` (``funcpipe.optim``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import optree
+import torch
+
+from funcpipe.errors import InvalidArgument, check_number
+from funcpipe.train.common import all_reduce_sum
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["clip_by_global_norm", "global_norm"]
+
+Tensor = torch.Tensor
+
+
+# ------------------------------------------------------------------------------- clipping
+def _leaf_weights(grads: Any, weights: Any, leaves: list[Tensor]) -> list[float] | None:
+    if weights is None:
+        return None
+    if callable(weights):
+        paths = optree.tree_paths(grads, none_is_leaf=False)
+        values = [weights(path, leaf) for path, leaf in zip(paths, leaves, strict=True)]
+        where = [f"weights({path!r}, ...)" for path in paths]
+    else:
+        spec = optree.tree_structure(grads, none_is_leaf=False)
+        try:
+            values = spec.flatten_up_to(weights)
+        except (ValueError, TypeError) as e:
+            raise InvalidArgument(
+                f"weights does not have the structure of grads: {e}. Pass one number per "
+                "gradient leaf (None where grads has None), or a function (path, leaf) -> number."
+            ) from None
+        where = [f"weights{a.codify('')}" for a in optree.tree_accessors(grads, none_is_leaf=False)]
+    out = []
+    for name, w in zip(where, values, strict=True):
+        if isinstance(w, bool):  # a predicate: True counts the leaf, False skips it
+            w = float(w)
+        out.append(
+            check_number(
+                name,
+                w,
+                "a leaf's weight is the fraction of it this rank counts (1 for a leaf it "
+                "owns alone, 1/t for a copy held by t ranks of the group, 0 to skip it); "
+                "a finite number >= 0",
+                ge=0,
+            )
+        )
+    return out
+
+
+def global_norm(grads: Any, *, group: ProcessGroup | None = None, weights: Any = None) -> Tensor:
+    """The 2-norm of all gradient leaves together, summed over the ranks of ``group``.
+
+    ``sqrt(sum over ranks of sum over local leaves of weight * ||leaf||**2)``: a scalar tensor,
+    the same on every rank of ``group``. See :func:`clip_by_global_norm` for ``group`` and
+    ``weights``.
+    """
+    leaves = optree.tree_leaves(grads, none_is_leaf=False)
+    for path, leaf in zip(optree.tree_paths(grads, none_is_leaf=False), leaves, strict=True):
+        if not isinstance(leaf, Tensor) or not (leaf.is_floating_point() or leaf.is_complex()):
+            raise InvalidArgument(
+                f"grads leaf at {path!r} is {leaf!r}; grads must be a pytree of floating-point "
+                "tensors (None for subtrees this rank does not hold)"
+            )
+    w = _leaf_weights(grads, weights, leaves)
+    floats = [t.dtype for t in leaves if t.is_floating_point()]
+    acc = torch.float64 if torch.float64 in floats else torch.float32
+    device = leaves[0].device if leaves else torch.device("cpu")
+    total = torch.zeros((), dtype=acc, device=device)
+    with torch.no_grad():
+        by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, t in enumerate(leaves):
+            by_key.setdefault((t.device, t.dtype), []).append(i)
+        for idx in by_key.values():
+            norms = torch.stack(torch._foreach_norm([leaves[i] for i in idx])).to(acc).square()
+            if w is not None:
+                norms = norms * torch.tensor([w[i] for i in idx], dtype=acc, device=norms.device)
+            total = total + norms.sum().to(device)
+        if group is not None:
+            total = all_reduce_sum(total, group)
+        return total.sqrt()
+
+
+def clip_by_global_norm(
+    grads: Any,
+    max_norm: float,
+    *,
+    group: ProcessGroup | None = None,
+    weights: Any = None,
+) -> tuple[Any, Tensor]:
+    """Scale ``grads`` so that their global 2-norm is at most ``max_norm``: ``(clipped, norm)``.
+
+    The rule is ``torch.nn.utils.clip_grad_norm_``'s: every leaf is multiplied by
+    ``min(1, max_norm / (norm + 1e-6))``. ``norm`` is the global norm before clipping, a scalar
+    tensor (float64 when any leaf is float64, else float32). New tensors are returned; ``grads``
+    is not modified; ``None`` subtrees stay ``None``.
+
+    Across ranks, each rank sums the squares of the leaves it holds, the sums are added over
+    ``group`` (an all-reduce) and the square root taken, so every rank of ``group`` gets the same
+    norm and the same scale. ``group=None`` means this process alone.
+
+    **Ownership.** The result is the norm of the whole model only if every gradient value is
+    counted exactly once over ``group``. Leaves held by one rank of the group (a pipeline stage,
+    a tensor-parallel shard) count fully. A leaf of which several ranks of the group hold the
+    same copy must be discounted with ``weights``:
+
+    * data-parallel replicas (identical after the gradient reduce): leave the data axis out of
+      ``group`` (use the group of one replica: its pipeline x tensor ranks), or weigh every leaf
+      ``1 / data_size``;
+    * a leaf replicated over ``t`` tensor-parallel ranks (a layer-norm weight, a bias after an
+      all-reduce): weight ``1 / t``;
+    * tied parameters, whose copies each hold the summed gradient after the tie reduce: weight
+      1 on one copy and 0 on the others (or ``1 / copies`` on each).
+
+    Args:
+        grads: a pytree of floating-point tensors (``None`` for subtrees not held here).
+        max_norm: a number > 0 (``inf`` only measures).
+        group: a ``torch.distributed`` process group, or ``None`` for this process only.
+        weights: ``None`` (every leaf counts 1), a pytree of numbers shaped like ``grads``, or a
+            function ``(path, leaf) -> number`` where ``path`` is the leaf's key path tuple in
+            ``grads`` (e.g. ``(0, "w")``). ``True``/``False`` count as 1/0, so a predicate
+            "this rank owns the leaf" works too.
+    """
+    check_number(
+        "max_norm",
+        max_norm,
+        "the largest allowed global norm, a number > 0 (float('inf') to measure without clipping)",
+        gt=0,
+        finite=False,
+    )
+    total = global_norm(grads, group=group, weights=weights)
+    leaves, spec = optree.tree_flatten(grads, none_is_leaf=False)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    out: list[Any] = list(leaves)
+    with torch.no_grad():
+        by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, t in enumerate(leaves):
+            by_key.setdefault((t.device, t.dtype), []).append(i)
+        for (device, dtype), idx in by_key.items():
+            scaled = torch._foreach_mul([leaves[i] for i in idx], coef.to(device, dtype))
+            for i, s in zip(idx, scaled, strict=True):
+                out[i] = s
+    return optree.tree_unflatten(spec, out), total
