@@ -11,13 +11,27 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from funcpipe.errors import InvalidArgument
 from funcpipe.parallel.spec_pattern import ELLIPSIS, Group, _text
 
-if TYPE_CHECKING:
-    from funcpipe.parallel.spec import ShardSpec
+
+class ShardSpec(Protocol):
+    """What shape solving reads of a :class:`funcpipe.parallel.spec.ShardSpec` (a protocol,
+    so that this module, below the spec, does not import it)."""
+
+    pattern: str
+    axes: dict[str, str]
+    scatter: dict[str, str]
+    in_shards: dict[int, dict[str, str]]
+    inputs: tuple[tuple[Group, ...], ...]
+    output: tuple[Group, ...]
+
+    def _mesh_axes(self) -> list[str]: ...
+    def _arrive_dims(self, i: int) -> Any: ...
+    def _leave_dims(self) -> Any: ...
+
 
 __all__: list[str] = []
 
