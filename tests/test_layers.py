@@ -392,3 +392,38 @@ def test_a_cycle_through_a_function_level_import_is_found_and_named(tmp_path: Pa
 def test_an_acyclic_graph_has_no_cycles(tmp_path: Path) -> None:
     known = _package(tmp_path, {"a.py": "import pkg.b\n", "b.py": "import os\n"})
     assert cycles(import_graph(known)) == []
+
+
+# ------------------------------------------------------------------ room sizes (issue 40)
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 120
+LONG_FUNCTIONS_ALLOWED = ("funcpipe.schedule.exact", "funcpipe.planner")
+"""The exact solver's refinement and the planner's closed forms read best as one long piece."""
+
+
+def test_no_module_over_600_lines_without_saying_why() -> None:
+    """A longer module must say in its docstring, on a line starting "One concept:", why it is
+    one concept and not several."""
+    over = []
+    for name, path in modules().items():
+        text = path.read_text(encoding="utf-8")
+        lines = text.count("\n")
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if lines > MAX_FILE_LINES and "One concept:" not in doc:
+            over.append(f"{path.relative_to(PACKAGE.parent)}: {lines} lines")
+    assert not over, "split these along their seams, or say why not:\n" + "\n".join(over)
+
+
+def test_no_function_over_120_lines() -> None:
+    over = []
+    for name, path in modules().items():
+        if _under(name, LONG_FUNCTIONS_ALLOWED):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    over.append(
+                        f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}: {length}"
+                    )
+    assert not over, "functions over 120 lines:\n" + "\n".join(over)
