@@ -514,7 +514,7 @@ CASES: list[Case] = [
         lambda: _later_microbatch_changes(lambda t: t.double()),
         InvalidArgument,
         ("stage 0 ('fickle') returned output #0 = f64[4, 4] for microbatch 1", "saw f32[4, 4]"),
-        "funcpipe/runtime/interpreter.py: outputs checked against the inferred specs before "
+        "funcpipe/runtime/stage_call.py: outputs checked against the inferred specs before "
         "they are sent (was a CommunicationError on the receiver, a mismatched receive over gloo)",
     ),
     Case(
@@ -524,7 +524,7 @@ CASES: list[Case] = [
         lambda: _later_microbatch_changes(lambda t: t[:, :2]),
         InvalidArgument,
         ("returned output #0 = f32[4, 2] for microbatch 1", "saw f32[4, 4]"),
-        "funcpipe/runtime/interpreter.py (same check)",
+        "funcpipe/runtime/stage_call.py (same check)",
     ),
     Case(
         "stages-dtype-mismatch",
@@ -534,7 +534,7 @@ CASES: list[Case] = [
         lambda: _two_stages().step(_params((4, 4), (4, 4)), _xy()[0].double(), _xy()[1]),
         RuntimeError,
         ("same dtype", "funcpipe: raised by stage 0 ('first'), microbatch 0, rank 0", "f64[4, 4]"),
-        "funcpipe/runtime/interpreter.py: a note on the stage's own error names the stage, the "
+        "funcpipe/runtime/stage_call.py: a note on the stage's own error names the stage, the "
         "microbatch, the rank and the input specs (it was a bare torch error)",
     ),
     # ---- batches and microbatches
@@ -643,7 +643,7 @@ CASES: list[Case] = [
             "funcpipe: raised by loss_fn after stage 1",
             "outputs f32[4, 4]; targets f32[4, 7]",
         ),
-        "funcpipe/runtime/interpreter.py: a note on loss_fn's error names the stage, microbatch, "
+        "funcpipe/runtime/stage_call.py: a note on loss_fn's error names the stage, microbatch, "
         "rank and the output and target specs (it was a bare torch error)",
     ),
     # ---- meshes and parallel configs
@@ -694,7 +694,7 @@ CASES: list[Case] = [
         lambda: _two_stages(transport="dist"),
         InvalidArgument,
         ("transport='dist' needs torch.distributed initialised", "transport='local'"),
-        "funcpipe/pipeline/pipeline.py: checked before the process-group sizes are read (was torch's "
+        "funcpipe/pipeline/checks.py: checked before the process-group sizes are read (was torch's "
         "ValueError 'Default process group has not been initialized')",
     ),
     Case(
@@ -974,7 +974,7 @@ CASES: list[Case] = [
         ).step(_params((4, 4), (4, 4)), *_xy()),
         InvalidArgument,
         ("loss_fn after stage 1", "does not require grad", "every gradient would be zero"),
-        "funcpipe/runtime/interpreter.py, where the loss is computed (was all-zero gradients)",
+        "funcpipe/runtime/stage_call.py, where the loss is computed (was all-zero gradients)",
     ),
     Case(
         "loss-needs-targets",
@@ -1095,7 +1095,7 @@ CASES: list[Case] = [
         _flipped_bit,
         fp.FuncpipeError,
         ("is corrupt: the data of key 'w'", "checksum"),
-        "funcpipe/train/checkpoint.py: CRC-32 of every tensor recorded at save, verified at load "
+        "funcpipe/train/checkpoint_integrity.py: CRC-32 of every tensor recorded at save, verified at load "
         "(loaded silently)",
     ),
     Case(
