@@ -294,12 +294,17 @@ def count_block_tensor_parallel(rank: int, tensor: int, precision: str = "fp32")
 
 
 # ------------------------------------------------------------------------- a Pipeline step
-def count_pipeline_step(size: str = "large", precision: str = "fp32-autocast") -> dict[str, Any]:
+def count_pipeline_step(
+    size: str = "large", precision: str = "fp32-autocast", *, microbatches: int = 0, layers: int = 0
+) -> dict[str, Any]:
     """ATen ops of one ``Pipeline.step`` of the demo's model at ``size``'s layers and
-    microbatches (tiny width), one rank, tensor size 1."""
+    microbatches (tiny width), one rank, tensor size 1; ``bf16``: bf16 parameters whose
+    gradients are summed in float32 (``grad_dtype``), as the demo runs on CUDA. ``microbatches``
+    and ``layers`` override the size's."""
     from funcpipe.cli.demo import SIZES
 
     s = SIZES[size]
+    s = s._replace(microbatches=microbatches or s.microbatches, layers=layers or s.layers)
     cfg = gpt.GPTConfig(
         vocab=256, context=TINY.seq, d_model=TINY.d_model, heads=TINY.heads, layers=s.layers
     )
@@ -313,6 +318,7 @@ def count_pipeline_step(size: str = "large", precision: str = "fp32-autocast") -
         [stage],
         generate("1f1b", ranks=1, microbatches=s.microbatches),
         loss_fn=gpt.loss_fn(axis=axis),
+        grad_dtype=torch.float32 if precision == "bf16" else None,  # bf16: float32 sums
     )
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(
@@ -358,20 +364,25 @@ def main(argv: list[str] | None = None) -> int:
             f"{precision}: funcpipe / nanogpt = {f['ops'] / n['ops']:.2f}x ops, "
             f"{f['nonmatmul_bytes_large'] / n['nonmatmul_bytes_large']:.2f}x non-matmul bytes"
         )
-    step = count_pipeline_step()
-    print(
-        f"Pipeline.step, demo large ({step['layers']} layers x {step['microbatches']} "
-        f"microbatches, tiny width, {step['precision']}): {step['ops']} ATen ops, "
-        f"{step['casts']} casts, {step['python_calls']} Python calls "
-        f"({step['ops_per_block_per_microbatch']:.0f} ops per block per microbatch)"
-    )
+    steps = [count_pipeline_step(precision=p) for p in ("fp32-autocast", "bf16")]
+    for step in steps:
+        print(
+            f"Pipeline.step, demo large ({step['layers']} layers x {step['microbatches']} "
+            f"microbatches, tiny width, {step['precision']}): {step['ops']} ATen ops, "
+            f"{step['casts']} casts, {step['python_calls']} Python calls "
+            f"({step['ops_per_block_per_microbatch']:.0f} ops per block per microbatch)"
+        )
     if o.by_op:
         for r in blocks:
             print(r["precision"], r["block"], r["by_op"])
     if o.json:
         with open(o.json, "w") as f:
             json.dump(
-                {"blocks": blocks, "pipeline_step": step, "shapes": [asdict(TINY), asdict(LARGE)]},
+                {
+                    "blocks": blocks,
+                    "pipeline_steps": steps,
+                    "shapes": [asdict(TINY), asdict(LARGE)],
+                },
                 f,
                 indent=1,
             )

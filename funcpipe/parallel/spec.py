@@ -64,9 +64,9 @@ __all__ = ["CollectiveRow", "Collectives", "Plan", "PlanRow", "ShardSpec", "shar
 REDUCE_MODES = ("all_reduce", "reduce_scatter", "partial")
 
 
-@functools.lru_cache(maxsize=256)
 def _is_linear(equation: str) -> bool:
-    """Is ``equation`` ``x[..., i] * w[o, i] -> y[..., o]`` (what ``F.linear`` computes)?"""
+    """Is ``equation`` ``x[..., i] * w[o, i] -> y[..., o]`` (what ``F.linear`` computes)? (No
+    cache: a few string operations, and torch.compile traces through it.)"""
     lhs, out = equation.split("->")
     operands = lhs.split(",")
     if len(operands) != 2 or len(operands[1]) != 2:

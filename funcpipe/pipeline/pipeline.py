@@ -91,9 +91,9 @@ class Pipeline:
         device: where received tensors are placed (default: where the params are).
         grad_dtype: sum the gradients of lower-precision floating parameters (bf16, float16)
             in this dtype across microbatches and return them in it (``torch.float32``: what
-            mixed-precision training wants; see docs/pipeline.md). Each forward then computes
-            with a cast of the parameter to its own dtype, so the stage sees what it always
-            sees. Default: gradients in each parameter's dtype.
+            mixed-precision training wants; see docs/pipeline.md). The stage still computes
+            with each parameter in its own dtype (cast once per step, never per microbatch).
+            Default: gradients in each parameter's dtype.
 
     How stages talk is chosen automatically: over ``"dist"``, CPU tensors between processes of
     one host go over Unix-domain sockets, anything else over ``torch.distributed`` send/recv

@@ -89,6 +89,14 @@ class _Rank:
         for s in p.stages_on(x.rank):
             o = self.owner[s]
             self.leaves.setdefault(o, x.params[o][0])
+        # owner stage -> the leaves the stage computes with: the leaves themselves, or, where the
+        # pipeline keeps a leaf in a wider dtype (RankInputs.casts), its copy in the compute
+        # dtype, made once per step: no weight is cast inside a microbatch, and each
+        # microbatch's gradient is added into the wide sum (_fold) without a cast
+        self.compute: dict[int, list[Tensor]] = {
+            o: leaves if (casts := x.casts.get(o)) is None else _compute_leaves(leaves, casts)
+            for o, leaves in self.leaves.items()
+        }
         self.shared: set[tuple[int, int]] = set()
         self.nodes: dict[int, dict[Any, int]] = {}  # owner -> autodiff.param_nodes (for I)
         # receives posted and not yet read: message key -> (handle, what to do once in)
@@ -108,7 +116,23 @@ class _Rank:
         return leaves
 
     def _params(self, s: int) -> list[Tensor]:
-        return self.x.params[self.owner[s]][0]
+        """The leaves stage ``s`` computes with (what autograd differentiates)."""
+        return self.compute[self.owner[s]]
+
+    def _fold(self, s: int) -> None:
+        """Add the gradients autograd left on stage ``s``'s compute copies into the sums of the
+        leaves kept in a wider dtype (a mixed-dtype add: the sum stays wide, nothing is cast
+        but the first microbatch's gradient)."""
+        o = self.owner[s]
+        casts = self.x.casts.get(o)
+        if casts is None:
+            return
+        for leaf, copy, c in zip(self.leaves[o], self.compute[o], casts, strict=True):
+            g = copy.grad
+            if c is None or g is None:
+                continue
+            copy.grad = None
+            leaf.grad = g.to(leaf.dtype) if leaf.grad is None else leaf.grad.add_(g)
 
     def _sink_extras(self) -> int:
         return 1 + (1 if self.x.metric_fn is not None else 0)
@@ -189,7 +213,7 @@ class _Rank:
             self.shared.discard(key)
 
     def _param_grads(self, s: int) -> list[Tensor | None]:
-        return [t.grad for t in self._params(s)]
+        return [t.grad for t in self.leaves[self.owner[s]]]
 
     def _finite(
         self, s: int, m: int, tensors: Sequence[Tensor | None], names: Sequence[str], where: str
@@ -260,6 +284,7 @@ class _Rank:
         if self.shared:
             self._unshare(s)
         gin, _ = autodiff.backward(saved, self._params(s), grad_outputs, accumulate=True)
+        self._fold(s)
         self._alive(-1)
         if self.x.check_finite:
             self._finite(s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], "backward")
@@ -288,6 +313,7 @@ class _Rank:
         if self.shared:
             self._unshare(s)
         autodiff.backward_weight(saved, self._params(s), accumulate=True)
+        self._fold(s)
         if self.x.check_finite:
             gw = self._param_grads(s)
             self._finite(
@@ -502,6 +528,15 @@ class _Rank:
         for o, leaves in self.leaves.items():
             self.result.grads[o] = [_take_grad(t) for t in leaves]
         return self.result
+
+
+def _compute_leaves(leaves: list[Tensor], casts: Sequence[torch.dtype | None]) -> list[Tensor]:
+    """Each leaf in the dtype the stage computes with: a copy of its own (a leaf of autograd)
+    where that differs, the leaf itself elsewhere."""
+    return [
+        t if c is None else t.detach().to(c).requires_grad_(t.requires_grad)
+        for t, c in zip(leaves, casts, strict=True)
+    ]
 
 
 def _take_grad(leaf: Tensor) -> Tensor:

@@ -49,8 +49,8 @@ class RankInputs:
     trace: bool = False  # record when each instruction starts and ends (runtime.clock)
     check_finite: bool = False  # raise NonFiniteError at the first NaN/inf (stage, microbatch)
     # owner stage -> per parameter leaf, the dtype the stage computes with when the leaf is kept
-    # in another (Pipeline(grad_dtype=...): float32 leaves summing float32 gradients, cast to
-    # bf16 inside each forward); None: the leaf as it is
+    # in another (Pipeline(grad_dtype=...): float32 leaves summing float32 gradients; the
+    # interpreter casts each to bf16 once per step); None: the leaf as it is
     casts: Mapping[int, tuple[torch.dtype | None, ...]] = field(default_factory=dict)
     # the loss's gradient is multiplied by this (loss scaling); a tensor stays on its device
     loss_scale: float | Tensor = 1.0

@@ -2,8 +2,8 @@
 
 :func:`stage_fn` builds ``fn(params, leaves) -> outputs`` over flat lists of tensors: the
 stage's inputs rebuilt from the leaves (the batch's, or its producers' outputs as shape
-inference laid them out), its parameter leaves cast where the pipeline keeps them in another
-dtype, the stage called, and what it returns checked against shape inference (the receiving
+inference laid them out), its parameter leaves (in the dtype it computes with: the
+interpreter's copies where the pipeline keeps a leaf in another), the stage called, and what it returns checked against shape inference (the receiving
 rank sized its buffers from it); after a sink stage, ``loss_fn`` (and ``metric_fn``) called and
 their result checked. :func:`note` says on a user function's exception where funcpipe called it.
 """
@@ -36,7 +36,6 @@ def stage_fn(
     p = x.program
     stage = x.stages[s]
     _, ptree = x.params[owner]
-    casts = x.casts.get(owner)
     producers = p.producers(s)
     kwargs = x.side[m].get(s, {})
     sink = not p.consumers(s)
@@ -55,8 +54,6 @@ def stage_fn(
                 args.extend(as_inputs(rebuild(layout[q], leaves[k : k + n])))
                 k += n
             args = tuple(args)
-        if casts is not None:
-            params = [p if c is None else p.to(c) for p, c in zip(params, casts, strict=True)]
         try:
             out = stage(tree_unflatten(ptree, list(params)), *args, **kwargs)
         except Exception as e:
