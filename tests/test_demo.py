@@ -225,7 +225,7 @@ def test_help_lists_device_size_precision_compile(capsys: pytest.CaptureFixture[
     out = capsys.readouterr().out
     for flag in ("--device {auto,cpu,cuda}", "--size {tiny,small,medium,large}"):
         assert flag in out
-    assert "--precision {fp32,bf16}" in out and "--compile " in out
+    assert "--precision {fp32,bf16,bf16-autocast}" in out and "--compile " in out
     assert "--compile-backend" not in out  # the tests' option stays hidden
 
 
@@ -343,3 +343,22 @@ def test_compiled_demo_trains(tmp_path: Path) -> None:
     assert all("compile(" in r and "aot_eager" in r for r in s["stages"])
     assert math.isfinite(s["last_loss"]) and s["final_val_loss"] < s["first_val_loss"]
     assert s["warmup_steps_excluded"] == 2 and s["timed_steps"] == 1 and s["tokens_per_s"] > 0
+
+
+def test_on_a_gpu_the_planner_picks_the_microbatches() -> None:
+    """One H100: the whole batch in one microbatch (the planner predicts it fits in half the
+    memory and is fastest); pipeline ranks: at least one microbatch per rank; a GPU the planner
+    does not know: None (the size's count stays)."""
+    from funcpipe.cli.demo_options import SIZES, DemoOptions, planned_microbatches, planner_gpu
+
+    s = SIZES["large"]
+    shape = {k: getattr(s, k) for k in ("layers", "d_model", "heads", "context", "batch")}
+    one = DemoOptions(device="cuda", pipeline=1, tensor=1, microbatches=s.microbatches, **shape)
+    assert planned_microbatches(one, "NVIDIA H100 80GB HBM3") == 1
+    assert planned_microbatches(one, "NVIDIA A100-SXM4-40GB") == 4  # 20 GB: 8 sequences
+    assert planned_microbatches(one, "Tesla T4") is None
+    four = DemoOptions(device="cuda", pipeline=4, tensor=1, microbatches=s.microbatches, **shape)
+    assert planned_microbatches(four, "NVIDIA H100 80GB HBM3") >= 4
+    assert [planner_gpu(n) for n in ("NVIDIA H200", "NVIDIA H100 PCIe", "A100 80GB PCIe")] == [
+        "h200", "h100-pcie", "a100-80gb"
+    ]  # fmt: skip

@@ -139,8 +139,9 @@ def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, .
     full = gpt.split(gpt.init(cfg, seed=o.seed), cfg, n)
     shardings = gpt.shardings(cfg, n)
     mine = set(program.stages_on(place.coords["pipe"]))
+    low = torch.bfloat16 if o.precision == "bf16" else None  # bf16 params (float32 sums)
     params = tuple(
-        _shard(full[s], shardings[s], place, device if s in mine else None) for s in range(n)
+        _shard(full[s], shardings[s], place, device if s in mine else None, low) for s in range(n)
     )
     del full
     stages = _transform(gpt.stages(cfg, n, axis=axis), o)
@@ -155,6 +156,7 @@ def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, .
         mesh=mesh,
         scatter_gather=o.tensor > 1,  # each tensor rank sends 1/t of every boundary tensor
         device=on_gpu,
+        grad_dtype=torch.float32 if low is not None else None,
     )
     evaluate = Pipeline(
         stages, to_eval(program), loss_fn=loss, transport="dist", mesh=mesh, device=on_gpu
@@ -162,7 +164,7 @@ def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, .
     schedule = optim.warmup_cosine(
         o.lr, warmup=max(1, o.steps // 10), total=o.steps, final=o.lr / 10
     )
-    opt = optim.adamw(schedule, weight_decay=0.01)
+    opt = optim.adamw(schedule, weight_decay=0.01, master_weights=low is not None)
     state = opt.init(params)
     rank = _Rank(
         o=o,
@@ -308,7 +310,7 @@ def _summarise(
         step_times[skipped:],
         tokens_per_step=r.tokens_per_step,
         flops_per_token=gpt.flops_per_token(cfg),
-        peak=peak_flops(device, o.precision),
+        peak=peak_flops(device, o.precision.removesuffix("-autocast")),
         devices=o.world,
     )
     result = summary(
@@ -335,14 +337,21 @@ def _summarise(
 
 
 # ------------------------------------------------------------------------------ pieces
-def _shard(tree: Any, shardings: Any, place: Any, device: torch.device | None) -> Any:
-    """This rank's shard of ``tree`` on ``device`` (``None``: a stage it does not run, meta)."""
+def _shard(
+    tree: Any,
+    shardings: Any,
+    place: Any,
+    device: torch.device | None,
+    dtype: torch.dtype | None = None,
+) -> Any:
+    """This rank's shard of ``tree`` on ``device`` (``None``: a stage it does not run, meta), in
+    ``dtype`` if given."""
     from funcpipe.parallel.sharding import shard_tree
     from funcpipe.tree import tree_map
 
     sharded = shard_tree(tree, shardings, place)
     where = torch.device("meta") if device is None else device
-    return tree_map(lambda t: t.to(where), sharded)
+    return tree_map(lambda t: t.to(where, dtype), sharded)
 
 
 def _clip_weights(shardings: Any, n_stages: int, o: DemoOptions) -> Any:
@@ -380,7 +389,7 @@ def _transform(stages: list[Any], o: DemoOptions) -> list[Any]:
     from funcpipe.stages.compile import compile_stage
     from funcpipe.stages.precision import autocast_stage
 
-    if o.precision == "bf16":
+    if o.precision == "bf16-autocast":
         stages = [autocast_stage(s, torch.bfloat16) for s in stages]
     if o.compile:
         backend = {} if o.compile_backend == COMPILE_BACKEND else {"backend": o.compile_backend}

@@ -12,10 +12,10 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, NamedTuple
 
-from funcpipe.errors import InvalidArgument
+from funcpipe.errors import FuncpipeError, InvalidArgument
 
 if TYPE_CHECKING:
     from funcpipe.schedule.ir import Program
@@ -59,7 +59,7 @@ SIZES: dict[str, Size] = {
     "large": Size(1024, 24, 16, 1024, batch=32, microbatches=8, lr=3e-4),
 }
 DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "bf16-autocast")
 COMPILE_BACKEND = "inductor"  # torch.compile's default; tests pass --compile-backend aot_eager
 DESCRIPTION = (
     "Train a byte-level GPT with pipeline x tensor x data parallelism on local processes: CPU "
@@ -95,7 +95,9 @@ class DemoOptions:
     corpus_bytes: int = 3_000_000
     device: str = "auto"  # "auto": CUDA when this host has a GPU per rank, else the CPU
     size: str = "small"  # the name of the size the model fields came from (a label)
-    precision: str = "fp32"  # "bf16": float32 params, the stages under bf16 autocast
+    # "bf16": bf16 params, float32 gradient sums and master weights; "bf16-autocast": float32
+    # params, the stages under bf16 autocast
+    precision: str = "fp32"
     compile: bool = False  # every stage through funcpipe.compile_stage
     compile_backend: str = COMPILE_BACKEND
 
@@ -146,8 +148,9 @@ def _add_layout_options(ap: argparse.ArgumentParser) -> None:
         "--precision",
         default=None,
         choices=PRECISIONS,
-        help="fp32, or bf16: float32 params and optimizer, every stage under bf16 autocast "
-        "(default: bf16 on CUDA, fp32 on CPU)",
+        help="fp32; bf16: bf16 params (no weight cast inside a microbatch), their gradients "
+        "summed in float32, float32 master weights and optimizer state; or bf16-autocast: "
+        "float32 params, every stage under bf16 autocast (default: bf16 on CUDA, fp32 on CPU)",
     )
     ap.add_argument(
         "--compile",
@@ -216,13 +219,68 @@ def resolve(parsed: argparse.Namespace) -> DemoOptions:
         args["device"], args["pipeline"] * args["tensor"] * args["data"], announce=True
     )
     size = args["size"] or ("large" if device == "cuda" else "small")
+    chosen = args["microbatches"] is None
     for name in Size._fields:
         if args[name] is None:
             args[name] = getattr(SIZES[size], name)
     args["size"] = size
     args["device"] = device
     args["precision"] = args["precision"] or ("bf16" if device == "cuda" else "fp32")
-    return DemoOptions(**args)
+    opts = DemoOptions(**args)
+    if chosen and device == "cuda":
+        import torch
+
+        planned = planned_microbatches(opts, torch.cuda.get_device_name())
+        opts = opts if planned is None else replace(opts, microbatches=planned)
+    return opts
+
+
+# ------------------------------------------------------------------- microbatches on a GPU
+def planner_gpu(name: str) -> str | None:
+    """The planner's preset for a CUDA device name (``torch.cuda.get_device_name``), if any."""
+    n = name.upper()
+    if "H200" in n:
+        return "h200"
+    if "H100" in n:
+        return "h100-pcie" if "PCIE" in n else "h100-sxm"
+    if "A100" in n:
+        return "a100-80gb" if "80GB" in n else "a100-40gb"
+    return None
+
+
+def planned_microbatches(o: DemoOptions, gpu_name: str) -> int | None:
+    """On a GPU the planner knows: the microbatch count whose predicted step is fastest among
+    those the planner says fit in half the GPU's memory (a margin for what its memory model
+    leaves out): on one GPU few large microbatches, with pipeline ranks enough to fill the
+    pipeline. None for another GPU or when nothing fits: the size's count stays. ``--microbatches``
+    overrides it."""
+    from funcpipe.planner import ClusterLayout, Transformer, cluster, estimate
+    from funcpipe.planner.layout import SCHEDULES
+
+    gpu = planner_gpu(gpu_name)
+    if gpu is None:
+        return None
+    model = Transformer(layers=o.layers, hidden=o.d_model, heads=o.heads, vocab=256, seq=o.context)
+    preset = cluster(gpu)
+    limit = 0.5 * preset.gpu.memory  # a margin for what the planner's memory model leaves out
+    schedule = o.schedule if o.schedule in SCHEDULES and o.pipeline > 1 else "1f1b"
+    v = 2 if schedule in ("interleaved", "zbv") else 1
+    best = None
+    for size in (k for k in range(1, o.batch + 1) if o.batch % k == 0):
+        m = o.batch // size
+        if m < o.pipeline or (o.pipeline * v > o.layers) or o.layers % (o.pipeline * v):
+            continue
+        layout = ClusterLayout(
+            tensor=o.tensor, pipeline=o.pipeline, data=o.data, microbatch=size,
+            interleave=v, schedule=schedule,
+        )  # fmt: skip
+        try:
+            e = estimate(model, preset, layout, global_batch=o.batch * o.data, memory_limit=limit)
+        except FuncpipeError:
+            continue
+        if e.fits and (best is None or e.step_time_s < best[0]):
+            best = (e.step_time_s, m)
+    return None if best is None else best[1]
 
 
 def parse(argv: Sequence[str] | None = None) -> DemoOptions:
