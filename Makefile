@@ -8,7 +8,7 @@ TORCH_PIP_ARGS ?=
 
 export HYPOTHESIS_PROFILE ?= ci
 
-.PHONY: demo test lint setup gpu-check
+.PHONY: demo test lint setup gpu-check gpu-speed
 
 setup: $(STAMP)
 
@@ -45,3 +45,8 @@ GPU_CHECK_ARGS ?=
 
 gpu-check:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+# On a machine with CUDA, after gpu-check: issue 41's speed proof (benchmarks/gpu_profile.py eager
+# and compiled, the demo on one GPU, the planner's prediction), under $(OUT) or ./gpu-speed.
+gpu-speed:
+	GPU_PYTHON=$(GPU_PYTHON) bash tools/gpu_speed.sh

@@ -93,3 +93,24 @@ def test_bf16_parameters_are_cast_once_per_step_not_per_microbatch() -> None:
 
     assert per_microbatch("bf16", 2) == per_microbatch("bf16", 4) <= 4
     assert per_microbatch("fp32-autocast", 4) > per_microbatch("fp32-autocast", 2)
+
+
+TP_EXTRA = 8
+"""Ops a tensor-parallel rank dispatches per block beyond the single-device block and its
+collectives (2026-11-28, tensor 2 and 4): each all-reduce's private buffer (4 clones: the sum
+is taken in place), the row-parallel biases added after their sums (2 adds: at tensor size 1
+they fuse into the matmul) and 2 reshapes of the unfused matmul's output."""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("t", [2, 4])
+def test_a_tensor_parallel_rank_adds_only_its_collectives(pool, t: int) -> None:
+    """Issue 41: at tensor size 2 and 4 a rank dispatches the single-device block's ops plus
+    the collectives the specs derive (4 all-reduces per block: 2 forward, 2 backward) and the
+    few ops they bring (TP_EXTRA), on every rank alike."""
+    ranks = pool(t).run(dispatch.count_block_tensor_parallel, t)
+    one = dispatch.count_block("funcpipe", dispatch.TINY, "fp32")
+    for r in ranks:
+        assert r["collectives"] == 4, r["by_op"]
+        assert r["ops"] - r["collectives"] <= one.ops + TP_EXTRA, (r["ops"], one.ops)
+    assert len({r["ops"] for r in ranks}) == 1
