@@ -192,9 +192,9 @@ class InputCheck:
         if d == 0:
             fix = (
                 "The example is one microbatch: give it the batch's rows / microbatches rows "
-                "(every microbatch has the same size, so the batch's rows must be a multiple of "
-                "the microbatch count), or choose the microbatch count that gives the example's "
-                f"size; or pass dynamic_shapes= to split_module for the dims that vary (e.g. "
+                "(per data-parallel copy; every microbatch has that size, so the batch's rows "
+                "must be a multiple of the microbatch count), or choose the microbatch count "
+                f"that gives the example's size; or pass dynamic_shapes= to split_module for the dims that vary (e.g. "
                 f"dynamic_shapes={{{self.entry!r}: {{0: torch.export.Dim({name!r})}}}})."
             )
         else:
