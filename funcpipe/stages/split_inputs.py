@@ -6,7 +6,7 @@ is a constant of the graph. On other shapes the graph fails deep inside, or wors
 wrong result. So each split stage checks its inputs (positional and side inputs; not its params)
 against the specs they had in the trace before it runs, and refuses a mismatch naming both, the
 rule and the fix. While the inputs match, the check is one comparison of shape and dtype per
-input; the pipeline's shape inference runs every stage once per microbatch signature, so a
+input (with symbolic dims, a short loop over the dims); the pipeline's shape inference runs every stage once per microbatch signature, so a
 mismatched batch is refused there, before any step runs.
 
 A dim made symbolic by ``dynamic_shapes`` may take any size in the range the trace allows, the
