@@ -284,6 +284,55 @@ def _demo(*argv: str) -> None:
     demo.run(demo.parse(["--steps", "2", "--device", "cpu", *argv]))
 
 
+# ------------------------------------------------- issue 42: split_module run on other shapes
+class _LengthLM(nn.Module):
+    """Divides by the sequence length it reads from the batch: traced on 16 tokens, ``/ 16``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.fc, self.head = nn.Embedding(11, 4), nn.Linear(4, 4), nn.Linear(4, 11)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        return self.head(h + self.fc(h).sum(1, keepdim=True) / ids.shape[1])
+
+
+def _split_lm_step(rows: int, length: int, microbatches: int) -> None:
+    """Split on microbatches of 2 rows and 16 tokens, stepped on ``rows`` x ``length``."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 11, (8, 17))
+    parts = fp.split_module(_LengthLM(), ["head"], example=ids[:2, :16])
+    pipe = fp.Pipeline(
+        parts.stages,
+        generate("1f1b", ranks=2, microbatches=microbatches),
+        loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
+    )
+    pipe.step(parts.params, ids[:rows, :length], ids[:rows, 1 : length + 1])
+
+
+def _split_other_dtype() -> None:
+    parts = fp.split_module(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), ["1"], example=torch.randn(2, 4))  # fmt: skip
+    pipe = fp.Pipeline(parts.stages, _1f1b(), loss_fn=_mse)
+    pipe.step(parts.params, torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4))
+
+
+class _Pooled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]  # read in the second stage, after the rows are pooled away
+        return self.b(self.a(x).mean(0)).expand(rows, 4)
+
+
+def _symbolic_size_across_cut() -> None:
+    from torch.export import Dim
+
+    rows = {"x": {0: Dim("rows")}}
+    fp.split_module(_Pooled(), ["b"], example=torch.randn(3, 4), dynamic_shapes=rows)
+
+
 # ------------------------------------------------------------------------------------ the rows
 CASES: list[Case] = [
     # ---- schedules
@@ -536,6 +585,56 @@ CASES: list[Case] = [
         ("same dtype", "funcpipe: raised by stage 0 ('first'), microbatch 0, rank 0", "f64[4, 4]"),
         "funcpipe/runtime/stage_call.py: a note on the stage's own error names the stage, the "
         "microbatch, the rank and the input specs (it was a bare torch error)",
+    ),
+    Case(
+        "split-module-other-length",
+        "stages and partitions",
+        "a model split on 16 tokens, stepped on 12",
+        lambda: _split_lm_step(8, 12, 4),
+        InvalidArgument,
+        (
+            "stage 0 (made by split_module) was traced on input 'ids' = i64[2, 16]",
+            "is given i64[2, 12]: dim 1 is 12, the example's 16",
+            "dynamic_shapes=",
+        ),
+        "funcpipe/stages/split_inputs.py: each split stage checks its inputs against the traced "
+        "shapes and dtypes (the graph specialised to 16 tokens ran on 12: a silently wrong loss)",
+    ),
+    Case(
+        "split-module-microbatch-size",
+        "stages and partitions",
+        "a model split on microbatches of 2 rows, stepped on microbatches of 4",
+        lambda: _split_lm_step(8, 16, 2),
+        InvalidArgument,
+        (
+            "dim 0 (the microbatch size, where the batch dim is 0) is 4, the example's 2",
+            "The example is one microbatch",
+        ),
+        "funcpipe/stages/split_inputs.py (same check; a model whose view holds the traced rows "
+        "failed in shape inference, blamed on the stage; others ran silently)",
+    ),
+    Case(
+        "split-module-input-dtype",
+        "stages and partitions",
+        "a float64 batch into a model split on a float32 example",
+        _split_other_dtype,
+        InvalidArgument,
+        ("= f32[2, 4] and is given f64[2, 4]", "its dtype is float64, the example's float32"),
+        "funcpipe/stages/split_inputs.py (same check; was torch's dtype error from inside the stage)",
+    ),
+    Case(
+        "split-module-symbolic-size-across-cut",
+        "stages and partitions",
+        "a size dynamic_shapes made symbolic, read after a cut where no input has it",
+        _symbolic_size_across_cut,
+        InvalidArgument,
+        (
+            "the size 'sym_size_int_1' (rows, a dim that dynamic_shapes= made symbolic)",
+            "no tensor the stage takes has a dim of that size",
+            "leave it out of dynamic_shapes=",
+        ),
+        "funcpipe/stages/split_module.py: such a size is read from the later stage's input "
+        "where one has it, else this (was 'move the cut point', whatever the cut)",
     ),
     # ---- batches and microbatches
     Case(

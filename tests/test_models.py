@@ -138,6 +138,36 @@ def test_llama_mask_is_a_side_input_and_rotary_tables_need_no_gradient() -> None
     assert spec.differentiable == tuple(i for i in floats if i not in tables)  # the hidden state
 
 
+def test_microbatch_size_other_than_the_example_is_refused_naming_it() -> None:
+    """GPT-2 traced on microbatches of 2 rows, stepped on microbatches of 4: its ``view`` to the
+    traced size used to fail in shape inference, blamed on the stage."""
+    sp = _split("gpt2", 2)
+    _, fields, y, loss_fn = _case("gpt2")
+    pipe = fp.Pipeline(sp.stages, generate("1f1b", ranks=2, microbatches=1), loss_fn=loss_fn, ties=sp.ties)  # fmt: skip
+    said = r"stage 0 \(made by split_module\) was traced on input 'input_ids' = i64\[2, 8\] and is given i64\[4, 8\]: dim 0 \(the microbatch size"  # fmt: skip
+    with pytest.raises(fp.InvalidArgument, match=said) as e:
+        pipe.step(sp.params, sp.batch(fields), y)
+    assert "dynamic_shapes={'input_ids': {0: torch.export.Dim('batch')}}" in str(e.value)
+
+
+def test_gpt2_with_dynamic_batch_and_length_equals_unsplit() -> None:
+    """The batch size and length GPT-2 reads once from ``input_ids`` and uses in every block's
+    ``view``: made symbolic, they cross the cuts (each stage reads them from its input)."""
+    from torch.export import Dim
+
+    model, fields, y, loss_fn = _case("gpt2")
+    dims = {"input_ids": {0: Dim("batch", max=64), 1: Dim("seq", min=2, max=16)}}
+    example = fields["input_ids"][:2, :5].clone()
+    sp = fp.split_module(model, 3, example=example, dynamic_shapes=dims)
+    pipe = fp.Pipeline(sp.stages, generate("1f1b", ranks=3, microbatches=M), loss_fn=loss_fn, ties=sp.ties)  # fmt: skip
+    loss, grads = pipe.step(sp.params, sp.batch(fields), y)  # microbatches of 2 rows, 8 tokens
+    ref_loss, ref = _unsplit("gpt2")
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-13, atol=1e-13)
+    for s, g in enumerate(grads):
+        for k, v in g.items():
+            torch.testing.assert_close(v, ref[k], rtol=1e-10, atol=1e-12, msg=f"stage {s} {k}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", TRAINING)
 @pytest.mark.parametrize("name", list(FAST))

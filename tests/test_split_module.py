@@ -5,6 +5,8 @@ Every pipeline result is compared with the unsplit module's own ``loss.backward(
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -237,3 +239,161 @@ def test_buffer_written_in_forward_is_refused() -> None:
         fp.split_module(model, ["2"], example=torch.randn(4, 3))
     sp = fp.split_module(model.eval(), ["2"], example=torch.randn(4, 3))
     assert len(sp.stages) == 2
+
+
+# ---- issue 42: a split model run on other shapes than its example
+class MeanBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor, length: Any) -> torch.Tensor:
+        return h + torch.tanh(self.fc(h)) - h.sum(1, keepdim=True) / length
+
+
+class LengthLM(nn.Module):
+    """Every block divides by the sequence length, read once from the batch: traced on 16 tokens
+    the graph holds ``/ 16``; with a dynamic length that size crosses every cut."""
+
+    def __init__(self, vocab: int = 11, d: int = 8, n: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(MeanBlock(d) for _ in range(n))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        length = ids.shape[1]
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h, length)
+        return self.head(h)
+
+
+def _length_lm() -> tuple[LengthLM, torch.Tensor]:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 11, (8, 17), generator=torch.Generator().manual_seed(2))
+    return LengthLM().double(), ids
+
+
+def _unsplit_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int) -> torch.Tensor:
+    model.zero_grad()
+    b = x.shape[0] // m
+    total = torch.zeros((), dtype=torch.float64)
+    for j in range(m):
+        loss = xent(model(x[j * b : (j + 1) * b]), y[j * b : (j + 1) * b]) / m
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def test_other_sequence_length_than_the_example_is_refused_before_any_step() -> None:
+    """Traced on 16 tokens and stepped on 12, the graph kept ``/ 16``: a silently wrong loss."""
+    model, ids = _length_lm()
+    sp = fp.split_module(model, 2, example=ids[:2, :16])
+    calls: list[int] = []
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return xent(out, y)
+
+    pipe = fp.Pipeline(sp.stages, generate("1f1b", ranks=2, microbatches=4), loss_fn=loss_fn)
+    said = r"stage 0 \(made by split_module\) was traced on input 'ids' = i64\[2, 16\] and is given i64\[2, 12\]: dim 1 is 12, the example's 16"  # fmt: skip
+    with pytest.raises(fp.InvalidArgument, match=said) as e:
+        pipe.step(sp.params, ids[:, :12], ids[:, 1:13])
+    assert "dynamic_shapes={'ids': {1: torch.export.Dim(" in str(e.value)
+    assert not calls  # refused by shape inference, before any stage ran on data
+    with pytest.raises(fp.InvalidArgument, match=said):
+        fp.reference_step(sp.stages, sp.params, ids[:, :12], xent, targets=ids[:, 1:13], microbatches=4)  # fmt: skip
+    with pytest.raises(fp.InvalidArgument, match=said):
+        sp.stages[0](sp.params[0], ids[:2, :12])
+    # the example's shape still runs, and equals the unsplit model
+    loss, _ = pipe.step(sp.params, ids[:, :16], ids[:, 1:17])
+    torch.testing.assert_close(loss, _unsplit_loss(model, ids[:, :16], ids[:, 1:17], 4))
+
+
+def test_microbatch_size_other_than_the_example_names_the_microbatches() -> None:
+    model, d = _model(), _data()
+    sp = fp.split_module(model, 2, example={"ids": d["ids"][:2], "mask": d["mask"][:2]})
+    pipe = fp.Pipeline(
+        sp.stages,
+        generate("1f1b", ranks=2, microbatches=1),  # one microbatch of 4 rows; the example has 2
+        loss_fn=xent,
+        ties=sp.ties,
+        side_inputs=sp.side_inputs,
+    )
+    with pytest.raises(fp.InvalidArgument, match=r"dim 0 \(the microbatch size, where the batch dim is 0\) is 4, the example's 2") as e:  # fmt: skip
+        pipe.step(sp.params, sp.batch(d), d["y"])
+    assert "The example is one microbatch" in str(e.value) and "dynamic_shapes=" in str(e.value)
+
+
+def test_side_input_of_another_dtype_is_refused() -> None:
+    model, d = _model(), _data()
+    sp = fp.split_module(model, 2, example={"ids": d["ids"][:2], "mask": d["mask"][:2]})
+    said = r"side input 'mask' = f64\[2, 5\] and is given f32\[2, 5\]: its dtype is float32, the example's float64"  # fmt: skip
+    with pytest.raises(fp.InvalidArgument, match=said):
+        sp.stages[0](sp.params[0], d["ids"][:2], mask=d["mask"][:2].float())
+    with pytest.raises(fp.InvalidArgument, match=r"traced on input 'ids' = i64\[2, 5\] and is given \[1, 2\] \(a list\)"):  # fmt: skip
+        sp.stages[0](sp.params[0], [1, 2], mask=d["mask"][:2])
+
+
+def test_split_stages_under_autocast_pass_low_precision_on() -> None:
+    """autocast_stage: a floating input may come in the autocast dtype (not a mismatch)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(4, 4)
+    sp = fp.split_module(model, ["1"], example=x[:2])
+    stages = [fp.autocast_stage(s, torch.bfloat16) for s in sp.stages]
+    h = stages[0](sp.params[0], x[:2])
+    assert h[0].dtype == torch.bfloat16  # a linear's output under autocast crosses the cut
+    assert stages[1](sp.params[1], *h).shape == (2, 4)
+    with pytest.raises(fp.InvalidArgument, match="its dtype is bfloat16, the example's float32"):
+        sp.stages[1](sp.params[1], *h)  # without autocast the traced float32 is required
+
+
+def test_dynamic_sizes_cross_cuts_and_equal_the_unsplit_model() -> None:
+    """A size made symbolic by dynamic_shapes and read in later stages (the length each block
+    divides by) is read there from an input's shape: it used to be refused as a non-tensor
+    crossing the cut, with the advice to move the cut."""
+    from torch.export import Dim
+
+    model, ids = _length_lm()
+    dims = {"ids": {0: Dim("batch", max=64), 1: Dim("seq", min=2, max=32)}}
+    sp = fp.split_module(model, 3, example=ids[:2, :16].clone(), dynamic_shapes=dims)
+    assert repr(sp.stages[1].fn.check.specs[0].show(sp.stages[1].fn.check.names)) == "'f64[batch, seq, 8]'"  # fmt: skip
+    pipe = fp.Pipeline(sp.stages, generate("1f1b", ranks=3, microbatches=2), loss_fn=xent)
+    for rows, length in [(6, 12), (8, 16), (4, 7)]:
+        x, y = ids[:rows, :length], ids[:rows, 1 : length + 1]
+        loss, grads = pipe.step(sp.params, x, y)
+        torch.testing.assert_close(loss, _unsplit_loss(model, x, y, 2), rtol=1e-13, atol=1e-13)
+        named = dict(model.named_parameters())
+        for g in grads:
+            for k, v in g.items():
+                torch.testing.assert_close(v, named[k].grad, rtol=1e-10, atol=1e-12)
+    with pytest.raises(fp.InvalidArgument, match=r"= i64\[batch, seq\] and is given i64\[2, 40\]: dim 1 is 40, outside 2..32"):  # fmt: skip
+        sp.stages[0](sp.params[0], ids[:2].repeat(1, 3)[:, :40])
+    model, d = _model(), _data()
+    seq = Dim("seq", min=2, max=32)
+    both = {"ids": {1: seq}, "mask": {1: seq}}
+    example = {"ids": d["ids"][:2].clone(), "mask": d["mask"][:2]}  # its own: not a view
+    sp = fp.split_module(model, 2, example=example, dynamic_shapes=both)
+    with pytest.raises(fp.InvalidArgument, match=r"side input 'mask' = f64\[2, seq\] and is given f64\[2, 4\]: dim 1 is 4 where input 'ids' dim 1 is 5, and the trace found them one size \(seq\)"):  # fmt: skip
+        sp.stages[0](sp.params[0], d["ids"][:2], mask=d["mask"][:2, :4])
+
+
+class Pooled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        pooled = self.a(x).mean(0)  # the rows are gone: nothing after the cut has that size
+        return self.b(pooled).expand(rows, 4)
+
+
+def test_symbolic_size_no_later_input_holds_is_refused_saying_why() -> None:
+    from torch.export import Dim
+
+    said = r"the size 'sym_size_int.*' \(.*a dim that dynamic_shapes= made symbolic\) is made before stage 1 from b and read in it.*no tensor the stage takes has a dim of that size.*leave it out of dynamic_shapes="  # fmt: skip
+    with pytest.raises(fp.InvalidArgument, match=said):
+        fp.split_module(Pooled(), ["b"], example=torch.randn(3, 4), dynamic_shapes={"x": {0: Dim("rows")}})  # fmt: skip

@@ -3,6 +3,7 @@
 - ``stage``: :class:`Stage`, ``from_module``, ``compose``, the input convention (``as_inputs``)
 - ``partition``: cut a sequence of layers into contiguous stages (by count, parameters or time)
 - ``split_module``: cut any ``nn.Module`` at named submodules (torch.export), keeping its names
+- ``split_inputs``: a split stage's traced input specs, checked on every call
 - ``shapes``: infer a stage's output specs without data (``infer_specs``, ``TensorSpec``)
 - ``boundaries``: the specs crossing every stage boundary for one microbatch signature
 - ``ties``: tied parameters, declared (``ties=``) or found from shared storage

@@ -8,7 +8,8 @@ storage, and the side inputs each stage reads. The forward need not be a plain s
 stage computes and a later one uses (a mask, rotary cos/sin, a residual) is passed on.
 
 The stages are specialised to the example's shapes and dtypes (``torch.export``'s default):
-run them on microbatches shaped like the example, or pass ``dynamic_shapes``.
+run them on microbatches shaped like the example, or pass ``dynamic_shapes``. Each stage checks
+its inputs against the traced ones and refuses others (:mod:`funcpipe.stages.split_inputs`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from funcpipe.errors import FuncpipeError, InvalidArgument
+from funcpipe.stages.split_inputs import InputCheck, InputSpec, dim_names, size_source
 from funcpipe.stages.stage import ConstFn, Stage
 from funcpipe.stages.ties import find_ties
 
@@ -80,7 +82,8 @@ class _GraphStage:
     """``(params, *carried, **side) -> outputs``: one slice of the traced graph.
 
     The slice's placeholders are, in order: parameters (by name, from ``params``), constants
-    (buffers, captured here), the positional inputs, the side inputs (by name).
+    (buffers, captured here), the positional inputs, the side inputs (by name). ``check``
+    refuses inputs other than the traced ones before the graph runs.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class _GraphStage:
         side_names: Sequence[str],
         out_spec: Any,
         label: str,
+        check: InputCheck,
     ) -> None:
         self.gm = gm
         self.param_names = tuple(param_names)
@@ -100,6 +104,7 @@ class _GraphStage:
         self.side_names = tuple(side_names)
         self.out_spec = out_spec  # None: a tuple of carried values; else the forward's output
         self.label = label
+        self.check = check
 
     def __call__(self, params: Any, *inputs: Any, **side: Any) -> Any:
         if not isinstance(params, Mapping):
@@ -115,12 +120,9 @@ class _GraphStage:
                 f"inputs {list(self.side_names)!r} (got {sorted(side)!r}). Run it with the "
                 "params, ties and side_inputs split_module returned."
             )
-        args = [
-            *(params[n] for n in self.param_names),
-            *self.consts.values(),
-            *inputs,
-            *(side[n] for n in self.side_names),
-        ]
+        given = (*inputs, *(side[n] for n in self.side_names))
+        self.check(given)
+        args = [*(params[n] for n in self.param_names), *self.consts.values(), *given]
         flat = self.gm(*args)
         if self.out_spec is None:
             return tuple(flat)
@@ -139,6 +141,7 @@ class _GraphStage:
             self.side_names,
             self.out_spec,
             self.label,
+            self.check,
         )
 
     def __repr__(self) -> str:
@@ -199,6 +202,13 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dy
             "depend on tensor values; for transformers models pass use_cache=False in the "
             "config and call model.eval() or set dropout to 0. Otherwise build the stages by "
             "hand: funcpipe.from_module(...) per piece, or funcpipe.partition(nn.Sequential(...))."
+            + (
+                " With dynamic_shapes=, the example's size on each dim a Dim names must be 2 or "
+                "more (torch.export specialises sizes 0 and 1), and its tensors their own, not "
+                "views of larger ones (a slice's strides fix the sizes): example=x[:2].clone()."
+                if dynamic is not None and "Constraints violated" in str(e)
+                else ""
+            )
         ) from e
 
 
@@ -294,7 +304,9 @@ def split_module(
         inputs: the keys of ``example`` the first stage takes positionally, in order (default:
             the first key). Every other key is a side input: a batch field passed to each stage
             that reads it (``side_inputs``).
-        dynamic_shapes: passed to ``torch.export.export``.
+        dynamic_shapes: passed to ``torch.export.export``: the dims it names may vary (within
+            the range the trace holds); every other dim, and every dtype, is the example's. Each
+            stage refuses inputs other than the traced ones.
 
     Returns:
         a :class:`ModuleSplit`. Its ``params`` map 1:1 onto ``module.state_dict()``'s parameter
@@ -328,11 +340,16 @@ def split_module(
         args = example if type(example) is tuple else (example,)
         kwargs, entry = {}, ()
     ep = _export(module, args, kwargs, dynamic_shapes)
-    return _cut(module, ep, cut_at, entry, bool(kwargs))
+    return _cut(module, ep, cut_at, entry, bool(kwargs), dynamic_shapes)
 
 
 def _cut(
-    module: nn.Module, ep: Any, cut_at: Sequence[str], entry: Sequence[str], by_name: bool
+    module: nn.Module,
+    ep: Any,
+    cut_at: Sequence[str],
+    entry: Sequence[str],
+    by_name: bool,
+    dynamic_shapes: Any = None,
 ) -> ModuleSplit:
     from torch.export.graph_signature import InputKind
 
@@ -381,6 +398,11 @@ def _cut(
     outs = list(output.args[0])
     carried = _carried(nodes, stage_of, outs, [name for _, name in starts])
 
+    # a symbolic size (dynamic_shapes) is not sent: the stage reads it from one of its inputs
+    sent = [[v for v in vals if isinstance(v.meta.get("val"), Tensor)] for vals in carried]
+    ranges = dict(getattr(ep, "range_constraints", None) or {})
+    dims = dim_names(dynamic_shapes, {n.name: n.meta.get("val") for n in user_inputs})
+    first_input = kind[entry_nodes[0]][1] if entry_nodes else "x"
     stages: list[Stage] = []
     params: list[dict[str, Tensor]] = []
     side_inputs: dict[int, list[str]] = {}
@@ -388,35 +410,47 @@ def _cut(
         g = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         members = [n for n in nodes if stage_of.get(n) == s and n.op != "placeholder"]
-        used = {u for n in members for u in n.all_input_nodes if u.op == "placeholder"}
+        used = {u for n in members for u in n.all_input_nodes}
         if s == n_stages - 1:
-            used |= {v for v in outs if isinstance(v, fx.Node) and v.op == "placeholder"}
+            used |= {v for v in outs if isinstance(v, fx.Node)}
         p_nodes = [n for n in placeholders if n in used and kind[n][0] == "param"]
         c_nodes = [n for n in placeholders if n in used and kind[n][0] == "const"]
-        in_nodes = entry_nodes if s == 0 else carried[s - 1]
+        in_nodes = entry_nodes if s == 0 else sent[s - 1]
         side_nodes = [
             n for n in placeholders if n in used and kind[n][0] == "input" and n not in entry_nodes
         ]
         for n in [*p_nodes, *c_nodes, *in_nodes, *side_nodes]:
             env[n] = g.placeholder(n.name)
             env[n].meta = dict(n.meta)
+        label = f"{s}" if s == 0 else f"{s} from {starts[s - 1][1]}"
+        if s > 0:
+            sizes = [v for v in carried[s - 1] if v in used and v not in sent[s - 1]]
+            _read_sizes(g, env, sizes, [*in_nodes, *side_nodes], label, dims)
         for n in members:
             env[n] = g.node_copy(n, env.__getitem__)
         if s < n_stages - 1:
-            g.output(tuple(env[v] for v in carried[s]))
+            g.output(tuple(env[v] for v in sent[s]))
             out_spec = None
         else:
             g.output(tuple(env[v] if isinstance(v, fx.Node) else v for v in outs))
             out_spec = ep.call_spec.out_spec
         gm = fx.GraphModule(ep.graph_module, g)
-        label = f"{s}" if s == 0 else f"{s} from {starts[s - 1][1]}"
         names = [_alias(n, kind[n][1], members, named_params) for n in p_nodes]
         stage_params = {n: named_params[n].detach() for n in names}
         consts = {kind[n][1]: consts_all[kind[n][1]].detach() for n in c_nodes}
         sides = [kind[n][1] for n in side_nodes]
         if sides:
             side_inputs[s] = sides
-        fn = _GraphStage(gm, names, consts, len(in_nodes), sides, out_spec, label)
+        whats = [
+            f"input {kind[n][1]!r}" if s == 0 else f"input #{i} (passed on by stage {s - 1})"
+            for i, n in enumerate(in_nodes)
+        ] + [f"side input {name!r}" for name in sides]
+        specs = [
+            InputSpec.of(w, n.meta.get("val"))
+            for w, n in zip(whats, [*in_nodes, *side_nodes], strict=True)
+        ]
+        check = InputCheck(label, specs, ranges, dims, first_input)
+        fn = _GraphStage(gm, names, consts, len(in_nodes), sides, out_spec, label, check)
         stages.append(Stage(fn, f"stage {label}"))
         params.append(stage_params)
     return ModuleSplit(
@@ -427,6 +461,33 @@ def _cut(
         tuple(p for _, p in starts),
         tuple(kind[n][1] for n in entry_nodes),
     )
+
+
+def _read_sizes(
+    g: fx.Graph,
+    env: dict[fx.Node, fx.Node],
+    sizes: Sequence[fx.Node],
+    inputs: Sequence[fx.Node],
+    label: str,
+    dims: Mapping[Any, str],
+) -> None:
+    """Symbolic sizes made before stage ``label``'s cut and read in it: read each from the dim
+    of one of the stage's ``inputs`` that has that size (only tensors cross stages)."""
+    for v in sizes:
+        val = v.meta["val"]  # a torch.SymInt (only those are carried without being sent)
+        found = size_source(val, [(n, n.meta.get("val")) for n in inputs])
+        if found is None:
+            raise InvalidArgument(
+                f"the size {v.name!r} ({dims.get(val.node.expr, val)}, a dim that dynamic_shapes= "
+                "made symbolic) is made "
+                f"before stage {label} and read in it, but only tensors cross stages and no "
+                "tensor the stage takes has a dim of that size to read it from. Move the cut "
+                "point to where a tensor with that dim crosses, or make that dim static (leave "
+                "it out of dynamic_shapes=)."
+            )
+        node, d = found
+        env[v] = g.call_function(torch.ops.aten.sym_size.int, (env[node], d))
+        env[v].meta["val"] = val
 
 
 def _check_pure(module: nn.Module, ep: Any) -> None:
@@ -475,7 +536,7 @@ def _carried(
     for s, vals in enumerate(carried):
         for v in vals:
             val = v.meta.get("val")
-            if not isinstance(val, Tensor):
+            if not isinstance(val, Tensor | torch.SymInt):  # a SymInt is read, not sent
                 raise InvalidArgument(
                     f"the value {v.name!r} ({type(val).__name__}) crosses from stage {s} to stage "
                     f"{s + 1} but only tensors can cross stages; move the cut point "
