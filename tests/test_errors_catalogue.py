@@ -284,6 +284,14 @@ def _demo(*argv: str) -> None:
     demo.run(demo.parse(["--steps", "2", "--device", "cpu", *argv]))
 
 
+# ------------------------------------------------ issue 42 (i42d): loss scale, checkpoints, CLI
+def _scale_to_floor() -> None:
+    """Three overflows in a row from a scale of 4: 2, then 1 (the floor), then one at 1."""
+    state = fp.loss_scale.init(4.0)
+    for _ in range(3):
+        state = fp.loss_scale.update(state, False)
+
+
 # ------------------------------------------------------------------------------------ the rows
 CASES: list[Case] = [
     # ---- schedules
@@ -889,6 +897,16 @@ CASES: list[Case] = [
         _foreign_directory,
         InvalidArgument,
         ("exists and is not a complete funcpipe checkpoint", "refusing to replace it"),
+    ),
+    Case(
+        "loss-scale-at-floor",
+        "optimizers and checkpoints",
+        "a float16 model whose gradients overflow at every step, however far the loss scale backs off",
+        _scale_to_floor,
+        fp.loss_scale.LossScaleFloorError,
+        ("already at its floor, min_scale=1.0", "non-finite gradients", "check_finite=True"),
+        "funcpipe/train/loss_scale.py update: the scale stops at min_scale (was backed off to 0.0, "
+        "after which every step was skipped without a word)",
     ),
     # ---- launcher
     Case(
