@@ -292,6 +292,14 @@ def _scale_to_floor() -> None:
         state = fp.loss_scale.update(state, False)
 
 
+def _plan(layers: int = 32, heads: int = 32, *, pipeline: int | None = None, **kw: Any) -> None:
+    from funcpipe.planner import ClusterLayout, Transformer
+
+    model = Transformer(layers=layers, hidden=64 * heads, heads=heads, vocab=50000, seq=2048)
+    layout = None if pipeline is None else ClusterLayout(pipeline=pipeline)
+    fp.plan(model, gpu="h100-sxm", layout=layout, **kw)
+
+
 # ------------------------------------------------------------------------------------ the rows
 CASES: list[Case] = [
     # ---- schedules
@@ -441,6 +449,44 @@ CASES: list[Case] = [
         lambda: fp.Pipeline([fp.Stage(_tanh_layer)] * 2, _1f1b()),
         InvalidArgument,
         ("needs loss_fn", "to_eval(program)"),
+    ),
+    Case(
+        "plan-gpus-beyond-limit",
+        "schedules",
+        "funcpipe plan --gpus 1000000000",
+        lambda: _plan(gpus=10**9, global_batch=512),
+        InvalidArgument,
+        ("plan(gpus=1000000000)", "up to 1,048,576 GPUs", "at most that many"),
+        "funcpipe/planner/layout.py check_gpus (the search walked every number up to the GPU "
+        "count: no answer in 150 s)",
+    ),
+    Case(
+        "plan-stages-beyond-limit",
+        "schedules",
+        "funcpipe plan with a fixed layout of a million pipeline stages",
+        lambda: _plan(10**7, pipeline=10**6, gpus=10**6, global_batch=512),
+        InvalidArgument,
+        ("pipeline=1000000", "1,000,000 stages", "at most 1,024 pipeline stages"),
+        "funcpipe/planner/estimate.py check_layout (simulated without a limit: no answer in 150 s)",
+    ),
+    Case(
+        "plan-search-too-many-layouts",
+        "schedules",
+        "funcpipe plan searching 720,720 GPUs for 720,720 layers (52,560 layouts)",
+        lambda: _plan(720720, gpus=720720, global_batch=8 * 720720),
+        InvalidArgument,
+        ("more than 20,000 layouts", "narrow it", "price one layout"),
+        "funcpipe/planner/search.py (priced every layout, for minutes)",
+    ),
+    Case(
+        "plan-batch-no-data-size-divides",
+        "schedules",
+        "funcpipe plan with a global batch of 7 on 64 GPUs, for a model of 2 layers and 2 heads",
+        lambda: _plan(2, 2, gpus=64, global_batch=7),
+        InvalidArgument,
+        ("global_batch=7 is not a multiple of any data size", "16, 32 or 64", "a multiple of 16"),
+        "funcpipe/planner/search.py (said 'add GPUs, allow recompute, or use a GPU with more "
+        "memory')",
     ),
     # ---- stages and partitions
     Case(
