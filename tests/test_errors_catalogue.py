@@ -292,6 +292,53 @@ def _scale_to_floor() -> None:
         state = fp.loss_scale.update(state, False)
 
 
+def _corrupt_info() -> None:
+    path = checkpoint.save(os.path.join(_tmp(), "ck"), {"w": torch.ones(3)})
+    Path(path, "funcpipe.json").write_text('{"format": "funcpipe.train.checkpoint", "ver')
+    checkpoint.load(path, {"w": torch.ones(3)})
+
+
+def _disk_fills_in_torch_save() -> None:
+    """The disk fills after 700 bytes of a data file, inside torch.save's zip writer."""
+    import contextlib
+    import errno
+    from unittest import mock
+
+    class Filling(checkpoint.FileSystemWriter):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            create, left = self.fs.create_stream, [700]
+
+            class Stream:
+                def __init__(self, inner: Any) -> None:
+                    self.inner = inner
+
+                def write(self, data: Any) -> Any:
+                    left[0] -= memoryview(data).nbytes
+                    if left[0] < 0:
+                        raise OSError(errno.ENOSPC, "No space left on device")
+                    return self.inner.write(data)
+
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(self.inner, name)
+
+            @contextlib.contextmanager
+            def stream(path: Any, mode: str) -> Iterator[Any]:
+                with create(path, mode) as f:
+                    yield Stream(f) if str(path).endswith(".distcp") else f
+
+            self.fs.create_stream = stream  # type: ignore[method-assign]
+
+    with mock.patch.object(checkpoint, "FileSystemWriter", Filling):
+        checkpoint.save(os.path.join(_tmp(), "ck"), {"w": torch.ones(3)})
+
+
+def _emptied_data_file() -> None:
+    path = checkpoint.save(os.path.join(_tmp(), "ck"), {"w": torch.ones(3)})
+    Path(path, "__0_0.distcp").write_bytes(b"")
+    checkpoint.load(path, {"w": torch.ones(3)})
+
+
 def _plan(layers: int = 32, heads: int = 32, *, pipeline: int | None = None, **kw: Any) -> None:
     from funcpipe.planner import ClusterLayout, Transformer
 
@@ -953,6 +1000,35 @@ CASES: list[Case] = [
         ("already at its floor, min_scale=1.0", "non-finite gradients", "check_finite=True"),
         "funcpipe/train/loss_scale.py update: the scale stops at min_scale (was backed off to 0.0, "
         "after which every step was skipped without a word)",
+    ),
+    Case(
+        "checkpoint-load-corrupt-info",
+        "optimizers and checkpoints",
+        "loading a checkpoint whose funcpipe.json was cut short (its .metadata is there)",
+        _corrupt_info,
+        InvalidArgument,
+        ("its funcpipe.json is corrupt", "line 1", "load an earlier checkpoint"),
+        "funcpipe/train/checkpoint.py load (said 'no funcpipe.json and .metadata')",
+    ),
+    Case(
+        "checkpoint-save-disk-fills-in-torch-save",
+        "optimizers and checkpoints",
+        "checkpoint.save when the disk fills in the middle of a data file",
+        _disk_fills_in_torch_save,
+        OSError,
+        ("No space left on device", "rank 0 could not write the checkpoint"),
+        "funcpipe/train/checkpoint.py _save_error: the OSError behind torch's zip writer error "
+        "(was 'RuntimeError: ... unexpected pos 704 vs 598')",
+    ),
+    Case(
+        "checkpoint-load-emptied-data-file",
+        "optimizers and checkpoints",
+        "loading a checkpoint whose data file was emptied",
+        _emptied_data_file,
+        fp.FuncpipeError,
+        ("is damaged: its data file '__0_0.distcp' is 0 bytes", "truncated", "earlier checkpoint"),
+        "funcpipe/train/checkpoint_integrity.py check_files, before torch reads (was a bare "
+        "EOFError)",
     ),
     # ---- launcher
     Case(
