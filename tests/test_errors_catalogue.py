@@ -339,6 +339,12 @@ def _emptied_data_file() -> None:
     checkpoint.load(path, {"w": torch.ones(3)})
 
 
+def _binary_csv() -> None:
+    path = Path(_tmp(), "schedule.csv")
+    path.write_bytes(bytes(range(256)))
+    read_csv(path)
+
+
 def _plan(layers: int = 32, heads: int = 32, *, pipeline: int | None = None, **kw: Any) -> None:
     from funcpipe.planner import ClusterLayout, Transformer
 
@@ -534,6 +540,24 @@ CASES: list[Case] = [
         ("global_batch=7 is not a multiple of any data size", "16, 32 or 64", "a multiple of 16"),
         "funcpipe/planner/search.py (said 'add GPUs, allow recompute, or use a GPU with more "
         "memory')",
+    ),
+    Case(
+        "cli-schedule-png-unwritable",
+        "schedules",
+        "funcpipe schedule --png a path under a file",
+        lambda: _cli("schedule", "1f1b", "-p", "2", "-m", "2", "--png", _under_a_file() + ".png"),
+        InvalidArgument,
+        ("--png", "cannot be written", "is a file, not a directory", "a directory you can write"),
+        "funcpipe/cli/schedule.py _write_files (was an uncaught FileExistsError)",
+    ),
+    Case(
+        "schedule-csv-binary-file",
+        "schedules",
+        "a binary file given to funcpipe check (read_csv) as a torch pipelining CSV",
+        _binary_csv,
+        InvalidArgument,
+        ("is not a text file", "byte 0x80 at offset 128 is not UTF-8", "_dump_csv"),
+        "funcpipe/schedule/interop.py read_csv (was an uncaught UnicodeDecodeError)",
     ),
     # ---- stages and partitions
     Case(
