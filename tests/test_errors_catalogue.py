@@ -333,6 +333,75 @@ def _symbolic_size_across_cut() -> None:
     fp.split_module(_Pooled(), ["b"], example=torch.randn(3, 4), dynamic_shapes=rows)
 
 
+# ------------------------------------------------ issue 42 (i42d): loss scale, checkpoints, CLI
+def _scale_to_floor() -> None:
+    """Three overflows in a row from a scale of 4: 2, then 1 (the floor), then one at 1."""
+    state = fp.loss_scale.init(4.0)
+    for _ in range(3):
+        state = fp.loss_scale.update(state, False)
+
+
+def _corrupt_info() -> None:
+    path = checkpoint.save(os.path.join(_tmp(), "ck"), {"w": torch.ones(3)})
+    Path(path, "funcpipe.json").write_text('{"format": "funcpipe.train.checkpoint", "ver')
+    checkpoint.load(path, {"w": torch.ones(3)})
+
+
+def _disk_fills_in_torch_save() -> None:
+    """The disk fills after 700 bytes of a data file, inside torch.save's zip writer."""
+    import contextlib
+    import errno
+    from unittest import mock
+
+    class Filling(checkpoint.FileSystemWriter):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            create, left = self.fs.create_stream, [700]
+
+            class Stream:
+                def __init__(self, inner: Any) -> None:
+                    self.inner = inner
+
+                def write(self, data: Any) -> Any:
+                    left[0] -= memoryview(data).nbytes
+                    if left[0] < 0:
+                        raise OSError(errno.ENOSPC, "No space left on device")
+                    return self.inner.write(data)
+
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(self.inner, name)
+
+            @contextlib.contextmanager
+            def stream(path: Any, mode: str) -> Iterator[Any]:
+                with create(path, mode) as f:
+                    yield Stream(f) if str(path).endswith(".distcp") else f
+
+            self.fs.create_stream = stream  # type: ignore[method-assign]
+
+    with mock.patch.object(checkpoint, "FileSystemWriter", Filling):
+        checkpoint.save(os.path.join(_tmp(), "ck"), {"w": torch.ones(3)})
+
+
+def _emptied_data_file() -> None:
+    path = checkpoint.save(os.path.join(_tmp(), "ck"), {"w": torch.ones(3)})
+    Path(path, "__0_0.distcp").write_bytes(b"")
+    checkpoint.load(path, {"w": torch.ones(3)})
+
+
+def _binary_csv() -> None:
+    path = Path(_tmp(), "schedule.csv")
+    path.write_bytes(bytes(range(256)))
+    read_csv(path)
+
+
+def _plan(layers: int = 32, heads: int = 32, *, pipeline: int | None = None, **kw: Any) -> None:
+    from funcpipe.planner import ClusterLayout, Transformer
+
+    model = Transformer(layers=layers, hidden=64 * heads, heads=heads, vocab=50000, seq=2048)
+    layout = None if pipeline is None else ClusterLayout(pipeline=pipeline)
+    fp.plan(model, gpu="h100-sxm", layout=layout, **kw)
+
+
 # ------------------------------------------------------------------------------------ the rows
 CASES: list[Case] = [
     # ---- schedules
@@ -482,6 +551,62 @@ CASES: list[Case] = [
         lambda: fp.Pipeline([fp.Stage(_tanh_layer)] * 2, _1f1b()),
         InvalidArgument,
         ("needs loss_fn", "to_eval(program)"),
+    ),
+    Case(
+        "plan-gpus-beyond-limit",
+        "schedules",
+        "funcpipe plan --gpus 1000000000",
+        lambda: _plan(gpus=10**9, global_batch=512),
+        InvalidArgument,
+        ("plan(gpus=1000000000)", "up to 1,048,576 GPUs", "at most that many"),
+        "funcpipe/planner/layout.py check_gpus (the search walked every number up to the GPU "
+        "count: no answer in 150 s)",
+    ),
+    Case(
+        "plan-stages-beyond-limit",
+        "schedules",
+        "funcpipe plan with a fixed layout of a million pipeline stages",
+        lambda: _plan(10**7, pipeline=10**6, gpus=10**6, global_batch=512),
+        InvalidArgument,
+        ("pipeline=1000000", "1,000,000 stages", "at most 1,024 pipeline stages"),
+        "funcpipe/planner/estimate.py check_layout (simulated without a limit: no answer in 150 s)",
+    ),
+    Case(
+        "plan-search-too-many-layouts",
+        "schedules",
+        "funcpipe plan searching 720,720 GPUs for 720,720 layers (52,560 layouts)",
+        lambda: _plan(720720, gpus=720720, global_batch=8 * 720720),
+        InvalidArgument,
+        ("more than 20,000 layouts", "narrow it", "price one layout"),
+        "funcpipe/planner/search.py (priced every layout, for minutes)",
+    ),
+    Case(
+        "plan-batch-no-data-size-divides",
+        "schedules",
+        "funcpipe plan with a global batch of 7 on 64 GPUs, for a model of 2 layers and 2 heads",
+        lambda: _plan(2, 2, gpus=64, global_batch=7),
+        InvalidArgument,
+        ("global_batch=7 is not a multiple of any data size", "16, 32 or 64", "a multiple of 16"),
+        "funcpipe/planner/search.py (said 'add GPUs, allow recompute, or use a GPU with more "
+        "memory')",
+    ),
+    Case(
+        "cli-schedule-png-unwritable",
+        "schedules",
+        "funcpipe schedule --png a path under a file",
+        lambda: _cli("schedule", "1f1b", "-p", "2", "-m", "2", "--png", _under_a_file() + ".png"),
+        InvalidArgument,
+        ("--png", "cannot be written", "is a file, not a directory", "a directory you can write"),
+        "funcpipe/cli/schedule.py _write_files (was an uncaught FileExistsError)",
+    ),
+    Case(
+        "schedule-csv-binary-file",
+        "schedules",
+        "a binary file given to funcpipe check (read_csv) as a torch pipelining CSV",
+        _binary_csv,
+        InvalidArgument,
+        ("is not a text file", "byte 0x80 at offset 128 is not UTF-8", "_dump_csv"),
+        "funcpipe/schedule/interop.py read_csv (was an uncaught UnicodeDecodeError)",
     ),
     # ---- stages and partitions
     Case(
@@ -988,6 +1113,45 @@ CASES: list[Case] = [
         _foreign_directory,
         InvalidArgument,
         ("exists and is not a complete funcpipe checkpoint", "refusing to replace it"),
+    ),
+    Case(
+        "loss-scale-at-floor",
+        "optimizers and checkpoints",
+        "a float16 model whose gradients overflow at every step, however far the loss scale backs off",
+        _scale_to_floor,
+        fp.loss_scale.LossScaleFloorError,
+        ("already at its floor, min_scale=1.0", "non-finite gradients", "check_finite=True"),
+        "funcpipe/train/loss_scale.py update: the scale stops at min_scale (was backed off to 0.0, "
+        "after which every step was skipped without a word)",
+    ),
+    Case(
+        "checkpoint-load-corrupt-info",
+        "optimizers and checkpoints",
+        "loading a checkpoint whose funcpipe.json was cut short (its .metadata is there)",
+        _corrupt_info,
+        InvalidArgument,
+        ("its funcpipe.json is corrupt", "line 1", "load an earlier checkpoint"),
+        "funcpipe/train/checkpoint.py load (said 'no funcpipe.json and .metadata')",
+    ),
+    Case(
+        "checkpoint-save-disk-fills-in-torch-save",
+        "optimizers and checkpoints",
+        "checkpoint.save when the disk fills in the middle of a data file",
+        _disk_fills_in_torch_save,
+        OSError,
+        ("No space left on device", "rank 0 could not write the checkpoint"),
+        "funcpipe/train/checkpoint.py _save_error: the OSError behind torch's zip writer error "
+        "(was 'RuntimeError: ... unexpected pos 704 vs 598')",
+    ),
+    Case(
+        "checkpoint-load-emptied-data-file",
+        "optimizers and checkpoints",
+        "loading a checkpoint whose data file was emptied",
+        _emptied_data_file,
+        fp.FuncpipeError,
+        ("is damaged: its data file '__0_0.distcp' is 0 bytes", "truncated", "earlier checkpoint"),
+        "funcpipe/train/checkpoint_integrity.py check_files, before torch reads (was a bare "
+        "EOFError)",
     ),
     # ---- launcher
     Case(

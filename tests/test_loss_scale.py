@@ -101,11 +101,38 @@ def test_the_scale_grows_after_growth_interval_finite_steps() -> None:
     assert loss_scale.update(top, True).scale.item() == 2.0**127
 
 
+def test_the_scale_stops_at_its_floor_and_an_overflow_there_raises() -> None:
+    """Issue 42: repeated overflow used to back the scale off to 0.0, after which every step was
+    skipped without a word. The scale now stops at ``min_scale`` and an overflow there raises."""
+    state = loss_scale.init(8.0, min_scale=2.0, backoff_factor=0.25)
+    state = loss_scale.update(state, False)
+    assert state.scale.item() == 2.0  # 8 x 0.25, floored at 2 (not 0.5)
+    assert loss_scale.update(state, True).scale.item() == 2.0  # finite steps at the floor go on
+    with pytest.raises(loss_scale.LossScaleFloorError) as caught:
+        loss_scale.update(state, torch.tensor(False))
+    text = str(caught.value)
+    assert "min_scale=2.0" in text and "non-finite gradients" in text
+    assert "check_finite=True" in text and isinstance(caught.value, FloatingPointError)
+    assert state.scale.item() == 2.0  # pure: the state given is as it was
+    # the default floor is 1.0 (or the first scale, when that is smaller)
+    assert loss_scale.init().min_scale == 1.0 and loss_scale.init(2.0**-8).min_scale == 2.0**-8
+    state, overflows = loss_scale.init(), 0
+    with pytest.raises(loss_scale.LossScaleFloorError, match=r"min_scale=1\.0"):
+        for overflows in range(1, 200):  # noqa: B007
+            state = loss_scale.update(state, False)
+    assert state.scale.item() == 1.0 and overflows == 17  # 2**16 -> 1 in 16, the 17th raises
+    with pytest.raises(InvalidArgument, match=r"min_scale=4.0 is above initial=2.0"):
+        loss_scale.init(2.0, min_scale=4.0)
+    with pytest.raises(InvalidArgument, match=r"min_scale=0: the smallest loss scale"):
+        loss_scale.init(min_scale=0)
+
+
 @given(flags=st.lists(st.booleans(), max_size=30), interval=st.integers(1, 4))
 def test_update_follows_torch_grad_scaler(flags: list[bool], interval: int) -> None:
-    """The same scale and count as torch's own update (torch._amp_update_scale_)."""
+    """The same scale and count as torch's own update (torch._amp_update_scale_), which has no
+    floor: ``min_scale`` below the 2**-18 that 30 overflows reach."""
     state = loss_scale.init(
-        2.0**12, growth_factor=2.0, backoff_factor=0.5, growth_interval=interval
+        2.0**12, growth_factor=2.0, backoff_factor=0.5, growth_interval=interval, min_scale=2.0**-24
     )
     scale, tracker = torch.tensor(2.0**12), torch.tensor(0, dtype=torch.int32)
     for finite in flags:

@@ -157,4 +157,18 @@ def _run(args: argparse.Namespace) -> int:
             f"{e.hardware_tflops_per_gpu:8.1f} {e.memory_gib_per_gpu:8.1f}  "
             f"{'yes' if e.fits else 'NO'}"
         )
+    _closed_form_note(got)
     return 0
+
+
+def _closed_form_note(got: list[Any]) -> None:
+    """Say which rows were priced with the closed form: their programs are too long to simulate."""
+    from funcpipe.planner.pipeline import MAX_SIMULATED
+
+    rows = [k for k, e in enumerate(got, 1) if e.layout.pipeline > 1 and not e.simulated]
+    if rows:
+        print(
+            f"#{', #'.join(map(str, rows))}: priced with the closed form, not simulated: the "
+            f"program (pipeline x microbatches x interleave) is longer than the "
+            f"{MAX_SIMULATED:,} the simulator runs in seconds"
+        )

@@ -283,19 +283,42 @@ def _check_size(args: argparse.Namespace) -> None:
 
 
 def _write_files(args: argparse.Namespace, program: Any, timeline: Any) -> dict[str, str]:
-    """``--text``, ``--png`` and ``--trace``: what was written where."""
+    """``--text``, ``--png`` and ``--trace``: what was written where. A path that cannot be
+    written is an :class:`InvalidArgument` naming the option, the path and why."""
     from funcpipe.schedule.render import draw_timeline, write_chrome_trace
 
+    def text(path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(program.to_text())
+        return path
+
     written: dict[str, str] = {}
-    if args.text is not None:
-        args.text.parent.mkdir(parents=True, exist_ok=True)
-        args.text.write_text(program.to_text())
-        written["text"] = str(args.text)
-    if args.png is not None:
-        written["png"] = str(draw_timeline(timeline, args.png))
-    if args.trace is not None:
-        written["trace"] = str(write_chrome_trace(timeline, args.trace))
+    for kind, path, write in (
+        ("text", args.text, text),
+        ("png", args.png, lambda p: draw_timeline(timeline, p)),
+        ("trace", args.trace, lambda p: write_chrome_trace(timeline, p)),
+    ):
+        if path is None:
+            continue
+        try:
+            written[kind] = str(write(path))
+        except OSError as e:
+            raise InvalidArgument(
+                f"--{kind} {path}: cannot be written ({_why_unwritable(path, e)}); give a path "
+                "in a directory you can write to"
+            ) from None
     return written
+
+
+def _why_unwritable(path: Path, error: OSError) -> str:
+    """A file where a directory should be, or the error's own words."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"{parent} is a file, not a directory"
+            break
+    where = f": {error.filename}" if error.filename else ""
+    return f"{type(error).__name__}: {error.strerror or error}{where}"
 
 
 def _one_or_all(values: list[float] | None) -> float | list[float] | None:

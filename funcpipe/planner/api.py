@@ -8,8 +8,9 @@ from funcpipe.errors import InvalidArgument
 from funcpipe.planner.calibration import DEFAULT, Calibration
 from funcpipe.planner.cluster import Cluster, cluster
 from funcpipe.planner.estimate import Estimate, estimate
-from funcpipe.planner.layout import ClusterLayout
+from funcpipe.planner.layout import ClusterLayout, check_gpus
 from funcpipe.planner.model import Transformer
+from funcpipe.planner.pipeline import MAX_SIMULATED
 from funcpipe.planner.search import search
 
 __all__ = ["plan"]
@@ -31,14 +32,18 @@ def plan(
     :data:`funcpipe.planner.GPUS` or a :class:`~funcpipe.planner.Cluster`).
 
     With ``layout`` given: a one-element list, that layout priced with the simulator (it may not
-    fit: see ``fits``). Without: the ``top`` fastest layouts that fit, best first
-    (:func:`funcpipe.planner.search`; ``space`` narrows it). ``global_batch`` is in sequences.
+    fit: see ``fits``), or with the closed form when its program would be longer than
+    :data:`~funcpipe.planner.pipeline.MAX_SIMULATED` (``simulated`` is then ``False``).
+    Without: the ``top`` fastest layouts that fit, best first (:func:`funcpipe.planner.search`;
+    ``space`` narrows it). ``global_batch`` is in sequences. At most
+    :data:`~funcpipe.planner.layout.MAX_GPUS` GPUs.
     """
     if not isinstance(model, Transformer):
         raise InvalidArgument(f"plan(model={model!r}): pass a funcpipe.plan.Transformer")
     for name, value in (("gpus", gpus), ("global_batch", global_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidArgument(f"plan({name}={value!r}): a positive integer")
+    check_gpus(gpus, "plan")
     where = cluster(gpu)
     if layout is not None:
         if layout.gpus != gpus:
@@ -46,6 +51,8 @@ def plan(
                 f"plan(gpus={gpus}, layout={layout.short()!r}): the layout has "
                 f"{layout.gpus} GPUs; make tensor x pipeline x data equal gpus"
             )
+        p, v = layout.pipeline, layout.interleave
+        m = global_batch // (layout.data * layout.microbatch)  # checked by estimate
         return [
             estimate(
                 model,
@@ -53,7 +60,7 @@ def plan(
                 layout,
                 global_batch=global_batch,
                 calibration=calibration,
-                simulate=True,
+                simulate=p * min(m, 3 * p) * v <= MAX_SIMULATED,
                 overlap_grad_reduce=overlap_grad_reduce,
             )
         ]

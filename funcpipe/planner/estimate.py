@@ -9,7 +9,7 @@ from funcpipe.planner import comm
 from funcpipe.planner.calibration import DEFAULT, Calibration
 from funcpipe.planner.cluster import Cluster
 from funcpipe.planner.compute import head_costs, layer_costs
-from funcpipe.planner.layout import ClusterLayout
+from funcpipe.planner.layout import MAX_STAGES, ClusterLayout, check_gpus
 from funcpipe.planner.model import Transformer
 from funcpipe.planner.pipeline import closed_form, in_flight, placement, simulated
 
@@ -68,6 +68,13 @@ def check_layout(model: Transformer, layout: ClusterLayout, gpus: int, global_ba
         raise InvalidArgument(
             f"layout {layout.short()}: tensor x pipeline x data = {layout.gpus} but gpus={gpus}; "
             "the three must multiply to the GPU count"
+        )
+    check_gpus(gpus, "estimate")
+    if p * v > MAX_STAGES:
+        raise InvalidArgument(
+            f"layout pipeline={p}, interleave={v}: {p * v:,} stages, but the planner models at "
+            f"most {MAX_STAGES:,} pipeline stages (pipeline x interleave; the longest pipelines "
+            "in use have about a hundred); use a smaller pipeline or interleave"
         )
     if model.heads % t or model.kv % t:
         raise InvalidArgument(
@@ -154,13 +161,11 @@ def estimate(
         pipe, peaks = simulated(layout.schedule, p, m, v, f, i, w, act)
     else:
         pipe = closed_form(layout.schedule, p, m, v, bf, bi, bw_)
+        chunk_act = [0.0] * p  # the largest chunk's activations per rank
+        for s, r in enumerate(place):
+            chunk_act[r] = max(chunk_act[r], act[s])
         peaks = tuple(
-            max(
-                in_flight(layout.schedule, p, m, v, r)
-                * max(act[s] for s in range(stages) if place[s] == r),
-                0.0,
-            )
-            for r in range(p)
+            max(in_flight(layout.schedule, p, m, v, r) * chunk_act[r], 0.0) for r in range(p)
         )
     # parameters per rank: blocks, the embedding on the first stage, the output layer on the last
     block = model.layer_params() / t

@@ -6,13 +6,41 @@ from dataclasses import asdict, dataclass
 
 from funcpipe.errors import InvalidArgument
 
-__all__ = ["RECOMPUTE", "SCHEDULES", "ClusterLayout", "Layout"]
+__all__ = [
+    "MAX_GPUS",
+    "MAX_STAGES",
+    "RECOMPUTE",
+    "SCHEDULES",
+    "ClusterLayout",
+    "Layout",
+    "check_gpus",
+]
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "zb-h2", "zbv")
 """Schedules the planner prices (names of :data:`funcpipe.schedule.GENERATORS`)."""
 
 _CHUNKS = {"1f1b": 1, "gpipe": 1, "zb-h1": 1, "zb-h2": 1, "zbv": 2}
+
+MAX_GPUS = 2**20
+"""The most GPUs the planner models: 1,048,576, several times the largest clusters trained on
+(of the order of 100,000 GPUs). Its cluster model (one flat inter-node link) was never meant for
+more, and the search's work grows with the GPU count; a larger count is refused, saying so
+(issue 42: 10**9 GPUs gave no answer in 150 s)."""
+
+MAX_STAGES = 1024
+"""The most pipeline stages (pipeline x interleave) the planner models: the longest pipelines in
+use have about a hundred. A layout's price is computed stage by stage, and the search does not
+consider more; a given layout with more is refused (issue 42: 10**7 stages never answered)."""
+
+
+def check_gpus(gpus: int, where: str) -> None:
+    """Refuse a GPU count beyond :data:`MAX_GPUS`, naming it."""
+    if gpus > MAX_GPUS:
+        raise InvalidArgument(
+            f"{where}(gpus={gpus}): the planner models clusters of up to {MAX_GPUS:,} GPUs "
+            "(2**20, several times the largest trained on); plan for at most that many"
+        )
 
 
 @dataclass(frozen=True)

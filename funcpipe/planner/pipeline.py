@@ -26,7 +26,12 @@ from funcpipe.schedule.generators import generate
 from funcpipe.schedule.ir import Program
 from funcpipe.schedule.simulate import Costs, peak_memory, simulate
 
-__all__ = ["closed_form", "in_flight", "placement", "program", "simulated"]
+__all__ = ["MAX_SIMULATED", "closed_form", "in_flight", "placement", "program", "simulated"]
+
+MAX_SIMULATED = 40_000
+"""The largest program :func:`simulated` is asked to run, in ranks x microbatches x chunks
+(``p x min(m, 3p) x v``): a few seconds on one core (ZB-H2 at 115 ranks, 39,675: 2 to 4 s).
+Larger layouts keep their closed-form price (``Estimate.simulated`` is then ``False``)."""
 
 
 def closed_form(schedule: str, p: int, m: int, v: int, f: float, i: float, w: float) -> float:

@@ -9,22 +9,49 @@ sorted by that price. 3,072 GPUs x 512 microbatches take seconds (benchmarks/pla
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from itertools import islice
 from typing import Any
 
 from funcpipe.errors import InvalidArgument
 from funcpipe.planner.calibration import DEFAULT, Calibration
 from funcpipe.planner.cluster import Cluster
 from funcpipe.planner.estimate import Estimate, estimate
-from funcpipe.planner.layout import RECOMPUTE, ClusterLayout
+from funcpipe.planner.layout import MAX_STAGES, RECOMPUTE, ClusterLayout, check_gpus
 from funcpipe.planner.model import Transformer
+from funcpipe.planner.pipeline import MAX_SIMULATED
 
-__all__ = ["candidates", "search"]
+__all__ = ["MAX_LAYOUTS", "candidates", "search"]
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
 
+MAX_LAYOUTS = 20_000
+"""The most layouts :func:`search` prices: seconds of work (the 1T GPT on 3,072 GPUs has 3,480).
+A GPU count, layer count and batch with many common divisors can give more (720,720 of each:
+52,560); such a search is refused, saying how to narrow it (issue 42: bound the work)."""
+
 
 def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of ``n`` in increasing order, by trial up to its square root."""
+    small, large = [], []
+    k = 1
+    while k * k <= n:
+        if n % k == 0:
+            small.append(k)
+            if k * k != n:
+                large.append(n // k)
+        k += 1
+    return small + large[::-1]
+
+
+def _splits(model: Transformer, gpus: int, gpus_per_node: int) -> Iterator[tuple[int, int]]:
+    """(tensor, pipeline) pairs: tensor within a node dividing the (kv) heads, pipeline dividing
+    the layers, at most :data:`~funcpipe.planner.layout.MAX_STAGES` of them."""
+    for t in _divisors(gpus):
+        if t > gpus_per_node or model.heads % t or model.kv % t:
+            continue
+        for p in _divisors(gpus // t):
+            if p <= MAX_STAGES and model.layers % p == 0:
+                yield t, p
 
 
 def candidates(
@@ -42,31 +69,55 @@ def candidates(
 ) -> Iterator[ClusterLayout]:
     """Every valid layout: ``tensor`` within a node and dividing the heads, ``pipeline`` and
     ``interleave`` splitting the layers evenly, ``data`` the rest, ``microbatch`` dividing the
-    batch of one data rank."""
-    for t in _divisors(gpus):
-        if t > gpus_per_node or model.heads % t or model.kv % t:
+    batch of one data rank; at most :data:`~funcpipe.planner.layout.MAX_STAGES` stages."""
+    for t, p in _splits(model, gpus, gpus_per_node):
+        d = gpus // (t * p)
+        if global_batch % d:
             continue
-        for p in _divisors(gpus // t):
-            if model.layers % p:
+        for b in microbatches:
+            if (global_batch // d) % b:
                 continue
-            d = gpus // (t * p)
-            if global_batch % d:
-                continue
-            for b in microbatches:
-                if (global_batch // d) % b:
-                    continue
-                for sched in schedules if p > 1 else ("1f1b",):
-                    if sched == "interleaved":
-                        vs = [v for v in interleaves if model.layers % (p * v) == 0]
-                    elif sched == "zbv":
-                        vs = [2] if model.layers % (2 * p) == 0 else []
-                    else:
-                        vs = [1]
-                    for v in vs:
-                        for rc in recompute:
-                            for sp in sequence_parallel if t > 1 else (False,):
-                                for z in zero1 if d > 1 else (False,):
-                                    yield ClusterLayout(t, p, d, b, v, rc, sp, sched, z)
+            for sched in schedules if p > 1 else ("1f1b",):
+                for v in _chunks(model, sched, p, interleaves):
+                    for rc in recompute:
+                        for sp in sequence_parallel if t > 1 else (False,):
+                            for z in zero1 if d > 1 else (False,):
+                                yield ClusterLayout(t, p, d, b, v, rc, sp, sched, z)
+
+
+def _chunks(model: Transformer, sched: str, p: int, interleaves: Sequence[int]) -> list[int]:
+    """The chunks per rank ``sched`` may run on ``p`` ranks: stages dividing the layers."""
+    if sched == "interleaved":
+        vs = list(interleaves)
+    elif sched == "zbv":
+        vs = [2]
+    else:
+        return [1]
+    return [v for v in vs if model.layers % (p * v) == 0 and p * v <= MAX_STAGES]
+
+
+def _no_layout(
+    model: Transformer, gpus: int, global_batch: int, gpus_per_node: int, space: dict[str, Any]
+) -> str:
+    """Why no layout of ``gpus`` GPUs splits ``global_batch``: the data sizes they can have."""
+    sizes = sorted({gpus // (t * p) for t, p in _splits(model, gpus, gpus_per_node)})
+    shown = ", ".join(map(str, sizes[:-1])) + (" or " if len(sizes) > 1 else "") + str(sizes[-1])
+    if all(global_batch % d for d in sizes):
+        least = sizes[0]
+        return (
+            f"search: global_batch={global_batch} is not a multiple of any data size a layout of "
+            f"{gpus} GPUs can have: data = gpus / (tensor x pipeline) is {shown} (tensor within "
+            f"a node of {gpus_per_node} dividing heads={model.heads}, pipeline dividing "
+            f"layers={model.layers}), and every data rank takes an equal share of the batch. "
+            f"Use a global batch that is a multiple of {least} (e.g. "
+            f"{-(-global_batch // least) * least}), or fewer GPUs"
+        )
+    narrowed = ", ".join(f"{k}={v!r}" for k, v in sorted(space.items())) or "nothing"
+    return (
+        f"search: no layout of {gpus} GPUs splits global_batch={global_batch} in the space "
+        f"searched (narrowed by {narrowed}): a microbatch size must divide a data rank's batch, "
+        f"and a schedule's stages must divide layers={model.layers}; widen the space"
+    )
 
 
 def search(
@@ -80,7 +131,7 @@ def search(
     refine: int = 3,
     margin: float = 0.02,
     simulate: bool = True,
-    max_simulated_microbatches: int = 40_000,
+    max_simulated_microbatches: int = MAX_SIMULATED,
     overlap_grad_reduce: bool = True,
     memory_limit: float | None = None,
     **space: Any,
@@ -94,22 +145,33 @@ def search(
     """
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise InvalidArgument(f"search(gpus={gpus!r}): a positive integer")
+    check_gpus(gpus, "search")
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise InvalidArgument(f"search(top={top!r}): a positive integer")
     kw: dict[str, Any] = {"calibration": calibration, "overlap_grad_reduce": overlap_grad_reduce}
+    layouts = list(
+        islice(
+            candidates(model, gpus, global_batch, gpus_per_node=cluster.gpus_per_node, **space),
+            MAX_LAYOUTS + 1,
+        )
+    )
+    if len(layouts) > MAX_LAYOUTS:
+        raise InvalidArgument(
+            f"search: more than {MAX_LAYOUTS:,} layouts of {gpus} GPUs to price for "
+            f"layers={model.layers} and global_batch={global_batch} (they have many divisors in "
+            "common), more than the search prices in seconds; narrow it (search or plan with "
+            "schedules=, recompute=, microbatches=, interleaves=, sequence_parallel=), or price "
+            "one layout (funcpipe plan with --tensor, --pipeline, ...)"
+        )
     fast = []
-    for layout in candidates(
-        model,
-        gpus,
-        global_batch,
-        gpus_per_node=cluster.gpus_per_node,
-        **space,
-    ):
+    for layout in layouts:
         e = estimate(
             model, cluster, layout, global_batch=global_batch, memory_limit=memory_limit, **kw
         )
         if e.fits:
             fast.append(e)
+    if not layouts:
+        raise InvalidArgument(_no_layout(model, gpus, global_batch, cluster.gpus_per_node, space))
     if not fast:
         raise InvalidArgument(
             f"search: no layout of {gpus} GPUs fits {model} with global_batch={global_batch} "

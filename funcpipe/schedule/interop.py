@@ -54,9 +54,16 @@ def _source(text_or_path: str | os.PathLike[str]) -> tuple[str, str]:
             f"read_csv: text_or_path={text_or_path!r} must be the CSV text (str) or a path"
         )
     try:
-        return path.read_text(), path.stem
+        return path.read_text(encoding="utf-8"), path.stem
     except OSError as e:
         raise InvalidArgument(f"read_csv: cannot read {str(path)!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:  # a binary file (issue 42: it escaped uncaught)
+        raise InvalidArgument(
+            f"read_csv: {str(path)!r} is not a text file: byte 0x{e.object[e.start]:02x} at "
+            f"offset {e.start} is not UTF-8 ({e.reason}). Give the CSV schedule that "
+            "torch.distributed.pipelining writes (_dump_csv: UTF-8 text, one row of cells per "
+            "rank, e.g. '0F0,0F1,0B0')"
+        ) from None
 
 
 def _cell(cell: str, rank: int, column: int, comms: str) -> list[tuple[Op, int, int]]:

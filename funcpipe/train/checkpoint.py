@@ -54,6 +54,7 @@ from funcpipe.errors import FuncpipeError, InvalidArgument, check_int
 from funcpipe.train.checkpoint_integrity import (
     SafeReader,
     check_against,
+    check_files,
     checksums,
     gather_checksums,
     verify,
@@ -187,16 +188,30 @@ def _check_path(path: Any) -> str:
 
 def _read_info(path: str) -> dict[str, Any] | None:
     """The ``funcpipe.json`` of a complete checkpoint directory, else ``None``."""
+    return _info_or_reason(path)[0]
+
+
+def _info_or_reason(path: str) -> tuple[dict[str, Any] | None, str]:
+    """(the ``funcpipe.json`` of a complete checkpoint, "") or (None, why it is not one: "" when
+    neither file is there, or no directory)."""
+    if not os.path.isdir(path):
+        return None, ""
+    has_metadata = os.path.isfile(os.path.join(path, ".metadata"))
     try:
         with open(os.path.join(path, INFO)) as f:
             info = json.load(f)
-    except (OSError, ValueError):
-        return None
+    except FileNotFoundError:
+        return None, "it has a .metadata but no funcpipe.json" if has_metadata else ""
+    except ValueError as e:  # not JSON, or not UTF-8
+        return None, f"its funcpipe.json is corrupt ({e})"
+    except OSError as e:
+        return None, f"its funcpipe.json cannot be read ({e})"
     if not isinstance(info, dict) or info.get("format") != FORMAT:
-        return None
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        return None
-    return info
+        got = info.get("format") if isinstance(info, dict) else type(info).__name__
+        return None, f"its funcpipe.json was not written by {FORMAT} (format {got!r})"
+    if not has_metadata:
+        return None, "it has a funcpipe.json but no .metadata (DCP's index of the tensors)"
+    return info, ""
 
 
 def _pause(stage: str) -> None:
@@ -296,6 +311,7 @@ def save(
             "must be equal (data-parallel or tied copies that have drifted apart are a bug to "
             f"find); give per-rank values distinct keys. {target!r} was left as it was"
         )
+    failed: OSError | None = None
     if rank == 0:
         info = {
             "format": FORMAT,
@@ -306,30 +322,69 @@ def save(
             "torch": torch.__version__,
             "checksums": sums,
         }
-        info_path = os.path.join(tmp, INFO)
-        with open(info_path, "w") as f:
-            json.dump(info, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        _pause("written")
-        _commit(tmp, target, nonce)
-    if on:
-        dist.barrier(group=group)
+        try:
+            _write_info(tmp, info)
+        except OSError as e:  # a full disk: the previous checkpoint stays as it was
+            shutil.rmtree(tmp, ignore_errors=True)
+            _note(e, f"funcpipe: rank 0 could not write the checkpoint {target!r}")
+            failed = e
+        else:
+            try:
+                _pause("written")
+                _commit(tmp, target, nonce)
+            except OSError as e:  # tmp is complete: left for latest (an .old- one is found)
+                _note(e, f"funcpipe: rank 0 could not move the checkpoint {target!r} in place")
+                failed = e
+    if on:  # every rank learns whether rank 0 wrote it (a barrier that cannot hang on a failure)
+        _agree(
+            group,
+            failed,
+            "checkpoint.save",
+            elsewhere=f"rank 0 could not finish the checkpoint {target!r} (writing {INFO} or "
+            "moving it in place; its error names the cause); the previous checkpoint there, if "
+            "any, was kept",
+        )
+    elif failed is not None:
+        raise failed
     return target
+
+
+def _write_info(tmp: str, info: dict[str, Any]) -> None:
+    with open(os.path.join(tmp, INFO), "w") as f:
+        json.dump(info, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
 
 
 def _save_error(e: CheckpointException, target: str) -> BaseException:
     """What a failed DCP save raises: the first rank's ``OSError`` itself (read-only, disk
     full, no such directory), with a note naming the checkpoint; else a FuncpipeError saying
-    which rank failed how."""
+    which rank failed how. An ``OSError`` that torch's zip writer hid behind its own error
+    (a disk that fills inside ``torch.save`` gives "unexpected pos 704 vs 598", the
+    ``OSError`` as its context) is found and raised in its place."""
     for rank, (exc, _) in sorted(e.failures.items()):
-        if isinstance(exc, OSError):
-            note = getattr(exc, "add_note", None)  # Python >= 3.11
-            if note is not None:
-                note(f"funcpipe: rank {rank} could not write the checkpoint {target!r}")
-            return exc
+        cause = _os_error(exc)
+        if cause is not None:
+            _note(cause, f"funcpipe: rank {rank} could not write the checkpoint {target!r}")
+            return cause
     return FuncpipeError(f"cannot write the checkpoint {target!r}: {_failures(e)}")
+
+
+def _os_error(exc: BaseException | None) -> OSError | None:
+    """``exc`` or the first ``OSError`` among its causes and contexts."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, OSError):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def _note(exc: BaseException, text: str) -> None:
+    note = getattr(exc, "add_note", None)  # Python >= 3.11
+    if note is not None:
+        note(text)
 
 
 def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None = None) -> Any:
@@ -354,7 +409,14 @@ def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None 
     info: dict[str, Any] | None = None
     try:
         source = _check_path(path)
-        info = _read_info(source)
+        info, why = _info_or_reason(source)
+        if info is None and why:
+            raise InvalidArgument(
+                f"path={path!r} is not a complete funcpipe checkpoint: {why}. A save writes "
+                "both before the checkpoint appears at its path, so it was damaged or written "
+                "by something else; load an earlier checkpoint (funcpipe.checkpoint.latest("
+                "directory) finds the newest complete one, skipping this)."
+            )
         if info is None:
             raise InvalidArgument(
                 f"path={path!r} is not a complete funcpipe checkpoint (no {INFO} and "
@@ -373,7 +435,9 @@ def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None 
                     wanted[k] = torch.empty_like(v)
             else:
                 wanted[k] = torch.empty((), dtype=_SCALARS[type(v)])
-        check_against(source, SafeReader(source).read_metadata(), wanted)
+        metadata = SafeReader(source).read_metadata()
+        check_against(source, metadata, wanted)
+        check_files(source, metadata, wanted)
     except (InvalidArgument, FuncpipeError) as e:
         error = e
     _agree(group, error, "checkpoint.load")

@@ -7,6 +7,9 @@ dataclass, torch 2.13). :class:`SafeReader` is DCP's file reader with that file 
 ever unpickled; data files outside the checkpoint directory are refused too.
 :func:`check_against` checks the stored keys, shapes and dtypes against what a load asks for.
 
+**Data files.** :func:`check_files` finds a data file that is missing or shorter than the
+metadata says (emptied, truncated), before torch reads it.
+
 **Checksums.** A save records the CRC-32 of every plain tensor it writes (:func:`checksums`,
 agreed over the ranks by :func:`gather_checksums`, which also finds a key that two ranks hold
 with different bytes); a load verifies what it read against them (:func:`verify`).
@@ -35,6 +38,7 @@ __all__ = [
     "MetadataUnpickler",
     "SafeReader",
     "check_against",
+    "check_files",
     "checksums",
     "crc",
     "gather_checksums",
@@ -170,6 +174,34 @@ class SafeReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = getattr(self, "load_id", None)
         return metadata
+
+
+def check_files(path: str, metadata: Any, wanted: dict[str, Tensor]) -> None:
+    """Every data file holding a key of ``wanted`` exists and is as long as the metadata says:
+    else a FuncpipeError naming the file (torch would raise a bare ``EOFError`` or a zip
+    error)."""
+    need: dict[str, int] = {}
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        if getattr(index, "fqn", None) in wanted:
+            rel = os.fspath(info.relative_path)
+            need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, end in sorted(need.items()):
+        try:
+            size = os.path.getsize(os.path.join(path, rel))
+        except OSError:
+            raise FuncpipeError(
+                f"the checkpoint {path!r} is damaged: its data file {rel!r} is missing (the "
+                "metadata lists it). Load an earlier checkpoint (funcpipe.checkpoint.latest), "
+                "or save again from a good state"
+            ) from None
+        if size < end:
+            raise FuncpipeError(
+                f"the checkpoint {path!r} is damaged: its data file {rel!r} is {size:,} bytes, "
+                f"but the metadata records data up to byte {end:,}: the file was emptied or "
+                "truncated after the save (a disk that filled, a copy that stopped short). Load "
+                "an earlier checkpoint (funcpipe.checkpoint.latest), or save again from a good "
+                "state"
+            )
 
 
 def check_against(path: str, metadata: Any, wanted: dict[str, Tensor]) -> None:

@@ -6,7 +6,9 @@ into float16's range; the gradients are divided by the same ``scale`` (in float3
 optimizer sees them. The scale is chosen dynamically: an overflow (an ``inf`` or ``NaN`` in any
 gradient) skips the step and multiplies the scale by ``backoff_factor``; ``growth_interval``
 finite steps in a row multiply it by ``growth_factor``. The rule is the one of
-``torch.amp.GradScaler``.
+``torch.amp.GradScaler``, with a floor: the scale never goes below ``min_scale`` (default 1.0,
+as Megatron-LM's ``min_loss_scale`` and DeepSpeed's), and a step that overflows with the scale
+already there raises :class:`LossScaleFloorError` (see :func:`update` for why it raises).
 
 One step::
 
@@ -28,13 +30,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import optree
 import torch
 
-from funcpipe.errors import InvalidArgument, check_number, is_real
+from funcpipe.errors import FuncpipeError, InvalidArgument, check_number, is_real
 from funcpipe.train.common import all_reduce_sum, low_precision
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = [
+    "LossScaleFloorError",
     "LossScaleState",
     "all_finite",
     "apply_if_finite",
@@ -47,17 +50,24 @@ __all__ = [
 Tensor = torch.Tensor
 
 
+class LossScaleFloorError(FuncpipeError, FloatingPointError):
+    """A step overflowed with the loss scale already at its floor (``min_scale``): the model
+    produces non-finite gradients, which no smaller scale cures. Raised by :func:`update`."""
+
+
 class LossScaleState(NamedTuple):
     """``scale``: the current loss scale (a float32 0-dim tensor); ``good_steps``: finite steps
     since the scale last changed (an int64 0-dim tensor); the hyperparameters, carried in the
     state so that :func:`update` needs nothing else and a checkpoint restores them (see
-    :func:`init`)."""
+    :func:`init`). ``min_scale`` came last (issue 42): a state built with the first five fields
+    gets 1.0."""
 
     scale: Tensor
     good_steps: Tensor
     growth_factor: float
     backoff_factor: float
     growth_interval: int
+    min_scale: float = 1.0
 
 
 def init(
@@ -66,6 +76,7 @@ def init(
     growth_factor: float = 2.0,
     backoff_factor: float = 0.5,
     growth_interval: int = 2000,
+    min_scale: float | None = None,
     device: torch.device | str | None = None,
 ) -> LossScaleState:
     """A dynamic loss scale starting at ``initial``.
@@ -76,6 +87,10 @@ def init(
             steps in a row (unless that would make it infinite).
         backoff_factor: in (0, 1); the scale is multiplied by it after a step that overflowed.
         growth_interval: an int >= 1.
+        min_scale: the floor, a finite number in (0, ``initial``]; default 1.0, or ``initial``
+            when that is smaller. Below 1 the scale shrinks the gradients instead of lifting
+            them into float16's range, so a step that overflows at 1 overflows without any
+            scaling: the model itself produces an ``inf`` or ``NaN`` (:func:`update` raises).
         device: where the scale lives (default CPU; the training step's device avoids copies).
     """
     initial = check_number(
@@ -92,12 +107,27 @@ def init(
             f"growth_interval={growth_interval!r}: the number of finite steps in a row after "
             "which the scale grows, an int >= 1, e.g. 2000"
         )
+    if min_scale is None:
+        min_scale = min(1.0, initial)
+    min_scale = check_number(
+        "min_scale",
+        min_scale,
+        "the smallest loss scale, a finite number > 0 and <= initial, e.g. 1.0",
+        gt=0,
+    )
+    if min_scale > initial:
+        raise InvalidArgument(
+            f"min_scale={min_scale!r} is above initial={initial!r}: the scale starts at "
+            f"initial and never goes below min_scale; pass min_scale <= initial (e.g. "
+            f"min_scale={initial!r}) or a larger initial"
+        )
     return LossScaleState(
         torch.tensor(initial, dtype=torch.float32, device=device),
         torch.zeros((), dtype=torch.int64, device=device),
         growth_factor,
         backoff_factor,
         growth_interval,
+        min_scale,
     )
 
 
@@ -227,14 +257,38 @@ def _finite_flag(finite: Any, what: str) -> bool | Tensor:
 def update(state: LossScaleState, finite: bool | Tensor) -> LossScaleState:
     """The scale for the next step.
 
-    After an overflow (``finite`` false) the scale is multiplied by ``backoff_factor`` and the
-    count of good steps restarts; after ``growth_interval`` finite steps in a row it is
-    multiplied by ``growth_factor`` (kept as it is if that would overflow float32) and the count
-    restarts. Tensor arithmetic only: no synchronisation with the device.
+    After an overflow (``finite`` false) the scale is multiplied by ``backoff_factor``, but not
+    below ``state.min_scale``, and the count of good steps restarts; after ``growth_interval``
+    finite steps in a row it is multiplied by ``growth_factor`` (kept as it is if that would
+    overflow float32) and the count restarts.
+
+    An overflow with the scale already at ``min_scale`` raises :class:`LossScaleFloorError`
+    (``state`` is not changed: this function is pure). Raise, not warn: without a floor the
+    scale used to decay to 0.0, after which every step was skipped and the run went on,
+    silently, doing nothing; with a floor and a warning it would do the same under a line in a
+    log. At a floor of 1 the gradients are not scaled at all, so no scale can help: the model
+    produces non-finite gradients (a divergence, a bad batch, a learning rate too high), and
+    only the user can decide what to do. DeepSpeed raises at its minimum loss scale too
+    (Megatron-LM keeps skipping at its ``min_loss_scale``). To ride out a single bad batch,
+    catch the error and keep the ``state`` given.
+
+    Tensor arithmetic, and one read of ``finite`` on the host (a synchronisation; in the loop of
+    the module docstring :func:`apply_if_finite` has already waited for it, so it adds no wait);
+    the scale is read only after an overflow.
     """
     state = _check_state(state, "update")
     flag = _finite_flag(finite, "finite")
     scale, good = state.scale, state.good_steps
+    if not bool(flag) and bool(scale <= state.min_scale):
+        raise LossScaleFloorError(
+            f"loss_scale.update: the step's gradients hold an inf or NaN with the loss scale "
+            f"already at its floor, min_scale={state.min_scale!r}: the model produces "
+            "non-finite gradients that no smaller scale cures (each further step would be "
+            "skipped). Find the first NaN or inf with Pipeline(check_finite=True) or "
+            "FUNCPIPE_DEBUG=1 (it names the stage and microbatch); then lower the learning "
+            "rate, clip the gradients (optim.clip_by_global_norm) or check the batch. A scale "
+            "below 1 is rarely right, but loss_scale.init(min_scale=...) allows it"
+        )
     ok = torch.as_tensor(flag, device=scale.device)
     counted = torch.where(ok, good + 1, torch.zeros_like(good))
     grown = scale * state.growth_factor
@@ -242,7 +296,7 @@ def update(state: LossScaleState, finite: bool | Tensor) -> LossScaleState:
     new_scale = torch.where(
         ok,
         torch.where(due & grown.isfinite(), grown, scale),
-        scale * state.backoff_factor,
+        torch.clamp(scale * state.backoff_factor, min=state.min_scale),
     )
     new_good = torch.where(due, torch.zeros_like(counted), counted)
     return state._replace(scale=new_scale, good_steps=new_good)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from math import isclose
 
 import pytest
@@ -165,3 +166,55 @@ def test_cli_stage_layers(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["layout"]["stage_layers"] == [2, 3, 3, 3, 3, 3, 3, 2]
     assert main([*args, "--stage-layers", "2,3,x"]) == 2
     assert "--stage-layers '2,3,x'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ issue 42: sizes and batches
+HUGE = ["--hidden", "4096", "--heads", "32", "--vocab", "50000", "--seq", "2048", "--gpu",
+        "h100-sxm"]  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("argv", "status", "needles"),
+    [
+        # the search walked every number up to the GPU count looking for divisors
+        (["--layers", "32", "--global-batch", "512", "--gpus", "1000000000"], 2,
+         ["gpus=1000000000", "up to 1,048,576 GPUs"]),
+        # a fixed layout of 10**7 stages was simulated without a limit
+        (["--layers", "10000000", "--global-batch", "512", "--gpus", "10000000", "--pipeline",
+          "10000000"], 2, ["gpus=10000000", "up to 1,048,576 GPUs"]),
+        (["--layers", "10000000", "--global-batch", "512", "--gpus", "1000000", "--pipeline",
+          "1000000"], 2, ["1,000,000 stages", "at most 1,024 pipeline stages"]),
+        # at the limits: priced with the closed form (a program of 1,024 ranks is not simulated)
+        (["--layers", "1024", "--global-batch", "4096", "--gpus", "1024", "--pipeline", "1024"],
+         0, ["closed form"]),
+        (["--layers", "32", "--global-batch", "2097152", "--gpus", "1048576"], 0, ["searched"]),
+        # many common divisors: 52,560 layouts, some of hundreds of stages (was minutes)
+        (["--layers", "720720", "--global-batch", "5765760", "--gpus", "720720"], 2,
+         ["more than 20,000 layouts", "narrow it", "--pipeline"]),
+    ],
+)  # fmt: skip
+def test_absurd_sizes_answer_within_seconds(
+    argv: list[str], status: int, needles: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """funcpipe plan with sizes far beyond any cluster used to run for minutes; now it answers
+    at once: refused with the limit, or priced with the closed form."""
+    start = time.perf_counter()
+    assert main(["plan", *HUGE, *argv]) == status
+    took = time.perf_counter() - start
+    seen = capsys.readouterr()
+    text = seen.out + seen.err
+    assert all(n in text for n in needles), text
+    assert took < 10.0, f"{took:.1f} s"  # measured: under 0.5 s each
+
+
+def test_a_batch_no_data_size_divides_names_the_data_sizes() -> None:
+    """2 layers and 2 heads leave 64 GPUs at least 16 data ranks, and none divides 7
+    sequences: memory was blamed ('add GPUs, allow recompute, or ...')."""
+    model = Transformer(layers=2, hidden=256, heads=2, vocab=1000, seq=128)
+    with pytest.raises(InvalidArgument) as caught:
+        funcpipe.plan(model, gpus=64, global_batch=7)
+    text = str(caught.value)
+    assert "global_batch=7 is not a multiple of any data size" in text, text
+    assert "16, 32 or 64" in text and "a multiple of 16" in text, text
+    assert "memory" not in text, text

@@ -170,3 +170,32 @@ def test_schedule_auto_with_a_limit_in_bytes(capsys: pytest.CaptureFixture[str])
     assert "options of 'auto', not of '1f1b'" in capsys.readouterr().err
     assert main([*argv, "--max-memory", "10"]) == 2
     assert "max_memory needs memory=" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ issue 42
+@pytest.mark.parametrize(("flag", "name"), [("--png", "t.png"), ("--trace", "t.json"),
+                                            ("--text", "t.txt")])  # fmt: skip
+def test_an_unwritable_output_path_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, name: str
+) -> None:
+    """A file where a directory should be (it works as root too, unlike a read-only one): an
+    uncaught FileExistsError before."""
+    _generators_ready()
+    (tmp_path / "notes.txt").write_text("")
+    target = tmp_path / "notes.txt" / name
+    assert main(["schedule", "1f1b", "-p", "2", "-m", "2", flag, str(target)]) == 2
+    err = capsys.readouterr().err
+    assert f"funcpipe schedule: error: {flag} {target}: cannot be written" in err, err
+    assert f"{tmp_path / 'notes.txt'} is a file, not a directory" in err, err
+    assert "a path in a directory you can write" in err, err
+
+
+def test_check_a_binary_csv_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A binary file given as a torch pipelining CSV: an uncaught UnicodeDecodeError before."""
+    path = tmp_path / "schedule.csv"
+    path.write_bytes(bytes(range(256)) * 4)
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"funcpipe check: error: read_csv: {str(path)!r} is not a text file" in err, err

@@ -228,3 +228,16 @@ def test_torch_generated_schedules_load_and_check(
         ]  # type: ignore[attr-defined]
         ours = [[str(action.from_str(c)) for c in row if c] for row in written]
         assert ours == theirs
+
+
+def test_a_binary_file_is_refused_naming_it(tmp_path: Path) -> None:
+    """Issue 42: an uncaught UnicodeDecodeError."""
+    path = tmp_path / "model.csv"
+    path.write_bytes(b"0F0,\xf0\x28\x8c\x28" + bytes(range(256)))
+    with pytest.raises(InvalidArgument) as e:
+        read_csv(path)
+    text = str(e.value)
+    assert f"read_csv: {str(path)!r} is not a text file" in text, text
+    assert "byte 0xf0 at offset 4 is not UTF-8" in text and "_dump_csv" in text, text
+    with pytest.raises(InvalidArgument, match="is not a text file"):
+        read_csv(str(path))  # a str naming the file reads it the same way
