@@ -646,6 +646,43 @@ CASES: list[Case] = [
         "funcpipe/runtime/stage_call.py: a note on loss_fn's error names the stage, microbatch, "
         "rank and the output and target specs (it was a bare torch error)",
     ),
+    Case(
+        "side-inputs-string",
+        "batches and microbatches",
+        "side_inputs naming one field as a string, {1: 'mask'}, not a list",
+        lambda: _two_stages(side_inputs={1: "mask"}),
+        InvalidArgument,
+        ("side_inputs[1]='mask' is a string", "side_inputs={1: ['mask']}"),
+        "funcpipe/pipeline/checks.py side_input_stages (the string was read as its letters: "
+        "'side_inputs need batch keys ['a', 'k', 'm', 's']')",
+    ),
+    Case(
+        "microbatches-over-data-share",
+        "batches and microbatches",
+        "in one process with data=2, more microbatches than each copy's share of the batch",
+        lambda: fp.Pipeline(
+            [fp.Stage(_tanh_layer)] * 2,
+            generate("1f1b", ranks=2, microbatches=6),
+            loss_fn=_mse,
+            data=2,
+        ).step(_params((4, 4), (4, 4)), *_xy(8)),
+        InvalidArgument,
+        ("the batch has 8 samples", "data=2", "smallest share 4", "at least 12 samples"),
+        "funcpipe/pipeline/checks.py data_shares (said 'batch has 4 samples', counting one "
+        "copy's share as the batch)",
+    ),
+    Case(
+        "params-whole-model-every-stage",
+        "batches and microbatches",
+        "the whole model's state_dict passed as every stage's params",
+        lambda: (lambda sd: _two_stages().step((sd, sd), *_xy()))(
+            {"w": torch.randn(4, 4), "b": torch.randn(4)}
+        ),
+        InvalidArgument,
+        ("params[0] and params[1] hold the same 2 tensor(s)", "parts.params"),
+        "funcpipe/pipeline/checks.py shared_storage (asked to declare a tie for every shared "
+        "tensor)",
+    ),
     # ---- meshes and parallel configs
     Case(
         "parallel-2d-not-square",
@@ -800,6 +837,26 @@ CASES: list[Case] = [
         lambda: _two_stages(ties={"w": [(0, "w"), (5, "w")]}),
         InvalidArgument,
         ("names stage 5", "stages are 0..1"),
+    ),
+    Case(
+        "tie-members-as-lists",
+        "ties",
+        "a tie whose members are lists, [stage, path], not tuples",
+        lambda: _two_stages(ties={"w": [[0, "w"], [1, "w"]]}),
+        InvalidArgument,
+        ("ties['w'][0]=[0, 'w'] is a list", "ties={'w': [(0, 'w'), (1, 'w')]}"),
+        "funcpipe/pipeline/checks.py tie_containers (said 'list at least two (stage, path) pairs' "
+        "of a tie that lists two)",
+    ),
+    Case(
+        "ties-not-a-dict",
+        "ties",
+        "ties= given as a list of (stage, path) pairs, without a name",
+        lambda: _two_stages(ties=[(0, "w"), (1, "w")]),
+        InvalidArgument,
+        ("ties=[(0, 'w'), (1, 'w')] is a list", "{name: [(stage, path), ...]}"),
+        "funcpipe/pipeline/checks.py tie_containers (was an AttributeError: 'list' object has no "
+        "attribute 'items')",
     ),
     # ---- optimizers and checkpoints
     Case(

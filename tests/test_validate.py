@@ -304,3 +304,55 @@ def test_a_tie_with_two_members_in_one_stage() -> None:
     for grads in (ref, got):
         for s, path in ties["w"]:
             assert_trees_close(grads[s][path], whole.grad)
+
+
+# ------------------------------------------------------------------------- issue 42: arguments
+def test_the_same_params_for_every_stage_asks_for_each_stages_own() -> None:
+    """The full state_dict passed as every stage's params: not a tie to declare."""
+    pipe, _, _, x, y = _setup()
+    whole = {"w": torch.randn(4, 4, dtype=F64), "v": torch.randn(4, 4, dtype=F64)}
+    for params in ((whole, whole), (whole, dict(whole))):  # one dict, or one per stage
+        with pytest.raises(
+            InvalidArgument, match=r"params\[0\] and params\[1\] hold the same"
+        ) as e:
+            pipe.step(params, x, y)
+        assert "parts.params" in str(e.value) and "declare" not in str(e.value).split(";")[0]
+
+
+@pytest.mark.parametrize(
+    ("ties", "want"),
+    [
+        ({"w": [[0, "w"], [1, "w"]]}, r"ties\['w'\]\[0\]=\[0, 'w'\] is a list.*\(0, 'w'\)"),
+        ([(0, "w"), (1, "w")], r"ties=\[\(0, 'w'\), \(1, 'w'\)\] is a list.*ties=\{'tied': "),
+    ],
+    ids=["members-as-lists", "not-a-dict"],
+)
+def test_ties_in_the_wrong_containers_are_named(ties: Any, want: str) -> None:
+    with pytest.raises(InvalidArgument, match=want):
+        _setup(ties=ties)
+
+
+@pytest.mark.parametrize(
+    ("side", "want"),
+    [
+        ({1: "mask"}, r"side_inputs\[1\]='mask' is a string.*side_inputs=\{1: \['mask'\]\}"),
+        ("mask", r"side_inputs='mask' is a str.*\{stage: \[field, ...\]\}"),
+    ],
+    ids=["field-as-string", "not-a-dict"],
+)
+def test_side_inputs_as_a_string_is_named(side: Any, want: str) -> None:
+    with pytest.raises(InvalidArgument, match=want):
+        _setup(side_inputs=side)
+
+
+@pytest.mark.parametrize(("batch", "m"), [(8, 6), (3, 2), (1, 2)])
+def test_microbatches_beyond_a_data_copys_share_count_the_share(batch: int, m: int) -> None:
+    stages = [fp.Stage(_layer, name="a"), fp.Stage(_layer, name="b")]
+    pipe = fp.Pipeline(stages, generate("1f1b", ranks=2, microbatches=m), loss_fn=_mse, data=2)
+    params = tuple({"w": torch.randn(4, 4, dtype=F64)} for _ in range(2))
+    x = torch.randn(batch, 4, dtype=F64)
+    with pytest.raises(InvalidArgument) as e:
+        pipe.step(params, x, x)
+    text = str(e.value)
+    assert f"the batch has {batch} samples" in text and "data=2" in text, text
+    assert f"smallest share {batch // 2}" in text and f"at least {2 * m} samples" in text, text

@@ -360,6 +360,8 @@ class Pipeline:
     ) -> StepResult:
         program = self.program
         n, m = program.n_ranks, program.microbatches
+        if self.data > 1:
+            _validate.data_shares(batch, self.dim, self.data, m)
         shards = split(batch, self.data, dim=self.dim) if self.data > 1 else [batch]
         tshards = (
             split(targets, self.data, dim=0)
