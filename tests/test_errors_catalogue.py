@@ -683,6 +683,20 @@ CASES: list[Case] = [
         "funcpipe/pipeline/checks.py shared_storage (asked to declare a tie for every shared "
         "tensor)",
     ),
+    Case(
+        "batch-differs-across-processes",
+        "batches and microbatches",
+        "two processes of one pipeline given batches of 8 and 6 samples (each rank raises this)",
+        lambda: __import__("tests.jobs_runtime").jobs_runtime.batch_sizes_differ_on_two_processes(),
+        InvalidArgument,
+        (
+            "the processes were given batches of different shapes",
+            "process 0 has batch f64[8, 6], process 1 has batch f64[6, 6]",
+        ),
+        "funcpipe/pipeline/agreement.py step_agreement, at every step (blamed a stage whose "
+        "'output shapes depend on values', or, when one rank's batch changed alone, a hang "
+        "until the deadline)",
+    ),
     # ---- meshes and parallel configs
     Case(
         "parallel-2d-not-square",
@@ -857,6 +871,20 @@ CASES: list[Case] = [
         ("ties=[(0, 'w'), (1, 'w')] is a list", "{name: [(stage, path), ...]}"),
         "funcpipe/pipeline/checks.py tie_containers (was an AttributeError: 'list' object has no "
         "attribute 'items')",
+    ),
+    Case(
+        "tie-copies-differ-over-processes",
+        "ties",
+        "over processes, tied copies that hold different values (each process seeded its own; "
+        "here one process holds both)",
+        lambda: __import__("tests.jobs_runtime").jobs_runtime.tied_copies_in_one_process(),
+        InvalidArgument,
+        (
+            "ties['E']: the tied copies hold different values",
+            "stage 0 'E' on process 0 and stage 1 'E' on process 0",
+        ),
+        "funcpipe/pipeline/agreement.py tie_agreement, at a Pipeline's first step (each stage "
+        "trained its own copy: silently wrong)",
     ),
     # ---- optimizers and checkpoints
     Case(
