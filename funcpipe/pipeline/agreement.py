@@ -212,6 +212,8 @@ def value_fingerprint(t: Tensor) -> int:
     """A 62-bit hash of a tensor's dtype, shape and bytes, computed where the tensor is (its
     bytes as int64 words: their sum and a position-weighted sum, wrapping, so the same on any
     device and in any reduction order), then read once."""
+    if t.layout is not torch.strided:  # (no bytes to read: its dtype and shape only)
+        return fingerprint(f"{t.dtype} {tuple(t.shape)} {t.layout}")
     flat = t.detach().reshape(-1).contiguous()
     raw = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
     whole = raw.numel() // 8 * 8
@@ -246,7 +248,7 @@ def tie_agreement(copies: Sequence[TieCopy], tensor: int) -> None:
     processes."""
     if not copies:
         return
-    mine = [-1 if t is None else value_fingerprint(t) for *_, t in copies]
+    mine = [-1 if t is None or t.is_meta else value_fingerprint(t) for *_, t in copies]
     rows = _gather(mine)
     bad: tuple[str, list[tuple[int, int]]] | None = None
     for name in dict.fromkeys(c[0] for c in copies):
