@@ -401,3 +401,92 @@ def inference_fails_on_one_rank(rank: int) -> str:
     finally:
         pipe.close()
     return "ok"
+
+
+def batches_per_rank(rank: int, sizes: Sequence[Sequence[tuple[int, ...]]]) -> str:
+    """A 2-rank 1F1B pipeline stepped with ``sizes[step][rank]``, the shape of this rank's
+    batch (and targets) at each step without the width: (samples,) or (samples, length).
+    Returns "ok" after the last step, else the error."""
+    program = generate("1f1b", ranks=2, microbatches=2)
+    stages, params = toy(2)
+    pipe = Pipeline(stages, program, loss_fn=mse, transport="dist")
+    try:
+        for step in sizes:
+            shape = step[rank]
+            x = torch.randn(*shape, D, dtype=F64)
+            pipe.step(params, x, torch.randn_like(x))
+    except fp.FuncpipeError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        pipe.close()
+    return "ok"
+
+
+def tied_copies_per_rank(rank: int, seeds: Sequence[int]) -> str:
+    """2-rank 1F1B with stage 0's and stage 1's ``E`` tied; rank ``r`` makes its params from
+    ``seeds[r]`` (each rank seeding its own: the tied copies differ when the seeds do). Returns
+    "ok" after a step whose loss and gradients match the reference, else the error."""
+    program = generate("1f1b", ranks=2, microbatches=2)
+    stages, params = toy(2, seed=seeds[rank], tied=True)
+    ties = {"E": [(0, "E"), (1, "E")]}
+    pipe = Pipeline(stages, program, loss_fn=mse, ties=ties, transport="dist")
+    x, y = data(4)
+    try:
+        loss, grads = pipe.step(params, x, y)
+    except fp.FuncpipeError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        pipe.close()
+    ref_loss, ref_grads = tied_reference(stages, params, x, y, 2, ties)
+    assert_trees_close(loss, ref_loss)
+    assert_trees_close(grads[rank], ref_grads[rank])
+    return "ok"
+
+
+def batch_sizes_differ(rank: int) -> None:
+    """Rank 0 steps 8 samples, rank 1 six (the catalogue's row): raises on every rank."""
+    stages, params = toy(2)
+    with Pipeline(stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=mse) as pipe:
+        x, y = data(8 if rank == 0 else 6)
+        pipe.step(params, x, y)
+
+
+def tied_copies_in_one_process(second: torch.Tensor | None = None) -> float:
+    """A 2-stage program on one rank, over a process group of this process alone, with stage
+    0's ``E`` and stage 1's ``E`` tied; stage 1 holds ``second`` (default: stage 0's value plus
+    1e-3: copies that differ). Returns the loss."""
+    import torch.distributed as dist
+
+    stages, params = toy(2, tied=True)
+    params[1]["E"] = params[0]["E"] + 1e-3 if second is None else second
+    x, y = data(4)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with Pipeline(
+            stages,
+            generate("zbv", ranks=1, microbatches=2),
+            loss_fn=mse,
+            ties={"E": [(0, "E"), (1, "E")]},
+            transport="dist",
+        ) as pipe:
+            return float(pipe.step(params, x, y).loss)
+    finally:
+        dist.destroy_process_group()
+
+
+def _what_it_raises(rank: int) -> tuple[str, str]:
+    try:
+        batch_sizes_differ(rank)
+    except fp.FuncpipeError as e:
+        return type(e).__name__, str(e)
+    return "", "no error"
+
+
+def batch_sizes_differ_on_two_processes() -> None:
+    """The catalogue's row: :func:`batch_sizes_differ` on two processes (``funcpipe.launch``);
+    raises here what each rank raised (the same error on both, as under torchrun)."""
+    import funcpipe.errors
+
+    (name, text), other = fp.launch(_what_it_raises, 2, timeout=60)
+    assert other == (name, text), other
+    raise getattr(funcpipe.errors, name or "FuncpipeError")(text)

@@ -870,6 +870,57 @@ CASES: list[Case] = [
         "funcpipe/runtime/stage_call.py: a note on loss_fn's error names the stage, microbatch, "
         "rank and the output and target specs (it was a bare torch error)",
     ),
+    Case(
+        "side-inputs-string",
+        "batches and microbatches",
+        "side_inputs naming one field as a string, {1: 'mask'}, not a list",
+        lambda: _two_stages(side_inputs={1: "mask"}),
+        InvalidArgument,
+        ("side_inputs[1]='mask' is a string", "side_inputs={1: ['mask']}"),
+        "funcpipe/pipeline/checks.py side_input_stages (the string was read as its letters: "
+        "'side_inputs need batch keys ['a', 'k', 'm', 's']')",
+    ),
+    Case(
+        "microbatches-over-data-share",
+        "batches and microbatches",
+        "in one process with data=2, more microbatches than each copy's share of the batch",
+        lambda: fp.Pipeline(
+            [fp.Stage(_tanh_layer)] * 2,
+            generate("1f1b", ranks=2, microbatches=6),
+            loss_fn=_mse,
+            data=2,
+        ).step(_params((4, 4), (4, 4)), *_xy(8)),
+        InvalidArgument,
+        ("the batch has 8 samples", "data=2", "smallest share 4", "at least 12 samples"),
+        "funcpipe/pipeline/checks.py data_shares (said 'batch has 4 samples', counting one "
+        "copy's share as the batch)",
+    ),
+    Case(
+        "params-whole-model-every-stage",
+        "batches and microbatches",
+        "the whole model's state_dict passed as every stage's params",
+        lambda: (lambda sd: _two_stages().step((sd, sd), *_xy()))(
+            {"w": torch.randn(4, 4), "b": torch.randn(4)}
+        ),
+        InvalidArgument,
+        ("params[0] and params[1] hold the same 2 tensor(s)", "parts.params"),
+        "funcpipe/pipeline/checks.py shared_storage (asked to declare a tie for every shared "
+        "tensor)",
+    ),
+    Case(
+        "batch-differs-across-processes",
+        "batches and microbatches",
+        "two processes of one pipeline given batches of 8 and 6 samples (each rank raises this)",
+        lambda: __import__("tests.jobs_runtime").jobs_runtime.batch_sizes_differ_on_two_processes(),
+        InvalidArgument,
+        (
+            "the processes were given batches of different shapes",
+            "process 0 has batch f64[8, 6], process 1 has batch f64[6, 6]",
+        ),
+        "funcpipe/pipeline/agreement.py step_agreement, at every step (blamed a stage whose "
+        "'output shapes depend on values', or, when one rank's batch changed alone, a hang "
+        "until the deadline)",
+    ),
     # ---- meshes and parallel configs
     Case(
         "parallel-2d-not-square",
@@ -1024,6 +1075,40 @@ CASES: list[Case] = [
         lambda: _two_stages(ties={"w": [(0, "w"), (5, "w")]}),
         InvalidArgument,
         ("names stage 5", "stages are 0..1"),
+    ),
+    Case(
+        "tie-members-as-lists",
+        "ties",
+        "a tie whose members are lists, [stage, path], not tuples",
+        lambda: _two_stages(ties={"w": [[0, "w"], [1, "w"]]}),
+        InvalidArgument,
+        ("ties['w'][0]=[0, 'w'] is a list", "ties={'w': [(0, 'w'), (1, 'w')]}"),
+        "funcpipe/pipeline/checks.py tie_containers (said 'list at least two (stage, path) pairs' "
+        "of a tie that lists two)",
+    ),
+    Case(
+        "ties-not-a-dict",
+        "ties",
+        "ties= given as a list of (stage, path) pairs, without a name",
+        lambda: _two_stages(ties=[(0, "w"), (1, "w")]),
+        InvalidArgument,
+        ("ties=[(0, 'w'), (1, 'w')] is a list", "{name: [(stage, path), ...]}"),
+        "funcpipe/pipeline/checks.py tie_containers (was an AttributeError: 'list' object has no "
+        "attribute 'items')",
+    ),
+    Case(
+        "tie-copies-differ-over-processes",
+        "ties",
+        "over processes, tied copies that hold different values (each process seeded its own; "
+        "here one process holds both)",
+        lambda: __import__("tests.jobs_runtime").jobs_runtime.tied_copies_in_one_process(),
+        InvalidArgument,
+        (
+            "ties['E']: the tied copies hold different values",
+            "stage 0 'E' on process 0 and stage 1 'E' on process 0",
+        ),
+        "funcpipe/pipeline/agreement.py tie_agreement, at a Pipeline's first step (each stage "
+        "trained its own copy: silently wrong)",
     ),
     # ---- optimizers and checkpoints
     Case(

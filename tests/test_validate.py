@@ -12,7 +12,8 @@ import torch
 
 import funcpipe as fp
 from funcpipe.errors import InvalidArgument, ShapeInferenceError, ShapeInferenceWarning
-from funcpipe.pipeline.checks import fingerprint, poison, shared_storage, tensor_loss_scale
+from funcpipe.pipeline.agreement import fingerprint
+from funcpipe.pipeline.checks import poison, shared_storage, tensor_loss_scale
 from funcpipe.schedule import generate
 from funcpipe.testing import assert_trees_close
 
@@ -304,3 +305,103 @@ def test_a_tie_with_two_members_in_one_stage() -> None:
     for grads in (ref, got):
         for s, path in ties["w"]:
             assert_trees_close(grads[s][path], whole.grad)
+
+
+# ------------------------------------------------------------------------- issue 42: arguments
+def test_the_same_params_for_every_stage_asks_for_each_stages_own() -> None:
+    """The full state_dict passed as every stage's params: not a tie to declare."""
+    pipe, _, _, x, y = _setup()
+    whole = {"w": torch.randn(4, 4, dtype=F64), "v": torch.randn(4, 4, dtype=F64)}
+    for params in ((whole, whole), (whole, dict(whole))):  # one dict, or one per stage
+        with pytest.raises(
+            InvalidArgument, match=r"params\[0\] and params\[1\] hold the same"
+        ) as e:
+            pipe.step(params, x, y)
+        assert "parts.params" in str(e.value) and "declare" not in str(e.value).split(";")[0]
+
+
+@pytest.mark.parametrize(
+    ("ties", "want"),
+    [
+        ({"w": [[0, "w"], [1, "w"]]}, r"ties\['w'\]\[0\]=\[0, 'w'\] is a list.*\(0, 'w'\)"),
+        ([(0, "w"), (1, "w")], r"ties=\[\(0, 'w'\), \(1, 'w'\)\] is a list.*ties=\{'tied': "),
+    ],
+    ids=["members-as-lists", "not-a-dict"],
+)
+def test_ties_in_the_wrong_containers_are_named(ties: Any, want: str) -> None:
+    with pytest.raises(InvalidArgument, match=want):
+        _setup(ties=ties)
+
+
+@pytest.mark.parametrize(
+    ("side", "want"),
+    [
+        ({1: "mask"}, r"side_inputs\[1\]='mask' is a string.*side_inputs=\{1: \['mask'\]\}"),
+        ("mask", r"side_inputs='mask' is a str.*\{stage: \[field, ...\]\}"),
+    ],
+    ids=["field-as-string", "not-a-dict"],
+)
+def test_side_inputs_as_a_string_is_named(side: Any, want: str) -> None:
+    with pytest.raises(InvalidArgument, match=want):
+        _setup(side_inputs=side)
+
+
+@pytest.mark.parametrize(("batch", "m"), [(8, 6), (3, 2), (1, 2)])
+def test_microbatches_beyond_a_data_copys_share_count_the_share(batch: int, m: int) -> None:
+    stages = [fp.Stage(_layer, name="a"), fp.Stage(_layer, name="b")]
+    pipe = fp.Pipeline(stages, generate("1f1b", ranks=2, microbatches=m), loss_fn=_mse, data=2)
+    params = tuple({"w": torch.randn(4, 4, dtype=F64)} for _ in range(2))
+    x = torch.randn(batch, 4, dtype=F64)
+    with pytest.raises(InvalidArgument) as e:
+        pipe.step(params, x, x)
+    text = str(e.value)
+    assert f"the batch has {batch} samples" in text and "data=2" in text, text
+    assert f"smallest share {batch // 2}" in text and f"at least {2 * m} samples" in text, text
+
+
+# ------------------------------------------------------------------ issue 42: over processes
+def test_tied_copies_with_different_values_over_processes_are_refused() -> None:
+    """Over processes each stage uses its own copy: copies that differ are refused at the first
+    step, naming the tie, both copies and their processes (here one process holds both)."""
+    from tests.jobs_runtime import tied_copies_in_one_process, toy
+
+    assert tied_copies_in_one_process(toy(2, tied=True)[1][0]["E"].clone()) > 0  # equal: runs
+    with pytest.raises(InvalidArgument, match=r"ties\['E'\]: the tied copies hold different") as e:
+        tied_copies_in_one_process()
+    assert "stage 0 'E' on process 0 and stage 1 'E' on process 0" in str(e.value)
+    with pytest.raises(InvalidArgument, match=r"f64\[6, 6\] on process 0, .* f64\[6, 5\]"):
+        tied_copies_in_one_process(torch.randn(6, 5, dtype=F64))
+
+
+def test_one_agreement_per_step_over_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's shapes are agreed by one small all-gather per step (every process enters it,
+    whatever its batch), the tied values once, at the first step; nothing else."""
+    import torch.distributed as dist
+
+    calls: list[tuple[str, int]] = []
+
+    def counting(name: str, real: Any) -> Any:
+        def counted(*a: Any, **kw: Any) -> Any:
+            calls.append((name, a[0].numel() if name == "all_reduce" else a[1].numel()))
+            return real(*a, **kw)
+
+        return counted
+
+    for name in ("all_gather", "all_gather_single", "all_gather_into_tensor", "all_reduce"):
+        if hasattr(dist, name):
+            monkeypatch.setattr(dist, name, counting(name, getattr(dist, name)))
+    g = torch.Generator().manual_seed(0)
+    stages = [fp.Stage(_layer, name="a"), fp.Stage(_layer, name="b")]
+    params = tuple({"w": torch.randn(4, 4, generator=g, dtype=F64)} for _ in range(2))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with fp.Pipeline(stages, generate("zbv", ranks=1, microbatches=2), loss_fn=_mse) as pipe:
+            calls.clear()  # the program's agreement, at construction
+            for size in (8, 8, 6, 8):
+                x = torch.randn(size, 4, generator=g, dtype=F64)
+                pipe.step(params, x, x)
+    finally:
+        dist.destroy_process_group()
+    gathers = [n for name, n in calls if name != "all_reduce"]
+    assert gathers == [2, 2, 2, 2], calls  # one of two int64s per step
+    assert len(calls) == 8, calls  # and each step's loss (an all-reduce, as before)

@@ -1,7 +1,8 @@
 """The pipeline: the user-facing step, stages + schedule + loss -> (loss, grads).
 
 - ``pipeline``: :class:`Pipeline` (builds the program, runs it per rank) and :class:`StepResult`
-- ``checks``: the checks a Pipeline makes of its arguments and across processes, off the hot path
+- ``checks``: the checks a Pipeline makes of its arguments, off the hot path
+- ``agreement``: what the processes must agree on (program, tied values, each step's shapes)
 - ``lowering``: the schedule lowered into the program a Pipeline runs, and checked
 - ``rank_inputs``: a rank's share of a step (its parameter leaves, its part of the batch)
 - ``result``: :class:`StepResult`, put together from the ranks' results

@@ -9,7 +9,6 @@ a step's by the checks under "step". The ones that walk every parameter leaf
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -19,6 +18,7 @@ import torch
 
 from funcpipe.distributed import world as _world
 from funcpipe.errors import InvalidArgument
+from funcpipe.pipeline.microbatch import _batch_size
 from funcpipe.schedule.ir import Program
 from funcpipe.stages.stage import Stage
 from funcpipe.stages.ties import TiePath, check_ties
@@ -28,6 +28,7 @@ __all__ = [
     "Arguments",
     "arguments",
     "autograd_context",
+    "data_shares",
     "device_available",
     "inference_tensors",
     "loss_arity",
@@ -38,6 +39,7 @@ __all__ = [
     "stage_params",
     "step_loss_scale",
     "tensor_loss_scale",
+    "tie_containers",
 ]
 
 Tensor = torch.Tensor
@@ -79,6 +81,7 @@ def arguments(
     if not isinstance(data, int) or data < 1:
         raise InvalidArgument(f"data={data!r}: the number of data-parallel replicas, an int >= 1")
     side = side_input_stages(side_inputs, schedule.n_stages)
+    tie_containers(ties)
     tied = check_ties(ties, len(checked))
     place = torch.device(device) if device is not None else None
     device_available(place)
@@ -128,6 +131,25 @@ def side_input_stages(
     side_inputs: Mapping[int, Sequence[str]] | None, n_stages: int
 ) -> dict[int, tuple[str, ...]]:
     """``side_inputs`` as ``{stage: (field, ...)}``, naming stages of the program only."""
+    if side_inputs is not None and not isinstance(side_inputs, Mapping):
+        raise InvalidArgument(
+            f"side_inputs={side_inputs!r} is a {type(side_inputs).__name__}; pass a dict "
+            "{stage: [field, ...]} naming, per stage, the batch fields it takes as keyword "
+            "arguments, e.g. side_inputs={1: ['mask']}"
+        )
+    for s, v in (side_inputs or {}).items():
+        if isinstance(v, (str, bytes)):
+            raise InvalidArgument(
+                f"side_inputs[{s!r}]={v!r} is a string, which would be read as its letters; "
+                f"pass a list of field names: side_inputs={{{s!r}: [{v!r}]}}"
+            )
+        try:
+            int(s)
+        except (TypeError, ValueError):
+            raise InvalidArgument(
+                f"side_inputs names stage {s!r}; its keys are stage numbers (ints), e.g. "
+                f"side_inputs={{1: {list(v)!r}}}"
+            ) from None
     side = {int(s): tuple(v) for s, v in (side_inputs or {}).items()}
     for k in side:
         if not 0 <= k < n_stages:
@@ -135,6 +157,29 @@ def side_input_stages(
                 f"side_inputs names stage {k}; the program has stages 0..{n_stages - 1}"
             )
     return side
+
+
+def tie_containers(ties: Any) -> None:
+    """``ties`` is ``None`` or a dict of lists of ``(stage, path)`` tuples (the pairs' own
+    rules are :func:`funcpipe.stages.ties.check_ties`'): lists where tuples belong are named."""
+    if ties is None:
+        return
+    if not isinstance(ties, Mapping):
+        raise InvalidArgument(
+            f"ties={ties!r} is a {type(ties).__name__}; pass a dict naming each tie: "
+            "{name: [(stage, path), ...]}, e.g. ties={'tied': [(0, 'embed.weight'), "
+            "(3, 'head.weight')]}"
+        )
+    for name, members in ties.items():
+        if not isinstance(members, (list, tuple)):
+            continue
+        for k, m in enumerate(members):
+            if isinstance(m, list) and len(m) == 2:
+                fixed = [tuple(x) if isinstance(x, list) and len(x) == 2 else x for x in members]
+                raise InvalidArgument(
+                    f"ties[{name!r}][{k}]={m!r} is a list; each member is a (stage, path) "
+                    f"tuple: ties={{{name!r}: {fixed!r}}}"
+                )
 
 
 def gradient_dtype(grad_dtype: torch.dtype | None) -> None:
@@ -230,6 +275,22 @@ def stage_params(params: Any, n_stages: int) -> tuple[Any, ...]:
     for k, p in enumerate(params):
         check_tensor_tree(p, name=f"params[{k}]")
     return tuple(params)
+
+
+def data_shares(batch: Any, dim: Any, data: int, microbatches: int) -> None:
+    """In one process with ``data`` copies, each copy's share of ``batch`` holds at least one
+    sample per microbatch (checked on the whole batch, so the message counts what was given)."""
+    size = _batch_size(batch, dim=dim)
+    least = size // data
+    if size == 0 or least >= microbatches:  # (an empty batch: split says so)
+        return
+    raise InvalidArgument(
+        f"the batch has {size} samples, split over data={data} copies (the smallest share "
+        f"{least} samples), and each copy splits its share into microbatches={microbatches}: "
+        f"every microbatch needs at least one sample. Use a batch of at least "
+        f"{data * microbatches} samples (data x microbatches)"
+        + (f", or microbatches <= {least}" if least >= 1 else f", or data <= {size}")
+    )
 
 
 def step_loss_scale(value: float | Tensor | None) -> float | Tensor:
@@ -372,6 +433,32 @@ def _tie_path(accessor: Any) -> str:
     return repr(tuple(keys))
 
 
+def _whole_params(params: Sequence[Any], j: int, k: int) -> None:
+    """Refuse ``params[j]`` and ``params[k]`` that are one pytree of parameters (the same
+    object, or every leaf the same tensor at the same path, two leaves or more): the whole
+    model's parameters given to every stage, not a parameter two stages share."""
+    a, b = params[j], params[k]
+    la, sa = optree.tree_flatten(a, none_is_leaf=False)
+    lb, sb = optree.tree_flatten(b, none_is_leaf=False)
+    same = a is b or (
+        sa == sb
+        and len(la) >= 2
+        and all(
+            x is y or (isinstance(x, Tensor) and isinstance(y, Tensor) and _span(x) == _span(y))
+            for x, y in zip(la, lb, strict=True)
+        )
+    )
+    if same:
+        raise InvalidArgument(
+            f"params[{j}] and params[{k}] hold the same {len(la)} tensor(s) at the same paths "
+            "(one pytree, such as the whole model's state_dict, given to several stages); each "
+            "stage's params must hold only that stage's own parameters, or each stage trains "
+            "its own copy of all of them. Pass one pytree per stage, as split_module and "
+            "partition make them: pipe.step(parts.params, batch, targets). (A parameter two "
+            "stages really share, such as a tied embedding, is declared with ties=.)"
+        )
+
+
 def shared_storage(params: Sequence[Any], tied: Mapping[tuple[int, int], str]) -> None:
     """Parameters of two different stages that share memory must be declared in ``ties=``.
 
@@ -394,6 +481,7 @@ def shared_storage(params: Sequence[Any], tied: Mapping[tuple[int, int], str]) -
             tie = tied.get((k, i))
             for j, lo2, hi2, acc2, tie2 in seen.get(ptr, ()):
                 if j != k and lo < hi2 and lo2 < hi and (tie is None or tie != tie2):
+                    _whole_params(params, j, k)
                     a, b = acc2.codify(f"params[{j}]"), accessor.codify(f"params[{k}]")
                     raise InvalidArgument(
                         f"{a} and {b} share memory, but ties= does not declare them: each stage "
@@ -404,102 +492,3 @@ def shared_storage(params: Sequence[Any], tied: Mapping[tuple[int, int], str]) -
                         "be one parameter"
                     )
             seen.setdefault(ptr, []).append((k, lo, hi, accessor, tie))
-
-
-# ------------------------------------------------------------------------- across processes
-def fingerprint(text: str) -> int:
-    """A 62-bit hash of ``text`` (fits an int64 tensor on any backend)."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
-
-
-def _hashes(text: str) -> list[int]:
-    """Every process's :func:`fingerprint` of its ``text`` (collective over the world)."""
-    import torch.distributed as dist
-
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
-    mine = torch.tensor([fingerprint(text)], dtype=torch.int64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return [int(t.item()) for t in every]
-
-
-def _texts(text: str) -> list[str]:
-    """Every process's ``text`` (collective over the world; only once the hashes differ)."""
-    import torch.distributed as dist
-
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, text)
-    return [str(t) for t in every]
-
-
-def program_agreement(summary: str) -> None:
-    """Every process of the world built the same program (and options): one all-gather of a
-    hash; on a mismatch the summaries are gathered and compared, and every process raises
-    naming the ranks that differ and the first line where they do."""
-    import torch.distributed as dist
-
-    hashes = _hashes(summary)
-    if len(set(hashes)) == 1:
-        return
-    texts = _texts(summary)
-    me = dist.get_rank()
-    ref = 0 if hashes[me] != hashes[0] else next(r for r, h in enumerate(hashes) if h != hashes[0])
-    other = texts[ref]
-    a, b = summary.splitlines(), str(other).splitlines()
-    line = next(
-        (i for i in range(max(len(a), len(b))) if (a[i : i + 1] or [""]) != (b[i : i + 1] or [""])),
-        0,
-    )
-    differ = [r for r, h in enumerate(hashes) if h != hashes[me]]
-    raise InvalidArgument(
-        f"the processes built different pipelines: process {me} and process(es) {differ} "
-        f"differ (every process of the world must build the same Pipeline, with the same "
-        f"schedule and options). First difference, line {line + 1}: process {me} has "
-        f"{(a[line : line + 1] or ['<nothing>'])[0]!r}, process {ref} has "
-        f"{(b[line : line + 1] or ['<nothing>'])[0]!r}. Build the schedule from the same "
-        "arguments on every process (e.g. not from the rank)"
-    )
-
-
-def layout_agreement(lines: list[str], error: BaseException | None, names: list[str]) -> None:
-    """Every process inferred the same stage outputs for a new batch signature (collective over
-    the world, once per signature). ``lines``: one per stage (``names`` theirs, here only for
-    the message: processes may name their stages differently); ``error``: this process's shape
-    inference failed (it still takes part, then raises its own error). Stages whose shapes
-    depend on values (run on one real microbatch, with zeros for the parameters and inputs a
-    process does not hold) can come out different on different processes: every process then
-    raises naming the first stage that differs, where it would otherwise send and receive
-    tensors of different shapes (a hang, or an error on one side only)."""
-    import torch.distributed as dist
-
-    text = "\n".join(lines) if error is None else f"error: {type(error).__name__}"
-    hashes = _hashes(text)
-    if len(set(hashes)) == 1:
-        if error is not None:
-            raise error
-        return
-    texts = _texts(text)  # every process takes part, its own error or not
-    if error is not None:
-        raise error
-    me = dist.get_rank()
-    failed = [r for r, t in enumerate(texts) if t.startswith("error: ")]
-    if failed:
-        raise InvalidArgument(
-            f"shape inference failed on process(es) {failed} (their errors say why); this "
-            "process stops too instead of waiting for them"
-        )
-    ref = next(r for r, h in enumerate(hashes) if h != hashes[me])
-    other = texts[ref].splitlines()
-    k = next((i for i, (a, b) in enumerate(zip(lines, other, strict=False)) if a != b), 0)
-    raise InvalidArgument(
-        f"the processes inferred different outputs for stage {k} ({names[k]!r}): process {me} "
-        f"has {lines[k]}, process {ref} has {other[k]}. That stage's output shapes depend on "
-        "values (it cannot run on tensors without data, so each process ran it on one real "
-        "microbatch, with zeros for the parameters and inputs it does not hold). Make its "
-        "output shapes follow from its input shapes alone (e.g. pad to a fixed length), or "
-        "compute the value-dependent part outside the pipeline"
-    )

@@ -18,6 +18,7 @@ import torch
 
 from funcpipe.distributed import world as _world
 from funcpipe.errors import InvalidArgument
+from funcpipe.pipeline import agreement as _agreement
 from funcpipe.pipeline import checks as _validate
 from funcpipe.pipeline.lowering import lower_program, p2p_rules
 from funcpipe.pipeline.microbatch import split, split_targets
@@ -63,7 +64,9 @@ class Pipeline:
         metric_fn: like ``loss_fn``, not differentiated; its mean over microbatches is returned
             as ``result.metric``.
         ties: ``{"name": [(stage, path), (stage, path), ...]}``: parameters that are one and the
-            same. The first listed value is used for all of them and their gradients are summed.
+            same; their gradients are summed. In one process the first listed value is used for
+            all of them; over processes each copy must hold that value (checked at the first
+            step: copies that differ are refused, naming them and their processes).
         side_inputs: ``{stage: ["mask", ...]}``: fields of the batch (then a dict, whose field
             ``"inputs"`` is the first stage's input) passed to that stage as keyword arguments,
             split into microbatches like the batch.
@@ -179,12 +182,14 @@ class Pipeline:
         # shape inference per microbatch signature, most recently used last (bounded: a batch
         # whose length changes every step must not grow it without end)
         self._layouts: OrderedDict[Any, BoundarySpecs] = OrderedDict()
+        # over processes: each cached signature's (given, inferred) fingerprints
+        self._prints: dict[Any, tuple[int, int]] = {}
         self._world: _world.DistWorld | None = None
         self.closed = False
         self.data_size, self.tensor_size = 1, 1
         if transport == "dist":
             # before join: ranks holding different programs would create different groups
-            _validate.program_agreement(self._summary(mesh))
+            _agreement.program_agreement(self._summary(mesh))
             self._world = _world.join(
                 self.program, mesh=mesh, scatter_gather=self.scatter_gather, device=self.device
             )
@@ -299,6 +304,8 @@ class Pipeline:
                 for s, path in members
             }
             _validate.shared_storage(params, tied)
+            if self._world is not None:
+                self._ties_agree(params)
             if training:
                 for k, p in enumerate(params):
                     _validate.inference_tensors(p, f"params[{k}]")
@@ -311,6 +318,12 @@ class Pipeline:
             _validate.inference_tensors(batch, "batch")
         if self.loss_fn is not None:
             _validate.loss_targets(self._loss_arity, self.loss_fn, targets is not None, training)
+
+    def _ties_agree(self, params: tuple[Any, ...]) -> None:
+        """Over processes, at the first step: every copy of a tied parameter holds one value
+        (:func:`funcpipe.pipeline.agreement.tie_agreement`; collective)."""
+        copies = _agreement.tie_copies(self.program, self.rank, self.ties, params)
+        _agreement.tie_agreement(copies, self.tensor_size)
 
     def _step(
         self,
@@ -360,6 +373,8 @@ class Pipeline:
     ) -> StepResult:
         program = self.program
         n, m = program.n_ranks, program.microbatches
+        if self.data > 1:
+            _validate.data_shares(batch, self.dim, self.data, m)
         shards = split(batch, self.data, dim=self.dim) if self.data > 1 else [batch]
         tshards = (
             split(targets, self.data, dim=0)
@@ -468,47 +483,36 @@ class Pipeline:
         full = self._full_stages()
         fparams = [params[o] for o in (self.program.replica_of or range(self.program.n_stages))]
         psig = signature(fparams)  # a stage's outputs may follow its params' dtypes
-        cache = self._layouts
+        cache, prints = self._layouts, self._prints
+        dist = self._world is not None
+        error: BaseException | None = None
+        mine: list[tuple[int, int]] = []  # each microbatch's fingerprints (what processes compare)
         for k in range(m):
             key = (signature(entry[k]), signature(side[k]), psig)
             layout = cache.get(key)
             if layout is None:
-                layout = cache[key] = self._infer(full, fparams, entry[k], side[k], params)
-                while len(cache) > LAYOUT_CACHE:
-                    cache.popitem(last=False)
+                try:
+                    layout = infer_boundaries(
+                        self.program, full, fparams, entry[k], side[k], device=self._place(params)
+                    )
+                except Exception as e:
+                    if not dist:
+                        raise
+                    error, layout = e, {}  # the other processes must not wait for this one
+                else:
+                    cache[key], prints[key] = layout, _agreement.microbatch_prints(key, layout)
+                    while len(cache) > LAYOUT_CACHE:
+                        prints.pop(cache.popitem(last=False)[0], None)
             else:
                 cache.move_to_end(key)
+            mine.append(prints.get(key) or _agreement.microbatch_prints(key, None))
             layouts.append(layout)
+        if dist:
+            # every process, every step, whatever its batch: one whose batch changed alone
+            # must not wait alone in a collective (funcpipe.pipeline.agreement)
+            names = [st.name for st in full]
+            _agreement.step_agreement(mine, error, (batch, params), layouts, names)
         return entry, side, tgt, layouts
-
-    def _infer(
-        self,
-        full: list[Stage],
-        fparams: list[Any],
-        entry: tuple[Any, ...],
-        side: dict[int, dict[str, Any]],
-        params: tuple[Any, ...],
-    ) -> BoundarySpecs:
-        """One microbatch signature's stage outputs; over processes, agreed by all of them."""
-        layout: BoundarySpecs = {}
-        error: BaseException | None = None
-        try:
-            layout = infer_boundaries(
-                self.program, full, fparams, entry, side, device=self._place(params)
-            )
-        except Exception as e:
-            if self._world is None:
-                raise
-            error = e  # the other processes must not wait for this one
-        if self._world is None:
-            return layout
-        lines = [
-            f"{', '.join(str(leaf) for leaf in spec.leaves)} as {spec.tree}"
-            f"{f'; no gradient for {sorted(spec.nograd)}' if spec.nograd else ''}"
-            for s, spec in sorted(layout.items())
-        ]
-        _validate.layout_agreement(lines, error, [st.name for st in full])
-        return layout
 
     @property
     def _dry(self) -> bool:

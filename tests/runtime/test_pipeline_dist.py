@@ -115,3 +115,48 @@ def test_shape_inference_failing_on_one_rank_stops_every_rank(pool) -> None:
     r0, r1 = pool(2).run(jobs_runtime.inference_fails_on_one_rank)
     assert r1.startswith("ShapeInferenceError: stage 0 ('broken')"), r1
     assert "shape inference failed on process(es) [1]" in r0, r0
+
+
+# ------------------------------------------------------------------ issue 42: ranks that disagree
+@pytest.mark.timeout(120)
+def test_batches_of_different_sizes_are_named_not_blamed_on_a_stage(pool) -> None:
+    """Rank 0 has 8 samples, rank 1 has 6, at the first step: every rank names both processes
+    and both batches (it blamed a stage whose "output shapes depend on values")."""
+    r0, r1 = pool(2).run(jobs_runtime.batches_per_rank, [[(8,), (6,)]], timeout=60)
+    for got in (r0, r1):
+        assert got.startswith("InvalidArgument: the processes were given batches"), got
+        assert "process 0 has batch f64[8, 6]" in got and "process 1 has batch f64[6, 6]" in got
+        assert "depend on values" not in got
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("first", "theirs"),
+    [((8,), (6,)), ((8, 16), (8, 12))],
+    ids=["batch-size", "sequence-length"],
+)
+def test_a_batch_that_changes_on_one_rank_fails_within_seconds(
+    pool, first: tuple[int, ...], theirs: tuple[int, ...]
+) -> None:
+    """Both ranks step one shape, then rank 1 alone another: it used to enter the shape
+    agreement alone and both waited until the job's deadline."""
+    p = pool(2)
+    p.run(jobs_resources.ready)  # started before the clock
+    start = time.monotonic()
+    steps = [[first, first], [first, theirs]]
+    r0, r1 = p.run(jobs_runtime.batches_per_rank, steps, timeout=30)
+    assert time.monotonic() - start < 15
+    want = f"process 1 has batch f64[{', '.join(map(str, (*theirs, 6)))}]"
+    for got in (r0, r1):
+        assert "the processes were given batches" in got and want in got, got
+
+
+@pytest.mark.timeout(120)
+def test_tied_copies_that_differ_across_processes_are_refused(pool) -> None:
+    """Each rank seeded its own tied copy: refused at the first step on every rank, naming both
+    copies' processes (it trained each rank's own value); equal copies give the reference."""
+    p = pool(2)
+    for got in p.run(jobs_runtime.tied_copies_per_rank, [0, 1], timeout=60):
+        assert got.startswith("InvalidArgument: ties['E']: the tied copies hold different"), got
+        assert "stage 0 'E' on process 0 and stage 1 'E' on process 1" in got, got
+    assert p.run(jobs_runtime.tied_copies_per_rank, [0, 0], timeout=60) == ["ok", "ok"]
