@@ -2,7 +2,8 @@
 
 ``ties={"wte": [(0, "embed.weight"), (3, "head.weight")]}`` names leaves of stages' params
 pytrees (a key, a dotted path or a tuple of keys). The first listed value is used for all of
-them; a ``REDUCE s tie:NAME`` on every rank holding one sums their gradients (in one process the
+them in one process; over processes the copies must hold the same value (checked at a
+Pipeline's first step); a ``REDUCE s tie:NAME`` on every rank holding one sums their gradients (in one process the
 values are also made one and the same before the step).
 
 Ties may also be found rather than declared: a model built as one ``nn.Module`` often shares a
