@@ -239,13 +239,39 @@ def test_under_torchrun_a_raw_timeout_names_pg_timeout(monkeypatch: pytest.Monke
     for name, value in {"RANK": 0, "WORLD_SIZE": 2, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 2}.items():
         monkeypatch.setenv(name, str(value))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setattr(launcher, "_POLLS", 1, raising=False)
+    monkeypatch.setattr(launcher, "_POLLS", 1)
     with pytest.raises(CommunicationError) as e:
         fp.launch(store_timeout, 2, pg_timeout=5)
     text = str(e.value)
     assert text.startswith("rank 0: ") and "Wait timeout" in text, text
     assert "longer than the process group's timeout (5 s)" in text, text
     assert isinstance(e.value.__cause__, dist.DistStoreError)
+
+
+def test_only_torch_distributeds_own_failures_are_renamed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's error that merely says "timeout", or an argument torch.distributed refuses, is
+    raised as it was; a store wait that ran out is told as the transport would, with its call."""
+    monkeypatch.setattr(launcher, "_POLLS", 1)  # (no store here: nothing to wait for)
+
+    def mine() -> None:
+        raise RuntimeError("my data loader timed out")
+
+    def refused() -> None:
+        dist.HashStore().wait(["never"], "soon")  # type: ignore[arg-type]
+
+    def ran_out() -> None:
+        dist.HashStore().wait(["never"], datetime.timedelta(milliseconds=1))
+
+    for fn in (mine, refused, ran_out):
+        try:
+            fn()
+        except Exception as e:
+            out = launcher.named(e, 3)
+            if fn is ran_out:
+                assert isinstance(out, CommunicationError), out
+                assert str(out).startswith("rank 3: dist.HashStore().wait(") and " in " in str(out)
+            else:
+                assert out is e, out
 
 
 def test_an_nccl_abort_names_pg_timeout() -> None:
