@@ -149,6 +149,57 @@ def die_mid_step(rank: int, bad_rank: int, report_dir: str) -> str:
     return "finished"
 
 
+# ------------------------------------------------------------------ a rank returns early
+def return_early(rank: int, when: str, report_dir: str | None = None) -> str:
+    """Rank 1 returns while rank 0 steps: ``before-pipeline`` (it builds nothing),
+    ``without-stepping`` (it builds the Pipeline and takes no step) or ``after-one-step`` (it
+    takes one step, rank 0 two)."""
+    stages, params = toy(2)
+    if rank == 1 and when == "before-pipeline":
+        return "returned"
+    with _reporting(report_dir, rank) if report_dir else _nothing():
+        pipe = Pipeline(stages, generate("1f1b", ranks=2, microbatches=4), loss_fn=mse)
+        steps = {"without-stepping": 0, "after-one-step": 1}.get(when, 2) if rank == 1 else 2
+        x, y = data(8)
+        for _ in range(steps):
+            pipe.step(params, x, y)
+    return "finished"
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def slow_first_step(rank: int, seconds: float, at: int = 0) -> str:
+    """Two steps; rank 1 sleeps ``seconds`` before step ``at`` (0: the first), so rank 0 waits
+    for it longer than a short process group timeout."""
+    import time
+
+    stages, params = toy(2)
+    pipe = Pipeline(stages, generate("1f1b", ranks=2, microbatches=4), loss_fn=mse)
+    x, y = data(8)
+    for step in range(2):
+        if rank == 1 and step == at:
+            time.sleep(seconds)
+        pipe.step(params, x, y)
+    return "finished"
+
+
+def launched(job: str, *args: Any, **options: Any) -> list[Any]:
+    """``funcpipe.launch`` of this module's ``job`` on 2 processes (for the error catalogue).
+    A :class:`RankFailed` is raised again without the failed rank's traceback, which holds this
+    machine's paths and line numbers: the catalogue's page shows the message above it."""
+    import funcpipe as fp
+    from funcpipe.errors import RankFailed
+
+    try:
+        return fp.launch(globals()[job], 2, *args, **options)
+    except RankFailed as e:
+        head = str(e).split("\nTraceback (most recent call last)")[0]
+        raise RankFailed(head, rank=e.rank, cause=e.cause) from None
+
+
 # ------------------------------------------------------------------------------ NaN and inf
 def non_finite(rank: int, where: str, report_dir: str, via_env: bool) -> str:
     """A NaN in the loss (an inf output of the last stage, microbatch 2) or in a parameter
@@ -362,7 +413,15 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--save-every", type=int, default=2)
     t.add_argument("--pause-at", type=int, default=0, help="arm the save pause after this step")
     t.add_argument("--pause", default="written", choices=["written", "aside"])
+    r = sub.add_parser("return-early", help="launch return_early (e.g. under torchrun)")
+    r.add_argument("when", choices=["before-pipeline", "without-stepping", "after-one-step"])
+    r.add_argument("--pg-timeout", type=float, default=None)
     args = ap.parse_args(argv)
+    if args.command == "return-early":
+        import funcpipe as fp
+
+        fp.launch(return_early, 2, args.when, pg_timeout=args.pg_timeout)
+        return 0
     pause = (args.pause_at, args.pause) if args.pause_at else None
     train(args.out, steps=args.steps, save_every=args.save_every, pause=pause)
     return 0

@@ -1291,6 +1291,48 @@ CASES: list[Case] = [
         "funcpipe/distributed/launcher.py: checked before any process starts (was a PicklingError from "
         "Pool.run, after starting the processes)",
     ),
+    Case(
+        "launch-pg-timeout-of-a-millisecond",
+        "launcher",
+        "a process group timeout of a millisecond (pg_timeout=0.001, as if it were milliseconds)",
+        lambda: fp.launch(abs, 2, pg_timeout=0.001),
+        InvalidArgument,
+        ("pg_timeout=0.001", "at least 1 s", "bounds joining the group", "not milliseconds"),
+        "funcpipe/distributed/timeouts.py: checked before any process starts (was a rank's socket "
+        "connect or store timeout, not naming the option)",
+    ),
+    Case(
+        "launch-rank-returns-without-stepping",
+        "launcher",
+        "one process returning without stepping while the other steps (2 processes; the failed "
+        "rank's traceback is left out here)",
+        lambda: __import__("tests.jobs_faults").jobs_faults.launched(
+            "return_early", "without-stepping", timeout=60
+        ),
+        fp.RankFailed,
+        ("rank 1 returned while ranks [0] were still in step 1", "the same number of steps"),
+        "funcpipe/distributed/launcher.py, collect.py: a returned rank is recorded in the store "
+        "and let go after grace= seconds, and the peer whose wait breaks names it (was a wait "
+        "until the process group's timeout, then gloo's bare timeout)",
+    ),
+    Case(
+        "launch-pg-timeout-shorter-than-the-first-step",
+        "launcher",
+        "a process group timeout shorter than a peer's delay before the first step (rank 1 starts "
+        "it 16 s late, pg_timeout=8; the failed rank's traceback is left out here)",
+        lambda: __import__("tests.jobs_faults").jobs_faults.launched(
+            "slow_first_step", 16.0, 0, timeout=60, pg_timeout=8, grace=1
+        ),
+        fp.RankFailed,
+        (
+            "raised CommunicationError",
+            "longer than the process group's timeout (8 s)",
+            "raise pg_timeout= of funcpipe.launch or funcpipe.Pool",
+        ),
+        "funcpipe/distributed/launcher.py: a bare torch.distributed timeout leaving the job is "
+        "raised as the transport's CommunicationError (was gloo's bare 'Timed out waiting "
+        "8000ms'; the same wait at the second step already said this)",
+    ),
     # ---- issue 33: mistakes that used to give a silently wrong result
     Case(
         "step-inside-inference-mode",

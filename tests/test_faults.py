@@ -140,6 +140,55 @@ def test_a_rank_killed_mid_step_is_named_and_nothing_is_left_behind(tmp_path: Pa
     assert elapsed < TIMEOUT, elapsed
 
 
+# ------------------------------------------------------------------ a rank returns early
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("when", "where"),
+    [
+        ("before-pipeline", "running"),
+        ("without-stepping", "in step 1"),
+        ("after-one-step", "in step 2"),
+    ],
+)
+def test_a_rank_that_returns_early_is_named_promptly(tmp_path: Path, when: str, where: str) -> None:
+    """Under launch a rank whose function returned leaves after ``grace`` seconds, so a peer
+    still waiting on it fails at once, naming it (it used to wait for the deadline, or to blame
+    a dead process)."""
+    import funcpipe as fp
+
+    before = set(_children(os.getpid()))
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        fp.launch(jobs_faults.return_early, 2, when, str(tmp_path), timeout=100, pg_timeout=100)
+    elapsed = time.monotonic() - start
+    text = str(info.value)
+    assert info.value.rank == 1, text
+    assert f"rank 1 returned while ranks [0] were still {where}" in text, text
+    assert "the same number of steps" in text, text
+    if when == "after-one-step":  # a wait of the transport: rank 0's own error names it too
+        seen = _reports(tmp_path, 2)
+        assert seen[0]["type"] == "RankFailed" and seen[0]["rank"] == 1, seen[0]
+    assert elapsed < TIMEOUT, elapsed  # the deadline and the group's timeout are 100 s
+    left = {p: c for p, c in _children(os.getpid()).items() if p not in before}
+    assert not {p: c for p, c in left.items() if "resource_tracker" not in c}, left
+
+
+@pytest.mark.timeout(150)
+def test_in_a_pool_a_rank_that_returned_is_named_when_the_wait_gives_up(tmp_path: Path) -> None:
+    """A Pool keeps a returned rank's process for the next job: its peer is not stopped at
+    once, but when its wait runs out (pg_timeout) its error says why it waited."""
+    start = time.monotonic()
+    with (
+        Pool(2, timeout=100, pg_timeout=3, grace=5.0, paths=[str(ROOT)]) as pool,
+        pytest.raises(RankFailed) as info,
+    ):
+        pool.run(jobs_faults.return_early, "without-stepping", str(tmp_path))
+    text = str(info.value)
+    assert info.value.rank == 1, text
+    assert "rank 1 returned while ranks [0] were still in step 1" in text, text
+    assert time.monotonic() - start < TIMEOUT
+
+
 # ------------------------------------------------------------------------------ NaN and inf
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(

@@ -175,6 +175,105 @@ def test_the_process_groups_timeout_expiring_names_pg_timeout() -> None:
     assert "raise pg_timeout= of funcpipe.launch or funcpipe.Pool" in text, text
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("at", [0, 1], ids=["first-step", "second-step"])
+def test_a_group_timeout_in_any_step_names_pg_timeout(at: int) -> None:
+    """Rank 1 sleeps past the group's timeout before a step: in the first step rank 0 waits in a
+    collective outside the transport (it used to surface gloo's bare "Timed out waiting
+    2000ms"); in the second, in a message (this always named pg_timeout=). Both say the same."""
+    from tests import jobs_faults
+
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as e:  # (a timeout of seconds: the ranks must join in it)
+        fp.launch(jobs_faults.slow_first_step, 2, 16.0, at, timeout=60, pg_timeout=8, grace=1)
+    text = str(e.value)
+    assert e.value.rank == 0, text
+    assert "rank 0 raised CommunicationError" in text, text
+    assert "longer than the process group's timeout (8 s)" in text, text
+    assert "raise pg_timeout= of funcpipe.launch or funcpipe.Pool" in text, text
+    assert time.monotonic() - start < 50
+
+
+def test_a_pg_timeout_too_short_to_join_is_refused_naming_it() -> None:
+    """pg_timeout=0.001 used to start the processes and fail in a socket connect timeout."""
+    for call in (lambda: fp.launch(abs, 2, pg_timeout=0.001), lambda: fp.Pool(2, pg_timeout=0.5)):
+        with pytest.raises(InvalidArgument, match="the process group's timeout, at least 1 s") as e:
+            call()
+        assert "bounds joining the group" in str(e.value)
+
+
+def test_joining_that_times_out_names_pg_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun, a group that cannot be joined within pg_timeout says so (it used to be
+    torch's bare store or socket timeout)."""
+
+    def init(*args: Any, **kwargs: Any) -> None:
+        raise dist.DistStoreError("wait timeout after 3000ms, keys: /default_pg/0//cpu//0/1")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", init)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    for name, value in {"RANK": 0, "WORLD_SIZE": 2, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 2}.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(CommunicationError) as e:
+        fp.launch(abs, 2, pg_timeout=3)
+    text = str(e.value)
+    assert "wait timeout after 3000ms" in text and "pg_timeout=3 s" in text, text
+    assert "raise pg_timeout= of funcpipe.launch" in text, text
+
+
+def store_timeout(rank: int) -> None:
+    """A torch.distributed wait that runs out, in this rank's function."""
+    dist.HashStore().wait(["never"], datetime.timedelta(milliseconds=10))
+
+
+def test_under_torchrun_a_raw_timeout_names_pg_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch.distributed wait that ran out inside the function launch runs under torchrun is
+    raised as a CommunicationError naming pg_timeout= (the original is its cause)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: dist.HashStore())
+    for name, value in {"RANK": 0, "WORLD_SIZE": 2, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 2}.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setattr(launcher, "_POLLS", 1)
+    with pytest.raises(CommunicationError) as e:
+        fp.launch(store_timeout, 2, pg_timeout=5)
+    text = str(e.value)
+    assert text.startswith("rank 0: ") and "Wait timeout" in text, text
+    assert "longer than the process group's timeout (5 s)" in text, text
+    assert isinstance(e.value.__cause__, dist.DistStoreError)
+
+
+def test_only_torch_distributeds_own_failures_are_renamed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's error that merely says "timeout", or an argument torch.distributed refuses, is
+    raised as it was; a store wait that ran out is told as the transport would, with its call."""
+    monkeypatch.setattr(launcher, "_POLLS", 1)  # (no store here: nothing to wait for)
+
+    def mine() -> None:
+        raise RuntimeError("my data loader timed out")
+
+    def refused() -> None:
+        dist.HashStore().wait(["never"], "soon")  # type: ignore[arg-type]
+
+    def ran_out() -> None:
+        dist.HashStore().wait(["never"], datetime.timedelta(milliseconds=1))
+
+    for fn in (mine, refused, ran_out):
+        try:
+            fn()
+        except Exception as e:
+            out = launcher.named(e, 3)
+            if fn is ran_out:
+                assert isinstance(out, CommunicationError), out
+                assert str(out).startswith("rank 3: dist.HashStore().wait(") and " in " in str(out)
+            else:
+                assert out is e, out
+
+
 def test_an_nccl_abort_names_pg_timeout() -> None:
     text = launcher._death(1, -6)
     assert "killed by SIGABRT" in text and "pg_timeout=" in text

@@ -22,44 +22,59 @@ errors asynchronously (a rank blocked in an NCCL operation on a dead peer may ne
 the launcher names the failed rank from its pipes, the processes' exits and the store, and then
 stops the ranks still blocked.
 
+A rank whose function returns while others still run adds itself to the store's record of the
+job's returns. A peer whose wait then breaks or runs out raises ``RankFailed`` saying "rank 1
+returned while ranks [0] were still in step N" (the step of its Pipeline, counted from 1),
+not that a process died or a timeout passed. Under :func:`launch` such a rank leaves (its process
+exits) after ``grace`` seconds, so gloo and socket waits on it break at once; a :class:`Pool`
+keeps it for the next job, so its peers are named only when their wait gives up
+(``pg_timeout``) or at the deadline. A peer blocked in an NCCL operation does not notice a peer
+that left: it is named when NCCL's watchdog or the deadline stops it. A failure that leaves
+torch.distributed bare (a gloo timeout or dropped connection in a collective outside funcpipe's
+transport, or in the user's own) is raised, where it leaves ``fn``, as the error the transport
+would give (:func:`named`).
+
 Two clocks, two options. ``timeout`` is the job's deadline, kept by the launcher: a job still
 running after it is stopped, with a :class:`~funcpipe.errors.RankFailed` that names the option;
 :func:`launch` has none by default (a GPU job may train for days; a rank that fails or dies is
 named at once whatever the deadline). ``pg_timeout`` is the process group's own timeout
 (``init_process_group(timeout=)``): how long one collective or message may wait before gloo
 raises or NCCL's watchdog aborts the rank; by default torch's (:data:`PG_TIMEOUTS`: 10 minutes
-for NCCL, 30 for gloo), long enough for a peer compiling its stages. Tests and benchmarks set
+for NCCL, 30 for gloo), long enough for a peer compiling its stages; it also bounds joining the
+group, so it is at least a second (a join that runs out names it). Tests and benchmarks set
 short ones explicitly, so that a hang fails fast.
 
 Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set), ``launch`` runs ``fn`` in
 this process only, with the process group torchrun describes, under the same rules: the backend
 from :func:`default_backend`, the device from ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` checked
 against the GPUs. A rank whose ``fn`` raises records its error in torchrun's store too, so that
-peers blocked on it name it.
+peers blocked on it name it, and one whose ``fn`` returns records that; torchrun owns the
+processes, so nothing makes a returned rank leave early: its peers' gloo waits break when its
+process exits (usually at once, at the end of the script), NCCL waits at the watchdog.
 
-:class:`Pool` keeps such a group of processes alive and runs one function after another on it:
-starting processes costs seconds, so tests start one pool per session.
-
-The backend and device rule is :mod:`funcpipe.distributed.devices`, the failure record's format
-:mod:`funcpipe.distributed.failures`; what stays here shares this process's store, rank and
-group timeout: starting the group (here or under torchrun), recording and naming failures, the
-pool and :func:`launch`.
+The backend and device rule is :mod:`funcpipe.distributed.devices`, the failure and return
+records' format :mod:`funcpipe.distributed.failures`, the process group's timeout
+:mod:`funcpipe.distributed.timeouts`, where the store listens :mod:`funcpipe.distributed.network`,
+and how the launcher waits for a job's results :mod:`funcpipe.distributed.collect`; what stays
+here shares this process's store, rank and group timeout: starting the group (here or under
+torchrun), a rank's side of a job (its worker), recording and naming failures and returns,
+:class:`Pool` (it keeps a group of processes alive and runs one function after another on it:
+starting processes costs seconds, so tests start one pool per session) and :func:`launch`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import ipaddress
 import os
 import pickle
-import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from funcpipe.distributed.collect import LEAVE, collect
 from funcpipe.distributed.devices import BACKENDS as BACKENDS  # (re-exported: its old home)
 from funcpipe.distributed.devices import NCCL_ENV as NCCL_ENV
 from funcpipe.distributed.devices import SHARE_ENV as SHARE_ENV
@@ -73,15 +88,26 @@ from funcpipe.distributed.devices import (
 )
 from funcpipe.distributed.failures import FAIL_KEY as FAIL_KEY
 from funcpipe.distributed.failures import (
+    call_site,
+    communication_failure,
+    current_step,
     death,
     describe,
     first_failure,
     parse_record,
-    read_record,
+    parse_returns,
+    return_key,
+    returned_text,
     timed_out,
 )
+from funcpipe.distributed.network import is_loopback as _is_loopback
+from funcpipe.distributed.network import listen as _listen  # (tests patch it here)
+from funcpipe.distributed.network import loopback_interface as _loopback_interface
+from funcpipe.distributed.timeouts import PG_TIMEOUTS as PG_TIMEOUTS
+from funcpipe.distributed.timeouts import check_pg_timeout, join_expired, pg_expired, pg_seconds
 from funcpipe.errors import (
     CommunicationError,
+    FuncpipeError,
     InvalidArgument,
     RankFailed,
     check_int,
@@ -104,22 +130,14 @@ __all__ = [
 
 _STORE: Any = None  # this process's rendezvous store (set in ranks started by funcpipe)
 _RANK: int | None = None
+_PG_TIMEOUT: float | None = None  # this process's group timeout, where funcpipe started the group
+_JOB = 0  # the jobs this process ran (a Pool's, or launch's under torchrun): every rank alike
+_POLLS = 60  # how many times (every 0.05 s) a broken wait looks for a peer's record
 
 
 def under_torchrun() -> bool:
     """True when the environment describes this process as one rank of a larger job."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
-
-# The process group's timeout when pg_timeout is None: torch's defaults (torch.distributed's
-# default_pg_nccl_timeout and default_pg_timeout), in seconds.
-PG_TIMEOUTS = {"nccl": 600.0, "gloo": 1800.0}
-_PG_TIMEOUT: float | None = None  # this process's group timeout, where funcpipe started the group
-
-
-def pg_seconds(pg_timeout: float | None, backend: str) -> float:
-    """The process group timeout in seconds for ``pg_timeout`` (``None``: :data:`PG_TIMEOUTS`)."""
-    return PG_TIMEOUTS[backend] if pg_timeout is None else float(pg_timeout)
 
 
 def _env_int(name: str) -> int | None:
@@ -134,42 +152,6 @@ def _env_int(name: str) -> int | None:
         ) from None
 
 
-def _listen(host: str) -> tuple[int, int]:
-    """A listening socket bound to ``host`` only (port chosen by the OS): ``(fd, port)``.
-
-    The launcher's store serves on this socket. Given a host alone, torch's ``TCPStore`` listens
-    on every interface; handing it a socket bound to ``host`` keeps it there (loopback by
-    default), and there is no window between choosing a port and binding it.
-    """
-    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    s = socket.socket(family, kind, proto)
-    try:
-        s.bind(addr[:2] if family == socket.AF_INET else addr)
-        s.listen(1024)
-        port = int(s.getsockname()[1])
-    except BaseException:
-        s.close()
-        raise
-    return s.detach(), port  # the store owns (and closes) the descriptor from now on
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def _loopback_interface() -> str | None:
-    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS)."""
-    with contextlib.suppress(OSError):
-        names = [name for _, name in socket.if_nameindex()]
-        for name in ("lo", "lo0"):
-            if name in names:
-                return name
-    return None
-
-
 def record_failure(exc: BaseException) -> None:
     """Record in the shared store that this rank failed (first failure wins)."""
     if _STORE is None or _RANK is None:
@@ -179,32 +161,65 @@ def record_failure(exc: BaseException) -> None:
         _STORE.compare_set(FAIL_KEY, "", text)
 
 
-def _read_failure() -> tuple[int, str] | None:
+def record_return() -> None:
+    """Record in the shared store that this rank's function returned (in this job)."""
+    if _STORE is None or _RANK is None:
+        return
+    with contextlib.suppress(Exception):  # (a store without append: not recorded)
+        _STORE.append(return_key(_JOB), f"{_RANK} ")
+
+
+def _read(key: str) -> str | None:
     if _STORE is None:
         return None
     try:
-        if not _STORE.check([FAIL_KEY]):
+        if not _STORE.check([key]):
             return None
-        raw = _STORE.get(FAIL_KEY).decode()
+        return str(_STORE.get(key).decode())
     except Exception:
         return None
-    return parse_record(raw)
 
 
-def failure_handler() -> Callable[[BaseException, str], BaseException]:
-    """What a transport raises when communication breaks: name the rank that failed first."""
+def _read_failure() -> tuple[int, str] | None:
+    raw = _read(FAIL_KEY)
+    return None if raw is None else parse_record(raw)
+
+
+def _returned(step: int | None) -> RankFailed | None:
+    """Which ranks' functions returned in this job, told as the reason a wait broke."""
+    raw = _read(return_key(_JOB))
+    returned = [] if raw is None else [r for r in parse_returns(raw) if r != _RANK]
+    if not returned:
+        return None
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else max(returned) + 1
+    running = sorted(set(range(world)) - set(returned))
+    text = returned_text(returned, running, step)
+    return RankFailed(text, rank=returned[0], cause=text)
+
+
+def failure_handler(
+    step: Callable[[], int | None] | None = None,
+) -> Callable[[BaseException, str], BaseException]:
+    """What a transport raises when communication breaks: name the rank that failed first, or
+    the ranks whose function returned; ``step()``: the step this process is in, if known."""
 
     def handle(exc: BaseException, what: str) -> BaseException:
-        for _ in range(60):  # the failed rank (or, for a dead one, the launcher) records it soon
+        for k in range(_POLLS):  # the failed rank (or, for a dead one, the launcher) records it
             found = _read_failure()
             if found is not None:
                 rank, cause = found
                 return RankFailed(
                     f"{what} stopped: rank {rank} failed with {cause}", rank=rank, cause=cause
                 )
+            # a failure, if there is one, is the cause; the launcher takes a second to see a death
+            gone = _returned(step() if step is not None else None) if 2 * k >= _POLLS else None
+            if gone is not None:
+                return RankFailed(f"{what} stopped: {gone}", rank=gone.rank, cause=gone.cause)
             time.sleep(0.05)
         if timed_out(exc):
-            return CommunicationError(f"{what} failed: {exc}. {_pg_expired()}")
+            return CommunicationError(f"{what} failed: {exc}. {pg_expired(_PG_TIMEOUT)}")
         return CommunicationError(
             f"{what} failed: {exc}. No rank recorded an error: a peer process died (killed, out "
             "of memory) or the network failed."
@@ -213,15 +228,15 @@ def failure_handler() -> Callable[[BaseException, str], BaseException]:
     return handle
 
 
-def _pg_expired() -> str:
-    """What to say when a wait ran past the process group's timeout: the option to change."""
-    limit = "" if _PG_TIMEOUT is None else f" ({_PG_TIMEOUT:g} s)"
-    return (
-        f"It waited longer than the process group's timeout{limit} and no rank recorded an "
-        "error: a hang, or a peer slower than that (compiling, loading data). If the peer is "
-        "only slow, raise pg_timeout= of funcpipe.launch or funcpipe.Pool (under torchrun, of "
-        "funcpipe.launch, or init_process_group(timeout=) where you start the group)."
-    )
+def named(exc: BaseException, rank: int | None) -> BaseException:
+    """``exc``, or for torch.distributed's own report of a wait that ran out or a connection
+    that dropped (a collective outside funcpipe's transport, or the user's), the error the
+    transport would have raised: naming the rank that failed, the rank that returned, or the
+    process group's timeout."""
+    if isinstance(exc, FuncpipeError) or not communication_failure(exc):
+        return exc
+    where = call_site(exc) or "a torch.distributed call"
+    return failure_handler(current_step)(exc, f"rank {rank}: {where}")
 
 
 def _init_group(
@@ -270,10 +285,12 @@ def _worker(
     for p in paths:
         if p not in sys.path:
             sys.path.insert(0, p)
+    global _JOB
     try:
         _init_group(rank, world, host, port, backend, pg_timeout, share)
     except BaseException as e:
-        conn.send(("error", f"rank {rank} could not join the process group: {e!r}"))
+        why = f". {join_expired(pg_timeout)}" if timed_out(e) else ""
+        conn.send(("error", f"rank {rank} could not join the process group: {e!r}{why}"))
         return
     while True:
         try:
@@ -282,11 +299,18 @@ def _worker(
             break
         if job is None:
             break
+        if job == LEAVE:  # returned while peers still ran: drop the connections they wait on
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        _JOB += 1
         try:
             fn, args, kwargs = pickle.loads(job)
             out = fn(rank, *args, **kwargs)
+            record_return()
             conn.send(("ok", out))
         except BaseException as e:
+            e = named(e, rank)
             record_failure(e)
             conn.send(
                 ("error", f"rank {rank} raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -314,6 +338,10 @@ class Pool:
     :func:`rank_device` ``(r, backend, share=share_gpus)``; ``share_gpus=None`` reads
     ``FUNCPIPE_SHARE_GPUS``. An NCCL pool larger than the host's GPU count, or one on a host
     without CUDA, is an :class:`InvalidArgument` before any process starts.
+
+    A rank whose function returned stays for the next job even while others still run; if they
+    wait for it, they are stopped by ``pg_timeout`` or the deadline, and the error says that it
+    returned (:func:`launch`, with one job, lets it go after ``grace`` seconds).
     """
 
     def __init__(
@@ -331,7 +359,7 @@ class Pool:
         check_int("size", size, 1, "the number of processes, an int >= 1")
         share = sharing(share_gpus)
         check_seconds("timeout", timeout, "the deadline of each job")
-        check_seconds("pg_timeout", pg_timeout, "the process group's timeout")
+        check_pg_timeout(pg_timeout)
         if not isinstance(grace, (int, float)) or grace < 0:
             raise InvalidArgument(
                 f"grace={grace!r}: seconds the other ranks get to stop by themselves after a "
@@ -385,6 +413,10 @@ class Pool:
             self.conns.append(parent)
             self.procs.append(proc)
         self.closed = False
+        # seconds after which a rank that returned while others still run leaves (its process
+        # exits, so the peers waiting on it fail at once; the pool is then spent): launch sets
+        # it, for its one job; None keeps every rank for the next job
+        self._let_go: float | None = None
 
     def run(
         self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
@@ -400,81 +432,12 @@ class Pool:
         for c in self.conns:
             c.send(job)
         try:
-            return self._collect(self.timeout if timeout is None else float(timeout))
+            return collect(self, self.timeout if timeout is None else float(timeout))
         except BaseException:
             # interrupted (a test's timeout, Ctrl-C) with the job still running: its answers
             # would be read as the next job's, so the pool stops (a no-op when closed already)
             self.close(kill=True)
             raise
-
-    def _collect(self, timeout: float | None) -> list[Any]:
-        """Wait for every rank's result, for ``timeout`` seconds at most (``None``: as long as
-        the ranks live)."""
-        from multiprocessing.connection import wait
-
-        results: dict[int, Any] = {}
-        deadline = float("inf") if timeout is None else time.monotonic() + timeout
-        first: tuple[int, str] | None = None
-        while len(results) < self.size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.close(kill=True)
-                waiting = sorted(set(range(self.size)) - set(results))
-                if first is None:
-                    # a rank may have recorded its failure without its message arriving (NCCL
-                    # errors surface in the watchdog, not in the job): the store names it
-                    first = read_record(self.store)
-                if first is not None:
-                    raise RankFailed(
-                        f"rank {first[0]} failed:\n{first[1]}", rank=first[0], cause=first[1]
-                    )
-                raise RankFailed(
-                    f"ranks {waiting} did not finish within the job's deadline, timeout={timeout:g} "
-                    "s (of funcpipe.launch, funcpipe.Pool or Pool.run); the pool was stopped. A "
-                    "hang, or a job slower than that: if it is only slow, pass a longer timeout= "
-                    "(None: no deadline). It is separate from the process group's timeout, "
-                    f"pg_timeout={self.pg_timeout:g} s, which bounds each collective and message.",
-                    rank=waiting[0] if waiting else None,
-                )
-            sentinels = {p.sentinel: r for r, p in enumerate(self.procs) if r not in results}
-            ready = wait(
-                [self.conns[r] for r in range(self.size) if r not in results] + list(sentinels),
-                timeout=min(left, 0.5),
-            )
-            for obj in ready:
-                r = sentinels[obj] if obj in sentinels else self.conns.index(obj)  # type: ignore[arg-type]
-                if r in results:
-                    continue
-                try:
-                    message = self.conns[r].recv() if self.conns[r].poll() else None
-                except (EOFError, OSError):  # the pipe closed: the process is gone
-                    message = None
-                if message is None:
-                    if obj not in sentinels and self.procs[r].is_alive():
-                        self.procs[r].join(timeout=1.0)
-                    if self.procs[r].is_alive():
-                        continue
-                    text = death(r, self.procs[r].exitcode)
-                    results[r] = None
-                    # tell the ranks still waiting on it who failed (first failure wins)
-                    with contextlib.suppress(Exception):
-                        self.store.compare_set(FAIL_KEY, "", f"{r}\n{text}")
-                    if first is None:
-                        first = (r, text)
-                    continue
-                status, value = message
-                results[r] = value
-                if status == "error" and first is None:
-                    first = (r, str(value))
-            if first is not None:
-                # give the others a moment to stop by themselves, then stop them
-                end = time.monotonic() + self.grace
-                while time.monotonic() < end and any(p.is_alive() for p in self.procs):
-                    time.sleep(0.05)
-                self.close(kill=True)
-                rank, text = first_failure(first, read_record(self.store))
-                raise RankFailed(f"rank {rank} failed: {text}", rank=rank, cause=text)
-        return [results[r] for r in range(self.size)]
 
     def close(self, *, kill: bool = False) -> None:
         if self.closed:
@@ -535,7 +498,9 @@ def launch(
     ``pg_timeout``: the process group's timeout (``init_process_group(timeout=)``), how long one
     collective or message may wait before gloo raises or NCCL's watchdog aborts the rank;
     ``None`` (the default) is torch's, :data:`PG_TIMEOUTS` (10 minutes for NCCL, 30 for gloo).
-    A rank that raises or dies is named at once, whatever either says.
+    A rank that raises or dies is named at once, whatever either says; a rank that returns
+    while others still run leaves ``grace`` seconds later, so that one still waiting on it fails
+    then, naming it (``RankFailed``: "rank 1 returned while ranks [0] were still in step N").
 
     Under ``torchrun`` this process is already one rank: the process group is initialised from
     the environment (unless it already is) under the same rules, the device taken from
@@ -548,14 +513,9 @@ def launch(
     check_int("nprocs", nprocs, 1, "the number of local processes to start, an int >= 1")
     share = sharing(share_gpus)
     check_seconds("timeout", timeout, "the job's deadline")
-    check_seconds("pg_timeout", pg_timeout, "the process group's timeout")
+    check_pg_timeout(pg_timeout)
     if under_torchrun():
-        rank = _join_torchrun(backend, share=share, pg_timeout=pg_timeout)
-        try:
-            return [fn(rank, *args, **kwargs)]
-        except BaseException as e:
-            record_failure(e)  # peers blocked on this rank read it from torchrun's store
-            raise
+        return [_run_torchrun(fn, args, kwargs, backend, share=share, pg_timeout=pg_timeout)]
     _pickle_job(fn, args, kwargs)  # before starting any process
     with Pool(
         nprocs,
@@ -565,7 +525,36 @@ def launch(
         pg_timeout=pg_timeout,
         grace=grace,
     ) as pool:
+        # a rank that returned has nothing left to do: after grace it leaves, so a peer still
+        # waiting on it (a rank that took fewer steps) fails at once, naming it
+        pool._let_go = grace
         return pool.run(fn, *args, **kwargs)
+
+
+def _run_torchrun(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    backend: str | None,
+    *,
+    share: bool,
+    pg_timeout: float | None,
+) -> Any:
+    """``fn(rank, ...)`` in this process, one rank of torchrun's job: its failure, or its
+    return, is recorded in torchrun's store for the peers that wait on it."""
+    global _JOB
+    rank = _join_torchrun(backend, share=share, pg_timeout=pg_timeout)
+    _JOB += 1
+    try:
+        out = fn(rank, *args, **kwargs)
+    except BaseException as e:
+        err = named(e, rank)
+        record_failure(err)  # peers blocked on this rank read it from torchrun's store
+        if err is e:
+            raise
+        raise err from e
+    record_return()
+    return out
 
 
 def _join_torchrun(backend: str | None, *, share: bool, pg_timeout: float | None) -> int:
@@ -584,9 +573,17 @@ def _join_torchrun(backend: str | None, *, share: bool, pg_timeout: float | None
         chosen = choose_backend(backend, _env_int("LOCAL_WORLD_SIZE"), share=share)
         device = claim_device(0 if local is None else local, chosen, share=share)
         seconds = pg_seconds(pg_timeout, chosen)
-        dist.init_process_group(
-            chosen, timeout=datetime.timedelta(seconds=seconds), **device_id(device)
-        )
+        try:
+            dist.init_process_group(
+                chosen, timeout=datetime.timedelta(seconds=seconds), **device_id(device)
+            )
+        except RuntimeError as e:
+            if not timed_out(e):
+                raise
+            raise CommunicationError(
+                f"rank {os.environ.get('RANK')} could not join the process group torchrun "
+                f"describes: {e!r}. {join_expired(seconds)}"
+            ) from e
         _PG_TIMEOUT = seconds
     _RANK = dist.get_rank()
     with contextlib.suppress(Exception):  # a group started elsewhere may have no store to share

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from funcpipe.distributed.failures import Steps, forget_steps
 from funcpipe.distributed.groups import Claim
 from funcpipe.errors import InvalidArgument
 from funcpipe.runtime.transport import DistTransport, strict_from_env
@@ -61,11 +62,14 @@ class DistWorld:
     tensor: int  # tensor-parallel size
     transport: DistTransport
     claim: Claim | None = None  # the shared process groups this world uses
+    steps: Steps | None = None  # the steps its transport finished
 
     def close(self) -> None:
         """Release the transport (sockets, waiter threads) and the process groups (collective:
         every process closes its worlds in the same order, so the groups are given back even
         when the transport fails to close)."""
+        if self.steps is not None:
+            forget_steps(self.steps)
         try:
             self.transport.close()
         finally:
@@ -151,7 +155,8 @@ def join(
     if scatter_gather and tp > 1 and mesh is not None:
         tensor_axis = mesh["tensor"]
         split = (tensor_axis.group, tp, tensor_axis.coord)
-    on_error = failure_handler()
+    steps = Steps()
+    on_error = failure_handler(steps.current)
     channels = _channels(program, rank, pipe_ranks, me, device, on_error)
     strict: dict[str, Any] = {}
     if strict_from_env():
@@ -172,7 +177,8 @@ def join(
         pairs=pairs,
         **strict,
     )
-    return DistWorld(rank, pipe_ranks, copies, tp, transport, claim)
+    steps.attach(transport)
+    return DistWorld(rank, pipe_ranks, copies, tp, transport, claim, steps)
 
 
 def _channels(
