@@ -311,21 +311,24 @@ def _summary(out: subprocess.CompletedProcess[str], where: Path) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_bf16_demo_trains(tmp_path: Path) -> None:
-    """Pipeline 2 x tensor 2 under bf16 autocast (bf16 all-reduces inside the stages)."""
+@pytest.mark.parametrize("precision", ["bf16", "bf16-autocast"])
+def test_bf16_demo_trains(tmp_path: Path, precision: str) -> None:
+    """Pipeline 2 x tensor 2 in bf16 (bf16 all-reduces inside the stages): bf16 parameters with
+    float32 sums and master weights, or float32 parameters under bf16 autocast."""
     import math
 
     out = _demo(
-        "--pipeline", "2", "--tensor", "2", "--steps", "4", "--precision", "bf16",
+        "--pipeline", "2", "--tensor", "2", "--steps", "4", "--precision", precision,
         "--device", "cpu", "--out", str(tmp_path),
     )  # fmt: skip
     s = _summary(out, tmp_path)
-    assert s["precision"] == "bf16" and s["device"] == "cpu" and not s["compile"]
-    assert all("bfloat16" in r and "autocast(" in r for r in s["stages"])
+    assert s["precision"] == precision and s["device"] == "cpu" and not s["compile"]
+    autocast = precision == "bf16-autocast"
+    assert all(("bfloat16" in r and "autocast(" in r) == autocast for r in s["stages"])
     assert math.isfinite(s["last_loss"]) and s["final_val_loss"] < s["first_val_loss"]
     assert s["tokens_per_s"] > 0 and s["mfu"] is None and s["peak_memory_bytes_per_rank"] is None
     assert s["warmup_steps_excluded"] == 1 and s["timed_steps"] == 3
-    assert "MFU n/a" in out.stdout and "cpu, bf16" in out.stdout
+    assert "MFU n/a" in out.stdout and f"cpu, {precision}" in out.stdout
 
 
 @pytest.mark.timeout(120)

@@ -230,7 +230,11 @@ def resolve(parsed: argparse.Namespace) -> DemoOptions:
     if chosen and device == "cuda":
         import torch
 
-        planned = planned_microbatches(opts, torch.cuda.get_device_name())
+        try:
+            name = torch.cuda.get_device_name()
+        except (AssertionError, RuntimeError):  # no device to ask (a faked count, a broken driver)
+            name = ""
+        planned = planned_microbatches(opts, name)
         opts = opts if planned is None else replace(opts, microbatches=planned)
     return opts
 
