@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from funcpipe.distributed.launcher import named
 from funcpipe.errors import InvalidArgument
 from funcpipe.schedule.ir import Program
 from funcpipe.stages.boundaries import BoundarySpecs
@@ -63,7 +64,10 @@ def _gather(values: Sequence[int]) -> list[list[int]]:
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
     every = mine.new_empty(dist.get_world_size() * len(values))
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.12
-    gather(every, mine)
+    try:
+        gather(every, mine)
+    except RuntimeError as e:  # gloo's bare report: say which rank failed, returned or timed out
+        raise named(e, dist.get_rank()) from e
     return [[int(v) for v in row] for row in every.view(-1, len(values)).cpu().tolist()]
 
 
@@ -77,7 +81,10 @@ def _texts(text: Any) -> list[Any]:
     import torch.distributed as dist
 
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, text)
+    try:
+        dist.all_gather_object(every, text)
+    except RuntimeError as e:
+        raise named(e, dist.get_rank()) from e
     return every
 
 
