@@ -1,7 +1,7 @@
 """Gradient buckets: one all-reduce per ~25 MB of same-dtype, same-device tensors.
 
 A REDUCE hands the transport a stage's gradient leaves, last layer's first (the order a backward
-produces them, as DDP reduces). :func:`plan` groups them into buckets, in that order, of at most
+produces them, as DDP reduces). :func:`bucket_indices` groups them into buckets, in that order, of at most
 :data:`BUCKET_BYTES` each; a tensor larger than that is a bucket alone, and tensors of another
 dtype or device go to a bucket of their own kind. :class:`Bucket` flattens its tensors into one
 buffer (a tensor alone is reduced in place, without a copy) and copies the reduced buffer back
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["BUCKET_BYTES", "Bucket", "plan"]
+__all__ = ["BUCKET_BYTES", "Bucket", "bucket_indices"]
 
 Tensor = torch.Tensor
 
@@ -36,7 +36,7 @@ Tensor = torch.Tensor
 BUCKET_BYTES = 25 * 2**20
 
 
-def plan(tensors: Sequence[Tensor], cap: int | None = None) -> list[list[int]]:
+def bucket_indices(tensors: Sequence[Tensor], cap: int | None = None) -> list[list[int]]:
     """The buckets of ``tensors``: lists of their indices, each of one dtype and device and at
     most ``cap`` bytes (default :data:`BUCKET_BYTES`) unless it holds one tensor. Buckets are
     ordered by their first tensor, and tensors keep their order within a bucket."""
@@ -80,5 +80,5 @@ class Bucket:
 
 
 def buckets(tensors: Sequence[Tensor], cap: int | None = None) -> list[Bucket]:
-    """:func:`plan`'s buckets of ``tensors``, flattened."""
-    return [Bucket([tensors[i] for i in idx]) for idx in plan(tensors, cap)]
+    """:func:`bucket_indices`'s buckets of ``tensors``, flattened."""
+    return [Bucket([tensors[i] for i in idx]) for idx in bucket_indices(tensors, cap)]

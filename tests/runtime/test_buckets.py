@@ -27,10 +27,10 @@ def test_plan_groups_by_dtype_in_order_up_to_the_cap() -> None:
     f32 = torch.zeros(4, dtype=torch.float32)
     big = torch.zeros(100, dtype=torch.float64)
     tensors = [f64[0], f32, f64[1], big, f64[2]]
-    assert buckets.plan(tensors, cap=1000) == [[0, 2, 3], [1], [4]]  # 960 bytes, then full
-    assert buckets.plan(tensors, cap=160) == [[0, 2], [1], [3], [4]]  # big alone, over the cap
-    assert buckets.plan(tensors, cap=0) == [[0], [1], [2], [3], [4]]  # per leaf
-    assert buckets.plan(tensors) == [[0, 2, 3, 4], [1]]
+    assert buckets.bucket_indices(tensors, cap=1000) == [[0, 2, 3], [1], [4]]  # 960 bytes, then full
+    assert buckets.bucket_indices(tensors, cap=160) == [[0, 2], [1], [3], [4]]  # big alone, over the cap
+    assert buckets.bucket_indices(tensors, cap=0) == [[0], [1], [2], [3], [4]]  # per leaf
+    assert buckets.bucket_indices(tensors) == [[0, 2, 3, 4], [1]]
 
 
 @given(
@@ -41,10 +41,10 @@ def test_buckets_cover_every_tensor_once_and_round_trip(
     specs: list[tuple[int, int]], cap: int
 ) -> None:
     tensors = [torch.arange(n, dtype=DTYPES[k]) + i for i, (k, n) in enumerate(specs)]
-    plan = buckets.plan(tensors, cap=cap)
-    assert sorted(i for b in plan for i in b) == list(range(len(tensors)))
-    assert [b[0] for b in plan] == sorted(b[0] for b in plan)
-    for b in plan:
+    groups = buckets.bucket_indices(tensors, cap=cap)
+    assert sorted(i for b in groups for i in b) == list(range(len(tensors)))
+    assert [b[0] for b in groups] == sorted(b[0] for b in groups)
+    for b in groups:
         assert b == sorted(b) and len({tensors[i].dtype for i in b}) == 1
         nbytes = sum(tensors[i].numel() * tensors[i].element_size() for i in b)
         assert len(b) == 1 or nbytes <= cap
