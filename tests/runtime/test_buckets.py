@@ -27,10 +27,11 @@ def test_plan_groups_by_dtype_in_order_up_to_the_cap() -> None:
     f32 = torch.zeros(4, dtype=torch.float32)
     big = torch.zeros(100, dtype=torch.float64)
     tensors = [f64[0], f32, f64[1], big, f64[2]]
-    assert buckets.bucket_indices(tensors, cap=1000) == [[0, 2, 3], [1], [4]]  # 960 bytes, then full
-    assert buckets.bucket_indices(tensors, cap=160) == [[0, 2], [1], [3], [4]]  # big alone, over the cap
-    assert buckets.bucket_indices(tensors, cap=0) == [[0], [1], [2], [3], [4]]  # per leaf
-    assert buckets.bucket_indices(tensors) == [[0, 2, 3, 4], [1]]
+    group = buckets.bucket_indices
+    assert group(tensors, cap=1000) == [[0, 2, 3], [1], [4]]  # 960 bytes, then full
+    assert group(tensors, cap=160) == [[0, 2], [1], [3], [4]]  # big alone, over the cap
+    assert group(tensors, cap=0) == [[0], [1], [2], [3], [4]]  # per leaf
+    assert group(tensors) == [[0, 2, 3, 4], [1]]
 
 
 @given(
