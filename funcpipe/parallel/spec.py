@@ -377,6 +377,13 @@ class ShardSpec:
                 )
         if bias is not None and not isinstance(bias, Tensor):
             raise InvalidArgument(f"bias of pattern {self.pattern!r} is {bias!r}, not a Tensor.")
+        left = [m for m, how in self.reduce.items() if how == "partial" and axes[m].size > 1]
+        if bias is not None and left:
+            raise InvalidArgument(
+                f"bias= with pattern {self.pattern!r}: the output stays partial sums over mesh "
+                f"axes {left} (reduce='partial'), so a bias added here would be counted once "
+                "per rank of them; add it after the sums are reduced."
+            )
         sp = self._shape_recipe(
             tuple(tuple(x.shape) for x in xs),
             tuple(sorted((m, a.size) for m, a in axes.items())),

@@ -102,3 +102,19 @@ def test_a_spec_adds_its_bias_once_and_refuses_a_non_tensor() -> None:
     assert_trees_close(outer(x[0], b, bias=x[0][:1], mesh={}), torch.outer(b, x[0]) + x[0][:1])
     with pytest.raises(InvalidArgument, match="bias of pattern"):
         spec(x, w, bias=1.0, mesh={axis.name: axis})  # type: ignore[arg-type]
+
+
+def test_a_bias_on_partial_sums_is_refused_before_any_collective() -> None:
+    """reduce='partial' leaves each rank a partial sum: a bias fused there would be counted once
+    per rank after the later reduction (a silently wrong result), so it is refused; at size 1
+    there is no partial sum and the bias is added."""
+    from funcpipe.parallel import shard_spec
+    from funcpipe.parallel.mesh import Axis
+
+    x, w, b = torch.ones(3, 2, dtype=F64), torch.ones(5, 2, dtype=F64), torch.ones(5, dtype=F64)
+    spec = shard_spec("b i, o i -> b o", {"i": "tensor"}, reduce="partial")
+    two = Axis("tensor", 2, 0, None)  # refused before any collective: no group needed
+    with pytest.raises(InvalidArgument, match="partial sums over mesh axes \\['tensor'\\]"):
+        spec(x, w, bias=b, mesh={"tensor": two})
+    one = gpt.single_axis()
+    assert_trees_close(spec(x, w, bias=b, mesh={"tensor": one}), x @ w.T + b)
