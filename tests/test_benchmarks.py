@@ -297,8 +297,9 @@ def test_gpu_profile_runs_every_model_on_the_cpu(tmp_path) -> None:
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
 
 
-def test_agreement_benchmark_imports_and_names_its_parts() -> None:
-    """benchmarks/agreement.py (the per-step cost of the processes' agreement) stays importable."""
+def test_agreement_benchmark_imports() -> None:
+    """benchmarks/agreement.py (the per-step cost of the processes' agreement) stays importable
+    (only that: running it starts processes and times steps, which is the benchmark's job)."""
     from benchmarks import agreement
 
     assert callable(agreement.main)
