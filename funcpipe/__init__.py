@@ -91,6 +91,7 @@ from funcpipe.stages.split_module import ModuleSplit, split_module
 from funcpipe.stages.stage import Stage, as_inputs, compose, from_module
 from funcpipe.stages.ties import describe_ties, find_ties
 from funcpipe.train import data, loss_scale, optim
+from funcpipe.train.losses import token_cross_entropy
 
 __version__ = "0.1.0"
 
@@ -136,6 +137,7 @@ __all__ = [
     "split",
     "split_module",
     "testing",
+    "token_cross_entropy",
     "tune",
 ]
 

@@ -27,12 +27,13 @@ from funcpipe.pipeline.result import (
     StepResult,
     dist_scalars,
     executed_timeline,
+    local_scalars,
     merged_outputs,
     stage_grads,
-    total,
 )
 from funcpipe.runtime.drive import drive, drive_local
 from funcpipe.runtime.interpreter import RankInputs, RankResult, run_rank
+from funcpipe.runtime.loss_terms import scale_grads
 from funcpipe.runtime.transport import LocalWorld
 from funcpipe.schedule.ir import Op, Program
 from funcpipe.schedule.p2p import PAIR
@@ -347,13 +348,17 @@ class Pipeline:
             x.scalars_group = _world.SCALARS
         result = drive(run_rank(x, self._world.transport))
         # every data copy adds its loss; every tensor coordinate holds the same loss
-        loss, metric = dist_scalars(
+        loss, metric, factor = dist_scalars(
             result,
-            m * self.data_size * self.tensor_size,
+            m,
+            self.data_size,
+            self.tensor_size,
             has_loss=self.loss_fn is not None,
             has_metric=self.metric_fn is not None,
         )
         grads = self._grads(params, [result])
+        if factor is not None and program.training:  # a (sum, count) loss: see loss_terms
+            scale_grads(grads, factor)
         outputs = merged_outputs(program, [result]) if return_outputs else None
         step = StepResult(loss, grads, metric, outputs)
         step.peak_activations = {self.rank: result.peak_activations}
@@ -399,14 +404,12 @@ class Pipeline:
                 gens[ranks[r]] = run_rank(x, world.transport(r, ranks))
         results = drive_local(gens, world=world)
         per_rank = [results[r] for r in range(n)]  # replica 0 answers
-        loss = total([res.loss_sum for res in results.values()])
-        metric = total([res.metric_sum for res in results.values()])
-        scale = 1.0 / (m * self.data)
+        loss, metric, factor = local_scalars(list(results.values()), m, self.data)
+        grads = self._grads(params, per_rank)
+        if factor is not None and program.training:  # a (sum, count) loss: see loss_terms
+            scale_grads(grads, factor)
         out = StepResult(
-            None if loss is None else loss * scale,
-            self._grads(params, per_rank),
-            None if metric is None else metric * scale,
-            merged_outputs(program, per_rank) if return_outputs else None,
+            loss, grads, metric, merged_outputs(program, per_rank) if return_outputs else None
         )
         out.peak_activations = {r: res.peak_activations for r, res in enumerate(per_rank)}
         if trace:

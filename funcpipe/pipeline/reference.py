@@ -14,6 +14,7 @@ import torch
 
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline.microbatch import _batch_size, _split_named, merge
+from funcpipe.runtime.loss_terms import count_factor, loss_and_count
 from funcpipe.stages.stage import Stage, as_inputs
 from funcpipe.stages.ties import TiePath, check_ties, resolve, tie_values
 from funcpipe.tree import check_tensor_tree, leaf_paths, tree_flatten, tree_unflatten
@@ -65,16 +66,21 @@ def reference_step(
 
     For each microbatch j (of m): ``outputs_j = stages[-1](...stages[0](params[0], *inputs_j))``
     and ``loss_j = loss_fn(outputs_j, targets_j)`` (``loss_fn(outputs_j)`` without targets),
-    which must be a scalar tensor. The step's loss is ``mean_j loss_j``: the mean over
-    microbatches of the per-microbatch loss. With uneven microbatches and a ``loss_fn`` that
-    averages over samples, this is a mean of means, not the mean over all samples.
-    Gradients are those of that loss, accumulated as ``sum_j grad(loss_j / m)``.
+    which is a scalar tensor or a pair ``(sum_j, count_j)``
+    (:mod:`funcpipe.runtime.loss_terms`). For scalars the step's loss is ``mean_j loss_j``, the
+    mean over microbatches of the per-microbatch loss: with a ``loss_fn`` that averages over
+    items, a mean of means, which is the mean over all items only when every microbatch counts
+    as many. For pairs it is ``sum_j sum_j / sum_j count_j``: the full batch's mean over its
+    items, however they fall into microbatches (padding, ``ignore_index``, uneven sizes).
+    Gradients are those of that loss (``sum_j grad(loss_j / m)``, or
+    ``sum_j grad(sum_j) / sum_j count_j``). ``Pipeline.step`` returns the same.
 
     Args:
         stages, params: the stages and one params pytree per stage. Params are never
             modified: gradients are taken with ``torch.autograd.grad`` on detached aliases.
         batch: the first stage's inputs for the whole batch (a pytree of tensors).
-        loss_fn: ``loss_fn(outputs, targets) -> scalar`` (or ``loss_fn(outputs)``).
+        loss_fn: ``loss_fn(outputs, targets) -> scalar`` or ``-> (sum, count)`` (or
+            ``loss_fn(outputs)``).
         targets: optional pytree of tensors split like the batch.
         microbatches: m, the number of microbatches (uneven sizes allowed).
         dim: batch dim of the batch's leaves (int or pytree of ints, see :func:`funcpipe.split`).
@@ -118,6 +124,7 @@ def reference_step(
 
     m = len(batches)
     losses: list[torch.Tensor] = []
+    counts: list[torch.Tensor] = []
     outputs_mbs: list[Any] = []
     for j, (mb, target_mb) in enumerate(zip(batches, target_mbs, strict=True)):
         inputs = as_inputs(mb)
@@ -127,17 +134,54 @@ def reference_step(
                 outputs = stage(stage_params[i], *inputs)
                 inputs = as_inputs(outputs)
             loss = loss_fn(outputs) if targets is None else loss_fn(outputs, target_mb)
+        count = None
+        if isinstance(loss, tuple | list):  # (sum, count): weighted by the counts
+            loss, count = loss_and_count(loss, f"loss_fn for microbatch {j}")
+            counts.append(count)
         _check_loss(loss, j)
+        if counts and len(counts) != j + 1:
+            raise InvalidArgument(
+                "loss_fn returned a (sum, count) pair for some microbatches and a scalar for "
+                "others; return one kind for every microbatch."
+            )
         if all_leaves and loss.requires_grad:
             with torch.enable_grad():
-                scaled = loss / m
+                scaled = loss if count is not None else loss / m
             step = torch.autograd.grad(scaled, all_leaves, allow_unused=True)
             grads = [g if s is None else g + s for g, s in zip(grads, step, strict=True)]
         losses.append(loss.detach())
         if return_outputs:
             outputs_mbs.append(_detach(outputs))
 
-    loss_mean = torch.stack(losses).mean()
+    loss_mean, grads = _combine(losses, counts, grads)
+    out_grads = _stage_grads(params, leaves, flat, grads, tied)
+    if return_outputs:
+        check_tensor_tree(outputs_mbs[0], name="outputs")
+        return loss_mean, tuple(out_grads), merge(outputs_mbs, dim=outputs_dim)
+    return loss_mean, tuple(out_grads)
+
+
+def _combine(
+    losses: list[torch.Tensor], counts: list[torch.Tensor], grads: list[torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The step's loss and gradients from the microbatches': the mean of the losses (gradients
+    summed over ``loss_j / m``), or for ``(sum, count)`` losses the total over the total count
+    (gradients summed over ``sum_j``, then divided by it)."""
+    if not counts:
+        return torch.stack(losses).mean(), grads
+    n_items = torch.stack(counts).sum()
+    factor = count_factor(float(n_items), 1, 1)
+    return torch.stack(losses).sum() / n_items.to(losses[0].dtype), [g * factor for g in grads]
+
+
+def _stage_grads(
+    params: Sequence[Any],
+    leaves: Sequence[Sequence[torch.Tensor]],
+    flat: Sequence[tuple[Any, Any]],
+    grads: list[torch.Tensor],
+    tied: Mapping[str, Sequence[TiePath]],
+) -> list[Any]:
+    """The flat gradients as one pytree per stage, each tied member holding the members' sum."""
     offsets = [sum(len(ls) for ls in leaves[:i]) for i in range(len(leaves))]
     for name, members in tied.items():
         where = [offsets[s] + resolve(params[s], path, f"ties[{name!r}]") for s, path in members]
@@ -148,10 +192,7 @@ def reference_step(
     for ls, (_, spec) in zip(leaves, flat, strict=True):
         out_grads.append(tree_unflatten(spec, grads[start : start + len(ls)]))
         start += len(ls)
-    if return_outputs:
-        check_tensor_tree(outputs_mbs[0], name="outputs")
-        return loss_mean, tuple(out_grads), merge(outputs_mbs, dim=outputs_dim)
-    return loss_mean, tuple(out_grads)
+    return out_grads
 
 
 def _split_targets(

@@ -11,8 +11,11 @@ from typing import Any
 
 import torch
 
+from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline.microbatch import merge
 from funcpipe.runtime.interpreter import RankResult
+from funcpipe.runtime.loss_terms import count_factor
+from funcpipe.runtime.rank_io import SCALARS
 from funcpipe.schedule.ir import Program
 from funcpipe.schedule.simulate import Event, Timeline
 from funcpipe.tree import tree_flatten, tree_unflatten
@@ -21,6 +24,7 @@ __all__ = [
     "StepResult",
     "dist_scalars",
     "executed_timeline",
+    "local_scalars",
     "merged_outputs",
     "stage_grads",
     "total",
@@ -89,19 +93,80 @@ def merged_outputs(program: Program, results: Sequence[RankResult]) -> Any:
 
 
 def dist_scalars(
-    result: RankResult, count: int, *, has_loss: bool, has_metric: bool
-) -> tuple[Tensor | None, Tensor | None]:
-    """The step's mean loss and metric over processes: the sums the rank's scalar reduction
-    gathered, divided by ``count`` (microbatches x data copies x tensor ranks)."""
+    result: RankResult,
+    microbatches: int,
+    copies: int,
+    tensor: int,
+    *,
+    has_loss: bool,
+    has_metric: bool,
+) -> tuple[Tensor | None, Tensor | None, float | None]:
+    """The step's loss and metric over processes, from the sums the rank's scalar reduction
+    gathered over every rank of every copy (each tensor coordinate adds the same values), and
+    the factor the gradients take for a ``(sum, count)`` loss (``None`` for a scalar one):
+    see :mod:`funcpipe.runtime.loss_terms`."""
     if not (has_loss or has_metric):
-        return None, None
+        return None, None, None
     if result.scalars is None:  # every rank posts it once per step (interpreter.run)
         raise RuntimeError("funcpipe internal error: the step's loss reduction was not posted")
     buf, handle = result.scalars
     handle.wait()  # over every rank of every copy: the loss of the whole batch
-    loss = buf[0] / count if (has_loss and buf[2] > 0) else None
-    metric = buf[1] / count if (has_metric and buf[2] > 0) else None
-    return loss, metric
+    v = buf.tolist()  # (one read of the device)
+    if v[SCALARS["has_loss"]] == 0:
+        return None, None, None
+    counted = _counted(v[SCALARS["counted_items"]], v[SCALARS["loss_items"]], "loss_fn")
+    mean = microbatches * copies * tensor
+    factor = None
+    if counted:
+        loss = buf[SCALARS["loss"]] / buf[SCALARS["count"]]
+        factor = count_factor(v[SCALARS["count"]] / tensor, microbatches, copies)
+    else:
+        loss = buf[SCALARS["loss"]] / mean
+    metric = None
+    if has_metric:
+        if _counted(v[SCALARS["metric_counted"]], v[SCALARS["has_loss"]], "metric_fn"):
+            metric = buf[SCALARS["metric"]] / buf[SCALARS["metric_count"]]
+        else:
+            metric = buf[SCALARS["metric"]] / mean
+    return (loss if has_loss else None), metric, factor
+
+
+def _counted(counted: float, items: float, name: str) -> bool:
+    """Whether every item returned ``(sum, count)``; a mix of both kinds is refused (on every
+    rank alike: the values are the reduced ones)."""
+    if counted and counted != items:
+        raise InvalidArgument(
+            f"{name} returned a (sum, count) pair on some ranks or microbatches and a scalar "
+            "on others; return one kind everywhere."
+        )
+    return bool(counted)
+
+
+def local_scalars(
+    results: Sequence[RankResult], microbatches: int, copies: int
+) -> tuple[Tensor | None, Tensor | None, float | None]:
+    """:func:`dist_scalars` for ranks run in one process: the loss keeps its dtype."""
+    loss = total([res.loss_sum for res in results])
+    metric = total([res.metric_sum for res in results])
+    items = sum(res.loss_items for res in results)
+    counted = _counted(sum(res.counted_items for res in results), items, "loss_fn")
+    mean = microbatches * copies
+    factor = None
+    if loss is not None and counted:
+        count = total([res.count_sum for res in results])
+        assert count is not None
+        factor = count_factor(float(count), microbatches, copies)
+        loss = loss / count.to(loss.dtype)
+    elif loss is not None:
+        loss = loss * (1.0 / mean)
+    if metric is not None:
+        pairs = sum(1 for res in results if res.metric_sum is not None and res.metric_sum.ndim)
+        with_metric = sum(1 for res in results if res.metric_sum is not None)
+        if _counted(pairs, with_metric, "metric_fn"):
+            metric = metric[0] / metric[1]
+        else:
+            metric = metric * (1.0 / mean)
+    return loss, metric, factor
 
 
 def executed_timeline(program: Program, times: Sequence[Sequence[float]]) -> Timeline:

@@ -30,7 +30,7 @@ import torch
 from funcpipe.errors import InvalidArgument, NonFiniteError
 from funcpipe.runtime import autodiff
 from funcpipe.runtime.clock import step_clock
-from funcpipe.runtime.rank_io import RankInputs, RankResult
+from funcpipe.runtime.rank_io import SCALARS, RankInputs, RankResult
 from funcpipe.runtime.stage_call import stage_fn
 from funcpipe.runtime.transport_common import P2P, RECV, SEND, Handle, Transport
 from funcpipe.schedule.check import in_program
@@ -134,23 +134,13 @@ class _Rank:
             copy.grad = None
             leaf.grad = g.to(leaf.dtype) if leaf.grad is None else leaf.grad.add_(g)
 
-    def _sink_extras(self) -> int:
-        return 1 + (1 if self.x.metric_fn is not None else 0)
-
     def _route_outputs(self, s: int, m: int, flat: list[Tensor]) -> None:
         x, p = self.x, self.p
         if not p.consumers(s):
-            if x.loss_fn is not None and len(flat) > len(self.spec(s, m).leaves):
-                loss = flat[0].detach()
-                self.result.loss_sum = (
-                    loss if self.result.loss_sum is None else self.result.loss_sum + loss
-                )
-                if x.metric_fn is not None:
-                    mv = flat[1]
-                    self.result.metric_sum = (
-                        mv if self.result.metric_sum is None else self.result.metric_sum + mv
-                    )
-                flat = flat[self._sink_extras() :]
+            extras = len(flat) - len(self.spec(s, m).leaves)
+            if x.loss_fn is not None and extras > 0:
+                self._add_loss(flat[:extras])
+                flat = flat[extras:]
             if x.keep_outputs:
                 self.result.outputs[m] = rebuild(self.spec(s, m), [t.detach() for t in flat])
             return
@@ -159,6 +149,33 @@ class _Rank:
                 self.acts[(s, c, m)] = flat
             else:
                 self.to_send[(ACT, s, c, m)] = flat
+
+    def _add_loss(self, extras: list[Tensor]) -> None:
+        """Add one sink microbatch's loss (``[loss, count?, metric?]``, as
+        :func:`funcpipe.runtime.stage_call.stage_fn` returns them) into this rank's sums."""
+        res = self.result
+        loss = extras[0].detach()
+        res.loss_sum = loss if res.loss_sum is None else res.loss_sum + loss
+        res.loss_items += 1
+        counted = len(extras) - (2 if self.x.metric_fn is not None else 1) == 1
+        if counted:
+            c = extras[1]
+            res.count_sum = c if res.count_sum is None else res.count_sum + c
+            res.counted_items += 1
+        if res.counted_items not in (0, res.loss_items):
+            raise InvalidArgument(
+                f"loss_fn returned a (sum, count) pair for some microbatches and a scalar for "
+                f"others on rank {self.x.rank}; return one kind for every microbatch."
+            )
+        if self.x.metric_fn is not None:
+            mv = extras[-1]
+            if res.metric_sum is not None and res.metric_sum.shape != mv.shape:
+                raise InvalidArgument(
+                    f"metric_fn returned a (sum, count) pair for some microbatches and a "
+                    f"scalar for others on rank {self.x.rank}; return one kind for every "
+                    "microbatch."
+                )
+            res.metric_sum = mv if res.metric_sum is None else res.metric_sum + mv
 
     def _route_input_grads(self, s: int, m: int, grads: list[Tensor | None]) -> None:
         p = self.p
@@ -199,7 +216,7 @@ class _Rank:
             seed = torch.full_like(loss[0], self.scale)
             if self.scale_by is not None:  # (a 0-dim tensor keeps the seed's dtype)
                 seed = seed * self.scale_by.to(seed.device, non_blocking=True)
-            extras: list[Tensor | None] = [None] * (self._sink_extras() - 1)
+            extras: list[Tensor | None] = [None] * (len(loss) - n_out - 1)
             return [seed, *extras, *([None] * n_out)]
         return self.out_grads.pop((s, m), [None] * len(self.spec(s, m).leaves))
 
@@ -260,7 +277,9 @@ class _Rank:
                 out = fn(self._params(s), leaves)
         if self.x.check_finite:
             sink = not self.p.consumers(s) and len(out) > len(self.spec(s, m).leaves)
-            names = (["loss"] if sink else []) + [f"output #{k}" for k in range(len(out))]
+            extras = len(out) - len(self.spec(s, m).leaves) if sink else 0
+            names = ["loss"] + ["loss_fn's count or the metric"] * (extras - 1) if sink else []
+            names += [f"output #{k}" for k in range(len(out) - extras)]
             self._finite(s, m, out, names, "forward")
         self._route_outputs(s, m, out)
 
@@ -433,14 +452,24 @@ class _Rank:
         self._reduce(diff, group, average, {owner})
 
     def _post_scalars(self, group: str) -> None:
-        """Start reducing this rank's loss and metric sums (final once its sink forwards ran)."""
+        """Start reducing this rank's loss and metric sums (final once its sink forwards ran):
+        one float64 buffer, laid out as :data:`funcpipe.runtime.rank_io.SCALARS`."""
         res = self.result
-        buf = torch.zeros(3, dtype=torch.float64, device=self.x.device)
+        buf = torch.zeros(len(SCALARS), dtype=torch.float64, device=self.x.device)
         if res.loss_sum is not None:
-            buf[0] = res.loss_sum.detach().to(torch.float64)
-            buf[2] = 1
+            buf[SCALARS["loss"]] = res.loss_sum.detach().to(torch.float64)
+            buf[SCALARS["has_loss"]] = 1
+            buf[SCALARS["loss_items"]] = res.loss_items
+        if res.count_sum is not None:
+            buf[SCALARS["count"]] = res.count_sum
+            buf[SCALARS["counted_items"]] = res.counted_items
         if res.metric_sum is not None:
-            buf[1] = res.metric_sum.detach().to(torch.float64)
+            msum = res.metric_sum.detach().to(torch.float64)
+            if msum.ndim:  # (sum, count)
+                buf[SCALARS["metric"]], buf[SCALARS["metric_count"]] = msum[0], msum[1]
+                buf[SCALARS["metric_counted"]] = 1
+            else:
+                buf[SCALARS["metric"]] = msum
         res.scalars = (buf, self.t.all_reduce([buf], group))
 
     def _grad_leaf(self, key: tuple[int, int]) -> Tensor:

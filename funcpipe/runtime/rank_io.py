@@ -20,7 +20,7 @@ from funcpipe.stages.boundaries import BoundarySpecs
 from funcpipe.stages.stage import Stage
 from funcpipe.tree import PyTreeSpec
 
-__all__ = ["RankInputs", "RankResult"]
+__all__ = ["SCALARS", "RankInputs", "RankResult"]
 
 Tensor = torch.Tensor
 
@@ -59,14 +59,30 @@ class RankInputs:
     scalars_group: str | None = None
 
 
+# where each scalar of a step's one float64 reduction sits (summed over every rank)
+SCALARS = {
+    "loss": 0,  # sum over sink microbatches of the loss (or of the sums of (sum, count))
+    "metric": 1,
+    "has_loss": 2,  # ranks that computed a loss
+    "count": 3,  # sum of the counts of (sum, count) losses
+    "counted_items": 4,  # microbatches whose loss came with a count
+    "loss_items": 5,  # microbatches with a loss
+    "metric_count": 6,
+    "metric_counted": 7,  # ranks whose metric came as (sum, count)
+}
+
+
 @dataclass
 class RankResult:
     loss_sum: Tensor | None = None  # sum over this rank's sink microbatches of the loss
-    metric_sum: Tensor | None = None
+    metric_sum: Tensor | None = None  # a scalar, or [sum, count] for a (sum, count) metric
+    count_sum: Tensor | None = None  # float64: sum of the counts of (sum, count) losses
+    loss_items: int = 0  # sink microbatches with a loss on this rank
+    counted_items: int = 0  # of those, the ones whose loss came as (sum, count)
     grads: dict[int, list[Tensor]] = field(default_factory=dict)  # owner stage -> flat grads
     outputs: dict[int, Any] = field(default_factory=dict)  # microbatch -> sink outputs
     peak_activations: int = 0  # most (stage, microbatch) activations alive at once
     # with trace: start, end of each instruction, perf_counter seconds (CUDA: from events)
     times: list[float] = field(default_factory=list)
-    # with RankInputs.scalars_group: (float64 [loss sum, metric sum, has loss], its reduction)
+    # with RankInputs.scalars_group: (float64 buffer laid out as SCALARS, its reduction)
     scalars: tuple[Tensor, Handle] | None = None

@@ -5,7 +5,8 @@ stage's inputs rebuilt from the leaves (the batch's, or its producers' outputs a
 inference laid them out), its parameter leaves (in the dtype it computes with: the
 interpreter's copies where the pipeline keeps a leaf in another), the stage called, and what it returns checked against shape inference (the receiving
 rank sized its buffers from it); after a sink stage, ``loss_fn`` (and ``metric_fn``) called and
-their result checked. :func:`note` says on a user function's exception where funcpipe called it.
+their result checked (:mod:`funcpipe.runtime.loss_terms`): the outputs then start with the
+loss, its count when ``loss_fn`` returned ``(sum, count)``, and the metric. :func:`note` says on a user function's exception where funcpipe called it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from funcpipe.errors import InvalidArgument
+from funcpipe.runtime.loss_terms import loss_and_count, metric_terms
 from funcpipe.runtime.rank_io import RankInputs
 from funcpipe.stages.boundaries import rebuild
 from funcpipe.stages.shapes import TensorSpec
@@ -32,7 +34,8 @@ def stage_fn(
 ) -> Callable[[Sequence[Tensor], Sequence[Tensor]], list[Tensor]]:
     """Stage ``s`` on microbatch ``m`` as ``fn(params, leaves) -> outputs`` (flat lists), with
     ``owner`` the stage whose parameters it uses; after a sink stage with ``loss_fn`` the
-    outputs start with the loss (and the metric)."""
+    outputs start with the loss (then its count, for a ``(sum, count)`` loss, and the
+    metric)."""
     p = x.program
     stage = x.stages[s]
     _, ptree = x.params[owner]
@@ -82,29 +85,26 @@ def stage_fn(
                 what = f"loss_fn after stage {s}, microbatch {m}, rank {x.rank}; outputs"
                 note(e, what, flat, tree_flatten(target)[0])
                 raise
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise InvalidArgument(
-                    f"loss_fn must return a scalar tensor; got {type(loss).__name__}"
-                    + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-                )
+            where = f"loss_fn after stage {s}, microbatch {m}, rank {x.rank}"
+            loss, count = loss_and_count(loss, where)
             if (
                 not loss.requires_grad
                 and torch.is_grad_enabled()
                 and any(t.requires_grad for t in flat)
             ):
                 raise InvalidArgument(
-                    f"loss_fn after stage {s}, microbatch {m}, rank {x.rank} returned a "
+                    f"{where} returned a "
                     "tensor that does not require grad, though the stage's outputs do: it "
                     "is cut off from them (.detach(), .item(), torch.tensor(...) or "
                     "torch.no_grad() inside loss_fn), so every gradient would be zero. "
                     "Compute the loss from the outputs with differentiable torch operations"
                 )
-            extra = []
+            extra = [] if count is None else [count]
             if x.metric_fn is not None:
                 with torch.no_grad():
                     mv = x.metric_fn(out, target) if target is not None else x.metric_fn(out)
-                extra = [torch.as_tensor(mv, dtype=torch.float64).detach().reshape(())]
-            return [loss.reshape(()), *extra, *flat]
+                extra.append(metric_terms(mv, f"metric_fn after stage {s}, microbatch {m}"))
+            return [loss, *extra, *flat]
         return list(flat)
 
     return fn

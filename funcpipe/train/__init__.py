@@ -9,5 +9,6 @@
 - ``checkpoint``: sharded, atomic checkpoints of pytrees (DCP)
 - ``checkpoint_integrity``: a checkpoint read safely (restricted unpickling) and verified (CRC-32)
 - ``data``: a byte-level corpus that needs no download, and a deterministic batch loader
+- ``losses``: losses as ``(sum, count)``, weighted by what they count (``token_cross_entropy``)
 - ``throughput``: tokens per second and model FLOPs utilisation
 """
