@@ -3,6 +3,7 @@ a forward torch.export cannot follow, a cut name that is not a submodule (issue 
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
@@ -76,8 +77,11 @@ class _Branchy(nn.Module):
 
 
 def test_data_dependent_branch_is_named_without_torchs_dump(capfd: pytest.CaptureFixture) -> None:
+    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = log.level
     with pytest.raises(fp.FuncpipeError) as e:
         fp.split_module(_Branchy(), ["b"], example=torch.randn(3, 2))
+    assert log.level == level  # torch's loggers are silenced during the trace only
     text = str(e.value)
     assert "it makes a shape or takes a branch from tensor values (data-dependent, at " in text
     assert re.search(r"at test_split_errors.py:\d+ in forward: if x.sum\(\) > 0:", text), text
