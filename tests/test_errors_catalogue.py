@@ -402,6 +402,43 @@ def _plan(layers: int = 32, heads: int = 32, *, pipeline: int | None = None, **k
     fp.plan(model, gpu="h100-sxm", layout=layout, **kw)
 
 
+# ------------------------------------------------------ issue 43 (i43-errs): split_module's errors
+def _split_whole_batch_example() -> None:
+    """The whole batch of 8 rows given as the example, stepped in 4 microbatches of 2."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 11, (8, 17))
+    parts = fp.split_module(_LengthLM(), ["head"], example=ids[:, :16])
+    pipe = fp.Pipeline(
+        parts.stages,
+        generate("1f1b", ranks=2, microbatches=4),
+        loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
+    )
+    pipe.step(parts.params, ids[:, :16], ids[:, 1:17])
+
+
+def _split_batchnorm_training() -> None:
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) for _ in range(4)])
+    fp.split_module(model, ["2"], example=torch.randn(6, 4))  # still in training mode
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.b(self.a(x))
+        return self.a(x)
+
+
+def _split_cut_name_typo() -> None:
+    from collections import OrderedDict
+
+    body = nn.Sequential(OrderedDict(attn=nn.Linear(4, 4), mlp=nn.Linear(4, 4)))
+    fp.split_module(nn.Sequential(OrderedDict(body=body)), ["body.mpl"], example=torch.randn(2, 4))
+
+
 # ------------------------------------------------------------------------------------ the rows
 CASES: list[Case] = [
     # ---- schedules
@@ -1505,6 +1542,50 @@ CASES: list[Case] = [
         InvalidArgument,
         ("--resume: there is no complete checkpoint", "drop --resume"),
         "funcpipe/cli/demo.py, before training (silently started from step 0)",
+    ),
+    Case(
+        "split-module-whole-batch-example",
+        "stages and partitions",
+        "split_module given the whole batch (8 rows) as example=, stepped in 4 microbatches of 2",
+        _split_whole_batch_example,
+        InvalidArgument,
+        (
+            "traced on input 'ids' = i64[8, 16] and is given i64[2, 16]",
+            "it looks like the whole batch was given as example=",
+            "batch[:batch_size // microbatches]",
+        ),
+        "funcpipe/stages/split_inputs.py (said the example is one microbatch, without naming "
+        "the whole batch as the likely mistake)",
+    ),
+    Case(
+        "split-module-batchnorm-training",
+        "stages and partitions",
+        "split_module of a model with BatchNorm still in training mode",
+        _split_batchnorm_training,
+        InvalidArgument,
+        ("call module.eval() before split_module", "writes 12 buffers", "and 9 more"),
+        "funcpipe/stages/split_errors.py: the fix first and three buffers (listed every buffer: "
+        "2,094 characters for a ResNet-18)",
+    ),
+    Case(
+        "split-module-data-dependent",
+        "stages and partitions",
+        "split_module of a forward that branches on a tensor's value (`if x.sum() > 0`)",
+        lambda: fp.split_module(_Branchy(), ["b"], example=torch.randn(3, 2)),
+        fp.FuncpipeError,
+        ("takes a branch from tensor values (data-dependent", "torch._check(", "from_module"),
+        "funcpipe/stages/split_errors.py: names the line and the alternatives; torch.export's "
+        "partial graph is kept off stderr (39 KB for an eager-experts Mixtral)",
+    ),
+    Case(
+        "split-module-cut-name-typo",
+        "stages and partitions",
+        "points=['body.mpl'], a typo of the submodule 'body.mlp'",
+        _split_cut_name_typo,
+        InvalidArgument,
+        ("points names 'body.mpl', which is not a submodule", "did you mean ['body.mlp']"),
+        "funcpipe/stages/split_errors.py near_names: whole-path suggestions, a dotted suffix "
+        "or a close name (matched the last part only: no suggestion here)",
     ),
 ]
 

@@ -18,7 +18,7 @@ import torch
 
 from funcpipe.errors import InvalidArgument, ShapeInferenceError, ShapeInferenceWarning
 from funcpipe.schedule.ir import Program
-from funcpipe.stages.shapes import TensorSpec, abstract, fake, stage_device
+from funcpipe.stages.shapes import _SHORT_DTYPES, TensorSpec, abstract, fake, stage_device
 from funcpipe.stages.stage import Stage, as_inputs
 from funcpipe.tree import PyTreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
@@ -124,7 +124,10 @@ def _infer(
         except InvalidArgument:
             raise
         except Exception as e:
-            out = _real_fallback(program, stages, params, entry, side, device, s, layout, real, e)
+            given = _shapes(args, kwargs)
+            out = _real_fallback(
+                program, stages, params, entry, side, device, s, layout, real, e, given
+            )
             # run under no_grad, it says nothing of which outputs need a gradient: all may
             out = tree_map(_needs_grad, out) if _all_tensors(out) else out
         leaves, tree = tree_flatten(out)
@@ -164,6 +167,7 @@ def _real_fallback(
     layout: BoundarySpecs,
     real: dict[int, Any],
     error: BaseException,
+    given: str = "",
 ) -> Any:
     """Stage ``s`` failed on tensors without data (control flow on values, ``.item()``): run it
     on real tensors of one microbatch, under ``no_grad``, to learn its output shapes.
@@ -209,7 +213,7 @@ def _real_fallback(
     except Exception as e:
         fake, real_error = _first_line(error), _first_line(e)
         what = (
-            f"fails on inputs of these shapes, without data and on one real microbatch ({fake})"
+            f"fails on its inputs {given}, without data and on one real microbatch ({fake})"
             if fake == real_error
             else f"cannot run on tensors without data ({fake}), nor on one real microbatch "
             f"({real_error})"
@@ -226,6 +230,25 @@ def _real_fallback(
         stacklevel=5,
     )
     return out
+
+
+def _shapes(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+    """The shapes of a stage's inputs, for messages: ``(f32[2, 4], mask=f64[2, 5])``."""
+
+    def one(t: torch.Tensor) -> str:
+        dtype = _SHORT_DTYPES.get(t.dtype, str(t.dtype).removeprefix("torch."))
+        return f"{dtype}[{', '.join(str(d) for d in t.shape)}]"
+
+    def show(x: Any) -> str:
+        if isinstance(x, torch.Tensor):
+            return one(x)
+        leaves = tree_leaves(x)
+        if len(leaves) > 1 and all(isinstance(t, torch.Tensor) for t in leaves):
+            return "(" + ", ".join(one(t) for t in leaves) + ")"
+        return type(x).__name__
+
+    parts = [show(a) for a in args] + [f"{k}={show(v)}" for k, v in kwargs.items()]
+    return "(" + ", ".join(parts) + ")"
 
 
 def _diff(dtype: torch.dtype) -> bool:

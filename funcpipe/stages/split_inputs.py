@@ -184,6 +184,9 @@ class InputCheck:
     def _shape(self, spec: InputSpec, t: Tensor, detail: str, d: int | None = None) -> str:
         name = "batch" if d == 0 else "n"
         at = d if d is not None else 1
+        traced = spec.dims[0] if d == 0 and spec.dims else None
+        if isinstance(traced, int) and traced > t.shape[0] > 0 and traced % t.shape[0] == 0:
+            return self._whole_batch(spec, t, traced)
         rule = (
             f"{detail}. torch.export specialised the traced graph to the example's shapes: a "
             "size the forward reads (a sequence length, a batch size) is a constant in it, so on "
@@ -205,6 +208,19 @@ class InputCheck:
                 f"{{{at}: torch.export.Dim({name!r})}}}})."
             )
         return self._message(spec, t, rule, fix)
+
+    def _whole_batch(self, spec: InputSpec, t: Tensor, traced: int) -> str:
+        rows = int(t.shape[0])
+        return self._message(
+            spec,
+            t,
+            f"dim 0 (the microbatch size) is {rows}, the example's {traced} ({traced // rows} x "
+            f"{rows}): it looks like the whole batch was given as example=, but split_module "
+            "traces one microbatch and its size is a constant of the traced graph",
+            "Split again with example= one microbatch: batch[:batch_size // microbatches] "
+            f"(here [:{rows}]), or pass dynamic_shapes={{{self.entry!r}: "
+            "{0: torch.export.Dim('batch')}} to split_module.",
+        )
 
     def _range(
         self, spec: InputSpec, t: Tensor, d: int, sym: Any, lo: int | None, hi: int | None

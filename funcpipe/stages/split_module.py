@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, fx, nn
 
-from funcpipe.errors import FuncpipeError, InvalidArgument
+from funcpipe.errors import InvalidArgument
+from funcpipe.stages.split_errors import near_names, quiet_export, untraceable, written_buffers
 from funcpipe.stages.split_inputs import InputCheck, InputSpec, dim_names, size_source
 from funcpipe.stages.stage import ConstFn, Stage
 from funcpipe.stages.ties import find_ties
@@ -182,7 +183,7 @@ def _resolve_points(module: nn.Module, points: Points) -> list[str]:
         )
     for p in points:
         if p not in names or not p:
-            near = [n for n in names if n and n.split(".")[-1] == str(p).split(".")[-1]][:3]
+            near = near_names(str(p), names)
             raise InvalidArgument(
                 f"points names {p!r}, which is not a submodule of {type(module).__name__}"
                 + (f" (did you mean {near}?)" if near else "")
@@ -193,23 +194,10 @@ def _resolve_points(module: nn.Module, points: Points) -> list[str]:
 
 def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: Any) -> Any:
     try:
-        return torch.export.export(module, args, kwargs, strict=False, dynamic_shapes=dynamic)
+        with quiet_export():
+            return torch.export.export(module, args, kwargs, strict=False, dynamic_shapes=dynamic)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise FuncpipeError(
-            f"split_module could not trace {type(module).__name__}.forward with torch.export "
-            f"({type(e).__name__}: {first}). It needs a forward whose control flow does not "
-            "depend on tensor values; for transformers models pass use_cache=False in the "
-            "config and call model.eval() or set dropout to 0. Otherwise build the stages by "
-            "hand: funcpipe.from_module(...) per piece, or funcpipe.partition(nn.Sequential(...))."
-            + (
-                " With dynamic_shapes=, the example's size on each dim a Dim names must be 2 or "
-                "more (torch.export specialises sizes 0 and 1), and its tensors their own, not "
-                "views of larger ones (a slice's strides fix the sizes): example=x[:2].clone()."
-                if dynamic is not None and "Constraints violated" in str(e)
-                else ""
-            )
-        ) from e
+        raise untraceable(module, e, dynamic) from e
 
 
 def _starts(graph: fx.Graph, points: Sequence[str]) -> list[tuple[int, str]]:
@@ -499,11 +487,7 @@ def _check_pure(module: nn.Module, ep: Any) -> None:
     ]
     mutated += [n for n in _written_inputs(ep) if n not in mutated]  # in-place, in the graph
     if mutated:
-        raise InvalidArgument(
-            f"{type(module).__name__}.forward writes {mutated!r} (a buffer updated in the "
-            "forward, e.g. BatchNorm in training mode); a stage must be a pure function: call "
-            "module.eval(), or keep that state out of the model."
-        )
+        raise InvalidArgument(written_buffers(module, mutated))
 
 
 def _carried(
