@@ -12,15 +12,19 @@ export HYPOTHESIS_PROFILE ?= ci
 
 setup: $(STAMP)
 
-# Re-runs only when pyproject.toml changes. torch is installed first (and only if missing) so
-# that `pip install -e .` finds it satisfied and never pulls another build.
-$(STAMP): pyproject.toml
+# Re-runs only when pyproject.toml changes. torch is installed first (and only if missing);
+# then the torchvision built for that torch, and the extras, each with that torch pinned on the
+# command line, so pip never replaces it (tools/torch_pins.py; docs/models.md), and a check
+# that it did not.
+$(STAMP): pyproject.toml tools/torch_pins.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || \
 		$(BIN)/pip install $(TORCH_PIP_ARGS) torch==2.13.0
-	$(BIN)/python -c "import torchvision" 2>/dev/null || \
-		$(BIN)/pip install $(TORCH_PIP_ARGS) torchvision==0.28.0
-	$(BIN)/pip install -e '.[test,models]'
+	TORCH=$$($(BIN)/python tools/torch_pins.py torch) && \
+		VISION=$$($(BIN)/python tools/torch_pins.py torchvision) && \
+		$(BIN)/pip install $(TORCH_PIP_ARGS) "$$TORCH" "$$VISION" && \
+		$(BIN)/pip install -e '.[test,models]' "$$TORCH" "$$VISION" && \
+		$(BIN)/python tools/torch_pins.py check "$$TORCH"
 	touch $(STAMP)
 
 demo: $(STAMP)
