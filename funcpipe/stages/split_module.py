@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from funcpipe.errors import InvalidArgument
+from funcpipe.stages.split_balance import balanced_points, stage_count
 from funcpipe.stages.split_errors import near_names, quiet_export, untraceable, written_buffers
 from funcpipe.stages.split_inputs import InputCheck, InputSpec, dim_names, size_source
 from funcpipe.stages.stage import ConstFn, Stage
@@ -149,31 +150,8 @@ class _GraphStage:
         return f"graph({self.label}, {len(self.param_names)} params)"
 
 
-def _repeated(m: nn.Module) -> bool:
-    """An nn.ModuleList, or an nn.Sequential of modules of one type (timm's ``blocks``)."""
-    if isinstance(m, nn.ModuleList):
-        return len(m) > 0
-    kinds = {type(c) for c in m.children()}
-    return isinstance(m, nn.Sequential) and len(m) > 1 and len(kinds) == 1
-
-
 def _resolve_points(module: nn.Module, points: Points) -> list[str]:
     names = dict(module.named_modules())
-    if isinstance(points, int) and not isinstance(points, bool):
-        lists = [(len(m), n) for n, m in names.items() if n and _repeated(m)]
-        if not lists:
-            raise InvalidArgument(
-                f"points={points!r} (a number of stages) cuts the longest run of repeated blocks "
-                f"(an nn.ModuleList or nn.Sequential of one block type) evenly, but "
-                f"{type(module).__name__} has none; name the submodules to cut before."
-            )
-        length, at = max(lists)
-        if not 1 <= points <= length:
-            raise InvalidArgument(
-                f"points={points!r} stages but the longest run of blocks {at!r} has {length} "
-                f"blocks; ask for 1..{length} stages."
-            )
-        return [f"{at}.{(i * length) // points}" for i in range(1, points)]
     if callable(points):
         return [n for n, m in names.items() if n and points(n, m)]
     if isinstance(points, str) or not isinstance(points, Sequence):
@@ -244,6 +222,31 @@ def _alias(
     return target
 
 
+def _holders(
+    kind: Mapping[fx.Node, tuple[str, str]],
+    stage_of: Mapping[fx.Node, int],
+    named: Mapping[str, Tensor],
+) -> dict[fx.Node, dict[str, set[int]]]:
+    """For each parameter with several names (a tie), the stages that hold each name: those
+    whose part of the graph runs in the module the name belongs to; a name whose module never
+    runs (T5's ``shared.weight``) goes to the first stage using the parameter."""
+    out: dict[fx.Node, dict[str, set[int]]] = {}
+    for p in [n for n, (k, _) in kind.items() if k == "param"]:
+        aliases = [n for n, q in named.items() if q is named[kind[p][1]]]
+        users = [u for u in p.users if u in stage_of]
+        if len(aliases) < 2 or not users:
+            continue
+        paths = [
+            (stage_of[u], {path for path, _ in (u.meta.get("nn_module_stack") or {}).values()})
+            for u in users
+        ]
+        first = min(s for s, _ in paths)
+        out[p] = {
+            a: {s for s, ps in paths if a.rpartition(".")[0] in ps} or {first} for a in aliases
+        }
+    return out
+
+
 def _written_inputs(ep: Any) -> list[str]:
     """Buffers and inputs an op of the graph writes in place (BatchNorm's running stats in the
     training IR, which keeps such writes in the graph instead of returning them)."""
@@ -284,9 +287,10 @@ def split_module(
             mode (``eval()``, or dropout 0) it trains in first.
         points: submodule names (``["model.layers.2"]``: stage 1 begins where that block is
             first called), a callable ``(name, submodule) -> bool`` choosing them, or a number
-            of stages ``n`` (the longest run of repeated blocks, an ``nn.ModuleList`` or an
-            ``nn.Sequential`` of one block type, is cut into ``n`` even runs; what comes before
-            it joins the first stage, what comes after it the last).
+            of stages ``n``: cut before ``n - 1`` blocks of the runs of repeated blocks (every
+            ``nn.ModuleList`` or ``nn.Sequential`` of one block type) so that the largest
+            stage's parameter count is the least it can be
+            (:mod:`funcpipe.stages.split_balance`).
         example: one microbatch: a dict of ``forward`` keyword arguments, or a tensor / tuple of
             positional arguments. The stages are specialised to its shapes.
         inputs: the keys of ``example`` the first stage takes positionally, in order (default:
@@ -307,7 +311,8 @@ def split_module(
         raise InvalidArgument(
             f"split_module needs an nn.Module; got module of type {type(module).__name__}."
         )
-    cut_at = _resolve_points(module, points)
+    count = stage_count(points)
+    cut_at = [] if count is not None else _resolve_points(module, points)
     if isinstance(example, Mapping):
         kwargs = dict(example)
         if not kwargs:
@@ -328,6 +333,8 @@ def split_module(
         args = example if type(example) is tuple else (example,)
         kwargs, entry = {}, ()
     ep = _export(module, args, kwargs, dynamic_shapes)
+    if count is not None:
+        cut_at = balanced_points(module, ep, count)
     return _cut(module, ep, cut_at, entry, bool(kwargs), dynamic_shapes)
 
 
@@ -385,6 +392,7 @@ def _cut(
     output = next(n for n in nodes if n.op == "output")
     outs = list(output.args[0])
     carried = _carried(nodes, stage_of, outs, [name for _, name in starts])
+    holders = _holders(kind, stage_of, named_params)  # the names of each tied parameter
 
     # a symbolic size (dynamic_shapes) is not sent: the stage reads it from one of its inputs
     sent = [[v for v in vals if isinstance(v.meta.get("val"), Tensor)] for vals in carried]
@@ -424,7 +432,8 @@ def _cut(
             out_spec = ep.call_spec.out_spec
         gm = fx.GraphModule(ep.graph_module, g)
         names = [_alias(n, kind[n][1], members, named_params) for n in p_nodes]
-        stage_params = {n: named_params[n].detach() for n in names}
+        held = [a for n in p_nodes for a in holders.get(n, {}) if s in holders[n][a]]
+        stage_params = {n: named_params[n].detach() for n in [*names, *held]}
         consts = {kind[n][1]: consts_all[kind[n][1]].detach() for n in c_nodes}
         sides = [kind[n][1] for n in side_nodes]
         if sides:

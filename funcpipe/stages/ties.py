@@ -10,7 +10,7 @@ Ties may also be found rather than declared: a model built as one ``nn.Module`` 
 parameter between modules (GPT-2's token embedding and LM head). Cut into stages, each stage's
 params hold a detached alias of that one tensor. :func:`find_ties` reads the ties from the params
 themselves: leaves that view the same storage (same data pointer, offset, shape and strides) in two
-or more stages.
+or more stages, or under two names in one stage (each name then gets the total gradient).
 """
 
 from __future__ import annotations
@@ -147,12 +147,12 @@ def _paths(tree: Any) -> list[Any]:
 def find_ties(params: Sequence[Any]) -> dict[str, list[tuple[int, Any]]]:
     """Ties between stages, found from shared storage: ``{name: [(stage, path), ...]}``.
 
-    ``params`` holds one params pytree per stage. Leaves of two or more *different* stages that
-    view the same storage the same way are one parameter; each such group is returned under the
-    name of its first member (its path in the first stage holding it), in the form
-    ``Pipeline(ties=...)`` and ``reference_step(ties=...)`` take. A tensor shared inside one
-    stage needs no tie (the stage sees one value) and is not listed. Meta tensors have no
-    storage and are never tied.
+    ``params`` holds one params pytree per stage. Two or more leaves that view the same storage
+    the same way are one parameter, in different stages or under two names of one stage (each
+    leaf is differentiated on its own, so a name the stage reads and one it only holds need the
+    tie for both to get the total); each such group is returned under the name of its first
+    member (its path in the first stage holding it), in the form ``Pipeline(ties=...)`` and
+    ``reference_step(ties=...)`` take. Meta tensors have no storage and are never tied.
     """
     groups: dict[Key, list[tuple[int, Any]]] = {}
     for s, p in enumerate(params):
@@ -164,9 +164,7 @@ def find_ties(params: Sequence[Any]) -> dict[str, list[tuple[int, Any]]]:
             key = _key(t)
             if key is None:
                 continue
-            members = groups.setdefault(key, [])
-            if all(ms != s for ms, _ in members):
-                members.append((s, path))
+            groups.setdefault(key, []).append((s, path))
     ties: dict[str, list[tuple[int, Any]]] = {}
     for members in groups.values():
         if len(members) > 1:
