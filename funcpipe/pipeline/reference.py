@@ -13,7 +13,9 @@ from typing import Any
 import torch
 
 from funcpipe.errors import InvalidArgument
+from funcpipe.pipeline.checks import step_seed
 from funcpipe.pipeline.microbatch import _batch_size, _split_named, merge
+from funcpipe.runtime.keys import keyed, stage_key
 from funcpipe.stages.stage import Stage, as_inputs
 from funcpipe.stages.ties import TiePath, check_ties, resolve, tie_values
 from funcpipe.tree import check_tensor_tree, leaf_paths, tree_flatten, tree_unflatten
@@ -56,6 +58,7 @@ def reference_step(
     outputs_dim: Any = None,
     return_outputs: bool = False,
     ties: Mapping[str, Sequence[TiePath]] | None = None,
+    seed: int | None = None,
 ) -> tuple[Any, ...]:
     """One training step on one device: the loss and the gradients of every stage's params.
 
@@ -85,6 +88,10 @@ def reference_step(
             value is used for every member and each member's gradient is the sum over the
             members (what the pipeline returns). ``funcpipe.find_ties(params)`` finds them
             from shared storage.
+        seed: stage ``i`` on microbatch ``j`` runs under the random key ``stage_key(seed, i,
+            j)`` (:mod:`funcpipe.runtime.keys`), as in a :class:`funcpipe.Pipeline` step with
+            that seed; ``None``: one drawn from torch's default CPU generator, as the pipeline
+            draws it (``torch.manual_seed(s)`` before each gives both the same masks).
 
     Returns:
         ``(loss, grads)``, or ``(loss, grads, outputs)`` with ``return_outputs=True``. ``loss``
@@ -101,6 +108,7 @@ def reference_step(
             f"loss_fn must be callable as loss_fn(outputs, targets) or loss_fn(outputs); got "
             f"loss_fn={loss_fn!r}."
         )
+    key_seed = step_seed(seed, True) or 0  # (never None for a training step)
     default_dim = dim if isinstance(dim, int) and not isinstance(dim, bool) else 0
     targets_dim = default_dim if targets_dim is None else targets_dim
     outputs_dim = default_dim if outputs_dim is None else outputs_dim
@@ -124,7 +132,8 @@ def reference_step(
         outputs: Any = None
         with torch.enable_grad():
             for i, stage in enumerate(stages):
-                outputs = stage(stage_params[i], *inputs)
+                with keyed(stage_key(key_seed, i, j), _device(leaves[i], inputs)):
+                    outputs = stage(stage_params[i], *inputs)
                 inputs = as_inputs(outputs)
             loss = loss_fn(outputs) if targets is None else loss_fn(outputs, target_mb)
         _check_loss(loss, j)
@@ -185,3 +194,11 @@ def _check_loss(loss: Any, j: int) -> None:
 def _detach(tree: Any) -> Any:
     leaves, spec = tree_flatten(tree)
     return tree_unflatten(spec, [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves])
+
+
+def _device(params: Sequence[torch.Tensor], inputs: Sequence[Any]) -> torch.device:
+    """Where a stage runs: its parameters' device, else its first tensor input's, else the CPU."""
+    for t in [*params, *tree_flatten(list(inputs))[0]]:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
