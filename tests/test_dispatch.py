@@ -13,9 +13,11 @@ from benchmarks import dispatch
 # this many ATen ops / casts. The independent nanoGPT-style block, measured beside it, is the aim.
 CEILING = {"fp32-autocast": (117, 22), "bf16": (95, 0), "fp32": (95, 0)}
 # Pipeline.step of the demo's large size (24 blocks x 8 microbatches, tiny width), float32
-# parameters under bf16 autocast, and bf16 parameters with float32 gradient sums (909 casts)
-STEP_CEILING = 23124
-BF16_STEP_CEILING = 22080
+# parameters under bf16 autocast, and bf16 parameters with float32 gradient sums (909 casts).
+# Two of them are the step's seed, drawn from torch's CPU generator (randint and its .item(),
+# issue 43); running the stage calls under their random keys adds no op.
+STEP_CEILING = 23126
+BF16_STEP_CEILING = 22082
 # (2026-11-28, before the linear specs lowered to F.linear and q, k, v were fused: 219 / 31,
 # 188, 188 per block, 43,013 ops per step; bf16 with grad_dtype, before the once-per-step
 # casts: 23,832 ops and 4,997 casts per step)

@@ -403,5 +403,6 @@ def test_one_agreement_per_step_over_processes(monkeypatch: pytest.MonkeyPatch) 
     finally:
         dist.destroy_process_group()
     gathers = [n for name, n in calls if name != "all_reduce"]
-    assert gathers == [2, 2, 2, 2], calls  # one of two int64s per step
+    # one per step, of four int64s: two fingerprints, the step's seed, whether it was passed
+    assert gathers == [4, 4, 4, 4], calls
     assert len(calls) == 8, calls  # and each step's loss (an all-reduce, as before)

@@ -63,6 +63,7 @@ class DistWorld:
     transport: DistTransport
     claim: Claim | None = None  # the shared process groups this world uses
     steps: Steps | None = None  # the steps its transport finished
+    copy: int = 0  # this process's data-parallel copy
 
     def close(self) -> None:
         """Release the transport (sockets, waiter threads) and the process groups (collective:
@@ -178,7 +179,7 @@ def join(
         **strict,
     )
     steps.attach(transport)
-    return DistWorld(rank, pipe_ranks, copies, tp, transport, claim, steps)
+    return DistWorld(rank, pipe_ranks, copies, tp, transport, claim, steps, copy)
 
 
 def _channels(

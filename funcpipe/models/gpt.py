@@ -29,6 +29,7 @@ from funcpipe.errors import InvalidArgument
 from funcpipe.parallel import ops
 from funcpipe.parallel.mesh import Axis
 from funcpipe.parallel.sharding import Sharding
+from funcpipe.runtime.keys import current_key
 from funcpipe.stages.stage import Stage
 
 __all__ = [
@@ -50,7 +51,13 @@ __all__ = [
 @dataclass(frozen=True)
 class GPTConfig:
     """Sizes of the model: ``vocab`` tokens, ``context`` positions, ``d_model`` width,
-    ``heads`` attention heads, ``layers`` blocks, ``mlp`` hidden width (default 4 x d_model)."""
+    ``heads`` attention heads, ``layers`` blocks, ``mlp`` hidden width (default 4 x d_model).
+
+    ``dropout``: of the embeddings and of each block's output before the residual add (the
+    activation is replicated over the tensor axis: every tensor rank drops the same elements);
+    ``attn_dropout``: of the attention probabilities (heads are split: each tensor rank draws
+    its own), default ``dropout``. Dropout draws only inside a keyed stage call (a training
+    step: :mod:`funcpipe.runtime.keys`); elsewhere (evaluation, sampling) it drops nothing."""
 
     vocab: int = 256
     context: int = 64
@@ -58,12 +65,20 @@ class GPTConfig:
     heads: int = 4
     layers: int = 4
     mlp: int = 0
+    dropout: float = 0.0
+    attn_dropout: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab", "context", "d_model", "heads", "layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"GPTConfig({name}={value!r}): must be an int >= 1")
+        if self.attn_dropout is None:
+            object.__setattr__(self, "attn_dropout", self.dropout)
+        for name in ("dropout", "attn_dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise InvalidArgument(f"GPTConfig({name}={value!r}): a probability in [0, 1)")
         if self.d_model % self.heads:
             raise InvalidArgument(
                 f"GPTConfig: d_model={self.d_model} is not divisible by heads={self.heads}"
@@ -250,6 +265,7 @@ def stages(config: GPTConfig, n_stages: int, *, axis: Axis) -> list[Stage]:
     """The stage functions; ``axis`` is this rank's tensor axis (``single_axis()`` for one device)."""
     config.check_tensor(axis.size)
     heads = config.heads
+    drop, attn_drop = float(config.dropout), float(config.attn_dropout or 0.0)
     out = []
     for s, blocks in enumerate(blocks_per_stage(config, n_stages)):
         first, last = s == 0, s == n_stages - 1
@@ -263,12 +279,17 @@ def stages(config: GPTConfig, n_stages: int, *, axis: Axis) -> list[Stage]:
             _last: bool = last,
             _keys: list[str] = keys,
         ) -> Tensor:
+            keyed = (drop or attn_drop) and current_key() is not None
             if _first:
                 h = ops.vocab_parallel_embedding(x, {"weight": p["wte"]}, axis=axis)
                 h = h + p["wpe"][: x.shape[-1]]
+                h = F.dropout(h, drop) if keyed and drop else h
             else:
                 h = x
             for k in _keys:
+                if keyed:
+                    h = _dropout_block(h, p["blocks"][k], axis, heads, drop, attn_drop)
+                    continue
                 h = ops.attention_block(
                     h, p["blocks"][k]["attn"], axis=axis, num_heads=heads, causal=True
                 )
@@ -290,6 +311,25 @@ def stages(config: GPTConfig, n_stages: int, *, axis: Axis) -> list[Stage]:
         )
         out.append(Stage(fn, name=name))
     return out
+
+
+def _dropout_block(
+    h: Tensor, p: dict[str, Any], axis: Axis, heads: int, drop: float, attn_drop: float
+) -> Tensor:
+    """One block with dropout, in a keyed stage call: the attention's and the MLP's outputs
+    (replicated: the stage's key) dropped before the residual adds, the attention probabilities
+    (heads split: each tensor rank's own key) inside."""
+
+    def norm(x: Tensor, q: dict[str, Tensor]) -> Tensor:
+        return F.layer_norm(x, x.shape[-1:], q["weight"], q["bias"], ops.LN_EPS)
+
+    a = p["attn"]
+    y = ops.parallel_attention(
+        norm(h, a["norm"]), a, axis=axis, num_heads=heads, causal=True, dropout=attn_drop
+    )
+    h = h + (F.dropout(y, drop) if drop else y)
+    y = ops.parallel_mlp(norm(h, p["mlp"]["norm"]), p["mlp"], axis=axis)
+    return h + (F.dropout(y, drop) if drop else y)
 
 
 def loss_fn(*, axis: Axis) -> Callable[[Tensor, Tensor], Tensor]:

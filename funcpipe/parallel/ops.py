@@ -27,6 +27,7 @@ ring_attention                q, k, v[b, h, s/t, e]  -                          
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -39,6 +40,7 @@ from funcpipe.parallel import collectives as C
 from funcpipe.parallel.mesh import Axis
 from funcpipe.parallel.sharding import OpSharding, Sharding
 from funcpipe.parallel.spec import shard_spec
+from funcpipe.runtime.keys import sharded
 
 __all__ = [
     "attention",
@@ -80,12 +82,10 @@ _REP3 = Sharding.of(None, None, None)
 
 
 def _linear_shardings(kind: str, axis: str, bias: bool) -> dict[str, Sharding]:
-    if kind == "column":
-        out = {"weight": Sharding.of(axis, None), "bias": Sharding.of(axis)}
-    else:
-        out = {"weight": Sharding.of(None, axis), "bias": Sharding.of(None)}
-    if not bias:
-        del out["bias"]
+    col = kind == "column"
+    out = {"weight": Sharding.of(axis, None) if col else Sharding.of(None, axis)}
+    if bias:
+        out["bias"] = Sharding.of(axis if col else None)
     return out
 
 
@@ -234,18 +234,20 @@ def vocab_parallel_cross_entropy_sharding(*, axis: str = "tensor") -> OpSharding
 
 
 # ------------------------------------------------------------------------------ attention, MLP
-def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False) -> Tensor:
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, dropout: float = 0
+) -> Tensor:
     """Single-device softmax attention over ``[..., s, e]`` (the local core of the parallel ops):
     ``F.scaled_dot_product_attention``, so CUDA runs a fused (flash / memory-efficient) kernel.
     Causal masking aligns the last query with the last key (query ``i`` of ``s_q`` sees keys
     ``<= i + s_k - s_q``), as for a chunk of queries at the end of a longer key sequence. With
     more queries than keys, a causal query that sees no key gives zeros (the explicit softmax
-    gave NaN there)."""
+    gave NaN there). ``dropout``: of the attention probabilities (from the default generator)."""
     s_q, s_k = q.shape[-2], k.shape[-2]
     if not causal or s_q == s_k:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout)
     allowed = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout)
 
 
 def _split_heads(y: Tensor, heads: int) -> Tensor:
@@ -262,14 +264,16 @@ def _local_linear(x: Tensor, p: dict[str, Tensor]) -> Tensor:
     return F.linear(x, p["weight"], p.get("bias"))
 
 
-def _local_attention(h: Tensor, params: dict[str, Any], heads: int, causal: bool) -> Tensor:
+def _local_attention(
+    h: Tensor, params: dict[str, Any], heads: int, causal: bool, p: float
+) -> Tensor:
     if "qkv" in params:  # one projection; rows head-interleaved: [heads, (q, k, v), e]
         y = _local_linear(h, params["qkv"])
         b, s, w = y.shape
         q, k, v = y.view(b, s, heads, 3, w // (3 * heads)).transpose(1, 2).unbind(3)
     else:
         q, k, v = (_split_heads(_local_linear(h, params[n]), heads) for n in ("q", "k", "v"))
-    return _merge_heads(attention(q, k, v, causal=causal))
+    return _merge_heads(attention(q, k, v, causal=causal, dropout=p))
 
 
 def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, *, num_heads: int) -> Tensor:
@@ -287,17 +291,25 @@ def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, *, num_heads: int) -> Tensor:
 
 
 def parallel_attention(
-    x: Tensor, params: dict[str, Any], *, axis: Axis, num_heads: int, causal: bool = False
+    x: Tensor,
+    params: dict[str, Any],
+    *,
+    axis: Axis,
+    num_heads: int,
+    causal: bool = False,
+    dropout: float = 0.0,
 ) -> Tensor:
     """Multi-head attention with the heads split over ``axis``: ``x[b, s, d]`` replicated ->
     ``y[b, s, d]`` replicated. ``q``, ``k``, ``v`` are column-parallel (one shared identity /
     all-reduce on ``x``), ``o`` is row-parallel. Forward: one all-reduce; backward: one.
-
     ``params`` holds ``q``, ``k``, ``v`` and ``o`` linears, or ``qkv`` (one linear of ``3 d``
-    outputs, rows grouped per head: :func:`fuse_qkv`) and ``o``: one matmul instead of three."""
+    outputs, rows grouped per head: :func:`fuse_qkv`) and ``o``: one matmul instead of three.
+    ``dropout`` of the probabilities: each tensor rank's under its own key (``keys.sharded``)."""
     heads = _heads(x.shape[-1], num_heads, axis.size, "parallel_attention")
     h = C.copy_to_group(x, axis)
-    return row_parallel_linear(_local_attention(h, params, heads, causal), params["o"], axis=axis)
+    with sharded(axis.coord, x.device) if dropout else contextlib.nullcontext():
+        y = _local_attention(h, params, heads, causal, dropout)
+    return row_parallel_linear(y, params["o"], axis=axis)
 
 
 def parallel_attention_sharding(
@@ -436,7 +448,7 @@ def sp_attention_block(
     projection reduce-scatters back to the sequence split."""
     heads = _heads(x.shape[-1], num_heads, axis.size, "sp_attention_block")
     h = C.all_gather(sp_layer_norm(x, params["norm"], axis=axis), axis, dim=1)
-    y = _local_attention(h, params, heads, causal)
+    y = _local_attention(h, params, heads, causal, 0.0)
     return x + sp_row_parallel_linear(y, params["o"], axis=axis)
 
 

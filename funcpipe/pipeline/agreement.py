@@ -5,8 +5,8 @@ they do (collectives over the world, in the same order on every process).
   a hash);
 - :func:`tie_agreement`: at the first step, every copy of a tied parameter holds one value
   (one all-gather of a fingerprint per copy);
-- :func:`step_agreement`: at every step, the same shapes given and the same stage outputs
-  inferred from them (one all-gather of two fingerprints).
+- :func:`step_agreement`: at every step, the same shapes given, the same stage outputs
+  inferred from them and the same seed (one all-gather of two fingerprints and the seed).
 
 Each gathers texts only once the fingerprints differ, and then every process raises the same
 :class:`~funcpipe.errors.InvalidArgument`, naming the processes and the difference, instead
@@ -143,30 +143,51 @@ def step_agreement(
     given: tuple[Any, Any],
     layouts: Sequence[BoundarySpecs],
     names: list[str],
-) -> None:
+    *,
+    seed: int | None = None,
+    explicit: bool = False,
+) -> int | None:
     """Every process was given the same shapes for this step and inferred the same stage
-    outputs from them (collective over the world: every process calls this at every step).
+    outputs from them, and steps with the same ``seed`` (collective over the world: every
+    process calls this at every step).
 
     ``prints``: per microbatch, a fingerprint of its signature (its inputs, side inputs and the
     params' shapes and dtypes) and one of the stage outputs inferred from it; ``error``: this
     process's shape inference failed (it still takes part, then raises its own error);
     ``given``: the step's ``(batch, params)``, described only on a mismatch; ``layouts``: the
-    microbatches' inferred outputs. One all-gather of two fingerprints of the whole step;
-    only when they differ somewhere are the descriptions gathered too, and every process
+    microbatches' inferred outputs; ``seed``: the step's (``None`` for an eval program),
+    ``explicit`` when the caller passed it. Returns the step's seed: process 0's, so every
+    process draws the same masks even when their generators were seeded differently; seeds
+    passed explicitly must agree. One all-gather of two fingerprints of the whole step and the
+    seed; only when the fingerprints differ somewhere are the descriptions gathered too, and every process
     raises the same error: the processes given different shapes, else those whose inference
     failed, else the first stage whose outputs came out different (a stage whose output shapes
     depend on values, run on one real microbatch with zeros for what a process does not
     hold). Without it a process whose batch changed alone would wait alone in a collective (a
-    hang until the deadline), or send tensors of other shapes than its peers receive."""
+    hang until the deadline), or send tensors of other shapes than its peers receive; and
+    processes seeded differently would draw different dropout masks, silently."""
     import torch.distributed as dist
 
     given_print = fingerprint(" ".join(str(g) for g, _ in prints))
     inferred = -1 if error is not None else fingerprint(" ".join(str(i) for _, i in prints))
-    rows = _gather([given_print, inferred])
-    if all(row == rows[0] for row in rows):
+    mine = -1 if seed is None else seed % (1 << 63)
+    rows = _gather([given_print, inferred, mine, int(explicit)])
+    seeds = [row[2] for row in rows]
+    agreed = None if seeds[0] == -1 else seeds[0]
+    if all(row[:2] == rows[0][:2] for row in rows):
         if error is not None:
             raise error
-        return
+        differ = [r for r, v in enumerate(seeds) if v != seeds[0]]
+        if differ and any(row[3] for row in rows):
+            raise InvalidArgument(
+                f"step(seed=...) differs between the processes: process 0 steps with seed "
+                f"{seeds[0]}, process {differ[0]} with {seeds[differ[0]]} (process(es) {differ} "
+                "differ from process 0). Every stage call runs under a random key derived from "
+                "the step's seed, and the processes of one pipeline must draw the same dropout "
+                "masks: pass the same seed on every process (or seed=None on all: process 0 "
+                "draws it)"
+            )
+        return agreed
     batch, params = given
     lines = [*spec_lines(batch, "batch"), *spec_lines(params, "params")]
     described = [layout_lines(layout) for layout in layouts] if error is None else None

@@ -19,6 +19,7 @@ import torch
 from funcpipe.distributed import world as _world
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline.microbatch import _batch_size
+from funcpipe.runtime.keys import draw_seed
 from funcpipe.schedule.ir import Program
 from funcpipe.stages.stage import Stage
 from funcpipe.stages.ties import TiePath, check_ties
@@ -308,6 +309,20 @@ def step_loss_scale(value: float | Tensor | None) -> float | Tensor:
     if value == float("inf"):
         raise InvalidArgument("loss_scale=inf: the loss scale must be finite")
     return float(value)
+
+
+def step_seed(seed: Any, training: bool) -> int | None:
+    """A step's ``seed``: an int, or ``None`` for one drawn from torch's default CPU generator
+    (:func:`funcpipe.runtime.keys.draw_seed`); an eval program draws none (its stages run
+    under no key)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise InvalidArgument(
+            f"seed={seed!r}: an int (the step's random seed: every stage call runs under a key "
+            "derived from it), or None to draw one from torch's default generator"
+        )
+    if not training:
+        return None
+    return draw_seed() if seed is None else seed
 
 
 def autograd_context(training: bool) -> None:

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from funcpipe.schedule.check import check
-from funcpipe.schedule.ir import Program
+from funcpipe.schedule.ir import Op, Program
 from funcpipe.schedule.passes import add_communication, add_recompute, add_reduce
 from funcpipe.stages.ties import add_tie_reduce
 
-__all__ = ["lower_program", "p2p_rules"]
+__all__ = ["local_groups", "lower_program", "p2p_rules"]
 
 
 def lower_program(
@@ -63,3 +63,20 @@ def p2p_rules(device: torch.device | None, transport: str) -> str:
         if dist.get_backend() == "nccl":
             return "nccl"
     return "gloo"
+
+
+def local_groups(p: Program, data: int) -> dict[str, list[list[int]]]:
+    """The reduction groups of ``p``'s ranks run in one process with ``data`` copies (copy
+    ``d``'s rank ``r`` is ``d * n_ranks + r``)."""
+    n = p.n_ranks
+    groups: dict[str, list[list[int]]] = {}
+    names = {i.group for r in p.ranks for i in r if i.op is Op.REDUCE}
+    for name in names:
+        if name == "data":
+            groups[name] = [[d * n + r for d in range(data)] for r in range(n)]
+        else:
+            members = sorted(
+                {r for r, instrs in enumerate(p.ranks) for i in instrs if i.group == name}
+            )
+            groups[name] = [[d * n + r for r in members] for d in range(data)]
+    return groups

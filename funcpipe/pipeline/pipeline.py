@@ -20,9 +20,9 @@ from funcpipe.distributed import world as _world
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline import agreement as _agreement
 from funcpipe.pipeline import checks as _validate
-from funcpipe.pipeline.lowering import lower_program, p2p_rules
+from funcpipe.pipeline.lowering import local_groups, lower_program, p2p_rules
 from funcpipe.pipeline.microbatch import split, split_targets
-from funcpipe.pipeline.rank_inputs import param_leaves, to_device
+from funcpipe.pipeline.rank_inputs import param_leaves, split_batch, to_device
 from funcpipe.pipeline.result import (
     StepResult,
     dist_scalars,
@@ -39,13 +39,13 @@ from funcpipe.schedule.ir import Op, Program
 from funcpipe.schedule.p2p import PAIR
 from funcpipe.stages.boundaries import BoundarySpecs, infer_boundaries, signature
 from funcpipe.stages.shapes import stage_device
-from funcpipe.stages.stage import Stage, as_inputs
+from funcpipe.stages.stage import Stage
 from funcpipe.stages.ties import TiePath, resolve, tie_values
 from funcpipe.tree import tree_flatten
 
 __all__ = ["Pipeline", "StepResult"]  # StepResult: defined in funcpipe.pipeline.result
 
-INPUTS = "inputs"  # with side_inputs: the batch field the entry stage takes
+
 LAYOUT_CACHE = 256  # microbatch signatures whose shape inference a Pipeline keeps
 
 Tensor = torch.Tensor
@@ -259,6 +259,7 @@ class Pipeline:
         return_outputs: bool = False,
         trace: bool = False,
         loss_scale: float | Tensor | None = None,
+        seed: int | None = None,
     ) -> StepResult:
         """One training step (or one evaluation, for an eval program): ``(loss, grads)``.
 
@@ -266,6 +267,9 @@ class Pipeline:
         :mod:`funcpipe.train.loss_scale`): the gradients come back scaled by it, the loss does not. A
         one-element tensor (``LossScaleState.scale``) is used where it is, without reading it,
         so the step does not wait for the device.
+
+        ``seed``: a training step's stage calls run under keys of it (docs/concepts.md, "Random
+        keys"); ``None``: drawn from torch's CPU generator (over processes: process 0's).
 
         With ``trace=True`` every rank records when each instruction starts and ends and
         ``result.timeline`` is the executed :class:`funcpipe.schedule.Timeline` (over processes
@@ -290,9 +294,10 @@ class Pipeline:
         params = self._check_params(params)
         scale = _validate.step_loss_scale(loss_scale)
         self._check_step(params, batch, targets)
+        explicit, seed = seed is not None, _validate.step_seed(seed, training)
         # like reference_step: a step inside torch.no_grad() still computes true gradients
         with torch.enable_grad() if training else contextlib.nullcontext():
-            return self._step(params, batch, targets, return_outputs, trace, scale)
+            return self._step(params, batch, targets, return_outputs, trace, scale, seed, explicit)
 
     def _check_step(self, params: tuple[Any, ...], batch: Any, targets: Any) -> None:
         """Checks of a step's arguments before any work (:mod:`funcpipe.pipeline.checks`); those that
@@ -334,14 +339,17 @@ class Pipeline:
         return_outputs: bool,
         trace: bool,
         scale: float | Tensor,
+        seed: int | None = None,
+        explicit: bool = False,
     ) -> StepResult:
         program = self.program
         m = program.microbatches
         if self._world is None:
-            return self._step_local(params, batch, targets, return_outputs, trace, scale)
-        entry, side, tgt, layouts = self._microbatches(params, batch, targets)
+            return self._step_local(params, batch, targets, return_outputs, trace, scale, seed)
+        entry, side, tgt, layouts, seed = self._microbatches(params, batch, targets, seed, explicit)
         x = self._rank_inputs(self.rank, params, entry, side, tgt, layouts, return_outputs)
         x.data_size = self.data_size
+        x.seed, x.microbatch_offset = seed, self._world.copy * m
         x.trace = trace
         x.loss_scale = scale
         if self.loss_fn is not None or self.metric_fn is not None:
@@ -356,9 +364,7 @@ class Pipeline:
             has_loss=self.loss_fn is not None,
             has_metric=self.metric_fn is not None,
         )
-        grads = self._grads(params, [result])
-        if factor is not None and program.training:  # a (sum, count) loss: see loss_terms
-            scale_grads(grads, factor)
+        grads = self._grads(params, [result], factor)
         outputs = merged_outputs(program, [result]) if return_outputs else None
         step = StepResult(loss, grads, metric, outputs)
         step.peak_activations = {self.rank: result.peak_activations}
@@ -375,6 +381,7 @@ class Pipeline:
         return_outputs: bool,
         trace: bool,
         scale: float | Tensor,
+        seed: int | None = None,
     ) -> StepResult:
         program = self.program
         n, m = program.n_ranks, program.microbatches
@@ -386,28 +393,27 @@ class Pipeline:
             if (targets is not None and self.data > 1)
             else [targets] * self.data
         )
-        groups = self._local_groups()
+        groups = local_groups(self.program, self.data)
         scalars = self.loss_fn is not None or self.metric_fn is not None
         if scalars:  # the loss reduction a "dist" step posts, at the same place (see step)
             groups[_world.SCALARS] = [list(range(n * self.data))]
         world = LocalWorld(n * self.data, groups=groups)
         gens = {}
         for d in range(self.data):
-            entry, side, tgt, layouts = self._microbatches(params, shards[d], tshards[d])
+            entry, side, tgt, layouts, _ = self._microbatches(params, shards[d], tshards[d])
             ranks = [d * n + k for k in range(n)]
             for r in range(n):
                 x = self._rank_inputs(r, params, entry, side, tgt, layouts, return_outputs)
                 x.trace = trace
                 x.loss_scale = scale
+                x.seed, x.microbatch_offset = seed, d * m
                 if scalars:
                     x.scalars_group = _world.SCALARS
                 gens[ranks[r]] = run_rank(x, world.transport(r, ranks))
         results = drive_local(gens, world=world)
         per_rank = [results[r] for r in range(n)]  # replica 0 answers
         loss, metric, factor = local_scalars(list(results.values()), m, self.data)
-        grads = self._grads(params, per_rank)
-        if factor is not None and program.training:  # a (sum, count) loss: see loss_terms
-            scale_grads(grads, factor)
+        grads = self._grads(params, per_rank, factor)
         out = StepResult(
             loss, grads, metric, merged_outputs(program, per_rank) if return_outputs else None
         )
@@ -435,52 +441,22 @@ class Pipeline:
             params = tie_values(params, self.ties)
         return params
 
-    def _local_groups(self) -> dict[str, list[list[int]]]:
-        p, n = self.program, self.program.n_ranks
-        groups: dict[str, list[list[int]]] = {}
-        names = {i.group for r in p.ranks for i in r if i.op is Op.REDUCE}
-        for name in names:
-            if name == "data":
-                groups[name] = [[d * n + r for d in range(self.data)] for r in range(n)]
-            else:
-                members = sorted(
-                    {r for r, instrs in enumerate(p.ranks) for i in instrs if i.group == name}
-                )
-                groups[name] = [[d * n + r for r in members] for d in range(self.data)]
-        return groups
-
     def _microbatches(
-        self, params: tuple[Any, ...], batch: Any, targets: Any
+        self,
+        params: tuple[Any, ...],
+        batch: Any,
+        targets: Any,
+        seed: int | None = None,
+        explicit: bool = False,
     ) -> tuple[
         list[tuple[Any, ...]],
         list[dict[int, dict[str, Any]]],
         list[Any] | None,
         list[BoundarySpecs],
+        int | None,
     ]:
         m = self.program.microbatches
-        if self.side_inputs:
-            if not isinstance(batch, Mapping) or INPUTS not in batch:
-                raise InvalidArgument(
-                    f"with side_inputs the batch must be a dict holding the first stage's input "
-                    f"under {INPUTS!r}; got {type(batch).__name__}"
-                    + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else "")
-                )
-            needed = {k for names in self.side_inputs.values() for k in names}
-            missing = sorted(needed - set(batch))
-            if missing:
-                raise InvalidArgument(
-                    f"side_inputs need batch keys {missing} that the batch lacks (it has {sorted(batch)})"
-                )
-            batch = {k: batch[k] for k in (needed | {INPUTS})}
-            pieces = split(batch, m, dim=self.dim)
-            entry = [as_inputs(pc[INPUTS]) for pc in pieces]
-            side = [
-                {s: {k: pc[k] for k in names} for s, names in self.side_inputs.items()}
-                for pc in pieces
-            ]
-        else:
-            entry = [as_inputs(pc) for pc in split(batch, m, dim=self.dim)]
-            side = [{} for _ in range(m)]
+        entry, side, batch = split_batch(batch, self.side_inputs, m, self.dim)
         tgt = None if targets is None else split_targets(targets, m, batch=batch, dim=self.dim)
         layouts = []
         full = self._full_stages()
@@ -514,8 +490,11 @@ class Pipeline:
             # every process, every step, whatever its batch: one whose batch changed alone
             # must not wait alone in a collective (funcpipe.pipeline.agreement)
             names = [st.name for st in full]
-            _agreement.step_agreement(mine, error, (batch, params), layouts, names)
-        return entry, side, tgt, layouts
+            # the step's seed is process 0's (seeds passed explicitly must agree)
+            seed = _agreement.step_agreement(
+                mine, error, (batch, params), layouts, names, seed=seed, explicit=explicit
+            )
+        return entry, side, tgt, layouts, seed
 
     @property
     def _dry(self) -> bool:
@@ -593,5 +572,10 @@ class Pipeline:
             casts=casts,
         )
 
-    def _grads(self, params: tuple[Any, ...], results: Sequence[RankResult]) -> tuple[Any, ...]:
-        return stage_grads(self.program, params, results)
+    def _grads(
+        self, params: tuple[Any, ...], results: Sequence[RankResult], factor: float | None = None
+    ) -> tuple[Any, ...]:
+        grads = stage_grads(self.program, params, results)
+        if factor is not None and self.program.training:  # a (sum, count) loss: loss_terms
+            scale_grads(grads, factor)
+        return grads

@@ -8,14 +8,19 @@ batch, side inputs and targets go where the rank's stages run, once per microbat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from funcpipe.errors import InvalidArgument
+from funcpipe.pipeline.microbatch import split
+from funcpipe.stages.stage import as_inputs
 from funcpipe.tree import tree_map
 
-__all__ = ["kept_dtype", "param_leaves", "to_device"]
+__all__ = ["INPUTS", "kept_dtype", "param_leaves", "split_batch", "to_device"]
+
+INPUTS = "inputs"  # with side_inputs: the batch field the entry stage takes
 
 Tensor = torch.Tensor
 
@@ -59,3 +64,30 @@ def to_device(tree: Any, device: torch.device) -> Any:
         return t.to(device, non_blocking=t.is_pinned())
 
     return tree_map(move, tree)
+
+
+def split_batch(
+    batch: Any, side_inputs: Mapping[int, Sequence[str]], m: int, dim: Any
+) -> tuple[list[tuple[Any, ...]], list[dict[int, dict[str, Any]]], Any]:
+    """The batch as ``m`` microbatches: the entry stage's positional inputs and, with
+    ``side_inputs``, each stage's keyword inputs; and the batch the targets are split beside
+    (the fields the stages read)."""
+    if not side_inputs:
+        return [as_inputs(pc) for pc in split(batch, m, dim=dim)], [{} for _ in range(m)], batch
+    if not isinstance(batch, Mapping) or INPUTS not in batch:
+        raise InvalidArgument(
+            f"with side_inputs the batch must be a dict holding the first stage's input "
+            f"under {INPUTS!r}; got {type(batch).__name__}"
+            + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else "")
+        )
+    needed = {k for names in side_inputs.values() for k in names}
+    missing = sorted(needed - set(batch))
+    if missing:
+        raise InvalidArgument(
+            f"side_inputs need batch keys {missing} that the batch lacks (it has {sorted(batch)})"
+        )
+    batch = {k: batch[k] for k in (needed | {INPUTS})}
+    pieces = split(batch, m, dim=dim)
+    entry = [as_inputs(pc[INPUTS]) for pc in pieces]
+    side = [{s: {k: pc[k] for k in names} for s, names in side_inputs.items()} for pc in pieces]
+    return entry, side, batch

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 
 from funcpipe.errors import InvalidArgument
+from funcpipe.pipeline.checks import step_seed
 from funcpipe.pipeline.microbatch import _batch_size, _split_named, merge
+from funcpipe.runtime.keys import keyed, stage_key
 from funcpipe.runtime.loss_terms import count_factor, loss_and_count
 from funcpipe.stages.stage import Stage, as_inputs
 from funcpipe.stages.ties import TiePath, check_ties, resolve, tie_values
@@ -57,6 +59,7 @@ def reference_step(
     outputs_dim: Any = None,
     return_outputs: bool = False,
     ties: Mapping[str, Sequence[TiePath]] | None = None,
+    seed: int | None = None,
 ) -> tuple[Any, ...]:
     """One training step on one device: the loss and the gradients of every stage's params.
 
@@ -91,6 +94,10 @@ def reference_step(
             value is used for every member and each member's gradient is the sum over the
             members (what the pipeline returns). ``funcpipe.find_ties(params)`` finds them
             from shared storage.
+        seed: stage ``i`` on microbatch ``j`` runs under the random key ``stage_key(seed, i,
+            j)`` (:mod:`funcpipe.runtime.keys`), as in a :class:`funcpipe.Pipeline` step with
+            that seed; ``None``: one drawn from torch's default CPU generator, as the pipeline
+            draws it (``torch.manual_seed(s)`` before each gives both the same masks).
 
     Returns:
         ``(loss, grads)``, or ``(loss, grads, outputs)`` with ``return_outputs=True``. ``loss``
@@ -107,6 +114,7 @@ def reference_step(
             f"loss_fn must be callable as loss_fn(outputs, targets) or loss_fn(outputs); got "
             f"loss_fn={loss_fn!r}."
         )
+    key_seed = step_seed(seed, True) or 0  # (never None for a training step)
     default_dim = dim if isinstance(dim, int) and not isinstance(dim, bool) else 0
     targets_dim = default_dim if targets_dim is None else targets_dim
     outputs_dim = default_dim if outputs_dim is None else outputs_dim
@@ -131,22 +139,14 @@ def reference_step(
         outputs: Any = None
         with torch.enable_grad():
             for i, stage in enumerate(stages):
-                outputs = stage(stage_params[i], *inputs)
+                with keyed(stage_key(key_seed, i, j), _device(leaves[i], inputs)):
+                    outputs = stage(stage_params[i], *inputs)
                 inputs = as_inputs(outputs)
             loss = loss_fn(outputs) if targets is None else loss_fn(outputs, target_mb)
-        count = None
-        if isinstance(loss, tuple | list):  # (sum, count): weighted by the counts
-            loss, count = loss_and_count(loss, f"loss_fn for microbatch {j}")
-            counts.append(count)
-        _check_loss(loss, j)
-        if counts and len(counts) != j + 1:
-            raise InvalidArgument(
-                "loss_fn returned a (sum, count) pair for some microbatches and a scalar for "
-                "others; return one kind for every microbatch."
-            )
+        loss, counted = _microbatch_loss(loss, j, counts)
         if all_leaves and loss.requires_grad:
             with torch.enable_grad():
-                scaled = loss if count is not None else loss / m
+                scaled = loss if counted else loss / m
             step = torch.autograd.grad(scaled, all_leaves, allow_unused=True)
             grads = [g if s is None else g + s for g, s in zip(grads, step, strict=True)]
         losses.append(loss.detach())
@@ -159,6 +159,22 @@ def reference_step(
         check_tensor_tree(outputs_mbs[0], name="outputs")
         return loss_mean, tuple(out_grads), merge(outputs_mbs, dim=outputs_dim)
     return loss_mean, tuple(out_grads)
+
+
+def _microbatch_loss(loss: Any, j: int, counts: list[torch.Tensor]) -> tuple[Any, bool]:
+    """Microbatch ``j``'s loss, checked; a ``(sum, count)`` pair's count goes to ``counts``."""
+    counted = isinstance(loss, tuple | list)
+    if counted:  # (sum, count): weighted by the counts
+        loss, count = loss_and_count(loss, f"loss_fn for microbatch {j}")
+        assert count is not None
+        counts.append(count)
+    _check_loss(loss, j)
+    if counts and len(counts) != j + 1:
+        raise InvalidArgument(
+            "loss_fn returned a (sum, count) pair for some microbatches and a scalar for "
+            "others; return one kind for every microbatch."
+        )
+    return loss, counted
 
 
 def _combine(
@@ -226,3 +242,11 @@ def _check_loss(loss: Any, j: int) -> None:
 def _detach(tree: Any) -> Any:
     leaves, spec = tree_flatten(tree)
     return tree_unflatten(spec, [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves])
+
+
+def _device(params: Sequence[torch.Tensor], inputs: Sequence[Any]) -> torch.device:
+    """Where a stage runs: its parameters' device, else its first tensor input's, else the CPU."""
+    for t in [*params, *tree_flatten(list(inputs))[0]]:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")

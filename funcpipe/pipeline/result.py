@@ -112,7 +112,7 @@ def dist_scalars(
     buf, handle = result.scalars
     handle.wait()  # over every rank of every copy: the loss of the whole batch
     v = buf.tolist()  # (one read of the device)
-    if v[SCALARS["has_loss"]] == 0:
+    if v[SCALARS["loss_items"]] == 0:
         return None, None, None
     counted = _counted(v[SCALARS["counted_items"]], v[SCALARS["loss_items"]], "loss_fn")
     mean = microbatches * copies * tensor
@@ -124,7 +124,7 @@ def dist_scalars(
         loss = buf[SCALARS["loss"]] / mean
     metric = None
     if has_metric:
-        if _counted(v[SCALARS["metric_counted"]], v[SCALARS["has_loss"]], "metric_fn"):
+        if _counted(v[SCALARS["metric_counted"]], v[SCALARS["loss_items"]], "metric_fn"):
             metric = buf[SCALARS["metric"]] / buf[SCALARS["metric_count"]]
         else:
             metric = buf[SCALARS["metric"]] / mean

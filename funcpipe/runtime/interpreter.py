@@ -458,7 +458,6 @@ class _Rank:
         buf = torch.zeros(len(SCALARS), dtype=torch.float64, device=self.x.device)
         if res.loss_sum is not None:
             buf[SCALARS["loss"]] = res.loss_sum.detach().to(torch.float64)
-            buf[SCALARS["has_loss"]] = 1
             buf[SCALARS["loss_items"]] = res.loss_items
         if res.count_sum is not None:
             buf[SCALARS["count"]] = res.count_sum
@@ -467,7 +466,7 @@ class _Rank:
             msum = res.metric_sum.detach().to(torch.float64)
             if msum.ndim:  # (sum, count)
                 buf[SCALARS["metric"]], buf[SCALARS["metric_count"]] = msum[0], msum[1]
-                buf[SCALARS["metric_counted"]] = 1
+                buf[SCALARS["metric_counted"]] = res.loss_items
             else:
                 buf[SCALARS["metric"]] = msum
         res.scalars = (buf, self.t.all_reduce([buf], group))

@@ -57,18 +57,22 @@ class RankInputs:
     # reduce (loss sum, metric sum, has loss) over this transport group once this rank has run
     # its last instruction (every rank; never earlier: see _Rank.run); None: the caller does it
     scalars_group: str | None = None
+    # the step's seed: each stage call runs under stage_key(seed, stage, microbatch_offset + m)
+    # (funcpipe.runtime.keys); None: under no key. microbatch_offset: this data copy's first
+    # microbatch in the whole batch (copy c of M microbatches each: c * M)
+    seed: int | None = None
+    microbatch_offset: int = 0
 
 
 # where each scalar of a step's one float64 reduction sits (summed over every rank)
 SCALARS = {
     "loss": 0,  # sum over sink microbatches of the loss (or of the sums of (sum, count))
     "metric": 1,
-    "has_loss": 2,  # ranks that computed a loss
+    "loss_items": 2,  # microbatches with a loss
     "count": 3,  # sum of the counts of (sum, count) losses
     "counted_items": 4,  # microbatches whose loss came with a count
-    "loss_items": 5,  # microbatches with a loss
-    "metric_count": 6,
-    "metric_counted": 7,  # ranks whose metric came as (sum, count)
+    "metric_count": 5,
+    "metric_counted": 6,  # microbatches whose metric came as (sum, count)
 }
 
 

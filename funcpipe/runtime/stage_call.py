@@ -6,17 +6,21 @@ inference laid them out), its parameter leaves (in the dtype it computes with: t
 interpreter's copies where the pipeline keeps a leaf in another), the stage called, and what it returns checked against shape inference (the receiving
 rank sized its buffers from it); after a sink stage, ``loss_fn`` (and ``metric_fn``) called and
 their result checked (:mod:`funcpipe.runtime.loss_terms`): the outputs then start with the
-loss, its count when ``loss_fn`` returned ``(sum, count)``, and the metric. :func:`note` says on a user function's exception where funcpipe called it.
+loss, its count when ``loss_fn`` returned ``(sum, count)``, and the metric. With a step seed the
+stage runs under its random key (:mod:`funcpipe.runtime.keys`). :func:`note` says on a user
+function's exception where funcpipe called it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from funcpipe.errors import InvalidArgument
+from funcpipe.runtime.keys import keyed, stage_key
 from funcpipe.runtime.loss_terms import loss_and_count, metric_terms
 from funcpipe.runtime.rank_io import RankInputs
 from funcpipe.stages.boundaries import rebuild
@@ -46,6 +50,8 @@ def stage_fn(
     want = layout[s]
     target = x.targets[m] if (sink and x.targets is not None) else None
     entry_tree = tree_flatten(x.entry[m])[1] if not producers else None
+    # every run of this call (F, a recomputation) draws the same random numbers
+    key = None if x.seed is None else stage_key(x.seed, owner, x.microbatch_offset + m)
 
     def fn(params: Sequence[Tensor], leaves: Sequence[Tensor]) -> list[Tensor]:
         if entry_tree is not None:
@@ -58,7 +64,8 @@ def stage_fn(
                 k += n
             args = tuple(args)
         try:
-            out = stage(tree_unflatten(ptree, list(params)), *args, **kwargs)
+            with nullcontext() if key is None else keyed(key, x.device):
+                out = stage(tree_unflatten(ptree, list(params)), *args, **kwargs)
         except Exception as e:
             note(e, f"stage {s} ({stage.name!r}), microbatch {m}, rank {x.rank}; inputs", leaves)
             raise

@@ -284,7 +284,8 @@ def split_module(
 
     Args:
         module: any ``nn.Module``; it is traced, never modified. Put it in the dtype, device and
-            mode (``eval()``, or dropout 0) it trains in first.
+            mode it trains in first (dropout may stay on: each stage call runs under its random
+            key, :mod:`funcpipe.runtime.keys`; BatchNorm in training mode is refused).
         points: submodule names (``["model.layers.2"]``: stage 1 begins where that block is
             first called), a callable ``(name, submodule) -> bool`` choosing them, or a number
             of stages ``n``: cut before ``n - 1`` blocks of the runs of repeated blocks (every

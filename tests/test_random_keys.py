@@ -1,0 +1,239 @@
+"""Random keys (issue 43): dropout in a pipeline draws the masks reference_step draws.
+
+Every (stage, microbatch) call runs under ``stage_key(seed, stage, microbatch)``, so a model
+with dropout left on gives the reference's loss and gradients exactly under every schedule, with
+recomputation, over data-parallel copies and over processes; the user's generators are left as
+they were but for the one draw of a seed. The GPT's residual dropout is the same on every tensor
+rank and its attention dropout differs per rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import timeit
+from typing import Any
+
+import pytest
+import torch
+
+import funcpipe as fp
+from funcpipe.models import gpt
+from funcpipe.runtime import keys
+from funcpipe.schedule import generate
+from funcpipe.schedule.generators import GENERATORS
+from tests import jobs_keys as J
+
+TRAINING = [g for g in GENERATORS if g != "forward"]
+M = 2
+
+
+@functools.cache
+def _split(n: int, rows: int = 4) -> fp.ModuleSplit:
+    x, _ = J.data()
+    return fp.split_module(J.dropout_model(), n, example=x[:rows])
+
+
+def _assert_equal(a: Any, b: Any) -> None:
+    a, b = (tuple(t) if hasattr(t, "grads") else t for t in (a, b))  # a StepResult: (loss, grads)
+    fa, fb = fp.tree.tree_flatten(a)[0], fp.tree.tree_flatten(b)[0]
+    assert len(fa) == len(fb)
+    for u, v in zip(fa, fb, strict=True):
+        torch.testing.assert_close(u, v, rtol=0, atol=1e-12)
+
+
+def _reference(part: fp.ModuleSplit, seed: int | None, microbatches: int = M) -> Any:
+    x, y = J.data()
+    return fp.reference_step(
+        part.stages, part.params, x, J.mse, targets=y, microbatches=microbatches, seed=seed
+    )
+
+
+# ------------------------------------------------------------------------------ the keys
+def test_keys_are_deterministic_distinct_and_restore_the_generator() -> None:
+    k = keys.stage_key(7, 1, 3)
+    assert k == keys.stage_key(7, 1, 3) and 0 <= k < 2**63
+    assert len({keys.stage_key(7, s, m) for s in range(4) for m in range(4)}) == 16
+    assert keys.current_key() is None
+    before = torch.get_rng_state()
+    with keys.keyed(k):
+        assert keys.current_key() == k
+        a = torch.rand(3)
+        with keys.sharded(0):
+            s0 = torch.rand(3)
+        with keys.sharded(1):
+            s1 = torch.rand(3)
+        b = torch.rand(3)  # as if the sharded blocks drew nothing
+    with keys.keyed(k):
+        assert torch.equal(torch.rand(3), a) and torch.equal(torch.rand(3), b)
+    assert not torch.equal(s0, s1)
+    assert torch.equal(torch.get_rng_state(), before) and keys.current_key() is None
+    with keys.sharded(1) as none:  # outside a keyed call: nothing
+        assert none is None
+
+
+# ------------------------------------------------------------------------------ one process
+@pytest.mark.parametrize("schedule", TRAINING)
+def test_split_module_dropout_matches_reference_under_every_schedule(schedule: str) -> None:
+    program = generate(schedule, ranks=2, microbatches=M)
+    part = _split(len(set(program.replica_of or range(program.n_stages))))
+    x, y = J.data()
+    ref = _reference(part, 123)
+    for recompute in (False, True):
+        pipe = fp.Pipeline(part.stages, program, loss_fn=J.mse, recompute=recompute)
+        loss, grads = pipe.step(part.params, x, y, seed=123)
+        _assert_equal((loss, grads), ref)
+
+
+def test_dropout_changes_the_result_and_seeds_differ() -> None:
+    part = _split(2)
+    x, y = J.data()
+    pipe = fp.Pipeline(part.stages, generate("1f1b", ranks=2, microbatches=M), loss_fn=J.mse)
+    a, b = pipe.step(part.params, x, y, seed=1), pipe.step(part.params, x, y, seed=2)
+    assert not torch.equal(a.loss, b.loss)
+    _assert_equal(pipe.step(part.params, x, y, seed=1), a)  # the same seed: the same step
+
+
+def test_from_module_stages_with_dropout_match_reference() -> None:
+    model = J.dropout_model(blocks=2)
+    pieces = [fp.from_module(block) for block in model.blocks]
+    stages, params = [s for s, _ in pieces], [p for _, p in pieces]
+    x, y = J.data()
+    program = generate("zb-h1", ranks=2, microbatches=M)
+    pipe = fp.Pipeline(stages, program, loss_fn=J.mse, recompute=True)
+    ref = fp.reference_step(stages, params, x, J.mse, targets=y, microbatches=M, seed=9)
+    _assert_equal(pipe.step(params, x, y, seed=9), ref)
+
+
+def test_data_copies_match_the_reference_over_the_whole_batch() -> None:
+    part = _split(2, rows=2)
+    x, y = J.data()
+    pipe = fp.Pipeline(
+        part.stages, generate("1f1b", ranks=2, microbatches=M), loss_fn=J.mse, data=2
+    )
+    _assert_equal(pipe.step(part.params, x, y, seed=4), _reference(part, 4, 2 * M))
+
+
+def test_seed_none_draws_once_from_torchs_generator() -> None:
+    part = _split(2)
+    x, y = J.data()
+    pipe = fp.Pipeline(part.stages, generate("zb-h2", ranks=2, microbatches=M), loss_fn=J.mse)
+    torch.manual_seed(42)
+    step = pipe.step(part.params, x, y)
+    after = torch.get_rng_state()
+    torch.manual_seed(42)
+    keys.draw_seed()
+    assert torch.equal(after, torch.get_rng_state())  # one draw; stage calls restore the rest
+    torch.manual_seed(42)
+    _assert_equal(step, _reference(part, None))
+    torch.manual_seed(42)
+    _assert_equal(step, _reference(part, keys.draw_seed()))
+
+
+def test_seed_must_be_an_int() -> None:
+    part = _split(2)
+    x, y = J.data()
+    pipe = fp.Pipeline(part.stages, generate("1f1b", ranks=2, microbatches=M), loss_fn=J.mse)
+    with pytest.raises(fp.InvalidArgument, match=r"seed=1\.5: an int"):
+        pipe.step(part.params, x, y, seed=1.5)  # type: ignore[arg-type]
+
+
+def test_key_context_cost_on_cpu() -> None:
+    """The host cost of one keyed stage call's key handling (printed; bounded loosely)."""
+    n = 2000
+    seconds = timeit.timeit(_enter_exit, number=n)
+    per_call_us = seconds / n * 1e6
+    print(f"keyed() enter+exit on CPU: {per_call_us:.1f} us")
+    assert per_call_us < 1000
+
+
+def _enter_exit() -> None:
+    with keys.keyed(12345):
+        pass
+
+
+# ------------------------------------------------------------------------------ the GPT
+GPT_DROP = gpt.GPTConfig(
+    vocab=16, context=8, d_model=16, heads=4, layers=2, mlp=32, dropout=0.2, attn_dropout=0.0
+)
+
+
+def test_gpt_dropout_zero_adds_nothing_and_is_checked() -> None:
+    assert J.CFG.dropout == 0.0 and J.CFG.attn_dropout == 0.0
+    assert gpt.GPTConfig(dropout=0.1).attn_dropout == 0.1
+    with pytest.raises(fp.InvalidArgument, match="dropout=1.0"):
+        gpt.GPTConfig(dropout=1.0)
+
+
+def test_gpt_dropout_only_under_a_key() -> None:
+    axis = gpt.single_axis()
+    (stage,) = gpt.stages(GPT_DROP, 1, axis=axis)
+    (params,) = gpt.split(J.gpt_params(False), GPT_DROP, 1)
+    x, _ = J.gpt_batch()
+    plain = gpt.stages(J.CFG, 1, axis=axis)[0](params, x)
+    assert torch.equal(stage(params, x), plain)  # no key: no dropout (evaluation, sampling)
+    with keys.keyed(3):
+        assert not torch.equal(stage(params, x), plain)
+
+
+# ------------------------------------------------------------------------------ processes
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_dropout_over_processes_matches_reference(pool, schedule: str) -> None:
+    program = generate(schedule, ranks=2, microbatches=M)
+    part = _split(program.n_stages)
+    ref_loss, ref_grads = _reference(part, 77)
+    for loss, grads in pool(2).run(J.split_dropout, schedule, 77, timeout=300):
+        assert loss == pytest.approx(float(ref_loss), abs=1e-12)
+        for g, r in zip(grads, ref_grads, strict=True):
+            if g is not None:
+                _assert_equal(g, r)
+
+
+def test_seed_none_over_processes_seeded_alike(pool) -> None:
+    part = _split(2)
+    torch.manual_seed(11)
+    ref_loss, _ = _reference(part, None)
+    for loss, _ in pool(2).run(J.split_dropout, "1f1b", None, timeout=300):
+        assert loss == pytest.approx(float(ref_loss), abs=1e-12)
+
+
+def test_processes_seeded_differently_take_process_0s_seed(pool) -> None:
+    part = _split(2)
+    torch.manual_seed(11)  # process 0's generator
+    ref_loss, _ = _reference(part, None)
+    for loss in pool(2).run(J.seeds_disagree, False, timeout=300):
+        assert loss == pytest.approx(float(ref_loss), abs=1e-12)
+
+
+def test_explicit_seeds_that_differ_are_refused(pool) -> None:
+    for text in pool(2).run(J.seeds_disagree, True, timeout=300):
+        assert "step(seed=...) differs between the processes" in text
+
+
+def test_gpt_tensor2_residual_dropout_matches_tensor1(pool) -> None:
+    ref_loss, ref_grads = J.gpt_reference(GPT_DROP, 5)
+    plain_loss, _ = J.gpt_reference(J.CFG, 5)
+    assert ref_loss != plain_loss  # dropout did something
+    results = pool(2).run(J.gpt_tensor2, GPT_DROP, False, 5, timeout=300)
+    for r in results:
+        assert r["loss"] == pytest.approx(ref_loss, abs=1e-12)
+    # replicated leaves (norms, positions) hold the reference's gradient on both ranks
+    for r in results:
+        _assert_equal(r["grads"]["wpe"], ref_grads["wpe"])
+        _assert_equal(r["grads"]["norm"], ref_grads["norm"])
+
+
+def test_gpt_tensor2_attention_dropout_differs_per_rank(pool) -> None:
+    """Heads 2, 3 twins of heads 0, 1: the two ranks' qkv gradients are equal unless their
+    attention masks differ (they must), and equal with residual dropout only (same masks)."""
+    attn = gpt.GPTConfig(
+        vocab=16, context=8, d_model=16, heads=4, layers=2, mlp=32, dropout=0.0, attn_dropout=0.3
+    )
+
+    def qkv(cfg: gpt.GPTConfig) -> list[torch.Tensor]:
+        rs = sorted(pool(2).run(J.gpt_tensor2, cfg, True, 5, timeout=300), key=lambda r: r["coord"])
+        return [r["grads"]["blocks"]["0"]["attn"]["qkv"]["weight"] for r in rs]
+
+    a, b = qkv(attn)
+    assert not torch.allclose(a, b)
+    a, b = qkv(GPT_DROP)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
