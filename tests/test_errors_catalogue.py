@@ -91,7 +91,8 @@ def _params(*shapes: tuple[int, int], dtype: torch.dtype = F32) -> tuple[dict[st
 
 def _two_stages(**kw: Any) -> fp.Pipeline:
     stages = [fp.Stage(_tanh_layer, name="first"), fp.Stage(_tanh_layer, name="second")]
-    return fp.Pipeline(stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=_mse, **kw)
+    kw.setdefault("loss_fn", _mse)
+    return fp.Pipeline(stages, generate("1f1b", ranks=2, microbatches=2), **kw)
 
 
 def _xy(batch: int = 8, width: int = 4, *, targets: int | None = None) -> tuple[Any, Any]:
@@ -437,6 +438,24 @@ def _split_cut_name_typo() -> None:
 
     body = nn.Sequential(OrderedDict(attn=nn.Linear(4, 4), mlp=nn.Linear(4, 4)))
     fp.split_module(nn.Sequential(OrderedDict(body=body)), ["body.mpl"], example=torch.randn(2, 4))
+
+
+def _pair_then_mean() -> Callable[..., Any]:
+    """A loss_fn that returns (sum, count) on its first call and a mean after."""
+    calls = {"n": 0}
+
+    def loss(o: torch.Tensor, y: torch.Tensor) -> Any:
+        calls["n"] += 1
+        sq = ((o - y) ** 2).sum()
+        return (sq, o.numel()) if calls["n"] == 1 else sq / o.numel()
+
+    return loss
+
+
+def _masked_pair(o: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, count) over the entries whose target is not 0 (0 plays ignore_index)."""
+    keep = y != 0
+    return ((o - y) ** 2 * keep).sum(), keep.sum()
 
 
 # ------------------------------------------------------------------------------------ the rows
@@ -1576,6 +1595,47 @@ CASES: list[Case] = [
         ("takes a branch from tensor values (data-dependent", "torch._check(", "from_module"),
         "funcpipe/stages/split_errors.py: names the line and the alternatives; torch.export's "
         "partial graph is kept off stderr (39 KB for an eager-experts Mixtral)",
+    ),
+    Case(
+        "loss-pair-and-scalar-mixed",
+        "batches and microbatches",
+        "a loss_fn that returns (sum, count) for one microbatch and a mean for the next",
+        lambda: _two_stages(loss_fn=_pair_then_mean()).step(_params((4, 4), (4, 4)), *_xy()),
+        InvalidArgument,
+        ("(sum, count) pair for some microbatches and a scalar for others", "one kind"),
+        "funcpipe/runtime/interpreter.py _add_loss (and pipeline/result.py across ranks): the "
+        "loss would weight the two kinds of microbatch differently (issue 43)",
+    ),
+    Case(
+        "loss-pair-counts-nothing",
+        "batches and microbatches",
+        "a (sum, count) loss over a batch whose every label is ignore_index",
+        lambda: _two_stages(loss_fn=_masked_pair).step(
+            _params((4, 4), (4, 4)), _xy()[0], torch.zeros(8, 4)
+        ),
+        InvalidArgument,
+        ("counted 0 items over the whole batch", "ignore_index"),
+        "funcpipe/runtime/loss_terms.py count_factor: a mean over nothing (was a NaN loss)",
+    ),
+    Case(
+        "loss-pair-count-not-a-number",
+        "batches and microbatches",
+        "a (sum, count) loss whose count is a tensor per row",
+        lambda: _two_stages(
+            loss_fn=lambda o, y: (((o - y) ** 2).sum(), torch.ones(o.shape[0]))
+        ).step(_params((4, 4), (4, 4)), *_xy()),
+        InvalidArgument,
+        ("count of shape (4,)", "one number"),
+        "funcpipe/runtime/loss_terms.py loss_and_count",
+    ),
+    Case(
+        "step-seed-not-int",
+        "batches and microbatches",
+        "step(seed=1.5): a float seed for the stages' random keys",
+        lambda: _two_stages().step(_params((4, 4), (4, 4)), *_xy(), seed=1.5),
+        InvalidArgument,
+        ("seed=1.5", "an int", "or None"),
+        "funcpipe/pipeline/checks.py step_seed (issue 43: random keys)",
     ),
     Case(
         "split-module-cut-name-typo",
