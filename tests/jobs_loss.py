@@ -96,3 +96,50 @@ def token_loss_vs_full_batch(rank: int, name: str, ranks: int, microbatches: int
     ref_loss, ref_grads = full_batch(stages, params, x, labels)
     held = [(g, r) for g, r in zip(grads, ref_grads, strict=True) if g is not None]
     return max(float((loss - ref_loss).abs()), *(worst(g, r) for g, r in held))
+
+
+def gpt_tensor_parallel_token_loss(rank: int, pipeline: int, tensor: int) -> float:
+    """funcpipe's GPT at pipeline x tensor over the pool, padded targets and
+    ``gpt.loss_fn(..., ignore_index=-100)``: the largest difference of the loss and of this
+    rank's gradient shards from the whole model's full-batch ``F.cross_entropy``."""
+    from funcpipe.models import gpt
+    from funcpipe.parallel.mesh import build_mesh
+    from funcpipe.parallel.sharding import shard_tree
+    from funcpipe.tree import tree_flatten, tree_map, tree_unflatten
+
+    cfg = gpt.GPTConfig(vocab=16, context=6, d_model=8, heads=2, layers=2, mlp=16)
+    mesh = build_mesh({"pipeline": pipeline, "tensor": tensor})
+    place, axis = mesh.place, mesh["tensor"]
+    program = generate("1f1b", ranks=pipeline, microbatches=3)
+    n = program.n_stages
+    full = gpt.init(cfg, seed=0, dtype=F64)
+    lay = gpt.shardings(cfg, n)
+    mine = set(program.stages_on(place.coords["pipe"]))
+    split_full = gpt.split(full, cfg, n)
+    params = tuple(
+        shard_tree(split_full[s], lay[s], place)
+        if s in mine
+        else tree_map(lambda t: t.to("meta"), shard_tree(split_full[s], lay[s], place))
+        for s in range(n)
+    )
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, cfg.vocab, (5, cfg.context + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:].clone()
+    y[1:4, 2:] = -100
+    pipe = Pipeline(
+        gpt.stages(cfg, n, axis=axis), program, transport="dist", mesh=mesh,
+        loss_fn=gpt.loss_fn(axis=axis, ignore_index=-100), ties=gpt.tie_spec(n),
+    )  # fmt: skip
+    loss, grads = pipe.step(params, x, y)
+
+    (whole,) = gpt.split(full, cfg, 1)
+    leaves, spec = tree_flatten(whole)
+    leaves = [t.clone().requires_grad_(True) for t in leaves]
+    logits = gpt.stages(cfg, 1, axis=gpt.single_axis())[0](tree_unflatten(spec, leaves), x)
+    ref = F.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1), ignore_index=-100)
+    ref_grads = tree_unflatten(spec, list(torch.autograd.grad(ref, leaves)))
+    blocks = [ref_grads["blocks"][str(i)] for i in range(cfg.layers)]
+    want = gpt.split({**ref_grads, "blocks": blocks}, cfg, n)
+    diffs = [float((loss - ref.detach()).abs())]
+    diffs += [worst(grads[s], shard_tree(want[s], lay[s], place)) for s in sorted(mine)]
+    return max(diffs)

@@ -165,3 +165,40 @@ def test_nothing_counted_and_bad_counts_are_refused() -> None:
     three = fp.Pipeline(stages, program, loss_fn=lambda o, y: (*fp.token_cross_entropy(o, y), 1))
     with pytest.raises(InvalidArgument, match=r"\(sum, count\)"):
         three.step(params, x, labels)
+
+
+def test_the_gpt_loss_with_ignore_index_gives_the_full_batch() -> None:
+    """funcpipe's GPT over two stages (tied embedding), padded targets: gpt.loss_fn(...,
+    ignore_index=-100) gives the whole model's F.cross_entropy(..., ignore_index=-100)."""
+    from funcpipe.models import gpt
+
+    cfg = gpt.GPTConfig(vocab=16, context=6, d_model=8, heads=2, layers=2, mlp=16)
+    axis = gpt.single_axis()
+    full = gpt.init(cfg, seed=0, dtype=torch.float64)
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, cfg.vocab, (5, cfg.context + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:].clone()
+    y[1:4, 2:] = -100  # padded rows: the microbatches count unevenly
+    pipe = fp.Pipeline(
+        gpt.stages(cfg, 2, axis=axis), generate("1f1b", ranks=2, microbatches=3),
+        loss_fn=gpt.loss_fn(axis=axis, ignore_index=-100), ties=gpt.tie_spec(2),
+    )  # fmt: skip
+    loss, grads = pipe.step(gpt.split(full, cfg, 2), x, y)
+
+    (whole,) = gpt.split(full, cfg, 1)
+    leaves, spec = fp.tree.tree_flatten(whole)
+    leaves = [t.clone().requires_grad_(True) for t in leaves]
+    logits = gpt.stages(cfg, 1, axis=axis)[0](fp.tree.tree_unflatten(spec, leaves), x)
+    ref = F.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1), ignore_index=-100)
+    ref_grads = fp.tree.tree_unflatten(spec, list(torch.autograd.grad(ref, leaves)))
+    blocks = [ref_grads["blocks"][str(i)] for i in range(cfg.layers)]
+    want = gpt.split({**ref_grads, "blocks": blocks}, cfg, 2)
+    assert worst(loss, ref.detach()) < TOL
+    assert worst(grads, want) < TOL
+
+
+@pytest.mark.timeout(180)
+def test_the_gpt_at_tensor_two_over_processes(pool) -> None:
+    """Pipeline 2 x tensor 2 (four processes): every tensor rank holds the same count, and the
+    gradient shards are those of the full batch's mean over its counted tokens."""
+    assert max(pool(4).run(jobs_loss.gpt_tensor_parallel_token_loss, 2, 2)) < TOL

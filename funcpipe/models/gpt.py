@@ -332,15 +332,30 @@ def _dropout_block(
     return h + (F.dropout(y, drop) if drop else y)
 
 
-def loss_fn(*, axis: Axis) -> Callable[[Tensor, Tensor], Tensor]:
+def loss_fn(*, axis: Axis, ignore_index: int | None = None) -> Callable[[Tensor, Tensor], Any]:
     """Mean next-token cross-entropy from vocabulary-parallel logits ``[b, s, V/t]``; in float32
     for bf16 logits too (the cross-entropy computes in float32 without a float32 copy of the
-    logits)."""
+    logits).
+
+    With ``ignore_index`` (e.g. -100 on padding) the loss is ``(sum, count)`` over the tokens
+    whose target is not ``ignore_index``, so a step's loss is the mean over every counted token
+    of the batch, however they fall into microbatches and data-parallel copies
+    (:mod:`funcpipe.runtime.loss_terms`)."""
 
     def loss(logits: Tensor, targets: Tensor) -> Tensor:
         return ops.vocab_parallel_cross_entropy(logits, targets, axis=axis).mean()
 
-    return loss
+    if ignore_index is None:
+        return loss
+    ignored = int(ignore_index)
+
+    def counted(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        keep = targets.ne(ignored)
+        ids = targets.masked_fill(~keep, 0)
+        per_token = ops.vocab_parallel_cross_entropy(logits, ids, axis=axis)
+        return per_token.masked_fill(~keep, 0).sum(), keep.sum()
+
+    return counted
 
 
 def full_forward(params: dict[str, Any], config: GPTConfig, tokens: Tensor) -> Tensor:
