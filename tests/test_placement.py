@@ -7,7 +7,7 @@ stages have no parameters uses ``device=`` (else the process group backend's dev
 On a CPU-only machine the meta device stands in for a second device: with every parameter on
 meta and ``device="meta"``, a step runs without data, and a dispatch mode records every tensor
 an operation makes off meta. The only ones allowed are the views that split the caller's CPU
-batch into microbatches before each microbatch is moved.
+batch into microbatches before each microbatch is moved, and the draw of the step's seed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from funcpipe.schedule.generators import generate
 from tests import jobs_precision as J
 
 SPLITTING = {"aten.slice.Tensor", "aten.split.Tensor", "aten.split_with_sizes.default"}
+# the step's random seed, one int drawn from torch's CPU generator on the host (step(seed=None);
+# funcpipe.runtime.keys.draw_seed): a host value, never data on a device
+SPLITTING |= {"aten.randint.low"}
 
 
 class OffMeta(TorchDispatchMode):
