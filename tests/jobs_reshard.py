@@ -48,8 +48,8 @@ def _setup(pipeline: int, tensor: int, schedule: str, seed: int) -> tuple[Any, .
         transport="dist",
         mesh=mesh,
     )
-    layout = checkpoint.Layout(shardings=lay, place=place)
-    return mesh, pipe, params, layout
+    naming = checkpoint.Naming(shardings=lay, place=place)
+    return mesh, pipe, params, naming
 
 
 def _step(mesh: Any, pipe: Any, params: Any, state: Any, step: int) -> tuple[float, Any, Any]:
@@ -67,19 +67,19 @@ def run(
     """``save``: 2 steps from the init, save at step 2, then step 3; else: load the checkpoint
     at this layout (into params of another seed) and make step 3. Returns step 3's loss and
     this rank's params and optimizer state after it, keyed as save_model keys them."""
-    mesh, pipe, params, layout = _setup(pipeline, tensor, schedule, seed=0 if save else 1)
+    mesh, pipe, params, naming = _setup(pipeline, tensor, schedule, seed=0 if save else 1)
     state = OPT.init(params)
     losses = []
     if save:
         for step in range(2):
             loss, params, state = _step(mesh, pipe, params, state, step)
             losses.append(loss)
-        checkpoint.save_model(path, params, opt_state=state, layout=layout, step=2)
+        checkpoint.save_model(path, params, opt_state=state, naming=naming, step=2)
     else:
-        loaded = checkpoint.load_model(path, params, opt_state=state, layout=layout)
+        loaded = checkpoint.load_model(path, params, opt_state=state, naming=naming)
         assert loaded.step == 2 and loaded.opt_state.step == 2
         params, state = loaded.params, loaded.opt_state
     loss, params, state = _step(mesh, pipe, params, state, 2)
-    pieces, table = named_pieces(params, state, layout)
+    pieces, table = named_pieces(params, state, naming)
     shapes = {k: tuple(v["shape"]) for k, v in table["tensors"].items()}
     return {"losses": [*losses, loss], "pieces": pieces, "shapes": shapes, "rank": rank}

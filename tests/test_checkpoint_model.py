@@ -45,9 +45,9 @@ def test_assemble_any_region_from_any_pieces() -> None:
     for saved in (rows, cols, zero, [Region.whole(full.shape)]):
         pieces = [(r, r.take(full).clone()) for r in saved]
         for want in (*rows, *zero, Region.whole(full.shape), rows[0].flat_shard(4, 3)):
-            got = fp.train.checkpoint_layout.assemble(want, pieces)
+            got = fp.train.checkpoint_regions.assemble(want, pieces)
             assert torch.equal(got, want.take(full))
-    short, _ = fp.train.checkpoint_layout.coverage(Region.whole(full.shape), rows[:1])
+    short, _ = fp.train.checkpoint_regions.coverage(Region.whole(full.shape), rows[:1])
     assert short == 24
 
 
@@ -95,7 +95,7 @@ def test_the_files_are_keyed_by_model_names(tmp_path: Path) -> None:
     params, state, _ = _trained(2)
     checkpoint.save_model(tmp_path / "ck", params, opt_state=state, step=1)
     info = json.loads((tmp_path / "ck" / "funcpipe.json").read_text())
-    assert info["layout"] == "named" and info["scalars"] == {"opt/step": "int"}
+    assert info["keys"] == "named" and info["scalars"] == {"opt/step": "int"}
     assert info["tensors"]["params/blocks/2/attn/qkv/weight"] == {
         "shape": [48, 16],
         "dtype": "torch.float64",
@@ -154,7 +154,7 @@ def test_mismatches_are_refused_before_anything_is_read(tmp_path: Path) -> None:
     with pytest.raises(
         InvalidArgument,
         match=r"does not fit this model: 'params/blocks/0/attn/norm/bias' was saved as "
-        r"torch.float64 of full shape \(16,\), this layout has torch.float64 of full shape "
+        r"torch.float64 of full shape \(16,\), this run has torch.float64 of full shape "
         r"\(32,\).*\(38 in all\). Nothing was read",
     ):
         checkpoint.load_model(tmp_path / "ck", other)
@@ -176,7 +176,7 @@ def test_mismatches_are_refused_before_anything_is_read(tmp_path: Path) -> None:
         checkpoint.load_model(tmp_path / "ck", params, opt_state=sgd.init(params))
     f32 = tree_map(lambda t: t.float(), params)
     with pytest.raises(
-        InvalidArgument, match="was saved as torch.float64 .* this layout has torch.float32"
+        InvalidArgument, match="was saved as torch.float64 .* this run has torch.float32"
     ):
         checkpoint.load_model(tmp_path / "ck", f32)
     with pytest.raises(InvalidArgument, match="params=dict"):
@@ -186,17 +186,17 @@ def test_mismatches_are_refused_before_anything_is_read(tmp_path: Path) -> None:
 def test_a_region_no_saved_piece_covers(tmp_path: Path) -> None:
     """Saved by a rank holding one tensor shard only: the other half is in no piece."""
     full = {"w": torch.arange(12.0).reshape(4, 3)}
-    lay = checkpoint.Layout(
+    lay = checkpoint.Naming(
         shardings=({"w": Sharding.of("tensor", None)},),
         place=Place(0, {"tensor": 0}, {"tensor": 2}),
     )
-    checkpoint.save_model(tmp_path / "ck", ({"w": full["w"][:2]},), layout=lay)
+    checkpoint.save_model(tmp_path / "ck", ({"w": full["w"][:2]},), naming=lay)
     with pytest.raises(
         InvalidArgument,
         match=r"'params/w': 6 element\(s\) of the region 0:4,0:3 this rank holds are in no saved piece",
     ):
         checkpoint.load_model(tmp_path / "ck", (full,))
-    half = checkpoint.load_model(tmp_path / "ck", ({"w": torch.zeros(2, 3)},), layout=lay)
+    half = checkpoint.load_model(tmp_path / "ck", ({"w": torch.zeros(2, 3)},), naming=lay)
     assert torch.equal(half.params[0]["w"], full["w"][:2])
 
 
@@ -214,14 +214,14 @@ def test_zero_style_flat_optimizer_shards_round_trip(tmp_path: Path) -> None:
     d)[c]) saves pieces that load back at the same sharding, at another one, or whole."""
     params, state, _ = _trained(1)
     for c in range(3):  # three "ranks" of one save, written one after the other here
-        lay = checkpoint.Layout(opt_shard=(3, c))
+        lay = checkpoint.Naming(opt_shard=(3, c))
         mine = state._replace(mu=_piece(state.mu, 3, c), nu=_piece(state.nu, 3, c))
-        checkpoint.save_model(tmp_path / f"ck{c}", params, opt_state=mine, layout=lay)
-        back = checkpoint.load_model(tmp_path / f"ck{c}", params, opt_state=mine, layout=lay)
+        checkpoint.save_model(tmp_path / f"ck{c}", params, opt_state=mine, naming=lay)
+        back = checkpoint.load_model(tmp_path / f"ck{c}", params, opt_state=mine, naming=lay)
         assert _equal(back.opt_state.mu, mine.mu) and _equal(back.opt_state.nu, mine.nu)
     checkpoint.save_model(tmp_path / "whole", params, opt_state=state)
     for d, c in ((3, 2), (2, 0), (5, 4)):
         like = state._replace(mu=_piece(state.mu, d, c), nu=_piece(state.nu, d, c))
-        lay = checkpoint.Layout(opt_shard=(d, c))
-        got = checkpoint.load_model(tmp_path / "whole", params, opt_state=like, layout=lay)
+        lay = checkpoint.Naming(opt_shard=(d, c))
+        got = checkpoint.load_model(tmp_path / "whole", params, opt_state=like, naming=lay)
         assert _equal(got.opt_state.mu, like.mu) and _equal(got.opt_state.nu, like.nu)

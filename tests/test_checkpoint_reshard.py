@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from funcpipe.train.checkpoint_layout import Region, assemble
+from funcpipe.train.checkpoint_regions import Region, assemble
 from tests import jobs_reshard
 
 Pieces = dict[str, list[tuple[Region, torch.Tensor]]]

@@ -8,6 +8,11 @@ and meta tensors (stages this rank does not hold) are skipped. :func:`load` read
 into the layout of a ``like`` pytree, so the number of ranks and which rank holds which key may
 differ from the save. :func:`latest` finds the newest complete checkpoint in a directory.
 
+:func:`save_model` / :func:`load_model` key a model's state by its own parameter names and the
+region of each full tensor a rank holds (:mod:`funcpipe.train.checkpoint_regions`,
+:mod:`funcpipe.train.checkpoint_named`), so it loads at another stage split, tensor layout or
+optimizer-state sharding; they share the atomic write, the checks and the checksums below.
+
 **Atomic.** A save writes into ``path + ".tmp-<nonce>"``; after every rank has finished, rank 0
 moves a previous checkpoint at ``path`` aside (``path + ".old-<nonce>"``), renames the new
 directory to ``path`` and only then deletes the old one. An interrupted save therefore never
@@ -62,15 +67,15 @@ from funcpipe.train.checkpoint_integrity import (
     save_error,
     verify,
 )
-from funcpipe.train.checkpoint_layout import SCALAR_DTYPES, Layout, Region, state_keys
 from funcpipe.train.checkpoint_named import NAMED, Loaded, merge_tables, named_pieces, plan_load
+from funcpipe.train.checkpoint_regions import SCALAR_DTYPES, Naming, Region, state_keys
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = [
-    "Layout",
     "Loaded",
+    "Naming",
     "Region",
     "latest",
     "load",
@@ -320,7 +325,7 @@ def _save_with(
             "checksums": sums,
         }
         if table is not None:
-            info["layout"] = NAMED
+            info["keys"] = NAMED
             info.update(table)
         try:
             _write_info(tmp, info)
@@ -379,12 +384,12 @@ def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None 
     info: dict[str, Any] = {}
     try:
         source, info = _open(path)
-        if info.get("layout") == NAMED:
+        if info.get("keys") == NAMED:
             raise InvalidArgument(
                 f"the checkpoint {source!r} was written by checkpoint.save_model: it is keyed "
                 "by the model's parameter names and the region of each tensor a rank held, not "
                 "by the paths of a pytree; read it with checkpoint.load_model(path, params, "
-                "opt_state=..., layout=...)"
+                "opt_state=..., naming=...)"
             )
         flat = state_keys(like, name="like")
         for k, v in flat.items():
@@ -484,7 +489,7 @@ def save_model(
     params: Sequence[Any],
     *,
     opt_state: Any = None,
-    layout: Layout | None = None,
+    naming: Naming | None = None,
     step: int | None = None,
     group: ProcessGroup | None = None,
 ) -> str:
@@ -493,13 +498,13 @@ def save_model(
     ``params``: this run's per-stage params (``params[s]`` a pytree; ``None`` or meta tensors
     for stages this rank does not hold). ``opt_state``: the optimizer state of ``init(params)``
     (a NamedTuple such as ``AdamWState``: its int fields are stored as they are, its trees shaped
-    like ``params`` leaf by leaf as the params are). ``layout``: how leaves map to the model's
-    names and which region of each full tensor this rank holds (:class:`Layout`; default: every
+    like ``params`` leaf by leaf as the params are). ``naming``: how leaves map to the model's
+    names and which region of each full tensor this rank holds (:class:`Naming`; default: every
     leaf whole, named by its path inside its stage). A collective over ``group`` like
     :func:`save`, and as atomic; the copies several ranks hold of one region (data-parallel
     copies, tied parameters) are written once and must be equal. Returns ``path``.
     """
-    return _save_with(path, lambda: named_pieces(params, opt_state, layout), step=step, group=group)
+    return _save_with(path, lambda: named_pieces(params, opt_state, naming), step=step, group=group)
 
 
 def load_model(
@@ -507,14 +512,14 @@ def load_model(
     params: Sequence[Any],
     *,
     opt_state: Any = None,
-    layout: Layout | None = None,
+    naming: Naming | None = None,
     group: ProcessGroup | None = None,
 ) -> Loaded:
     """Read a :func:`save_model` checkpoint into this run's layout, whatever the save's was.
 
     ``params`` (and ``opt_state``, when given) are templates as for :func:`load`: their
     structure, and per tensor leaf the shape, dtype and device of the result; they are not
-    modified. ``layout`` says which model tensor and region each leaf is. Each leaf is put
+    modified. ``naming`` says which model tensor and region each leaf is. Each leaf is put
     together from the saved pieces that overlap its region, so the stage split, the tensor and
     data-parallel sizes and the optimizer-state sharding may differ from the save. Every
     mismatch (a name the checkpoint lacks, another full shape or dtype, a region no saved piece
@@ -526,16 +531,16 @@ def load_model(
     info: dict[str, Any] = {}
     try:
         source, info = _open(path)
-        if info.get("layout") != NAMED:
+        if info.get("keys") != NAMED:
             raise InvalidArgument(
                 f"the checkpoint {source!r} was written by checkpoint.save (keyed by pytree "
                 "paths, for the stage split and tensor layout it was saved at), not by "
                 "save_model. It still loads with checkpoint.load(path, like) at that layout; "
                 "to convert it, load it there and write it with checkpoint.save_model(new_path, "
-                "state['params'], opt_state=state['opt'], layout=...)."
+                "state['params'], opt_state=state['opt'], naming=...)."
             )
         plan = plan_load(
-            source, info, SafeReader(source).read_metadata(), params, opt_state, layout
+            source, info, SafeReader(source).read_metadata(), params, opt_state, naming
         )
         _check_stored(source, plan.wanted)
     except (InvalidArgument, FuncpipeError) as e:

@@ -1,13 +1,14 @@
 """A model's state as named pieces: what :func:`funcpipe.checkpoint.save_model` writes and
-:func:`~funcpipe.checkpoint.load_model` puts back together at another layout.
+:func:`~funcpipe.checkpoint.load_model` puts back together at another stage split,
+tensor layout or optimizer-state sharding.
 
 **On disk.** Each held tensor leaf is stored as a plain tensor under
 ``"<kind>/<name>@<region>"``: ``kind`` is ``params`` or ``opt/<field>`` (``opt/mu``,
 ``opt/nu``, ``opt/master``, ``opt/momentum``), ``name`` the model's name of the tensor (the
-:class:`~funcpipe.train.checkpoint_layout.Layout` says which) and ``region`` the part of the
+:class:`~funcpipe.train.checkpoint_regions.Naming` says which) and ``region`` the part of the
 full tensor the leaf holds (:meth:`Region.text`: ``"0:16,0:16"``, with ``"~a:b"`` for a flat
 range). Scalar fields of the optimizer state are stored under ``"opt/<field>"``.
-``funcpipe.json`` gets ``"layout": "named"``, ``"tensors"``: ``{"<kind>/<name>": {"shape":
+``funcpipe.json`` gets ``"keys": "named"``, ``"tensors"``: ``{"<kind>/<name>": {"shape":
 full shape, "dtype": "torch.float32"}}`` gathered from every rank, and ``"scalars"``:
 ``{"opt/step": "int"}``. The copies several ranks (or two stages of one rank: tied
 parameters) hold of one region have one key and are written once.
@@ -29,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.train.checkpoint_layout import (
+from funcpipe.train.checkpoint_regions import (
     SCALAR_DTYPES,
-    Layout,
+    Naming,
     Region,
     assemble,
     coverage,
@@ -63,7 +64,7 @@ class Loaded(NamedTuple):
 class _Leaf:
     kind: str  # "params" or "opt/<field>"
     stage: int
-    model_name: str  # the layout's name of the tensor
+    model_name: str  # the naming's name of the tensor
     value: Any
     region: Region | None = None  # None: not held here (a meta tensor)
 
@@ -99,8 +100,8 @@ class _Walk:
     """Every leaf of params and of the optimizer state's per-stage trees, with its name and
     region, and how to put new leaves back into the same structures."""
 
-    def __init__(self, params: Any, opt_state: Any, layout: Layout | None) -> None:
-        self.layout = layout or Layout()
+    def __init__(self, params: Any, opt_state: Any, naming: Naming | None) -> None:
+        self.naming = naming or Naming()
         self.params = _stages(params)
         self.n = len(self.params)
         self.opt_state = opt_state
@@ -134,7 +135,7 @@ class _Walk:
                 raise InvalidArgument(
                     f"{where} is a {type(value).__name__}; model state leaves are tensors"
                 )
-            leaf = _Leaf(kind, stage, self.layout.name(stage, path), value)
+            leaf = _Leaf(kind, stage, self.naming.name(stage, path), value)
             if kind == "params":
                 self.shapes[stage, path] = tuple(value.shape)
             elif (stage, path) not in self.shapes:
@@ -143,13 +144,13 @@ class _Walk:
                     "trees must mirror params (pass the state init(params) returned)"
                 )
             if value.device.type != "meta":
-                leaf.region = self.layout.region(
+                leaf.region = self.naming.region(
                     stage, path, self.shapes[stage, path], opt=kind != "params"
                 )
                 if tuple(value.shape) != leaf.region.held_shape:
                     raise InvalidArgument(
-                        f"{where} has shape {tuple(value.shape)}, but the layout says it holds "
-                        f"{leaf.region!r} (shape {leaf.region.held_shape}); the layout must be "
+                        f"{where} has shape {tuple(value.shape)}, but the naming says it holds "
+                        f"{leaf.region!r} (shape {leaf.region.held_shape}); the naming must be "
                         "this run's (its shardings, place and opt_shard)"
                     )
             out.append(leaf)
@@ -180,10 +181,10 @@ class _Walk:
 
 # ------------------------------------------------------------------------------- saving
 def named_pieces(
-    params: Any, opt_state: Any, layout: Layout | None
+    params: Any, opt_state: Any, naming: Naming | None
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The tensors :func:`save_model` writes, by key, and this rank's ``funcpipe.json`` table."""
-    walk = _Walk(params, opt_state, layout)
+    walk = _Walk(params, opt_state, naming)
     tensors: dict[str, Tensor] = {}
     table: dict[str, dict[str, Any]] = {}
     for leaf in walk.held():
@@ -192,7 +193,7 @@ def named_pieces(
         if table.setdefault(leaf.name, entry) != entry:
             raise InvalidArgument(
                 f"two leaves are named {leaf.name!r} but are {table[leaf.name]} and {entry}; "
-                "the layout's names must give each model tensor one name"
+                "the naming's names must give each model tensor one name"
             )
         key = f"{leaf.name}@{leaf.region.text()}"
         value = leaf.value.detach()
@@ -226,7 +227,7 @@ def merge_tables(table: dict[str, Any], group: ProcessGroup | None, on: bool) ->
                 if out[section].setdefault(k, v) != v:
                     raise InvalidArgument(
                         f"not saved: rank {rank} holds {k!r} as {v}, another rank as "
-                        f"{out[section][k]}; every rank's layout must describe the same model"
+                        f"{out[section][k]}; every rank's naming must describe the same model"
                     )
     return {k: dict(sorted(v.items())) for k, v in out.items()}
 
@@ -280,10 +281,10 @@ def plan_load(
     metadata: Any,
     params: Any,
     opt_state: Any,
-    layout: Layout | None,
+    naming: Naming | None,
 ) -> Plan:
     """Check this rank's templates against the checkpoint and plan what it reads."""
-    walk = _Walk(params, opt_state, layout)
+    walk = _Walk(params, opt_state, naming)
     table = info.get("tensors") or {}
     stored = _stored_pieces(source, metadata, table)
     plan = Plan(walk)
@@ -298,7 +299,7 @@ def plan_load(
         if tuple(saved["shape"]) != leaf.region.shape or saved["dtype"] != str(leaf.value.dtype):
             wrong.append(
                 f"{leaf.name!r} was saved as {saved['dtype']} of full shape "
-                f"{tuple(saved['shape'])}, this layout has {leaf.value.dtype} of full shape "
+                f"{tuple(saved['shape'])}, this run has {leaf.value.dtype} of full shape "
                 f"{leaf.region.shape}"
             )
             continue
@@ -338,7 +339,7 @@ def _raise_mismatch(
             f"it has no {', '.join(repr(m) for m in missing[:6])}"
             f"{' ...' if len(missing) > 6 else ''} ({len(missing)} asked for; it holds "
             f"{len(have)} tensors: {have[:6]}{' ...' if len(have) > 6 else ''}): another "
-            "model's checkpoint, names that differ (Layout(names=...)), or an optimizer state "
+            "model's checkpoint, names that differ (Naming(names=...)), or an optimizer state "
             "of another kind"
         )
     if wrong:

@@ -1,4 +1,4 @@
-"""Which part of which model tensor each leaf of a rank's state is: the layout of a checkpoint.
+"""Which part of which model tensor each leaf of a rank's state holds (regions and naming).
 
 A checkpoint written by :func:`funcpipe.checkpoint.save_model` is keyed by the model's own
 parameter names (``"blocks/3/attn/qkv/weight"`` for the GPT, ``"model.layers.0.weight"`` for a
@@ -17,7 +17,8 @@ The stored pieces are keyed ``"<kind>/<name>@<box>"`` with an optional ``"~<flat
 that overlap what each of its leaves needs (:func:`assemble`), so the stage split, the tensor
 and data-parallel sizes and the optimizer-state sharding may all differ from the save.
 
-A :class:`Layout` says how this run's per-stage pytrees map to those names and regions.
+A :class:`Naming` says how this run's per-stage pytrees map to those names and regions (it is
+not a :class:`funcpipe.parallel.Sharding`, whose old name is ``Layout``: it holds them).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from funcpipe.parallel.sharding import Sharding
 
 __all__ = [
     "SCALAR_DTYPES",
-    "Layout",
+    "Naming",
     "Region",
     "assemble",
     "coverage",
@@ -279,7 +280,7 @@ Names = Callable[[int, str], str]
 
 
 @dataclass(frozen=True)
-class Layout:
+class Naming:
     """How this rank's per-stage pytrees (``params[s]``, and the optimizer state's trees shaped
     like them) map to the model's full tensors.
 
@@ -303,7 +304,7 @@ class Layout:
         object.__setattr__(self, "_paths", paths)
         if self.shardings is not None and self.place is None:
             raise InvalidArgument(
-                "Layout(shardings=...) needs place= (this rank's mesh.place): a sharding says "
+                "Naming(shardings=...) needs place= (this rank's mesh.place): a sharding says "
                 "which block a rank holds from its coordinates"
             )
         if self.opt_shard is not None:
@@ -326,13 +327,13 @@ class Layout:
         if paths is not None:
             if not 0 <= stage < len(paths):
                 raise InvalidArgument(
-                    f"Layout has shardings for {len(paths)} stage(s); the state has a "
+                    f"Naming has shardings for {len(paths)} stage(s); the state has a "
                     f"stage {stage}: pass the shardings of this run's stage split"
                 )
             sharding = paths[stage].get(path)
             if not isinstance(sharding, Sharding):
                 raise InvalidArgument(
-                    f"Layout.shardings[{stage}] has no Sharding at {path!r} (found "
+                    f"Naming.shardings[{stage}] has no Sharding at {path!r} (found "
                     f"{sharding!r}); it must have the structure of params[{stage}]"
                 )
         if sharding is None:
