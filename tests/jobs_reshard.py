@@ -83,3 +83,24 @@ def run(
     pieces, table = named_pieces(params, state, naming)
     shapes = {k: tuple(v["shape"]) for k, v in table["tensors"].items()}
     return {"losses": [*losses, loss], "pieces": pieces, "shapes": shapes, "rank": rank}
+
+
+def two_ranks(rank: int, path: str) -> dict[str, Any]:
+    """Tensor ranks 0 and 1 each save their half of ``w`` and a copy of ``b``; then rank 0 asks
+    for a ``w`` of another full shape (rank 1 for the right one) and both raise, unread."""
+    from funcpipe.errors import InvalidArgument
+    from funcpipe.parallel import Place, Sharding
+
+    place = Place(rank, {"tensor": rank}, {"tensor": 2})
+    naming = checkpoint.Naming(
+        shardings=({"w": Sharding.of(None, "tensor"), "b": Sharding.of(None)},), place=place
+    )
+    w = torch.arange(12.0).reshape(3, 4)
+    mine = ({"w": w[:, 2 * rank : 2 * rank + 2].clone(), "b": torch.ones(5)},)
+    checkpoint.save_model(path, mine, naming=naming, step=5)
+    like = ({"w": torch.zeros(3, 3 if rank == 0 else 2), "b": torch.zeros(5)},)
+    try:
+        checkpoint.load_model(path, like, naming=naming)
+    except InvalidArgument as e:
+        return {"error": str(e)}
+    return {"error": None}

@@ -4,11 +4,13 @@ run's own continuation (no save and load) to 1e-12."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 import torch
 
+from funcpipe import checkpoint
 from funcpipe.train.checkpoint_regions import Region, assemble
 from tests import jobs_reshard
 
@@ -70,3 +72,16 @@ def test_the_saved_run_learns_and_resumes_at_its_own_layout(
     losses = saved[1][0]["losses"]
     assert losses[2] < losses[0]
     _check(saved, pool(4).run(jobs_reshard.run, 2, 2, "1f1b", saved[0], False))
+
+
+def test_two_ranks_save_shards_and_copies_and_refuse_a_mismatch_together(
+    pool: Any, tmp_path: Any
+) -> None:
+    path = str(tmp_path / "ck")
+    errors = [r["error"] for r in pool(2).run(jobs_reshard.two_ranks, path)]
+    assert "'params/w' was saved as torch.float32 of full shape (3, 4), this run has" in errors[0]
+    assert "1 other rank(s) of the group rejected their arguments" in errors[1]
+    got = checkpoint.load_model(path, ({"w": torch.zeros(3, 4), "b": torch.zeros(5)},))
+    assert torch.equal(got.params[0]["w"], torch.arange(12.0).reshape(3, 4)) and got.step == 5
+    info = json.loads((tmp_path / "ck" / "funcpipe.json").read_text())
+    assert sorted(info["checksums"]) == ["params/b@0:5", "params/w@0:3,0:2", "params/w@0:3,2:4"]

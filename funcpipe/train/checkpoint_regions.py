@@ -203,11 +203,10 @@ class Region:
 
 
 def _blocked(region: Region, data: Tensor | None) -> tuple[Tensor | None, Tensor]:
-    """``region`` spread over its block: (the block's values or None, a mask of those held)."""
+    """A flat ``region`` spread over its block: (the block's values or None, a mask of those
+    held)."""
+    assert region.flat is not None
     mask = torch.zeros(region.block_shape, dtype=torch.bool)
-    if region.flat is None:
-        mask.fill_(True)
-        return data, mask
     lo, hi = region.flat
     mask.view(-1)[lo:hi] = True
     if data is None:
@@ -243,6 +242,12 @@ def _fill(
         if hit is None:
             continue
         mine, theirs = hit
+        if region.flat is None:  # a whole block: no mask needed
+            used.append(k)
+            if out is not None and data is not None:
+                out[mine] = data[theirs]
+            covered[mine] = True
+            continue
         values, mask = _blocked(region, data)
         mask = mask[theirs]
         if not bool(mask.any()):
