@@ -26,13 +26,15 @@ def batch(step: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _setup(pipeline: int, tensor: int, schedule: str, seed: int) -> tuple[Any, ...]:
+def _setup(
+    pipeline: int, tensor: int, schedule: str, seed: int, blocks: Any = None
+) -> tuple[Any, ...]:
     mesh = build_mesh({"pipeline": pipeline, "tensor": tensor})
     place, axis = mesh.place, mesh["tensor"]
     program = generate(schedule, ranks=pipeline, microbatches=4)
     n = program.n_stages
-    full = gpt.split(gpt.init(CFG, seed=seed, dtype=torch.float64), CFG, n)
-    lay = gpt.shardings(CFG, n)
+    full = gpt.split(gpt.init(CFG, seed=seed, dtype=torch.float64), CFG, n, blocks=blocks)
+    lay = gpt.shardings(CFG, n, blocks=blocks)
     mine = set(program.stages_on(place.coords["pipe"]))
     params = tuple(
         shard_tree(full[s], lay[s], place)
@@ -41,7 +43,7 @@ def _setup(pipeline: int, tensor: int, schedule: str, seed: int) -> tuple[Any, .
         for s in range(n)
     )
     pipe = fp.Pipeline(
-        gpt.stages(CFG, n, axis=axis),
+        gpt.stages(CFG, n, axis=axis, blocks=blocks),
         program,
         loss_fn=gpt.loss_fn(axis=axis),
         ties=gpt.tie_spec(n),
@@ -62,12 +64,19 @@ def _step(mesh: Any, pipe: Any, params: Any, state: Any, step: int) -> tuple[flo
 
 
 def run(
-    rank: int, pipeline: int, tensor: int, schedule: str, path: str, save: bool
+    rank: int,
+    pipeline: int,
+    tensor: int,
+    schedule: str,
+    path: str,
+    save: bool,
+    blocks: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """``save``: 2 steps from the init, save at step 2, then step 3; else: load the checkpoint
     at this layout (into params of another seed) and make step 3. Returns step 3's loss and
-    this rank's params and optimizer state after it, keyed as save_model keys them."""
-    mesh, pipe, params, naming = _setup(pipeline, tensor, schedule, seed=0 if save else 1)
+    this rank's params and optimizer state after it, keyed as save_model keys them.
+    ``blocks``: the GPT's blocks per stage (default: as even as possible)."""
+    mesh, pipe, params, naming = _setup(pipeline, tensor, schedule, 0 if save else 1, blocks)
     state = OPT.init(params)
     losses = []
     if save:

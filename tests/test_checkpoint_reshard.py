@@ -51,18 +51,25 @@ def _check(saved: tuple[str, list[dict]], results: list[dict]) -> None:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    ("ranks", "pipeline", "tensor", "schedule"),
+    ("ranks", "pipeline", "tensor", "schedule", "blocks"),
     [
-        (2, 1, 1, "1f1b"),  # pipeline 1 x tensor 1 x data 2
-        (4, 4, 1, "interleaved"),  # pipeline 4, two stages per rank (8 stages, 1 block each)
-        (4, 4, 1, "1f1b"),  # another stage split: 2, 2, 2, 1 blocks (saved: 3, 4)
-        (4, 1, 4, "1f1b"),  # tensor 4
+        (2, 1, 1, "1f1b", None),  # pipeline 1 x tensor 1 x data 2
+        (4, 4, 1, "interleaved", None),  # pipeline 4, 2 stages per rank: 8 stages, 1 block each
+        (4, 2, 1, "1f1b", (1, 6)),  # an uneven split (saved: 3 and 4 blocks), x data 2
+        (4, 4, 1, "1f1b", None),  # 2, 2, 2 and 1 blocks
+        (4, 1, 4, "1f1b", None),  # tensor 4
     ],
 )
 def test_resumed_at_another_layout_equals_the_continued_run(
-    pool: Any, saved: tuple[str, list[dict]], ranks: int, pipeline: int, tensor: int, schedule: str
+    pool: Any,
+    saved: tuple[str, list[dict]],
+    ranks: int,
+    pipeline: int,
+    tensor: int,
+    schedule: str,
+    blocks: tuple[int, ...] | None,
 ) -> None:
-    results = pool(ranks).run(jobs_reshard.run, pipeline, tensor, schedule, saved[0], False)
+    results = pool(ranks).run(jobs_reshard.run, pipeline, tensor, schedule, saved[0], False, blocks)
     _check(saved, results)
 
 
