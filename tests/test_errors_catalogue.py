@@ -464,6 +464,13 @@ def _model_saved() -> str:
     return checkpoint.save_model(os.path.join(_tmp(), "ck"), params, step=2)
 
 
+def _gpt_split(blocks: Any) -> Any:
+    from funcpipe.models import gpt
+
+    cfg = GPTConfig(vocab=16, context=4, d_model=8, heads=2, layers=3)
+    return gpt.split(gpt.init(cfg), cfg, 2, blocks=blocks)
+
+
 def _half_saved() -> str:
     """Saved by tensor rank 0 of 2 alone: rows 2-3 of w are in no piece."""
     naming = checkpoint.Naming(
@@ -1375,6 +1382,14 @@ CASES: list[Case] = [
         lambda: checkpoint.save_model(os.path.join(_tmp(), "ck"), {"w": torch.ones(3)}),
         InvalidArgument,
         ("params=dict", "a tuple with one pytree per stage"),
+    ),
+    Case(
+        "gpt-blocks-not-adding-up",
+        "optimizers and checkpoints",
+        "gpt.split with blocks per stage that do not add up to the model's layers",
+        lambda: _gpt_split(blocks=(1, 1)),
+        InvalidArgument,
+        ("blocks=(1, 1)", "add up to layers=3"),
     ),
     # ---- launcher
     Case(
