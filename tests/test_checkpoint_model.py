@@ -225,3 +225,14 @@ def test_zero_style_flat_optimizer_shards_round_trip(tmp_path: Path) -> None:
         lay = checkpoint.Naming(opt_shard=(d, c))
         got = checkpoint.load_model(tmp_path / "whole", params, opt_state=like, naming=lay)
         assert _equal(got.opt_state.mu, like.mu) and _equal(got.opt_state.nu, like.nu)
+
+
+def test_a_damaged_table_in_funcpipe_json_is_named(tmp_path: Path) -> None:
+    params, _, _ = _trained(1)
+    checkpoint.save_model(tmp_path / "ck", params)
+    info_path = tmp_path / "ck" / "funcpipe.json"
+    info = json.loads(info_path.read_text())
+    info["tensors"]["params/wte"]["shape"] = "32x16"
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(fp.FuncpipeError, match="its funcpipe.json has no valid 'tensors'"):
+        checkpoint.load_model(tmp_path / "ck", params)

@@ -29,7 +29,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from funcpipe.errors import InvalidArgument
+from funcpipe.errors import FuncpipeError, InvalidArgument
 from funcpipe.train.checkpoint_regions import (
     SCALAR_DTYPES,
     Naming,
@@ -46,7 +46,7 @@ __all__ = ["NAMED", "Loaded", "Plan", "merge_tables", "named_pieces", "plan_load
 
 Tensor = torch.Tensor
 NAMED = "named"
-_SCALARS: dict[str, type] = {"bool": bool, "int": int, "float": float}
+_SCALAR_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float}
 _DTYPES = SCALAR_DTYPES
 
 
@@ -157,7 +157,9 @@ class _Walk:
         self.trees[kind] = (spec, out)
 
     def held(self) -> list[_Leaf]:
-        return [leaf for _, leaves in self.trees.values() for leaf in leaves if leaf.region]
+        return [
+            leaf for _, leaves in self.trees.values() for leaf in leaves if leaf.region is not None
+        ]
 
     def rebuild(self, values: dict[int, Tensor], scalars: dict[str, Any]) -> tuple[Any, Any]:
         """New (params, opt_state) with the leaves in ``values`` (by ``id`` of the _Leaf)
@@ -250,7 +252,7 @@ class Plan:
             got = assemble(leaf.region, [(r, self.wanted[k]) for r, k in pieces])
             values[id(leaf)] = got.to(device=leaf.value.device, dtype=leaf.value.dtype)
         scalars = {
-            kind: _SCALARS[kind_type](self.wanted[kind].item())
+            kind: _SCALAR_TYPES[kind_type](self.wanted[kind].item())
             for kind, kind_type in self.scalars.items()
         }
         params, opt_state = self.walk.rebuild(values, scalars)
@@ -275,6 +277,28 @@ def _stored_pieces(source: str, metadata: Any, table: dict[str, Any]) -> dict[st
     return out
 
 
+def _tables(source: str, info: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """funcpipe.json's tables of a named checkpoint, checked (it is read before any tensor)."""
+    table: Any = info.get("tensors")
+    scalars: Any = info.get("scalars")
+    ok = isinstance(table, dict) and isinstance(scalars, dict)
+    ok = ok and all(
+        isinstance(v, dict)
+        and isinstance(v.get("shape"), list)
+        and all(type(n) is int and n >= 0 for n in v["shape"])
+        and isinstance(v.get("dtype"), str)
+        for v in table.values()
+    )
+    ok = ok and all(v in _SCALAR_TYPES for v in scalars.values())
+    if not ok:
+        raise FuncpipeError(
+            f"the checkpoint {source!r} is damaged: its funcpipe.json has no valid 'tensors' "
+            "and 'scalars' tables (full shapes, dtypes, scalar types). Load an earlier "
+            "checkpoint (funcpipe.checkpoint.latest)"
+        )
+    return table, scalars
+
+
 def plan_load(
     source: str,
     info: dict[str, Any],
@@ -285,7 +309,7 @@ def plan_load(
 ) -> Plan:
     """Check this rank's templates against the checkpoint and plan what it reads."""
     walk = _Walk(params, opt_state, naming)
-    table = info.get("tensors") or {}
+    table, scalars = _tables(source, info)
     stored = _stored_pieces(source, metadata, table)
     plan = Plan(walk)
     missing: list[str] = []
@@ -316,13 +340,12 @@ def plan_load(
         for region, key in chosen:
             plan.wanted.setdefault(key, torch.empty(region.held_shape, dtype=dtype))
         plan.jobs.append((leaf, chosen))
-    scalars = info.get("scalars") or {}
     for kind, value in walk.scalars.items():
         if kind not in scalars:
             missing.append(kind)
             continue
         plan.scalars[kind] = type(value).__name__
-        plan.wanted[kind] = torch.empty((), dtype=_DTYPES[_SCALARS[scalars[kind]]])
+        plan.wanted[kind] = torch.empty((), dtype=_DTYPES[_SCALAR_TYPES[scalars[kind]]])
     _raise_mismatch(source, table, missing, wrong)
     return plan
 
