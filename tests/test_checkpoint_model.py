@@ -236,3 +236,18 @@ def test_a_damaged_table_in_funcpipe_json_is_named(tmp_path: Path) -> None:
     info_path.write_text(json.dumps(info))
     with pytest.raises(fp.FuncpipeError, match="its funcpipe.json has no valid 'tensors'"):
         checkpoint.load_model(tmp_path / "ck", params)
+
+
+def test_bf16_params_with_float32_master_weights_load_at_another_split(tmp_path: Path) -> None:
+    opt = optim.adamw(1e-2, master_weights=True)
+    params = gpt.split(gpt.init(CFG, seed=0, dtype=torch.bfloat16), CFG, 2)
+    grads = tree_map(lambda p: torch.full_like(p, 0.5), params)
+    params, state = opt.update(grads, opt.init(params), params)
+    checkpoint.save_model(tmp_path / "ck", params, opt_state=state, step=1)
+    like = gpt.split(gpt.init(CFG, seed=1, dtype=torch.bfloat16), CFG, 3)
+    got = checkpoint.load_model(tmp_path / "ck", like, opt_state=opt.init(like))
+    for field in ("master", "mu", "nu"):
+        mine, theirs = _by_name(getattr(got.opt_state, field)), _by_name(getattr(state, field))
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+        assert all(t.dtype == torch.float32 for t in mine.values())
+    assert _equal(got.params, params) and got.opt_state.step == 1
