@@ -458,6 +458,30 @@ def _masked_pair(o: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.
     return ((o - y) ** 2 * keep).sum(), keep.sum()
 
 
+# ------------------------------------------ issue 44 (i44-ckpt): checkpoints keyed by model names
+def _model_saved() -> str:
+    params = ({"w1": torch.ones(4, 3)}, {"w2": torch.ones(3, 2)})
+    return checkpoint.save_model(os.path.join(_tmp(), "ck"), params, step=2)
+
+
+def _gpt_split(blocks: Any) -> Any:
+    from funcpipe.models import gpt
+
+    cfg = GPTConfig(vocab=16, context=4, d_model=8, heads=2, layers=3)
+    return gpt.split(gpt.init(cfg), cfg, 2, blocks=blocks)
+
+
+def _half_saved() -> str:
+    """Saved by tensor rank 0 of 2 alone: rows 2-3 of w are in no piece."""
+    naming = checkpoint.Naming(
+        shardings=({"w": Sharding.of("tensor", None)},),
+        place=fp.parallel.Place(0, {"tensor": 0}, {"tensor": 2}),
+    )
+    return checkpoint.save_model(
+        os.path.join(_tmp(), "ck"), ({"w": torch.ones(2, 3)},), naming=naming
+    )
+
+
 # ------------------------------------------------------------------------------------ the rows
 CASES: list[Case] = [
     # ---- schedules
@@ -1293,6 +1317,79 @@ CASES: list[Case] = [
         ("is damaged: its data file '__0_0.distcp' is 0 bytes", "truncated", "earlier checkpoint"),
         "funcpipe/train/checkpoint_integrity.py check_files, before torch reads (was a bare "
         "EOFError)",
+    ),
+    Case(
+        "load-model-other-sizes",
+        "optimizers and checkpoints",
+        "checkpoint.load_model into a model of other sizes",
+        lambda: checkpoint.load_model(
+            _model_saved(), ({"w1": torch.ones(8, 3)}, {"w2": torch.ones(3, 2)})
+        ),
+        InvalidArgument,
+        (
+            "does not fit this model",
+            "'params/w1' was saved as torch.float32 of full shape (4, 3)",
+            "full shape (8, 3)",
+            "Nothing was read",
+        ),
+    ),
+    Case(
+        "load-model-missing-name",
+        "optimizers and checkpoints",
+        "checkpoint.load_model of another model's checkpoint (a name it does not hold)",
+        lambda: checkpoint.load_model(
+            _model_saved(), ({"w1": torch.ones(4, 3)}, {"w3": torch.ones(3)})
+        ),
+        InvalidArgument,
+        ("it has no 'params/w3'", "another model's checkpoint", "Naming(names=...)"),
+    ),
+    Case(
+        "load-model-old-checkpoint",
+        "optimizers and checkpoints",
+        "checkpoint.load_model of a checkpoint written by checkpoint.save",
+        lambda: checkpoint.load_model(_saved(), ({"w": torch.ones(3)},)),
+        InvalidArgument,
+        ("written by checkpoint.save", "still loads with checkpoint.load", "save_model(new_path"),
+    ),
+    Case(
+        "load-named-checkpoint-with-load",
+        "optimizers and checkpoints",
+        "checkpoint.load of a checkpoint written by checkpoint.save_model",
+        lambda: checkpoint.load(_model_saved(), {"params": ({"w1": torch.ones(4, 3)},)}),
+        InvalidArgument,
+        ("written by checkpoint.save_model", "read it with checkpoint.load_model"),
+    ),
+    Case(
+        "load-model-region-not-saved",
+        "optimizers and checkpoints",
+        "checkpoint.load_model of a tensor whose saved shards do not cover what this rank holds",
+        lambda: checkpoint.load_model(_half_saved(), ({"w": torch.ones(4, 3)},)),
+        InvalidArgument,
+        ("'params/w': 6 element(s) of the region 0:4,0:3", "in no saved piece"),
+    ),
+    Case(
+        "naming-shardings-without-place",
+        "optimizers and checkpoints",
+        "checkpoint.Naming with shardings but no place",
+        lambda: checkpoint.Naming(shardings=({"w": Sharding.of("tensor", None)},)),
+        InvalidArgument,
+        ("needs place=", "mesh.place"),
+    ),
+    Case(
+        "save-model-one-tree",
+        "optimizers and checkpoints",
+        "checkpoint.save_model of one params dict instead of a tuple per stage",
+        lambda: checkpoint.save_model(os.path.join(_tmp(), "ck"), {"w": torch.ones(3)}),
+        InvalidArgument,
+        ("params=dict", "a tuple with one pytree per stage"),
+    ),
+    Case(
+        "gpt-blocks-not-adding-up",
+        "optimizers and checkpoints",
+        "gpt.split with blocks per stage that do not add up to the model's layers",
+        lambda: _gpt_split(blocks=(1, 1)),
+        InvalidArgument,
+        ("blocks=(1, 1)", "add up to layers=3"),
     ),
     # ---- launcher
     Case(

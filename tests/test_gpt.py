@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from funcpipe.errors import InvalidArgument
 from funcpipe.models import gpt
 from funcpipe.parallel.mesh import Place
 from funcpipe.parallel.sharding import gather_tree
@@ -67,6 +68,21 @@ def test_blocks_spread_evenly_middle_first() -> None:
 
 
 @pytest.mark.timeout(240)
+def test_blocks_given_per_stage() -> None:
+    cfg = gpt.GPTConfig(layers=7)
+    assert gpt.blocks_per_stage(cfg, 3, (1, 0, 6)) == [range(0, 1), range(1, 1), range(1, 7)]
+    stages = gpt.split(gpt.init(cfg), cfg, 2, blocks=(1, 6))
+    assert list(stages[0]["blocks"]) == ["0"] and list(stages[1]["blocks"]) == [
+        str(i) for i in range(1, 7)
+    ]
+    assert gpt.stages(cfg, 3, axis=gpt.single_axis(), blocks=(1, 0, 6))[1].name.endswith(
+        "no blocks"
+    )
+    for bad in ((1, 5), (1, 6, 0), (-1, 8), [1.0, 6.0]):
+        with pytest.raises(InvalidArgument, match=r"blocks=.*add up to layers=7"):
+            gpt.split(gpt.init(cfg), cfg, 2, blocks=bad)
+
+
 def test_scatter_gather_sends_a_tensor_share_and_matches(pool) -> None:
     """Pipeline 2 x tensor 2: each tensor rank sends half of every boundary tensor."""
     whole = pool(4).run(jobs_gpt.pipeline_step, 2, 2, "1f1b", 2, False)

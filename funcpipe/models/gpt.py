@@ -17,7 +17,7 @@ functions are the single-device reference.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,11 +199,16 @@ def flops_per_token(config: GPTConfig, *, training: bool = True) -> float:
     return float(6 * n + 12 * attn) if training else float(2 * n + 4 * attn)
 
 
-def blocks_per_stage(config: GPTConfig, n_stages: int) -> list[range]:
+def blocks_per_stage(
+    config: GPTConfig, n_stages: int, blocks: Sequence[int] | None = None
+) -> list[range]:
     """The blocks of each stage: as even as possible, the extra ones on the middle stages
-    (the first and the last stage also carry the embedding and the head)."""
+    (the first and the last stage also carry the embedding and the head); or ``blocks``
+    per stage when given (an uneven split, e.g. ``(1, 6)`` for 7 layers on 2 stages)."""
     if not isinstance(n_stages, int) or n_stages < 1:
         raise InvalidArgument(f"n_stages={n_stages!r}: an int >= 1")
+    if blocks is not None:
+        return _given_blocks(config, n_stages, blocks)
     if n_stages > config.layers + 1 and n_stages > 1:
         raise InvalidArgument(
             f"n_stages={n_stages} > layers + 1 = {config.layers + 1}: some stage would be empty; "
@@ -221,12 +226,38 @@ def blocks_per_stage(config: GPTConfig, n_stages: int) -> list[range]:
     return out
 
 
-def split(full: dict[str, Any], config: GPTConfig, n_stages: int) -> tuple[dict[str, Any], ...]:
+def _given_blocks(config: GPTConfig, n_stages: int, blocks: Sequence[int]) -> list[range]:
+    sizes = list(blocks) if isinstance(blocks, (list, tuple)) else None
+    if (
+        sizes is None
+        or len(sizes) != n_stages
+        or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in sizes)
+        or sum(sizes) != config.layers
+    ):
+        raise InvalidArgument(
+            f"blocks={blocks!r}: the number of blocks of each of the {n_stages} stages, ints "
+            f">= 0 that add up to layers={config.layers}"
+        )
+    out, start = [], 0
+    for n in sizes:
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def split(
+    full: dict[str, Any],
+    config: GPTConfig,
+    n_stages: int,
+    *,
+    blocks: Sequence[int] | None = None,
+) -> tuple[dict[str, Any], ...]:
     """Per-stage params: blocks keyed by their global index; ``wte`` on the first stage and a
-    copy on the last (tie them with ``ties={"wte": [(0, "wte"), (n - 1, "wte")]}``)."""
+    copy on the last (tie them with ``ties={"wte": [(0, "wte"), (n - 1, "wte")]}``).
+    ``blocks``: how many blocks each stage holds (default: :func:`blocks_per_stage`'s)."""
     parts = []
-    for s, blocks in enumerate(blocks_per_stage(config, n_stages)):
-        p: dict[str, Any] = {"blocks": {str(i): full["blocks"][i] for i in blocks}}
+    for s, blocks_s in enumerate(blocks_per_stage(config, n_stages, blocks)):
+        p: dict[str, Any] = {"blocks": {str(i): full["blocks"][i] for i in blocks_s}}
         if s == 0:
             p["wte"], p["wpe"] = full["wte"], full["wpe"]
         if s == n_stages - 1:
@@ -237,7 +268,11 @@ def split(full: dict[str, Any], config: GPTConfig, n_stages: int) -> tuple[dict[
 
 
 def shardings(
-    config: GPTConfig, n_stages: int, *, axis: str = "tensor"
+    config: GPTConfig,
+    n_stages: int,
+    *,
+    axis: str = "tensor",
+    blocks: Sequence[int] | None = None,
 ) -> tuple[dict[str, Any], ...]:
     """How every leaf of :func:`split`'s params is sharded over ``axis`` (1D tensor parallel)."""
     block = {
@@ -246,8 +281,8 @@ def shardings(
     }
     rep1, rep2 = Sharding.of(None), Sharding.of(None, None)
     out = []
-    for s, blocks in enumerate(blocks_per_stage(config, n_stages)):
-        lay: dict[str, Any] = {"blocks": {str(i): block for i in blocks}}
+    for s, blocks_s in enumerate(blocks_per_stage(config, n_stages, blocks)):
+        lay: dict[str, Any] = {"blocks": {str(i): block for i in blocks_s}}
         if s == 0:
             lay["wte"], lay["wpe"] = Sharding.of(axis, None), rep2
         if s == n_stages - 1:
@@ -261,15 +296,18 @@ layouts = shardings  # the old name (a tensor's layout over the mesh is now its 
 
 
 # ------------------------------------------------------------------------------ stage functions
-def stages(config: GPTConfig, n_stages: int, *, axis: Axis) -> list[Stage]:
-    """The stage functions; ``axis`` is this rank's tensor axis (``single_axis()`` for one device)."""
+def stages(
+    config: GPTConfig, n_stages: int, *, axis: Axis, blocks: Sequence[int] | None = None
+) -> list[Stage]:
+    """The stage functions; ``axis`` is this rank's tensor axis (``single_axis()`` for one
+    device); ``blocks`` as for :func:`split`."""
     config.check_tensor(axis.size)
     heads = config.heads
     drop, attn_drop = float(config.dropout), float(config.attn_dropout or 0.0)
     out = []
-    for s, blocks in enumerate(blocks_per_stage(config, n_stages)):
+    for s, held in enumerate(blocks_per_stage(config, n_stages, blocks)):
         first, last = s == 0, s == n_stages - 1
-        keys = [str(i) for i in blocks]
+        keys = [str(i) for i in held]
 
         def fn(
             p: dict[str, Any],
@@ -306,7 +344,7 @@ def stages(config: GPTConfig, n_stages: int, *, axis: Axis) -> list[Stage]:
         name = (
             f"gpt stage {s}: "
             + ("embed + " if first else "")
-            + f"blocks {blocks.start}-{blocks.stop - 1}"
+            + (f"blocks {held.start}-{held.stop - 1}" if held else "no blocks")
             + (" + head" if last else "")
         )
         out.append(Stage(fn, name=name))

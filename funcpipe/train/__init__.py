@@ -8,6 +8,8 @@
 - ``loss_scale``: dynamic loss scaling for float16, as pure functions of a small state
 - ``checkpoint``: sharded, atomic checkpoints of pytrees (DCP)
 - ``checkpoint_integrity``: a checkpoint read safely (restricted unpickling) and verified (CRC-32)
+- ``checkpoint_regions``: which region of which named model tensor each leaf holds (``Naming``)
+- ``checkpoint_named``: a model's state as named pieces, put back together at another layout
 - ``data``: a byte-level corpus that needs no download, and a deterministic batch loader
 - ``losses``: losses as ``(sum, count)``, weighted by what they count (``token_cross_entropy``)
 - ``throughput``: tokens per second and model FLOPs utilisation

@@ -8,6 +8,11 @@ and meta tensors (stages this rank does not hold) are skipped. :func:`load` read
 into the layout of a ``like`` pytree, so the number of ranks and which rank holds which key may
 differ from the save. :func:`latest` finds the newest complete checkpoint in a directory.
 
+:func:`save_model` / :func:`load_model` key a model's state by its own parameter names and the
+region of each full tensor a rank holds (:mod:`funcpipe.train.checkpoint_regions`,
+:mod:`funcpipe.train.checkpoint_named`), so it loads at another stage split, tensor layout or
+optimizer-state sharding; they share the atomic write, the checks and the checksums below.
+
 **Atomic.** A save writes into ``path + ".tmp-<nonce>"``; after every rank has finished, rank 0
 moves a previous checkpoint at ``path`` aside (``path + ".old-<nonce>"``), renames the new
 directory to ``path`` and only then deletes the old one. An interrupted save therefore never
@@ -40,7 +45,7 @@ import secrets
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -56,63 +61,40 @@ from funcpipe.train.checkpoint_integrity import (
     check_against,
     check_files,
     checksums,
+    failures,
     gather_checksums,
+    note,
+    save_error,
     verify,
 )
+from funcpipe.train.checkpoint_named import NAMED, Loaded, merge_tables, named_pieces, plan_load
+from funcpipe.train.checkpoint_regions import SCALAR_DTYPES, Naming, Region, state_keys
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["latest", "load", "save", "state_keys"]
+__all__ = [
+    "Loaded",
+    "Naming",
+    "Region",
+    "latest",
+    "load",
+    "load_model",
+    "save",
+    "save_model",
+    "state_keys",
+]
 
 Tensor = torch.Tensor
 FORMAT = "funcpipe.train.checkpoint"
 VERSION = 1
 INFO = "funcpipe.json"
 _PAUSE_ENV = "FUNCPIPE_TEST_CHECKPOINT_PAUSE"
-_SCALARS: dict[type, torch.dtype] = {bool: torch.bool, int: torch.int64, float: torch.float64}
+_SCALARS = SCALAR_DTYPES
 _SafeReader = SafeReader  # its name here before checkpoint_integrity held it (tests read with it)
 
 
 # ------------------------------------------------------------------------------ flattening
-def _key(accessor: Any) -> str:
-    parts = []
-    for entry in accessor:
-        field = getattr(entry, "field", None)  # a NamedTuple field: use its name
-        parts.append(str(field if field is not None else entry.entry))
-    return "/".join(parts)
-
-
-def state_keys(state: Any, *, name: str = "state") -> dict[str, Any]:
-    """The flat ``{key: leaf}`` view of ``state`` that checkpoints store.
-
-    Keys are the leaves' paths joined with ``/``: dict keys, sequence indices and NamedTuple
-    field names (``{"opt": AdamWState(step, mu, nu)}`` gives ``"opt/step"``, ``"opt/mu/..."``).
-    ``None`` is an empty subtree and has no key. Leaves must be tensors or ``int``, ``float``,
-    ``bool``; two leaves whose paths give the same key (``{"a/b": x}`` and ``{"a": {"b": y}}``)
-    are an error.
-    """
-    out: dict[str, Any] = {}
-    accessors = optree.tree_accessors(state, none_is_leaf=False)
-    leaves = optree.tree_leaves(state, none_is_leaf=False)
-    for acc, leaf in zip(accessors, leaves, strict=True):
-        key = _key(acc)
-        if not isinstance(leaf, Tensor) and type(leaf) not in _SCALARS:
-            raise InvalidArgument(
-                f"{acc.codify(name)}={leaf!r} is a {type(leaf).__name__}; a checkpoint holds "
-                "tensors and int, float or bool values. Convert it (torch.as_tensor) or keep it "
-                "out of the checkpointed state."
-            )
-        if key in out:
-            raise InvalidArgument(
-                f"{acc.codify(name)} has the checkpoint key {key!r}, which another leaf of "
-                f"{name} has too (keys join the path with '/'); rename the dict keys so that "
-                "paths stay distinct."
-            )
-        out[key] = leaf
-    return out
-
-
 def _held(leaf: Any) -> bool:
     """Whether this rank holds ``leaf`` (meta tensors are placeholders for other ranks' stages)."""
     return not (isinstance(leaf, Tensor) and leaf.device.type == "meta")
@@ -264,15 +246,34 @@ def save(
     the state it holds (``None`` or meta tensors for the rest). A key held by several ranks is
     written once (their values must then be equal, as data-parallel copies are). Tensor-parallel
     shards of one tensor must therefore have distinct keys (e.g. a ``tensor_rank`` level in
-    the state), or be DTensors, which DCP saves and reshards by itself.
+    the state), or be DTensors, which DCP saves and reshards by itself; :func:`save_model`
+    keys a model's state by its own names and the region each rank holds instead.
 
     ``step`` (an int, optional) is recorded in ``funcpipe.json`` and orders :func:`latest`.
     An existing checkpoint at ``path`` is replaced only once the new one is complete; a path
     that exists but is not a funcpipe checkpoint is never replaced. Returns ``path``.
     """
+
+    def prepare() -> tuple[dict[str, Tensor], dict[str, Any] | None]:
+        flat = state_keys(state)
+        return {k: _to_tensor(k, v) for k, v in flat.items() if _held(v)}, None
+
+    return _save_with(path, prepare, step=step, group=group)
+
+
+def _save_with(
+    path: str | os.PathLike[str],
+    prepare: Callable[[], tuple[dict[str, Tensor], dict[str, Any] | None]],
+    *,
+    step: int | None,
+    group: ProcessGroup | None,
+) -> str:
+    """:func:`save` of the tensors ``prepare()`` returns (it may raise InvalidArgument), with
+    its table (merged over the ranks, or None) recorded in ``funcpipe.json``."""
     error: Exception | None = None
     target = ""
     tensors: dict[str, Tensor] = {}
+    table: dict[str, Any] | None = None
     try:
         target = _check_path(path)
         if step is not None:
@@ -282,13 +283,14 @@ def save(
                 f"path={path!r} exists and is not a complete funcpipe checkpoint; refusing to "
                 "replace it. Choose another path or remove it."
             )
-        flat = state_keys(state)
-        tensors = {k: _to_tensor(k, v) for k, v in flat.items() if _held(v)}
+        tensors, table = prepare()
     except InvalidArgument as e:
         error = e
     nonce = f"{_agree(group, error, 'checkpoint.save'):016x}"
     on = _dist_on()
     rank = dist.get_rank(group) if on else 0
+    if table is not None:  # the same on every rank: a conflict raises on all, before writing
+        table = merge_tables(table, group if on else None, on)
     tmp = f"{target}.tmp-{nonce}"
     try:
         with _quiet_single_process():
@@ -301,7 +303,7 @@ def save(
     except CheckpointException as e:  # a BaseException holding each rank's error
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _save_error(e, target) from None
+        raise save_error(e, target) from None
     sums, clash = gather_checksums(checksums(tensors), group, on)
     if clash:  # every rank gathered the same table, so every rank raises here
         if rank == 0:
@@ -322,18 +324,21 @@ def save(
             "torch": torch.__version__,
             "checksums": sums,
         }
+        if table is not None:
+            info["keys"] = NAMED
+            info.update(table)
         try:
             _write_info(tmp, info)
         except OSError as e:  # a full disk: the previous checkpoint stays as it was
             shutil.rmtree(tmp, ignore_errors=True)
-            _note(e, f"funcpipe: rank 0 could not write the checkpoint {target!r}")
+            note(e, f"funcpipe: rank 0 could not write the checkpoint {target!r}")
             failed = e
         else:
             try:
                 _pause("written")
                 _commit(tmp, target, nonce)
             except OSError as e:  # tmp is complete: left for latest (an .old- one is found)
-                _note(e, f"funcpipe: rank 0 could not move the checkpoint {target!r} in place")
+                note(e, f"funcpipe: rank 0 could not move the checkpoint {target!r} in place")
                 failed = e
     if on:  # every rank learns whether rank 0 wrote it (a barrier that cannot hang on a failure)
         _agree(
@@ -357,36 +362,6 @@ def _write_info(tmp: str, info: dict[str, Any]) -> None:
     _fsync_dir(tmp)
 
 
-def _save_error(e: CheckpointException, target: str) -> BaseException:
-    """What a failed DCP save raises: the first rank's ``OSError`` itself (read-only, disk
-    full, no such directory), with a note naming the checkpoint; else a FuncpipeError saying
-    which rank failed how. An ``OSError`` that torch's zip writer hid behind its own error
-    (a disk that fills inside ``torch.save`` gives "unexpected pos 704 vs 598", the
-    ``OSError`` as its context) is found and raised in its place."""
-    for rank, (exc, _) in sorted(e.failures.items()):
-        cause = _os_error(exc)
-        if cause is not None:
-            _note(cause, f"funcpipe: rank {rank} could not write the checkpoint {target!r}")
-            return cause
-    return FuncpipeError(f"cannot write the checkpoint {target!r}: {_failures(e)}")
-
-
-def _os_error(exc: BaseException | None) -> OSError | None:
-    """``exc`` or the first ``OSError`` among its causes and contexts."""
-    seen = 0
-    while exc is not None and seen < 16:
-        if isinstance(exc, OSError):
-            return exc
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return None
-
-
-def _note(exc: BaseException, text: str) -> None:
-    note = getattr(exc, "add_note", None)  # Python >= 3.11
-    if note is not None:
-        note(text)
-
-
 def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None = None) -> Any:
     """Read the checkpoint at ``path`` into a new pytree shaped like ``like``.
 
@@ -398,35 +373,23 @@ def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None 
     With ``torch.distributed`` initialised this is a collective over ``group`` (default: the
     world). What may differ from the save: the number of ranks and which rank holds which key
     (e.g. saved by 2 ranks holding one pipeline stage each, loaded by 1 process holding both, or
-    the reverse); every requested key must exist with the same shape and dtype. Re-partitioning
-    the model into different stages changes the keys and is not supported; DTensor leaves are
-    resharded by DCP.
+    the reverse); every requested key must exist with the same shape and dtype. A checkpoint of
+    :func:`save_model` (keyed by model names, loadable at any stage split and tensor layout) is
+    read with :func:`load_model`.
     """
     error: Exception | None = None
     source = ""
     flat: dict[str, Any] = {}
     wanted: dict[str, Tensor] = {}
-    info: dict[str, Any] | None = None
+    info: dict[str, Any] = {}
     try:
-        source = _check_path(path)
-        info, why = _info_or_reason(source)
-        if info is None and why:
+        source, info = _open(path)
+        if info.get("keys") == NAMED:
             raise InvalidArgument(
-                f"path={path!r} is not a complete funcpipe checkpoint: {why}. A save writes "
-                "both before the checkpoint appears at its path, so it was damaged or written "
-                "by something else; load an earlier checkpoint (funcpipe.checkpoint.latest("
-                "directory) finds the newest complete one, skipping this)."
-            )
-        if info is None:
-            raise InvalidArgument(
-                f"path={path!r} is not a complete funcpipe checkpoint (no {INFO} and "
-                ".metadata); use funcpipe.checkpoint.latest(directory) to find the newest "
-                "complete one."
-            )
-        if info.get("version") != VERSION:
-            raise InvalidArgument(
-                f"the checkpoint {source!r} has format version {info.get('version')!r}; this "
-                f"funcpipe reads version {VERSION}"
+                f"the checkpoint {source!r} was written by checkpoint.save_model: it is keyed "
+                "by the model's parameter names and the region of each tensor a rank held, not "
+                "by the paths of a pytree; read it with checkpoint.load_model(path, params, "
+                "opt_state=..., naming=...)"
             )
         flat = state_keys(like, name="like")
         for k, v in flat.items():
@@ -435,11 +398,63 @@ def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None 
                     wanted[k] = torch.empty_like(v)
             else:
                 wanted[k] = torch.empty((), dtype=_SCALARS[type(v)])
-        metadata = SafeReader(source).read_metadata()
-        check_against(source, metadata, wanted)
-        check_files(source, metadata, wanted)
+        _check_stored(source, wanted)
     except (InvalidArgument, FuncpipeError) as e:
         error = e
+    _read(source, info, wanted, group, error)
+    leaves = []
+    for k, v in flat.items():
+        if k not in wanted:
+            leaves.append(v)
+        elif isinstance(v, Tensor):
+            leaves.append(wanted[k])
+        else:
+            leaves.append(type(v)(wanted[k].item()))
+    return optree.tree_unflatten(optree.tree_structure(like, none_is_leaf=False), leaves)
+
+
+def _open(path: Any) -> tuple[str, dict[str, Any]]:
+    """The checked path of a complete checkpoint of this format version, and its info."""
+    source = _check_path(path)
+    info, why = _info_or_reason(source)
+    if info is None and why:
+        raise InvalidArgument(
+            f"path={path!r} is not a complete funcpipe checkpoint: {why}. A save writes "
+            "both before the checkpoint appears at its path, so it was damaged or written "
+            "by something else; load an earlier checkpoint (funcpipe.checkpoint.latest("
+            "directory) finds the newest complete one, skipping this)."
+        )
+    if info is None:
+        raise InvalidArgument(
+            f"path={path!r} is not a complete funcpipe checkpoint (no {INFO} and "
+            ".metadata); use funcpipe.checkpoint.latest(directory) to find the newest "
+            "complete one."
+        )
+    if info.get("version") != VERSION:
+        raise InvalidArgument(
+            f"the checkpoint {source!r} has format version {info.get('version')!r}; this "
+            f"funcpipe reads version {VERSION}"
+        )
+    return source, info
+
+
+def _check_stored(source: str, wanted: dict[str, Tensor]) -> None:
+    """Every key of ``wanted`` is stored with its shape and dtype, in data files that are whole."""
+    metadata = SafeReader(source).read_metadata()
+    check_against(source, metadata, wanted)
+    check_files(source, metadata, wanted)
+
+
+def _read(
+    source: str,
+    info: dict[str, Any],
+    wanted: dict[str, Tensor],
+    group: ProcessGroup | None,
+    error: Exception | None,
+) -> None:
+    """Fill ``wanted`` from the checkpoint and verify the checksums: a collective in which
+    every rank learns first whether any rank rejected its arguments (``error``), and after
+    whether any rank found corrupt data."""
     _agree(group, error, "checkpoint.load")
     on = _dist_on()
     try:
@@ -447,11 +462,11 @@ def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None 
             dcp.load(wanted, storage_reader=SafeReader(source), process_group=group, no_dist=not on)
     except CheckpointException as e:  # a BaseException: say what failed, as a FuncpipeError
         raise FuncpipeError(
-            f"cannot read the tensors of the checkpoint {source!r}: {_failures(e)}"
+            f"cannot read the tensors of the checkpoint {source!r}: {failures(e)}"
         ) from None
     corrupt: FuncpipeError | None = None
     try:
-        verify(source, info or {}, wanted)
+        verify(source, info, wanted)
     except FuncpipeError as e:
         corrupt = e
     if on:  # a rank that found corruption must not leave the others running on
@@ -466,26 +481,73 @@ def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None 
         )
     elif corrupt is not None:
         raise corrupt
-    leaves = []
-    for k, v in flat.items():
-        if k not in wanted:
-            leaves.append(v)
-        elif isinstance(v, Tensor):
-            leaves.append(wanted[k])
-        else:
-            leaves.append(type(v)(wanted[k].item()))
-    return optree.tree_unflatten(optree.tree_structure(like, none_is_leaf=False), leaves)
 
 
-def _failures(e: CheckpointException) -> str:
-    """One line per failed rank: the error's first line and any line naming a refused global
-    (what ``torch.load(weights_only=True)`` says when it refuses a pickled object)."""
-    parts = []
-    for rank, (exc, _) in sorted(e.failures.items()):
-        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        keep = lines[:1] + [ln for ln in lines[1:] if "GLOBAL" in ln]
-        parts.append(f"rank {rank}: {type(exc).__name__}: {' '.join(keep)}")
-    return "; ".join(parts)
+# ------------------------------------------------------------------ keyed by model names
+def save_model(
+    path: str | os.PathLike[str],
+    params: Sequence[Any],
+    *,
+    opt_state: Any = None,
+    naming: Naming | None = None,
+    step: int | None = None,
+    group: ProcessGroup | None = None,
+) -> str:
+    """Write a model's state keyed by its own parameter names, loadable at any layout.
+
+    ``params``: this run's per-stage params (``params[s]`` a pytree; ``None`` or meta tensors
+    for stages this rank does not hold). ``opt_state``: the optimizer state of ``init(params)``
+    (a NamedTuple such as ``AdamWState``: its int fields are stored as they are, its trees shaped
+    like ``params`` leaf by leaf as the params are). ``naming``: how leaves map to the model's
+    names and which region of each full tensor this rank holds (:class:`Naming`; default: every
+    leaf whole, named by its path inside its stage). A collective over ``group`` like
+    :func:`save`, and as atomic; the copies several ranks hold of one region (data-parallel
+    copies, tied parameters) are written once and must be equal. Returns ``path``.
+    """
+    return _save_with(path, lambda: named_pieces(params, opt_state, naming), step=step, group=group)
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    params: Sequence[Any],
+    *,
+    opt_state: Any = None,
+    naming: Naming | None = None,
+    group: ProcessGroup | None = None,
+) -> Loaded:
+    """Read a :func:`save_model` checkpoint into this run's layout, whatever the save's was.
+
+    ``params`` (and ``opt_state``, when given) are templates as for :func:`load`: their
+    structure, and per tensor leaf the shape, dtype and device of the result; they are not
+    modified. ``naming`` says which model tensor and region each leaf is. Each leaf is put
+    together from the saved pieces that overlap its region, so the stage split, the tensor and
+    data-parallel sizes and the optimizer-state sharding may differ from the save. Every
+    mismatch (a name the checkpoint lacks, another full shape or dtype, a region no saved piece
+    covers) raises InvalidArgument on every rank before any tensor is read. Returns
+    ``Loaded(params, opt_state, step)``.
+    """
+    error: Exception | None = None
+    source, plan = "", None
+    info: dict[str, Any] = {}
+    try:
+        source, info = _open(path)
+        if info.get("keys") != NAMED:
+            raise InvalidArgument(
+                f"the checkpoint {source!r} was written by checkpoint.save (keyed by pytree "
+                "paths, for the stage split and tensor layout it was saved at), not by "
+                "save_model. It still loads with checkpoint.load(path, like) at that layout; "
+                "to convert it, load it there and write it with checkpoint.save_model(new_path, "
+                "state['params'], opt_state=state['opt'], naming=...)."
+            )
+        plan = plan_load(
+            source, info, SafeReader(source).read_metadata(), params, opt_state, naming
+        )
+        _check_stored(source, plan.wanted)
+    except (InvalidArgument, FuncpipeError) as e:
+        error = e
+    _read(source, info, plan.wanted if plan is not None else {}, group, error)
+    assert plan is not None
+    return plan.finish(info.get("step"))
 
 
 def latest(directory: str | os.PathLike[str]) -> str | None:

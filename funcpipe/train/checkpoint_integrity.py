@@ -14,6 +14,9 @@ metadata says (emptied, truncated), before torch reads it.
 agreed over the ranks by :func:`gather_checksums`, which also finds a key that two ranks hold
 with different bytes); a load verifies what it read against them (:func:`verify`).
 
+**Failures.** :func:`save_error` and :func:`failures` say what a failed DCP write or read
+was (the ``OSError`` itself where there is one); :func:`note` adds a line to an exception.
+
 :mod:`funcpipe.train.checkpoint` (save, load, latest) uses these.
 """
 
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from funcpipe.errors import FuncpipeError, InvalidArgument
 
@@ -41,7 +45,10 @@ __all__ = [
     "check_files",
     "checksums",
     "crc",
+    "failures",
     "gather_checksums",
+    "note",
+    "save_error",
     "verify",
 ]
 
@@ -227,3 +234,45 @@ def check_against(path: str, metadata: Any, wanted: dict[str, Tensor]) -> None:
                 f"{tuple(md.size)}, but like has {t.dtype} of shape {tuple(t.shape)}; load "
                 "with a like of the saved dtype and shape, then convert."
             )
+
+
+# ------------------------------------------------------------------ what a failure says
+def save_error(e: CheckpointException, target: str) -> BaseException:
+    """What a failed DCP save raises: the first rank's ``OSError`` itself (read-only, disk
+    full, no such directory), with a note naming the checkpoint; else a FuncpipeError saying
+    which rank failed how. An ``OSError`` that torch's zip writer hid behind its own error
+    (a disk that fills inside ``torch.save`` gives "unexpected pos 704 vs 598", the
+    ``OSError`` as its context) is found and raised in its place."""
+    for rank, (exc, _) in sorted(e.failures.items()):
+        cause = _os_error(exc)
+        if cause is not None:
+            note(cause, f"funcpipe: rank {rank} could not write the checkpoint {target!r}")
+            return cause
+    return FuncpipeError(f"cannot write the checkpoint {target!r}: {failures(e)}")
+
+
+def _os_error(exc: BaseException | None) -> OSError | None:
+    """``exc`` or the first ``OSError`` among its causes and contexts."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, OSError):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def note(exc: BaseException, text: str) -> None:
+    add = getattr(exc, "add_note", None)  # Python >= 3.11
+    if add is not None:
+        add(text)
+
+
+def failures(e: CheckpointException) -> str:
+    """One line per failed rank: the error's first line and any line naming a refused global
+    (what ``torch.load(weights_only=True)`` says when it refuses a pickled object)."""
+    parts = []
+    for rank, (exc, _) in sorted(e.failures.items()):
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        keep = lines[:1] + [ln for ln in lines[1:] if "GLOBAL" in ln]
+        parts.append(f"rank {rank}: {type(exc).__name__}: {' '.join(keep)}")
+    return "; ".join(parts)

@@ -1,0 +1,115 @@
+"""Pool jobs: the GPT trained with AdamW at one (pipeline, tensor, data, schedule), saved with
+``checkpoint.save_model``, and continued at another layout from the checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import funcpipe as fp
+from funcpipe import checkpoint, optim
+from funcpipe.models import gpt
+from funcpipe.parallel.mesh import build_mesh
+from funcpipe.parallel.sharding import shard_tree
+from funcpipe.schedule import generate
+from funcpipe.train.checkpoint_named import named_pieces
+from funcpipe.tree import tree_map
+
+CFG = gpt.GPTConfig(vocab=32, context=8, d_model=16, heads=4, layers=7, mlp=32)
+OPT = optim.adamw(1e-2, weight_decay=0.1)
+
+
+def batch(step: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + step)
+    tokens = torch.randint(0, CFG.vocab, (rows, CFG.context + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _setup(
+    pipeline: int, tensor: int, schedule: str, seed: int, blocks: Any = None
+) -> tuple[Any, ...]:
+    mesh = build_mesh({"pipeline": pipeline, "tensor": tensor})
+    place, axis = mesh.place, mesh["tensor"]
+    program = generate(schedule, ranks=pipeline, microbatches=4)
+    n = program.n_stages
+    full = gpt.split(gpt.init(CFG, seed=seed, dtype=torch.float64), CFG, n, blocks=blocks)
+    lay = gpt.shardings(CFG, n, blocks=blocks)
+    mine = set(program.stages_on(place.coords["pipe"]))
+    params = tuple(
+        shard_tree(full[s], lay[s], place)
+        if s in mine
+        else tree_map(lambda t: t.to("meta"), shard_tree(full[s], lay[s], place))
+        for s in range(n)
+    )
+    pipe = fp.Pipeline(
+        gpt.stages(CFG, n, axis=axis, blocks=blocks),
+        program,
+        loss_fn=gpt.loss_fn(axis=axis),
+        ties=gpt.tie_spec(n),
+        transport="dist",
+        mesh=mesh,
+    )
+    naming = checkpoint.Naming(shardings=lay, place=place)
+    return mesh, pipe, params, naming
+
+
+def _step(mesh: Any, pipe: Any, params: Any, state: Any, step: int) -> tuple[float, Any, Any]:
+    x, y = batch(step)
+    data, d = mesh.config.data, mesh.place.coords["data"]
+    rows = x.shape[0] // data
+    loss, grads = pipe.step(params, x[d * rows : (d + 1) * rows], y[d * rows : (d + 1) * rows])
+    params, state = OPT.update(grads, state, params)
+    return float(loss), params, state
+
+
+def run(
+    rank: int,
+    pipeline: int,
+    tensor: int,
+    schedule: str,
+    path: str,
+    save: bool,
+    blocks: tuple[int, ...] | None = None,
+) -> dict[str, Any]:
+    """``save``: 2 steps from the init, save at step 2, then step 3; else: load the checkpoint
+    at this layout (into params of another seed) and make step 3. Returns step 3's loss and
+    this rank's params and optimizer state after it, keyed as save_model keys them.
+    ``blocks``: the GPT's blocks per stage (default: as even as possible)."""
+    mesh, pipe, params, naming = _setup(pipeline, tensor, schedule, 0 if save else 1, blocks)
+    state = OPT.init(params)
+    losses = []
+    if save:
+        for step in range(2):
+            loss, params, state = _step(mesh, pipe, params, state, step)
+            losses.append(loss)
+        checkpoint.save_model(path, params, opt_state=state, naming=naming, step=2)
+    else:
+        loaded = checkpoint.load_model(path, params, opt_state=state, naming=naming)
+        assert loaded.step == 2 and loaded.opt_state.step == 2
+        params, state = loaded.params, loaded.opt_state
+    loss, params, state = _step(mesh, pipe, params, state, 2)
+    pieces, table = named_pieces(params, state, naming)
+    shapes = {k: tuple(v["shape"]) for k, v in table["tensors"].items()}
+    return {"losses": [*losses, loss], "pieces": pieces, "shapes": shapes, "rank": rank}
+
+
+def two_ranks(rank: int, path: str) -> dict[str, Any]:
+    """Tensor ranks 0 and 1 each save their half of ``w`` and a copy of ``b``; then rank 0 asks
+    for a ``w`` of another full shape (rank 1 for the right one) and both raise, unread."""
+    from funcpipe.errors import InvalidArgument
+    from funcpipe.parallel import Place, Sharding
+
+    place = Place(rank, {"tensor": rank}, {"tensor": 2})
+    naming = checkpoint.Naming(
+        shardings=({"w": Sharding.of(None, "tensor"), "b": Sharding.of(None)},), place=place
+    )
+    w = torch.arange(12.0).reshape(3, 4)
+    mine = ({"w": w[:, 2 * rank : 2 * rank + 2].clone(), "b": torch.ones(5)},)
+    checkpoint.save_model(path, mine, naming=naming, step=5)
+    like = ({"w": torch.zeros(3, 3 if rank == 0 else 2), "b": torch.zeros(5)},)
+    try:
+        checkpoint.load_model(path, like, naming=naming)
+    except InvalidArgument as e:
+        return {"error": str(e)}
+    return {"error": None}
