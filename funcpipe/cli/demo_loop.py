@@ -42,14 +42,14 @@ def train_rank(rank: int, o: DemoOptions, program: Program | None = None) -> dic
     end = o.stop_after or o.steps
     params, state, step_times, last = _train(r, params, state, history, start, end)
     if end < o.steps:  # interrupted on purpose: keep what a resume needs, nothing else
-        checkpoint.save(r.ckpt_dir, {r.tag: {"params": params, "opt": state}, "step": end})
+        checkpoint.save_model(r.ckpt_dir, params, opt_state=state, naming=r.naming, step=end)
         if r.first:
             _write_history(o, history)
         return None
     final_val = _val_loss(r, params)
     history["val"].append([o.steps, final_val])
     traced, simulated = _traced_step(r, params)
-    checkpoint.save(r.ckpt_dir, {r.tag: {"params": params, "opt": state}, "step": o.steps})
+    checkpoint.save_model(r.ckpt_dir, params, opt_state=state, naming=r.naming, step=o.steps)
     peak_memory = _peak_memory(r.device)  # every rank takes part (a gather)
     if not r.first:
         return None
@@ -87,7 +87,8 @@ class _Rank:
     weights: Any
     corpus: Any
     data_rank: int
-    tag: str  # this rank's key in the checkpoint: tensor shards get keys of their own
+    tag: str  # this rank's key in a checkpoint.save one (before the demo saved by names)
+    naming: Any  # checkpoint.Naming: the model's names and this rank's region of each tensor
     first: bool  # the rank that reports
 
     @property
@@ -121,7 +122,7 @@ def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, .
     from funcpipe.parallel.mesh import build_mesh
     from funcpipe.pipeline.pipeline import Pipeline
     from funcpipe.schedule.generators import generate, to_eval
-    from funcpipe.train import optim
+    from funcpipe.train import checkpoint, optim
     from funcpipe.train.data import load_corpus
 
     device = _rank_device(o)
@@ -179,6 +180,7 @@ def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, .
         corpus=load_corpus(max_bytes=o.corpus_bytes),
         data_rank=place.coords["data"],
         tag=f"tensor{axis.coord}of{o.tensor}",
+        naming=checkpoint.Naming(shardings=shardings, place=place),
         first=dist.get_rank() == 0,
     )
     return rank, params, state
@@ -195,10 +197,14 @@ def _resume(r: _Rank, params: Any, state: Any) -> tuple[Any, Any, int, History]:
     # the newest complete checkpoint: `checkpoint`, or the `checkpoint.old-*` a save killed
     # between its two renames left behind (never a half-written `.tmp-` one)
     found = checkpoint.latest(o.out) if o.resume else None
-    if found is not None:
+    if found is not None and checkpoint.by_names(found):  # any layout: by the model's names
+        got = checkpoint.load_model(found, params, opt_state=state, naming=r.naming)
+        params, state, start = got.params, got.opt_state, int(got.step or 0)
+    elif found is not None:  # written before the demo saved by names: its own layout only
         like = {r.tag: {"params": params, "opt": state}, "step": 0}
         loaded = checkpoint.load(found, like)
         params, state, start = loaded[r.tag]["params"], loaded[r.tag]["opt"], int(loaded["step"])
+    if found is not None:
         hist_file = os.path.join(o.out, "history.json")
         if os.path.exists(hist_file):
             with open(hist_file) as f:

@@ -77,6 +77,7 @@ __all__ = [
     "Loaded",
     "Naming",
     "Region",
+    "by_names",
     "latest",
     "load",
     "load_model",
@@ -548,6 +549,14 @@ def load_model(
     _read(source, info, plan.wanted if plan is not None else {}, group, error)
     assert plan is not None
     return plan.finish(info.get("step"))
+
+
+def by_names(path: str | os.PathLike[str]) -> bool:
+    """Whether the checkpoint at ``path`` was written by :func:`save_model` (keyed by the model's
+    names: :func:`load_model` reads it at any layout) rather than by :func:`save` (keyed by
+    pytree paths: :func:`load` reads it at its own layout)."""
+    _, info = _open(path)
+    return bool(info.get("keys") == NAMED)
 
 
 def latest(directory: str | os.PathLike[str]) -> str | None:
