@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from funcpipe.schedule.check import check
-from funcpipe.schedule.ir import Op, Program
+from funcpipe.schedule.ir import COLLECTIVE_OPS, Program
 from funcpipe.schedule.passes import add_communication, add_recompute, add_reduce
 from funcpipe.stages.ties import add_tie_reduce
 
@@ -70,7 +70,7 @@ def local_groups(p: Program, data: int) -> dict[str, list[list[int]]]:
     ``d``'s rank ``r`` is ``d * n_ranks + r``)."""
     n = p.n_ranks
     groups: dict[str, list[list[int]]] = {}
-    names = {i.group for r in p.ranks for i in r if i.op is Op.REDUCE}
+    names = {i.group for r in p.ranks for i in r if i.op in COLLECTIVE_OPS}
     for name in names:
         if name == "data":
             groups[name] = [[d * n + r for d in range(data)] for r in range(n)]
