@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from funcpipe.errors import InvalidArgument, ScheduleError
+from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.schedule import (
     Costs,
     ascii_timeline,
@@ -24,7 +25,7 @@ from funcpipe.schedule import (
     simulate,
     strip_communication,
 )
-from funcpipe.schedule.generators import CHUNKS, GENERATORS, generate
+from funcpipe.schedule.generators import CHUNKS, GENERATORS, generate, to_eval
 from funcpipe.schedule.ir import Op, Program
 from funcpipe.schedule.p2p import PAIR
 from funcpipe.schedule.passes import add_reduce, lower
@@ -233,3 +234,28 @@ def test_optimizer_state_per_process_is_one_over_d(pool) -> None:
     for a, b in zip(sharded, full, strict=True):
         assert abs(a / b - 0.5) <= 0.05 * 0.5
     print("AdamW state bytes per process: unsharded", full, "sharded", sharded)
+
+
+@pytest.mark.parametrize("name", sorted(jobs_zero.SCHEDULES))
+def test_one_process_under_nccl_rules(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """The local transport in strict mode (NCCL's point-to-point rules) runs the sharded
+    programs too, and they still equal the unsharded run."""
+    monkeypatch.setenv("FUNCPIPE_STRICT_P2P", "1")
+    ref_losses, ref = jobs_zero.train_local(name, 0, 2)
+    losses, got = jobs_zero.train_local(name, 1, 2)
+    assert losses == pytest.approx(ref_losses, abs=1e-12, rel=0)
+    assert_trees_close(list(got), list(ref), atol=1e-12, rtol=0)
+
+
+def test_an_eval_program_gathers_shards_and_gives_the_same_loss() -> None:
+    program = to_eval(generate("1f1b", ranks=2, microbatches=4))
+    stages, params = jobs_zero.model(2)
+    ties = {"E": [(0, "E"), (1, "E")]}
+    plain = Pipeline(stages, program, loss_fn=jobs_zero.mse, ties=ties, data=2)
+    sharded = Pipeline(stages, program, loss_fn=jobs_zero.mse, ties=ties, data=2, zero=1)
+    assert [str(i) for i in sharded.program.ranks[1][:1]] == ["GATHER s1 data"]
+    x, y = jobs_zero.batches(2)[0]
+    want = plain.step(tuple(params), x, y).loss
+    got = sharded.step(sharded.shard(params), x, y)
+    assert got.grads == (None, None) or all(g == (None, None) for g in got.grads)
+    assert float(got.loss) == pytest.approx(float(want), abs=1e-12, rel=0)
