@@ -20,6 +20,7 @@ from funcpipe.schedule import (
     gather,
     parse_instr,
     parse_program,
+    reduce,
     scatter,
     shard_data,
     simulate,
@@ -259,3 +260,24 @@ def test_an_eval_program_gathers_shards_and_gives_the_same_loss() -> None:
     got = sharded.step(sharded.shard(params), x, y)
     assert got.grads == (None, None) or all(g == (None, None) for g in got.grads)
     assert float(got.loss) == pytest.approx(float(want), abs=1e-12, rel=0)
+
+
+def test_the_checker_wants_every_stage_sharded_or_none() -> None:
+    p = _sharded("1f1b")
+    bare = tuple(i for i in p.ranks[0] if i.op not in (Op.GATHER, Op.SCATTER))
+    half = p.replace(ranks=(bare, p.ranks[1]))  # stage 1 sharded, stage 0 reduced in full
+    with pytest.raises(ScheduleError, match="every stage a microbatch visits, or none") as info:
+        check(add_reduce(half, stages=[0]), p2p="nccl")
+    assert "stages [0] have no GATHER" in str(info.value)
+
+
+def test_the_checker_wants_tie_sums_after_the_scatters() -> None:
+    p = _sharded("1f1b")
+    rank0 = list(p.ranks[0])
+    at = next(t for t, i in enumerate(rank0) if i.op is Op.SCATTER)
+    ties = [reduce(0, "tie:E"), reduce(1, "tie:E")]
+    good = p.replace(ranks=(tuple([*rank0, ties[0]]), (*p.ranks[1], ties[1])))
+    check(good, p2p="nccl")
+    bad = p.replace(ranks=(tuple([*rank0[:at], ties[0], *rank0[at:]]), good.ranks[1]))
+    with pytest.raises(ScheduleError, match="comes after its rank's SCATTERs"):
+        check(bad, p2p="nccl")

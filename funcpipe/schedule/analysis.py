@@ -533,6 +533,7 @@ class _Analyser:
                         "a stage's gradients are REDUCEd or SCATTERed over a group, not both",
                         f"stage {s} also has REDUCE s{s} {g}; remove one",
                     )
+        self._all_or_none(seen)
         for (op, s, g), (r, t) in seen.items():
             other = Op.SCATTER if op is Op.GATHER else Op.GATHER
             if p.training and (other, s, g) not in seen:
@@ -543,6 +544,36 @@ class _Analyser:
                     "is SCATTERed over it (shard parameters, shard gradients)",
                     f"add {other.value} s{s} {g} (funcpipe.schedule.shard_data places both)",
                 )
+
+    def _all_or_none(self, seen: dict[tuple[Op, int, str], tuple[int, int]]) -> None:
+        """A program shards every stage a microbatch visits, or none (the runtime holds the
+        shards of all of them); and on a rank that SCATTERs, the tie and replica REDUCEs come
+        after its SCATTERs (they then add the copies' pieces, on every member alike)."""
+        p = self.p
+        gathers = {(s, g): at for (op, s, g), at in seen.items() if op is Op.GATHER}
+        visited = set().union(*(p.visits(m) for m in range(p.microbatches)))
+        for g in sorted({g for _, g in gathers}):
+            missing = sorted(visited - {s for s, h in gathers if h == g})
+            if missing:
+                r, t = min(at for (_, h), at in gathers.items() if h == g)
+                raise self.fail(
+                    r,
+                    t,
+                    "a program shards every stage a microbatch visits, or none",
+                    f"stages {missing} have no GATHER over {g!r}; "
+                    "funcpipe.schedule.shard_data places one per stage",
+                )
+        for r, instrs in enumerate(p.ranks):
+            last = max((t for t, i in enumerate(instrs) if i.op is Op.SCATTER), default=0)
+            for t, i in enumerate(instrs[:last]):
+                if i.op is Op.REDUCE and in_program(i.group):
+                    raise self.fail(
+                        r,
+                        t,
+                        "with sharded gradients a tie or replica REDUCE comes after its rank's "
+                        "SCATTERs (it adds the copies' pieces)",
+                        f"move it after step {last} ({instrs[last]})",
+                    )
 
     def run(self) -> Analysis:
         self.index()
