@@ -219,6 +219,13 @@ def test_sharded_equals_unsharded_over_four_processes(pool, name: str) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_four_copies_over_eight_processes(pool) -> None:
+    """Pipeline 2 x data 4 (ZB-V, strict transport): pieces of 25 elements are 7, 6, 6, 6."""
+    for dl, dp in pool(8).run(jobs_zero.zero_vs_unsharded, "zbv"):
+        assert dl <= 1e-12 and dp <= 1e-12
+
+
+@pytest.mark.timeout(240)
 def test_clipping_sharded_gradients_over_the_world(pool) -> None:
     """Clipped by the global norm: sharded (each piece weighs 1 over the world) equals
     unsharded (each copy's full gradient weighs 1/copies); a norm small enough to clip."""
