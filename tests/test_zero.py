@@ -288,3 +288,14 @@ def test_the_checker_wants_tie_sums_after_the_scatters() -> None:
     bad = p.replace(ranks=(tuple([*rank0[:at], ties[0], *rank0[at:]]), good.ranks[1]))
     with pytest.raises(ScheduleError, match="comes after its rank's SCATTERs"):
         check(bad, p2p="nccl")
+
+
+def test_shard_learns_the_shapes_from_meta_tensors() -> None:
+    """Resuming from saved shards: pipe.shard on meta params teaches the full shapes."""
+    pipe, params = jobs_zero._pipeline("1f1b", 1, data=2)
+    saved = pipe.shard(params)
+    fresh, _ = jobs_zero._pipeline("1f1b", 1, data=2)
+    meta = fresh.shard(tuple({k: v.to("meta") for k, v in p.items()} for p in params))
+    assert meta[0][0]["E"].is_meta and meta[0][0]["E"].shape == (13,)
+    x, y = jobs_zero.batches(2)[0]
+    assert float(fresh.step(saved, x, y).loss) == float(pipe.step(saved, x, y).loss)
