@@ -70,37 +70,52 @@ def batches(copies: int, width: int = W) -> list[tuple[torch.Tensor, torch.Tenso
 
 
 def _pipeline(
-    name: str, zero: int, data: int = 1, strict: bool = False, width: int = W
+    name: str,
+    zero: int,
+    data: int = 1,
+    strict: bool = False,
+    width: int = W,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[Pipeline, Any]:
     program = generate(name, ranks=2, microbatches=4)
     n = 2 * SCHEDULES[name]
     stages, params = model(n, width)
+    if grad_dtype is not None:  # bf16 parameters, float32 gradient sums
+        params = [{k: v.to(torch.bfloat16) for k, v in p.items()} for p in params]
     ties = {"E": [(0, "E"), (n - 1, "E")]}
     if strict:
         os.environ["FUNCPIPE_STRICT_P2P"] = "1"
     try:
-        pipe = Pipeline(stages, program, loss_fn=mse, ties=ties, data=data, zero=zero)
+        pipe = Pipeline(
+            stages, program, loss_fn=mse, ties=ties, data=data, zero=zero, grad_dtype=grad_dtype
+        )
         params = tuple(params)
     finally:
         os.environ.pop("FUNCPIPE_STRICT_P2P", None)
     return pipe, params
 
 
-def train_local(name: str, zero: int, data: int) -> tuple[list[float], tuple[Any, ...]]:
-    """One process, ``data`` copies: three AdamW steps; (losses, full params after them)."""
-    pipe, params = _pipeline(name, zero, data)
-    opt = adamw(1e-2)
+def train_local(
+    name: str, zero: int, data: int, bf16: bool = False
+) -> tuple[list[float], tuple[Any, ...]]:
+    """One process, ``data`` copies: three AdamW steps; (losses, full params after them).
+    ``bf16``: bf16 parameters and batches, float32 gradient sums (``grad_dtype``), AdamW with
+    float32 master weights."""
+    pipe, params = _pipeline(name, zero, data, grad_dtype=torch.float32 if bf16 else None)
+    opt = adamw(1e-2, master_weights=bf16)
     losses = []
+    cast = torch.bfloat16 if bf16 else F64
+    steps = [(x.to(cast), y.to(cast)) for x, y in batches(data)]
     if not zero:
         state = opt.init(params)
-        for x, y in batches(data):
+        for x, y in steps:
             loss, grads = pipe.step(params, x, y)
             params, state = opt.update(grads, state, params)
             losses.append(float(loss))
         return losses, tuple(params)
     shards = pipe.shard(params)  # every copy's
     states = [opt.init(s) for s in shards]
-    for x, y in batches(data):
+    for x, y in steps:
         loss, grads = pipe.step(shards, x, y)
         new = [opt.update(g, st, s) for g, st, s in zip(grads, states, shards, strict=True)]
         shards, states = [n[0] for n in new], [n[1] for n in new]
@@ -122,24 +137,27 @@ def train_dist(
     clip: float | None = None,
     strict: bool = False,
     width: int = W,
+    bf16: bool = False,
 ) -> tuple[list[float], list[Any], int]:
     """Over the pool (world = 2 program ranks x copies): three AdamW steps, each copy on its
     share of the batch, optionally clipped by the global norm (``clip``). Returns the losses,
     the full params of the stages this process holds (``None`` elsewhere) and the bytes of
-    AdamW state (both moments) this process keeps."""
+    AdamW state (both moments) this process keeps. ``bf16``: as in :func:`train_local`."""
     import torch.distributed as dist
 
-    pipe, params = _pipeline(name, zero, strict=strict, width=width)
+    f32 = torch.float32 if bf16 else None
+    pipe, params = _pipeline(name, zero, strict=strict, width=width, grad_dtype=f32)
     copies, copy = pipe.data_size, _copy(pipe)
-    opt = adamw(1e-2)
+    opt = adamw(1e-2, master_weights=bf16)
     n = len(params)
     losses: list[float] = []
     values: Any = pipe.shard(params) if zero else params
     mine = sorted(pipe.program.stages_on(pipe.rank))  # (no replicas: stage = owner)
     states = {o: opt.init(values[o]) for o in mine}
+    cast = torch.bfloat16 if bf16 else F64
     for x, y in batches(copies, width):
         share = slice(4 * copy, 4 * (copy + 1))
-        loss, grads = pipe.step(values, x[share], y[share])
+        loss, grads = pipe.step(values, x[share].to(cast), y[share].to(cast))
         losses.append(float(loss))
         if clip is not None:
             grads = _clipped(grads, mine, n, clip, copies, zero, dist.group.WORLD)
@@ -177,11 +195,13 @@ def _clipped(
     return [clipped.get(o) for o in range(n)]
 
 
-def zero_vs_unsharded(rank: int, name: str, clip: float | None = None) -> tuple[float, float]:
+def zero_vs_unsharded(
+    rank: int, name: str, clip: float | None = None, bf16: bool = False
+) -> tuple[float, float]:
     """The sharded run against the unsharded one in the same processes (strict transport:
     NCCL's point-to-point rules): the largest loss and parameter differences."""
-    ref_losses, ref_full, _ = train_dist(rank, name, 0, clip=clip, strict=True)
-    losses, full, _ = train_dist(rank, name, 1, clip=clip, strict=True)
+    ref_losses, ref_full, _ = train_dist(rank, name, 0, clip=clip, strict=True, bf16=bf16)
+    losses, full, _ = train_dist(rank, name, 1, clip=clip, strict=True, bf16=bf16)
     held = [(a, b) for a, b in zip(full, ref_full, strict=True) if b is not None]
     assert_trees_close([a for a, _ in held], [b for _, b in held], atol=1e-12, rtol=0)
     dl = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))

@@ -219,6 +219,13 @@ def test_sharded_equals_unsharded_over_four_processes(pool, name: str) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_bf16_with_master_weights_over_four_processes(pool) -> None:
+    """bf16 shards over gloo (float32 sums, master weights): bit for bit the unsharded run."""
+    for dl, dp in pool(4).run(jobs_zero.zero_vs_unsharded, "interleaved", bf16=True):
+        assert dl == 0 and dp == 0
+
+
+@pytest.mark.timeout(240)
 def test_four_copies_over_eight_processes(pool) -> None:
     """Pipeline 2 x data 4 (ZB-V, strict transport): pieces of 25 elements are 7, 6, 6, 6."""
     for dl, dp in pool(8).run(jobs_zero.zero_vs_unsharded, "zbv"):
@@ -299,3 +306,15 @@ def test_shard_learns_the_shapes_from_meta_tensors() -> None:
     assert meta[0][0]["E"].is_meta and meta[0][0]["E"].shape == (13,)
     x, y = jobs_zero.batches(2)[0]
     assert float(fresh.step(saved, x, y).loss) == float(pipe.step(saved, x, y).loss)
+
+
+@pytest.mark.parametrize("name", sorted(jobs_zero.SCHEDULES))
+def test_bf16_parameters_with_float32_sums_and_master_weights(name: str) -> None:
+    """bf16 shards, grad_dtype=float32 (the GATHER fills float32 leaves, the stage computes
+    with their bf16 copies), AdamW with float32 master weights on the shards: bit for bit the
+    unsharded run (two copies: each average is (a + b) / 2 either way)."""
+    ref_losses, ref = jobs_zero.train_local(name, 0, 2, bf16=True)
+    losses, got = jobs_zero.train_local(name, 1, 2, bf16=True)
+    assert got[0]["E"].dtype == torch.bfloat16
+    assert losses == ref_losses
+    assert_trees_close(list(got), list(ref), atol=0, rtol=0)

@@ -42,7 +42,7 @@ Tensor = torch.Tensor
 SHARDS = "pass what pipe.shard(params) returned (or an elementwise optimizer's update of it)"
 
 
-def check_zero(zero: Any, copies: int, *, mesh: Any, grad_dtype: Any) -> int:
+def check_zero(zero: Any, copies: int, *, mesh: Any) -> int:
     """``zero`` checked against the rest of a Pipeline's options (``copies``: its data-parallel
     copies, in this process or over processes)."""
     if isinstance(zero, bool) or zero not in (0, 1):
@@ -58,11 +58,6 @@ def check_zero(zero: Any, copies: int, *, mesh: Any, grad_dtype: Any) -> int:
     if zero and mesh is not None and mesh.config.tensor > 1:
         raise InvalidArgument(
             "zero=1 with a tensor-parallel mesh (tensor > 1) is not supported yet; use zero=0"
-        )
-    if zero and grad_dtype is not None:
-        raise InvalidArgument(
-            f"zero=1 with grad_dtype={grad_dtype} (wide gradient sums of narrow parameters) is "
-            "not supported yet; shard float32 parameters and cast in the stage, or use zero=0"
         )
     return int(zero)
 

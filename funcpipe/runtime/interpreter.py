@@ -471,8 +471,7 @@ class _Rank:
         return g
 
     def gather(self, i: Instr) -> None:
-        """Start GATHER ``i``: all-gather this copy's pieces of the stage's parameters into
-        its full leaves; the stage's first F (or R) waits for it."""
+        """Start GATHER ``i`` (pieces to full leaves); the stage's first F or R waits for it."""
         x, o = self.x, self.owner[i.stage]
         h, done = gather_pieces(self.t, x.shards[o], self.leaves[o], x.data_size, x.copy, i.group)
         pending = _Pending(h, done)
@@ -480,8 +479,11 @@ class _Rank:
         self.gathering[o] = pending
 
     def _gathered(self, s: int) -> Generator[Handle, None, None]:
-        if (pending := self.gathering.pop(self.owner[s], None)) is not None:
+        o = self.owner[s]
+        if (pending := self.gathering.pop(o, None)) is not None:
             yield from pending.finish()
+            if (casts := self.x.casts.get(o)) is not None:  # compute copies of gathered values
+                self.compute[o] = _compute_leaves(self.leaves[o], casts)
 
     def scatter(self, i: Instr) -> None:
         """Start SCATTER ``i``: reduce-scatter the stage's gradient sums, averaged over the

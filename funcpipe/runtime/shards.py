@@ -102,13 +102,17 @@ def gather_pieces(
     group: str,
 ) -> tuple[Handle, Callable[[], None]]:
     """Start the all-gather of a GATHER: this copy's (``c`` of ``d``) ``pieces`` of the leaves
-    ``full`` (one collective per bucket); the callback, once the handle is done, copies the
-    gathered values into ``full`` (in place, outside autograd)."""
+    ``full`` (one collective per bucket, in the pieces' dtype); the callback, once the handle
+    is done, copies the gathered values into ``full`` (in place, outside autograd; cast where
+    ``full`` is kept in a wider dtype)."""
     ins, outs, jobs = [], [], []
-    for idx in bucket_indices(full):
+    # buckets of the pieces' dtype (the full leaves may be kept wider: grad_dtype), sized as
+    # the full leaves (zero-stride views: no memory)
+    sized = [p.new_empty(()).expand(f.shape) for p, f in zip(pieces, full, strict=True)]
+    for idx in bucket_indices(sized):
         b = ShardBucket([full[k].numel() for k in idx], d)
         ins.append(b.pack_pieces([pieces[k] for k in idx], c))
-        outs.append(full[idx[0]].new_empty(d * b.width))
+        outs.append(pieces[idx[0]].new_empty(d * b.width))
         jobs.append((b, idx))
 
     def done() -> None:
