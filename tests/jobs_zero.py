@@ -213,3 +213,62 @@ def state_bytes(rank: int, zero: int) -> int:
     """Bytes of AdamW state this process keeps after three 1F1B steps of a wide model (width
     63: leaves of 3969 and 63 elements, uneven over 2 copies)."""
     return train_dist(rank, "1f1b", zero, width=63)[2]
+
+
+def gpt_run(rank: int, pipeline: int, zero: int) -> tuple[list[float], list[Any]]:
+    """The demo's GPT (float64, tied embedding) over pipeline x data x tensor 2: three AdamW
+    steps, each copy on its rows; the losses and the full (tensor-sharded) params this process
+    holds after them."""
+    from funcpipe.models import gpt
+    from funcpipe.parallel.mesh import build_mesh
+    from funcpipe.parallel.sharding import shard_tree
+    from funcpipe.tree import tree_map
+    from tests import jobs_gpt
+
+    cfg = jobs_gpt.CFG
+    mesh = build_mesh({"pipeline": pipeline, "tensor": 2})
+    place, axis = mesh.place, mesh["tensor"]
+    program = generate("1f1b", ranks=pipeline, microbatches=4)
+    n = program.n_stages
+    full = gpt.split(gpt.init(cfg, seed=0, dtype=F64), cfg, n)
+    lay = gpt.shardings(cfg, n)
+    mine = sorted(program.stages_on(place.coords["pipe"]))
+    params = tuple(
+        shard_tree(full[s], lay[s], place)
+        if s in mine
+        else tree_map(lambda t: t.to("meta"), shard_tree(full[s], lay[s], place))
+        for s in range(n)
+    )
+    pipe = Pipeline(
+        gpt.stages(cfg, n, axis=axis),
+        program,
+        loss_fn=gpt.loss_fn(axis=axis),
+        ties=gpt.tie_spec(n),
+        transport="dist",
+        mesh=mesh,
+        zero=zero,
+    )
+    opt = adamw(1e-2)
+    values: Any = pipe.shard(params) if zero else params
+    states = {o: opt.init(values[o]) for o in mine}
+    data, d = mesh.config.data, place.coords["data"]
+    losses = []
+    for step in range(STEPS):
+        x, y = jobs_gpt.batch(step)
+        rows = x.shape[0] // data
+        loss, grads = pipe.step(values, x[d * rows : (d + 1) * rows], y[d * rows : (d + 1) * rows])
+        losses.append(float(loss))
+        values = list(values)
+        for o in mine:
+            values[o], states[o] = opt.update(grads[o], states[o], values[o])
+        values = tuple(values)
+    out = pipe.gather(values) if zero else values
+    pipe.close()
+    return losses, [out[o] for o in mine]
+
+
+def gpt_zero_vs_unsharded(rank: int, pipeline: int) -> float:
+    ref_losses, ref = gpt_run(rank, pipeline, 0)
+    losses, got = gpt_run(rank, pipeline, 1)
+    assert_trees_close(got, ref, atol=1e-12, rtol=0)
+    return max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))

@@ -232,6 +232,15 @@ def test_four_copies_over_eight_processes(pool) -> None:
         assert dl <= 1e-12 and dp <= 1e-12
 
 
+@pytest.mark.timeout(300)
+def test_the_gpt_at_pipeline_2_data_2_tensor_2(pool) -> None:
+    """The demo's GPT (float64, its embedding tied across the two stages) over eight
+    processes: each tensor rank's leaves sharded over the copies of its coordinate; AdamW,
+    three steps, equal to the unsharded run."""
+    for worst in pool(8).run(jobs_zero.gpt_zero_vs_unsharded, 2):
+        assert worst <= 1e-12
+
+
 @pytest.mark.timeout(240)
 def test_clipping_sharded_gradients_over_the_world(pool) -> None:
     """Clipped by the global norm: sharded (each piece weighs 1 over the world) equals

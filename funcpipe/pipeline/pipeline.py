@@ -175,7 +175,7 @@ class Pipeline:
             check_finite = os.environ.get("FUNCPIPE_DEBUG", "") not in ("", "0")
         self.check_finite = bool(check_finite)
         copies = _world.sizes(schedule.n_ranks, mesh)[0] if transport == "dist" else data
-        self.zero = _zero.check_zero(zero, copies, mesh=mesh)
+        self.zero = _zero.check_zero(zero, copies)
         self._full: tuple[Any, ...] | None = None  # the full params' shapes (zero: shard())
         self.program = lower_program(
             schedule,

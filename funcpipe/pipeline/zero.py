@@ -42,7 +42,7 @@ Tensor = torch.Tensor
 SHARDS = "pass what pipe.shard(params) returned (or an elementwise optimizer's update of it)"
 
 
-def check_zero(zero: Any, copies: int, *, mesh: Any) -> int:
+def check_zero(zero: Any, copies: int) -> int:
     """``zero`` checked against the rest of a Pipeline's options (``copies``: its data-parallel
     copies, in this process or over processes)."""
     if isinstance(zero, bool) or zero not in (0, 1):
@@ -54,10 +54,6 @@ def check_zero(zero: Any, copies: int, *, mesh: Any) -> int:
         raise InvalidArgument(
             f"zero={zero} shards over data-parallel copies, and this pipeline has {copies}: "
             "use data > 1 (one process) or a world of several copies of the program, or zero=0"
-        )
-    if zero and mesh is not None and mesh.config.tensor > 1:
-        raise InvalidArgument(
-            "zero=1 with a tensor-parallel mesh (tensor > 1) is not supported yet; use zero=0"
         )
     return int(zero)
 
