@@ -1700,7 +1700,7 @@ CASES: list[Case] = [
         lambda: _two_stages(loss_fn=_pair_then_mean()).step(_params((4, 4), (4, 4)), *_xy()),
         InvalidArgument,
         ("(sum, count) pair for some microbatches and a scalar for others", "one kind"),
-        "funcpipe/runtime/interpreter.py _add_loss (and pipeline/result.py across ranks): the "
+        "funcpipe/runtime/rank_io.py RankResult.add_loss (and pipeline/result.py across ranks): the "
         "loss would weight the two kinds of microbatch differently (issue 43)",
     ),
     Case(

@@ -45,7 +45,7 @@ from funcpipe.distributed.groups import Claim
 from funcpipe.errors import InvalidArgument
 from funcpipe.runtime.transport import DistTransport, strict_from_env
 from funcpipe.schedule.check import in_program
-from funcpipe.schedule.ir import Op, Program
+from funcpipe.schedule.ir import COLLECTIVE_OPS, Op, Program
 
 __all__ = ["SCALARS", "DistWorld", "gather_times", "join", "sizes"]
 
@@ -137,7 +137,7 @@ def join(
     # the loss and metric sums: every process of the world, a group of their own (each rank
     # posts it after its last instruction, whatever else is still in flight)
     groups: dict[str, Any] = {SCALARS: claim.group(range(world), use="scalars")}
-    names = sorted({i.group for r in program.ranks for i in r if i.op is Op.REDUCE})
+    names = sorted({i.group for r in program.ranks for i in r if i.op in COLLECTIVE_OPS})
     for name in names:
         if not in_program(name):  # over the data-parallel copies of this rank and coord
             lists = [[g(r, d, c) for d in range(copies)] for r in range(n) for c in range(tp)]

@@ -8,6 +8,7 @@
 - ``result``: :class:`StepResult`, put together from the ranks' results
 - ``microbatch``: split a batch pytree into microbatches and merge them back
 - ``reference``: :func:`reference_step`, the single-device step every schedule must reproduce
+- ``zero``: sharded params (``Pipeline(zero=1)``): shard, step on shards, gather
 """
 
 from funcpipe.pipeline.pipeline import Pipeline, StepResult

@@ -38,6 +38,7 @@ __all__ = [
     "program_agreement",
     "spec_lines",
     "step_agreement",
+    "summary",
     "tie_agreement",
     "tie_copies",
     "value_fingerprint",
@@ -348,3 +349,18 @@ def tie_copies(
                 t = leaves[resolve(params[s], path, f"ties[{name!r}]")]
             copies.append((name, s, path, t))
     return copies
+
+
+def summary(pipe: Any, mesh: Any) -> str:
+    """What every process of a Pipeline must agree on (:func:`program_agreement`): the options
+    that shape the step, then the lowered program's text."""
+    sizes = None if mesh is None else (mesh.config.pipeline, mesh.config.data, mesh.config.tensor)
+    head = [
+        f"stages {len(pipe.stages)}",  # not their names: a rank may hold only its own
+        f"loss_fn {pipe.loss_fn is not None} metric_fn {pipe.metric_fn is not None}",
+        f"ties {sorted((k, repr(v)) for k, v in pipe.ties.items())}",
+        f"side_inputs {sorted(pipe.side_inputs.items())}",
+        f"recompute {sorted(pipe.recompute)} grad_dtype {pipe.grad_dtype}",
+        f"mesh {sizes} scatter_gather {pipe.scatter_gather} dim {pipe.dim!r}",
+    ]
+    return "\n".join([*head, pipe.program.to_text()])

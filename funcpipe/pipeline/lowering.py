@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from funcpipe.schedule.check import check
-from funcpipe.schedule.ir import Op, Program
+from funcpipe.schedule.ir import COLLECTIVE_OPS, Program
 from funcpipe.schedule.passes import add_communication, add_recompute, add_reduce
+from funcpipe.schedule.zero import shard_data
 from funcpipe.stages.ties import add_tie_reduce
 
 __all__ = ["local_groups", "lower_program", "p2p_rules"]
@@ -29,12 +30,15 @@ def lower_program(
     data_parallel: bool,
     p2p: str,
     layout: Any,
+    zero: int = 0,
 ) -> Program:
-    """``schedule`` lowered for a Pipeline (``recompute``, ``ties`` and ``data_parallel`` as
-    it was given them) and checked under the point-to-point rules ``p2p`` on the communicator
-    ``layout``; a lowered ``schedule`` is only checked."""
+    """``schedule`` lowered for a Pipeline (``recompute``, ``ties``, ``data_parallel`` and
+    ``zero`` as it was given them) and checked under the point-to-point rules ``p2p`` on the
+    communicator ``layout``; a lowered ``schedule`` is only checked (with ``zero=1``, sharded
+    first: :func:`funcpipe.schedule.zero.shard_data`)."""
     p = schedule
     if p.lowered:
+        p = shard_data(p) if zero else p
         check(p, p2p=p2p, layout=layout)
         return p
     if recompute and p.training:
@@ -46,6 +50,8 @@ def lower_program(
     if p.training and (data_parallel or len(set(p.replica_of or ())) < p.n_stages):
         p = add_reduce(p, group="data")  # also adds the replica sums (Chimera)
     p = add_communication(p)
+    if zero:  # GATHERs before the forwards, SCATTERs in place of the data REDUCEs
+        p = shard_data(p)
     check(p, p2p=p2p, layout=layout)
     return p
 
@@ -70,7 +76,7 @@ def local_groups(p: Program, data: int) -> dict[str, list[list[int]]]:
     ``d``'s rank ``r`` is ``d * n_ranks + r``)."""
     n = p.n_ranks
     groups: dict[str, list[list[int]]] = {}
-    names = {i.group for r in p.ranks for i in r if i.op is Op.REDUCE}
+    names = {i.group for r in p.ranks for i in r if i.op in COLLECTIVE_OPS}
     for name in names:
         if name == "data":
             groups[name] = [[d * n + r for d in range(data)] for r in range(n)]

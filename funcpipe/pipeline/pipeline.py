@@ -20,6 +20,7 @@ from funcpipe.distributed import world as _world
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline import agreement as _agreement
 from funcpipe.pipeline import checks as _validate
+from funcpipe.pipeline import zero as _zero
 from funcpipe.pipeline.lowering import local_groups, lower_program, p2p_rules
 from funcpipe.pipeline.microbatch import split, split_targets
 from funcpipe.pipeline.rank_inputs import param_leaves, split_batch, to_device
@@ -32,8 +33,7 @@ from funcpipe.pipeline.result import (
     stage_grads,
 )
 from funcpipe.runtime.drive import drive, drive_local
-from funcpipe.runtime.interpreter import RankInputs, RankResult, run_rank
-from funcpipe.runtime.loss_terms import scale_grads
+from funcpipe.runtime.interpreter import RankInputs, run_rank
 from funcpipe.runtime.transport import LocalWorld
 from funcpipe.schedule.ir import Op, Program
 from funcpipe.schedule.p2p import PAIR
@@ -93,6 +93,9 @@ class Pipeline:
             Default: on when the environment sets ``FUNCPIPE_DEBUG=1``. Costs one reduction per
             tensor.
         device: where received tensors are placed (default: where the params are).
+        zero: ``1`` shards parameters and gradients over the data-parallel copies (ZeRO-1,
+            :mod:`funcpipe.pipeline.zero`): :meth:`shard` params once, then ``step`` takes and
+            returns shards, and :meth:`gather` rebuilds full params. Default ``0``.
         grad_dtype: sum the gradients of lower-precision floating parameters (bf16, float16)
             in this dtype across microbatches and return them in it (``torch.float32``: what
             mixed-precision training wants; see docs/pipeline.md). The stage still computes
@@ -134,6 +137,7 @@ class Pipeline:
         check_finite: bool | None = None,
         device: torch.device | str | None = None,
         grad_dtype: torch.dtype | None = None,
+        zero: int = 0,
     ) -> None:
         checked = _validate.arguments(
             stages,
@@ -170,14 +174,17 @@ class Pipeline:
 
             check_finite = os.environ.get("FUNCPIPE_DEBUG", "") not in ("", "0")
         self.check_finite = bool(check_finite)
-        copies = _world.sizes(schedule.n_ranks, mesh)[0] if transport == "dist" else 1
+        copies = _world.sizes(schedule.n_ranks, mesh)[0] if transport == "dist" else data
+        self.zero = _zero.check_zero(zero, copies)
+        self._full: tuple[Any, ...] | None = None  # the full params' shapes (zero: shard())
         self.program = lower_program(
             schedule,
             recompute=recompute,
             ties=self.ties,
-            data_parallel=data > 1 or copies > 1,
+            data_parallel=copies > 1,
             p2p=self._p2p_rules(),
             layout=self.p2p_layout,
+            zero=self.zero,
         )
         self.recompute = frozenset(i.stage for r in self.program.ranks for i in r if i.op is Op.R)
         # shape inference per microbatch signature, most recently used last (bounded: a batch
@@ -190,7 +197,7 @@ class Pipeline:
         self.data_size, self.tensor_size = 1, 1
         if transport == "dist":
             # before join: ranks holding different programs would create different groups
-            _agreement.program_agreement(self._summary(mesh))
+            _agreement.program_agreement(_agreement.summary(self, mesh))
             self._world = _world.join(
                 self.program, mesh=mesh, scatter_gather=self.scatter_gather, device=self.device
             )
@@ -220,22 +227,6 @@ class Pipeline:
         self.close()
 
     # ------------------------------------------------------------------ program
-    def _summary(self, mesh: Any) -> str:
-        """What every process must agree on: the options that shape the step, then the
-        lowered program's text."""
-        sizes = (
-            None if mesh is None else (mesh.config.pipeline, mesh.config.data, mesh.config.tensor)
-        )
-        head = [
-            f"stages {len(self.stages)}",  # not their names: a rank may hold only its own
-            f"loss_fn {self.loss_fn is not None} metric_fn {self.metric_fn is not None}",
-            f"ties {sorted((k, repr(v)) for k, v in self.ties.items())}",
-            f"side_inputs {sorted(self.side_inputs.items())}",
-            f"recompute {sorted(self.recompute)} grad_dtype {self.grad_dtype}",
-            f"mesh {sizes} scatter_gather {self.scatter_gather} dim {self.dim!r}",
-        ]
-        return "\n".join([*head, self.program.to_text()])
-
     @property
     def p2p(self) -> str:
         """The point-to-point rules this pipeline's program is checked and simulated under
@@ -291,15 +282,22 @@ class Pipeline:
             )
         training = self.program.training
         _validate.autograd_context(training)
-        params = self._check_params(params)
+        shards, zin = params, None  # zero: (every copy's full leaves to gather into, pieces)
+        if self.zero:
+            zin = _zero.pipe_unshard(self, params)
+            params = zin[0][0]
+        else:
+            params = self._check_params(params)
         scale = _validate.step_loss_scale(loss_scale)
-        self._check_step(params, batch, targets)
+        self._check_step(params, batch, targets, shards if self.zero else params)
         explicit, seed = seed is not None, _validate.step_seed(seed, training)
         # like reference_step: a step inside torch.no_grad() still computes true gradients
         with torch.enable_grad() if training else contextlib.nullcontext():
-            return self._step(params, batch, targets, return_outputs, trace, scale, seed, explicit)
+            return self._step(
+                params, batch, targets, return_outputs, trace, scale, seed, explicit, zin
+            )
 
-    def _check_step(self, params: tuple[Any, ...], batch: Any, targets: Any) -> None:
+    def _check_step(self, params: tuple[Any, ...], batch: Any, targets: Any, held: Any) -> None:
         """Checks of a step's arguments before any work (:mod:`funcpipe.pipeline.checks`); those that
         walk every parameter run on the first step only."""
         training = self.program.training
@@ -311,7 +309,12 @@ class Pipeline:
             }
             _validate.shared_storage(params, tied)
             if self._world is not None:
-                self._ties_agree(params)
+                # every copy of a tied parameter holds one value (collective); zero: copies
+                # hold other pieces, compared within a copy and tensor coordinate
+                copies = _agreement.tie_copies(self.program, self.rank, self.ties, held)
+                _agreement.tie_agreement(
+                    copies, self.tensor_size * (self.data_size if self.zero else 1)
+                )
             if training:
                 for k, p in enumerate(params):
                     _validate.inference_tensors(p, f"params[{k}]")
@@ -325,12 +328,6 @@ class Pipeline:
         if self.loss_fn is not None:
             _validate.loss_targets(self._loss_arity, self.loss_fn, targets is not None, training)
 
-    def _ties_agree(self, params: tuple[Any, ...]) -> None:
-        """Over processes, at the first step: every copy of a tied parameter holds one value
-        (:func:`funcpipe.pipeline.agreement.tie_agreement`; collective)."""
-        copies = _agreement.tie_copies(self.program, self.rank, self.ties, params)
-        _agreement.tie_agreement(copies, self.tensor_size)
-
     def _step(
         self,
         params: tuple[Any, ...],
@@ -341,13 +338,16 @@ class Pipeline:
         scale: float | Tensor,
         seed: int | None = None,
         explicit: bool = False,
+        zin: Any = None,
     ) -> StepResult:
         program = self.program
         m = program.microbatches
         if self._world is None:
-            return self._step_local(params, batch, targets, return_outputs, trace, scale, seed)
+            return self._step_local(params, batch, targets, return_outputs, trace, scale, seed, zin)
         entry, side, tgt, layouts, seed = self._microbatches(params, batch, targets, seed, explicit)
         x = self._rank_inputs(self.rank, params, entry, side, tgt, layouts, return_outputs)
+        if zin is not None:
+            x.shards, x.copy = zin[1][0], self._world.copy
         x.data_size = self.data_size
         x.seed, x.microbatch_offset = seed, self._world.copy * m
         x.trace = trace
@@ -364,7 +364,7 @@ class Pipeline:
             has_loss=self.loss_fn is not None,
             has_metric=self.metric_fn is not None,
         )
-        grads = self._grads(params, [result], factor)
+        grads = stage_grads(self.program, params, [result], factor)
         outputs = merged_outputs(program, [result]) if return_outputs else None
         step = StepResult(loss, grads, metric, outputs)
         step.peak_activations = {self.rank: result.peak_activations}
@@ -382,9 +382,11 @@ class Pipeline:
         trace: bool,
         scale: float | Tensor,
         seed: int | None = None,
+        zin: Any = None,
     ) -> StepResult:
         program = self.program
         n, m = program.n_ranks, program.microbatches
+        per_copy = zin[0] if zin is not None else [params] * self.data
         if self.data > 1:
             _validate.data_shares(batch, self.dim, self.data, m)
         shards = split(batch, self.data, dim=self.dim) if self.data > 1 else [batch]
@@ -403,7 +405,9 @@ class Pipeline:
             entry, side, tgt, layouts, _ = self._microbatches(params, shards[d], tshards[d])
             ranks = [d * n + k for k in range(n)]
             for r in range(n):
-                x = self._rank_inputs(r, params, entry, side, tgt, layouts, return_outputs)
+                x = self._rank_inputs(r, per_copy[d], entry, side, tgt, layouts, return_outputs)
+                if zin is not None:
+                    x.shards, x.copy = zin[1][d], d
                 x.trace = trace
                 x.loss_scale = scale
                 x.seed, x.microbatch_offset = seed, d * m
@@ -413,7 +417,12 @@ class Pipeline:
         results = drive_local(gens, world=world)
         per_rank = [results[r] for r in range(n)]  # replica 0 answers
         loss, metric, factor = local_scalars(list(results.values()), m, self.data)
-        grads = self._grads(params, per_rank, factor)
+        grads: Any = stage_grads(program, params, per_rank, factor)
+        if zin is not None:  # every copy's gradient shards
+            grads = [
+                stage_grads(program, per_copy[d], [results[d * n + r] for r in range(n)], factor)
+                for d in range(self.data)
+            ]
         out = StepResult(
             loss, grads, metric, merged_outputs(program, per_rank) if return_outputs else None
         )
@@ -421,6 +430,23 @@ class Pipeline:
         if trace:
             out.timeline = executed_timeline(program, [res.times for res in per_rank])
         return out
+
+    # ------------------------------------------------------------------ sharded (zero=1)
+    def shard(self, params: Sequence[Any]) -> Any:
+        """``params`` cut into shards for ``zero=1`` (no communication;
+        :mod:`funcpipe.pipeline.zero`): over processes this process's, per stage a pytree of
+        1-D pieces (stages it does not hold may be meta tensors); in one process a list of
+        every copy's. The pipeline keeps the full shapes, which its steps rebuild."""
+        if not self.zero:
+            raise InvalidArgument("shard(params) is for Pipeline(zero=1); pass params to step")
+        params = self._check_params(params)
+        self._full = _zero.full_meta(params)
+        return _zero.pipe_shard(self, params)
+
+    def gather(self, shards: Any) -> tuple[Any, ...]:
+        """Full params from ``zero=1`` shards: over processes a collective of every process
+        (``None`` for the stages this one does not hold); in one process from every copy's."""
+        return _zero.pipe_gather(self, shards)
 
     @property
     def bytes_sent(self) -> int:
@@ -571,11 +597,3 @@ class Pipeline:
             data_size=self.data,
             casts=casts,
         )
-
-    def _grads(
-        self, params: tuple[Any, ...], results: Sequence[RankResult], factor: float | None = None
-    ) -> tuple[Any, ...]:
-        grads = stage_grads(self.program, params, results)
-        if factor is not None and self.program.training:  # a (sum, count) loss: loss_terms
-            scale_grads(grads, factor)
-        return grads

@@ -14,7 +14,7 @@ import torch
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline.microbatch import merge
 from funcpipe.runtime.interpreter import RankResult
-from funcpipe.runtime.loss_terms import count_factor
+from funcpipe.runtime.loss_terms import count_factor, scale_grads
 from funcpipe.runtime.rank_io import SCALARS
 from funcpipe.schedule.ir import Program
 from funcpipe.schedule.simulate import Event, Timeline
@@ -61,10 +61,14 @@ class StepResult(tuple[Any, Any]):
 
 
 def stage_grads(
-    program: Program, params: tuple[Any, ...], results: Sequence[RankResult]
+    program: Program,
+    params: tuple[Any, ...],
+    results: Sequence[RankResult],
+    factor: float | None = None,
 ) -> tuple[Any, ...]:
     """One gradient pytree per stage, shaped like its params, from the first rank result that
-    holds it (``None`` for a stage none holds; all ``None`` for an eval program)."""
+    holds it (``None`` for a stage none holds; all ``None`` for an eval program), multiplied
+    by ``factor`` where one is given (a ``(sum, count)`` loss: :mod:`funcpipe.runtime.loss_terms`)."""
     if not program.training:
         return tuple(None for _ in params)
     found: dict[int, list[Tensor]] = {}
@@ -78,6 +82,8 @@ def stage_grads(
             out.append(tree_unflatten(tree, found[o]))
         else:
             out.append(None)
+    if factor is not None:
+        scale_grads(out, factor)
     return tuple(out)
 
 

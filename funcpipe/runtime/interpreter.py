@@ -31,6 +31,7 @@ from funcpipe.errors import InvalidArgument, NonFiniteError
 from funcpipe.runtime import autodiff
 from funcpipe.runtime.clock import step_clock
 from funcpipe.runtime.rank_io import SCALARS, RankInputs, RankResult
+from funcpipe.runtime.shards import gather_pieces, own_pieces, scatter_grads
 from funcpipe.runtime.stage_call import stage_fn
 from funcpipe.runtime.transport_common import P2P, RECV, SEND, Handle, Transport
 from funcpipe.schedule.check import in_program
@@ -98,6 +99,10 @@ class _Rank:
             for o, leaves in self.leaves.items()
         }
         self.shared: set[tuple[int, int]] = set()
+        # sharded owners (GATHER/SCATTER): the all-gather of each owner's parameters in flight,
+        # and this copy's pieces of the averaged gradients once SCATTERed
+        self.gathering: dict[int, _Pending] = {}
+        self.pieces: dict[int, list[Tensor | None]] = {}
         self.nodes: dict[int, dict[Any, int]] = {}  # owner -> autodiff.param_nodes (for I)
         # receives posted and not yet read: message key -> (handle, what to do once in)
         self.incoming: dict[Any, tuple[Handle, Callable[[], None] | None]] = {}
@@ -139,7 +144,7 @@ class _Rank:
         if not p.consumers(s):
             extras = len(flat) - len(self.spec(s, m).leaves)
             if x.loss_fn is not None and extras > 0:
-                self._add_loss(flat[:extras])
+                self.result.add_loss(flat[:extras], self.x.metric_fn is not None, self.x.rank)
                 flat = flat[extras:]
             if x.keep_outputs:
                 self.result.outputs[m] = rebuild(self.spec(s, m), [t.detach() for t in flat])
@@ -149,33 +154,6 @@ class _Rank:
                 self.acts[(s, c, m)] = flat
             else:
                 self.to_send[(ACT, s, c, m)] = flat
-
-    def _add_loss(self, extras: list[Tensor]) -> None:
-        """Add one sink microbatch's loss (``[loss, count?, metric?]``, as
-        :func:`funcpipe.runtime.stage_call.stage_fn` returns them) into this rank's sums."""
-        res = self.result
-        loss = extras[0].detach()
-        res.loss_sum = loss if res.loss_sum is None else res.loss_sum + loss
-        res.loss_items += 1
-        counted = len(extras) - (2 if self.x.metric_fn is not None else 1) == 1
-        if counted:
-            c = extras[1]
-            res.count_sum = c if res.count_sum is None else res.count_sum + c
-            res.counted_items += 1
-        if res.counted_items not in (0, res.loss_items):
-            raise InvalidArgument(
-                f"loss_fn returned a (sum, count) pair for some microbatches and a scalar for "
-                f"others on rank {self.x.rank}; return one kind for every microbatch."
-            )
-        if self.x.metric_fn is not None:
-            mv = extras[-1]
-            if res.metric_sum is not None and res.metric_sum.shape != mv.shape:
-                raise InvalidArgument(
-                    f"metric_fn returned a (sum, count) pair for some microbatches and a "
-                    f"scalar for others on rank {self.x.rank}; return one kind for every "
-                    "microbatch."
-                )
-            res.metric_sum = mv if res.metric_sum is None else res.metric_sum + mv
 
     def _route_input_grads(self, s: int, m: int, grads: list[Tensor | None]) -> None:
         p = self.p
@@ -422,13 +400,17 @@ class _Rank:
                 total: Tensor = total,
                 leaves: dict[int, list[Tensor]] = self.leaves,
                 shared: set[tuple[int, int]] = self.shared,
+                pieces: dict[int, list[Tensor | None]] = self.pieces,
             ) -> None:
                 for o, k in local:
+                    if o in pieces:  # SCATTERed: the tie sums this copy's pieces
+                        pieces[o][k] = total
+                        continue
                     leaves[o][k].grad = total
                     if len(local) > 1:
                         shared.add((o, k))  # one tensor for the tied leaves now
 
-            self._reduce([total], group, assign, {o for o, _ in local})
+            self._reduce(self.t.all_reduce([total], group), assign, {o for o, _ in local})
             return
         owner = self.owner[i.stage]
         keys = [
@@ -441,7 +423,7 @@ class _Rank:
         # the transport buckets them in this order
         diff = [t for t in reversed(leaves) if t.is_floating_point() or t.is_complex()]
         if in_program(group) or x.data_size == 1:
-            self._reduce(diff, group, lambda: None, {owner})
+            self._reduce(self.t.all_reduce(diff, group), lambda: None, {owner})
             return
         scale = 1.0 / x.data_size
 
@@ -449,7 +431,7 @@ class _Rank:
             for t in diff:
                 t.mul_(scale)
 
-        self._reduce(diff, group, average, {owner})
+        self._reduce(self.t.all_reduce(diff, group), average, {owner})
 
     def _post_scalars(self, group: str) -> None:
         """Start reducing this rank's loss and metric sums (final once its sink forwards ran):
@@ -473,8 +455,12 @@ class _Rank:
 
     def _grad_leaf(self, key: tuple[int, int]) -> Tensor:
         """The gradient sum of leaf ``k`` of ``o``, contiguous and its own (reductions write
-        into it)."""
+        into it); of a SCATTERed owner, this copy's piece of it."""
         o, k = key
+        if o in self.pieces:
+            piece = self.pieces[o][k]
+            assert piece is not None  # (set when its SCATTER finished, settled before this)
+            return piece
         leaf = self.leaves[o][k]
         g = leaf.grad
         if g is None:
@@ -484,10 +470,35 @@ class _Rank:
             self.shared.discard(key)
         return g
 
-    def _reduce(
-        self, tensors: list[Tensor], group: str, done: Callable[[], None], owners: set[int]
-    ) -> None:
-        pending = _Pending(self.t.all_reduce(tensors, group), done)
+    def gather(self, i: Instr) -> None:
+        """Start GATHER ``i`` (pieces to full leaves); the stage's first F or R waits for it."""
+        x, o = self.x, self.owner[i.stage]
+        h, done = gather_pieces(self.t, x.shards[o], self.leaves[o], x.data_size, x.copy, i.group)
+        pending = _Pending(h, done)
+        self.reductions.append(pending)
+        self.gathering[o] = pending
+
+    def _gathered(self, s: int) -> Generator[Handle, None, None]:
+        o = self.owner[s]
+        if (pending := self.gathering.pop(o, None)) is not None:
+            yield from pending.finish()
+            if (casts := self.x.casts.get(o)) is not None:  # compute copies of gathered values
+                self.compute[o] = _compute_leaves(self.leaves[o], casts)
+
+    def scatter(self, i: Instr) -> None:
+        """Start SCATTER ``i``: reduce-scatter the stage's gradient sums, averaged over the
+        copies; this copy keeps its pieces (:attr:`pieces`) and lets go of the full sums."""
+        x, o = self.x, self.owner[i.stage]
+        leaves = self.leaves[o]
+        grads = [self._grad_leaf((o, k)) for k in range(len(leaves))]
+        h, done, pieces = scatter_grads(self.t, grads, x.data_size, x.copy, i.group)
+        self.pieces[o] = pieces
+        for t in leaves:
+            t.grad = None
+        self._reduce(h, done, {o})
+
+    def _reduce(self, h: Handle, done: Callable[[], None], owners: set[int]) -> None:
+        pending = _Pending(h, done)
         self.reductions.append(pending)
         for o in owners:
             self.inflight.setdefault(o, []).append(pending)
@@ -509,6 +520,8 @@ class _Rank:
         for t, i in enumerate(instrs):
             op = i.op
             if op in COMPUTE_OPS:  # (its start is after its inputs are in)
+                if self.gathering and (op is Op.F or op is Op.R):  # its GATHER first
+                    yield from self._gathered(i.stage)
                 yield from self.inputs_in(i)
             if trace is not None:
                 trace.append(stamp())
@@ -528,10 +541,12 @@ class _Rank:
                 self.post([instrs[k] for k in group_of[t]])
             elif op is Op.R:
                 self.recompute(i)
-            elif op is Op.REDUCE:
+            elif op is Op.REDUCE or op is Op.SCATTER:
                 if self.inflight:  # a tie or replica sum reads what earlier reductions wrote
                     yield from self._settle(list(self.inflight))
-                self.reduce(i)
+                (self.reduce if op is Op.REDUCE else self.scatter)(i)
+            elif op is Op.GATHER:
+                self.gather(i)
             if trace is not None:
                 trace.append(stamp())
         if x.scalars_group is not None:
@@ -554,7 +569,10 @@ class _Rank:
         if trace is not None:  # (CUDA: waits for the step's work)
             self.result.times = clock.resolve(trace)
         for o, leaves in self.leaves.items():
-            self.result.grads[o] = [_take_grad(t) for t in leaves]
+            if o in x.shards:  # sharded: this copy's pieces (zeros where none were SCATTERed)
+                self.result.grads[o] = own_pieces(self.pieces.get(o), leaves, x.data_size, x.copy)
+            else:
+                self.result.grads[o] = [_take_grad(t) for t in leaves]
         return self.result
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from funcpipe.errors import InvalidArgument
 from funcpipe.runtime.transport_common import Handle
 from funcpipe.schedule.ir import Program
 from funcpipe.stages.boundaries import BoundarySpecs
@@ -62,6 +63,12 @@ class RankInputs:
     # microbatch in the whole batch (copy c of M microbatches each: c * M)
     seed: int | None = None
     microbatch_offset: int = 0
+    # sharded data parallelism (ZeRO-1, GATHER/SCATTER): owner stage -> this copy's pieces of
+    # its parameter leaves (funcpipe.runtime.shards); ``params`` then holds full leaves to
+    # gather into, and the owner's gradients come back as pieces. ``copy``: this rank's
+    # position in its data group (the piece it holds)
+    shards: Mapping[int, Sequence[Tensor]] = field(default_factory=dict)
+    copy: int = 0
 
 
 # where each scalar of a step's one float64 reduction sits (summed over every rank)
@@ -83,10 +90,36 @@ class RankResult:
     count_sum: Tensor | None = None  # float64: sum of the counts of (sum, count) losses
     loss_items: int = 0  # sink microbatches with a loss on this rank
     counted_items: int = 0  # of those, the ones whose loss came as (sum, count)
-    grads: dict[int, list[Tensor]] = field(default_factory=dict)  # owner stage -> flat grads
+    # owner stage -> flat grads (sharded owners: this copy's pieces of the averaged gradients)
+    grads: dict[int, list[Tensor]] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)  # microbatch -> sink outputs
     peak_activations: int = 0  # most (stage, microbatch) activations alive at once
     # with trace: start, end of each instruction, perf_counter seconds (CUDA: from events)
     times: list[float] = field(default_factory=list)
     # with RankInputs.scalars_group: (float64 buffer laid out as SCALARS, its reduction)
     scalars: tuple[Tensor, Handle] | None = None
+
+    def add_loss(self, extras: Sequence[Tensor], has_metric: bool, rank: int) -> None:
+        """Add one sink microbatch's loss (``[loss, count?, metric?]``, as
+        :func:`funcpipe.runtime.stage_call.stage_fn` returns them) into these sums."""
+        loss = extras[0].detach()
+        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+        self.loss_items += 1
+        if len(extras) - (2 if has_metric else 1) == 1:  # counted
+            c = extras[1]
+            self.count_sum = c if self.count_sum is None else self.count_sum + c
+            self.counted_items += 1
+        if self.counted_items not in (0, self.loss_items):
+            raise InvalidArgument(
+                f"loss_fn returned a (sum, count) pair for some microbatches and a scalar for "
+                f"others on rank {rank}; return one kind for every microbatch."
+            )
+        if has_metric:
+            mv = extras[-1]
+            if self.metric_sum is not None and self.metric_sum.shape != mv.shape:
+                raise InvalidArgument(
+                    f"metric_fn returned a (sum, count) pair for some microbatches and a "
+                    f"scalar for others on rank {rank}; return one kind for every "
+                    "microbatch."
+                )
+            self.metric_sum = mv if self.metric_sum is None else self.metric_sum + mv

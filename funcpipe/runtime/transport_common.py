@@ -85,6 +85,14 @@ class Transport(Protocol):
 
     def all_reduce(self, tensors: Sequence[Tensor], group: str) -> Handle: ...
 
+    def reduce_scatter(
+        self, inputs: Sequence[Tensor], outputs: Sequence[Tensor], group: str
+    ) -> Handle: ...
+
+    def all_gather(
+        self, inputs: Sequence[Tensor], outputs: Sequence[Tensor], group: str
+    ) -> Handle: ...
+
     def finish(self) -> None: ...
 
 

@@ -381,6 +381,50 @@ class DistTransport(_Counters):
             return done  # reduced in place
         return _Unflatten(done, parts)
 
+    def reduce_scatter(
+        self, inputs: Sequence[Tensor], outputs: Sequence[Tensor], group: str
+    ) -> Handle:
+        """One reduce-scatter (sum) per pair: ``outputs[k]`` gets the group's sum of the slice
+        of ``inputs[k]`` at this rank's position in the group."""
+        return self._pairs("reduce_scatter", inputs, outputs, group)
+
+    def all_gather(self, inputs: Sequence[Tensor], outputs: Sequence[Tensor], group: str) -> Handle:
+        """One all-gather per pair: ``outputs[k]`` gets every member's ``inputs[k]`` in group
+        order."""
+        return self._pairs("all_gather", inputs, outputs, group)
+
+    def _pairs(
+        self, kind: str, inputs: Sequence[Tensor], outputs: Sequence[Tensor], group: str
+    ) -> Handle:
+        self.held.reap()
+        pg = self.groups.get(group)
+        if pg is None:  # a group of one
+            for a, b in zip(inputs, outputs, strict=True):
+                b.copy_(a.view(b.shape))
+            return DONE
+        d = self.dist
+        what = f"rank {self.rank}: {'SCATTER' if kind == 'reduce_scatter' else 'GATHER'} over {group!r}"
+        if kind == "reduce_scatter" and d.get_backend(pg) == "gloo":
+            # gloo's reduce-scatter completes only inside wait() (is_completed() stays False
+            # until then, torch 2.13), which polling (the strict transport's) never reaches:
+            # an all-reduce of the buffer, keeping this rank's slice, completes on its own
+            # (twice the bytes, on the CPU backend)
+            sums = [d.all_reduce(a, group=pg, async_op=True) for a in inputs]
+            got = self._strict(_Works(sums, what, self.on_error), sums)
+            return _Slices(got, inputs, outputs, d.get_rank(pg))
+        # (torch 2.13 names them *_single; older ones *_tensor)
+        if kind == "reduce_scatter":
+            fn = getattr(d, "reduce_scatter_single", None) or d.reduce_scatter_tensor
+        else:
+            fn = getattr(d, "all_gather_single", None) or d.all_gather_into_tensor
+        works = [fn(b, a, group=pg, async_op=True) for a, b in zip(inputs, outputs, strict=True)]
+        return self._strict(_Works(works, what, self.on_error), works)
+
+    def _strict(self, done: Handle, works: Sequence[Any]) -> Handle:
+        if self.strict is None:
+            return done
+        return _StrictCollective(done, works, self.strict, self._pump())
+
     def finish(self) -> None:
         """Wait for this step's sends (a rank's last sends may still be in flight)."""
         if self.strict is not None:
@@ -427,6 +471,32 @@ class _Unflatten:
         for b in self.parts:
             b.unflatten()
         self.parts = []  # done; the buffers are freed
+
+
+class _Slices:
+    """A reduce-scatter done as an all-reduce: once it is complete, this rank's slice of each
+    summed input is copied into its output (once)."""
+
+    def __init__(
+        self, inner: Handle, inputs: Sequence[Tensor], outputs: Sequence[Tensor], me: int
+    ) -> None:
+        self.inner, self.pairs, self.me = inner, list(zip(inputs, outputs, strict=True)), me
+
+    def ready(self) -> bool:
+        if not self.inner.ready():
+            return False
+        self._copy()
+        return True
+
+    def wait(self) -> None:
+        self.inner.wait()
+        self._copy()
+
+    def _copy(self) -> None:
+        for a, b in self.pairs:
+            w = b.numel()
+            b.copy_(a[self.me * w : (self.me + 1) * w].view(b.shape))
+        self.pairs = []
 
 
 class _StrictCollective:

@@ -80,8 +80,9 @@ class LocalWorld:
                 for r in ranks:
                     members[r] = tuple(ranks)
             self.groups[name] = members
-        # (group, members) -> contributions of the collective being assembled
-        self.pending: dict[tuple[str, tuple[int, ...]], list[_Contribution]] = {}
+        # (group, members, call number) -> contributions of the collective being assembled
+        self.pending: dict[tuple[str, tuple[int, ...], int], list[_Contribution]] = {}
+        self.calls: dict[tuple[str, int], int] = {}  # (group, world rank) -> calls so far
         # world rank -> its collectives not yet complete (for device_sync)
         self.collectives: dict[int, list[_Contribution]] = {}
         # set by drive_local while it runs: (run every rank that can go on until it waits, the
@@ -213,9 +214,12 @@ class _LocalMessage:
 
 
 class _Contribution:
-    def __init__(self, rank: int, tensors: Sequence[Tensor]) -> None:
+    def __init__(
+        self, rank: int, tensors: Sequence[Tensor], outputs: Sequence[Tensor] = ()
+    ) -> None:
         self.rank = rank
         self.tensors = list(tensors)
+        self.outputs = list(outputs)
         self.done = False
 
     def ready(self) -> bool:
@@ -323,24 +327,72 @@ class LocalTransport(_Counters):
         return handles
 
     def all_reduce(self, tensors: Sequence[Tensor], group: str) -> Handle:
+        def total(parts: list[_Contribution]) -> None:
+            for i in range(len(parts[0].tensors)):
+                t = parts[0].tensors[i].clone()
+                for c in parts[1:]:
+                    t += c.tensors[i].to(t.device)
+                for c in parts:
+                    c.tensors[i].copy_(t)
+
+        return self._collective(group, tensors, (), total)
+
+    def reduce_scatter(
+        self, inputs: Sequence[Tensor], outputs: Sequence[Tensor], group: str
+    ) -> Handle:
+        """Member ``c`` of the group (in rank order) gets in ``outputs[k]`` the sum over the
+        members of their ``inputs[k]``'s ``c``-th slice of ``outputs[k].numel()`` elements."""
+
+        def scatter(parts: list[_Contribution]) -> None:
+            for k in range(len(parts[0].tensors)):
+                w = parts[0].outputs[k].numel()
+                for c, mine in enumerate(parts):
+                    t = parts[0].tensors[k][c * w : (c + 1) * w].clone()
+                    for q in parts[1:]:
+                        t += q.tensors[k][c * w : (c + 1) * w].to(t.device)
+                    mine.outputs[k].copy_(t)
+
+        return self._collective(group, inputs, outputs, scatter)
+
+    def all_gather(self, inputs: Sequence[Tensor], outputs: Sequence[Tensor], group: str) -> Handle:
+        """Every member gets in ``outputs[k]`` the members' ``inputs[k]`` one after the other
+        (in rank order)."""
+
+        def gather(parts: list[_Contribution]) -> None:
+            for k in range(len(parts[0].tensors)):
+                whole = torch.cat([q.tensors[k].reshape(-1) for q in parts])
+                for q in parts:
+                    q.outputs[k].copy_(whole.to(q.outputs[k].device).view(q.outputs[k].shape))
+
+        return self._collective(group, inputs, outputs, gather)
+
+    def _collective(
+        self,
+        group: str,
+        tensors: Sequence[Tensor],
+        outputs: Sequence[Tensor],
+        complete: Callable[[list[_Contribution]], None],
+    ) -> Handle:
+        """This rank's part in its next collective over ``group``: the ``n``-th call of each
+        member meets the others' ``n``-th (as NCCL matches one communicator's calls in issue
+        order), completed by ``complete`` (over the parts in rank order) once all are in."""
         self.held.reap()
         members = self.world.members(group, self.me)
+        me = _Contribution(self.me, tensors, outputs)
         if len(members) == 1:
+            if outputs:  # (an all-reduce of one is a no-op)
+                complete([me])
             return DONE
-        key = (group, members)
+        n = self.world.calls.get((group, self.me), 0)
+        self.world.calls[(group, self.me)] = n + 1
+        key = (group, members, n)
         parts = self.world.pending.setdefault(key, [])
-        me = _Contribution(self.me, tensors)
         parts.append(me)
         self.world.collectives.setdefault(self.me, []).append(me)
         if len(parts) == len(members):
             del self.world.pending[key]
             parts.sort(key=lambda c: c.rank)  # a fixed order: deterministic sums
-            for i in range(len(me.tensors)):
-                total = parts[0].tensors[i].clone()
-                for c in parts[1:]:
-                    total += c.tensors[i].to(total.device)
-                for c in parts:
-                    c.tensors[i].copy_(total)
+            complete(parts)
             for c in parts:
                 c.done = True
         return me

@@ -37,11 +37,13 @@ from funcpipe.schedule.ir import (
     backward_input,
     backward_weight,
     forward,
+    gather,
     parse_instr,
     parse_program,
     recompute,
     recv,
     reduce,
+    scatter,
     send,
 )
 from funcpipe.schedule.passes import (
@@ -63,6 +65,7 @@ from funcpipe.schedule.simulate import (
     peak_memory,
     simulate,
 )
+from funcpipe.schedule.zero import shard_data
 
 __all__ = [
     "CONSTRAINTS",
@@ -92,6 +95,7 @@ __all__ = [
     "dualpipe_v",
     "forward",
     "forward_only",
+    "gather",
     "generate",
     "gpipe",
     "interleaved_1f1b",
@@ -109,7 +113,9 @@ __all__ = [
     "recompute",
     "recv",
     "reduce",
+    "scatter",
     "send",
+    "shard_data",
     "simulate",
     "split_backward",
     "strip_communication",

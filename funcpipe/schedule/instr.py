@@ -19,6 +19,7 @@ from funcpipe.errors import ScheduleError
 __all__ = [
     "ACT",
     "BACKWARD_OPS",
+    "COLLECTIVE_OPS",
     "COMM_OPS",
     "COMPUTE_OPS",
     "GRAD",
@@ -28,12 +29,14 @@ __all__ = [
     "backward_input",
     "backward_weight",
     "forward",
+    "gather",
     "groups",
     "keep_groups",
     "parse_instr",
     "recompute",
     "recv",
     "reduce",
+    "scatter",
     "send",
 ]
 
@@ -49,6 +52,8 @@ class Op(str, enum.Enum):
     SEND = "SEND"
     RECV = "RECV"
     REDUCE = "REDUCE"
+    SCATTER = "SCATTER"  # reduce-scatter (average) a stage's gradients into shards (ZeRO)
+    GATHER = "GATHER"  # all-gather a stage's parameter shards into full parameters (ZeRO)
 
     def __repr__(self) -> str:
         return f"Op.{self.name}"
@@ -57,6 +62,7 @@ class Op(str, enum.Enum):
 COMPUTE_OPS = frozenset({Op.F, Op.B, Op.I, Op.W, Op.R})
 BACKWARD_OPS = frozenset({Op.B, Op.I})  # the ops that produce input gradients
 COMM_OPS = frozenset({Op.SEND, Op.RECV})
+COLLECTIVE_OPS = frozenset({Op.REDUCE, Op.SCATTER, Op.GATHER})  # over a named group
 ACT = "act"
 GRAD = "grad"
 
@@ -67,7 +73,8 @@ class Instr:
 
     ``stage`` is always a stage held by the rank that runs the instruction. For SEND/RECV,
     ``other`` is the stage at the far end of the edge, ``peer`` the rank holding it and ``kind``
-    ``"act"`` (forward activation) or ``"grad"`` (its gradient). REDUCE uses ``group``.
+    ``"act"`` (forward activation) or ``"grad"`` (its gradient). REDUCE, SCATTER and GATHER
+    use ``group``.
     ``joined`` (SEND/RECV only) posts the instruction in one group with the one before it.
     """
 
@@ -89,7 +96,7 @@ class Instr:
             if self.joined is not True and self.joined is not False:
                 fix(self, "joined", bool(self.joined))
             return
-        if self.op is Op.REDUCE:
+        if self.op in COLLECTIVE_OPS:
             blank = {"microbatch": -1, "kind": "", "other": -1, "peer": -1, "joined": False}
         else:
             blank = {"kind": "", "other": -1, "peer": -1, "group": "", "joined": False}
@@ -113,8 +120,8 @@ class Instr:
     def __str__(self) -> str:
         if self.op in COMPUTE_OPS:
             return f"{self.op.value} s{self.stage} m{self.microbatch}"
-        if self.op is Op.REDUCE:
-            return f"REDUCE s{self.stage} {self.group}"
+        if self.op in COLLECTIVE_OPS:
+            return f"{self.op.value} s{self.stage} {self.group}"
         p, c = self.edge
         direction = "to" if self.op is Op.SEND else "from"
         joined = "+ " if self.joined else ""
@@ -189,14 +196,27 @@ def reduce(stage: int, group: str) -> Instr:
     return Instr(Op.REDUCE, stage, group=group)
 
 
+def scatter(stage: int, group: str) -> Instr:
+    """SCATTER the gradients of ``stage`` over ``group`` (``data``): reduce-scatter them,
+    averaged, so that each data-parallel copy keeps its shard (ZeRO-1; see
+    :mod:`funcpipe.schedule.zero`)."""
+    return Instr(Op.SCATTER, stage, group=group)
+
+
+def gather(stage: int, group: str) -> Instr:
+    """GATHER the parameters of ``stage`` over ``group`` (``data``): all-gather every copy's
+    shards into the full parameters the stage computes with (ZeRO-1)."""
+    return Instr(Op.GATHER, stage, group=group)
+
+
 _COMPUTE_RE = re.compile(r"([FBIWR])\s+s(\d+)\s+m(\d+)")
 _COMM_RE = re.compile(
     r"(\+\s*)?(SEND|RECV)\s+(act|grad)\s+s(\d+)\s*>\s*s(\d+)\s+m(\d+)\s+(to|from)\s+r(\d+)"
 )
-_REDUCE_RE = re.compile(r"REDUCE\s+s(\d+)\s+([A-Za-z_][\w:.\-]*)")
+_REDUCE_RE = re.compile(r"(REDUCE|SCATTER|GATHER)\s+s(\d+)\s+([A-Za-z_][\w:.\-]*)")
 _INSTR_FORMS = (
     "'F s0 m1' (also B, I, W, R), 'SEND act s0>s1 m1 to r1', 'RECV grad s0>s1 m1 from r1', "
-    "'REDUCE s0 data', and '+ ' before a SEND/RECV that joins the group of the one before it"
+    "'REDUCE s0 data' (also SCATTER, GATHER), and '+ ' before a SEND/RECV that joins the group of the one before it"
 )
 
 
@@ -221,7 +241,7 @@ def parse_instr(text: str) -> Instr:
                 f"write {rest!r} without the '+'"
             )
     if m := _REDUCE_RE.fullmatch(t):
-        return reduce(int(m[1]), m[2])
+        return Instr(Op(m[1]), int(m[2]), group=m[3])
     raise ScheduleError(f"cannot parse instruction {text!r}; the forms are {_INSTR_FORMS}")
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from funcpipe.errors import InvalidArgument, ScheduleError
 from funcpipe.schedule.analysis import analyse
 from funcpipe.schedule.check import check
-from funcpipe.schedule.ir import COMM_OPS, Instr, Op, Program, chain
+from funcpipe.schedule.ir import COLLECTIVE_OPS, COMM_OPS, Instr, Op, Program, chain
 
 __all__ = ["read_csv", "write_csv"]
 
@@ -264,7 +264,7 @@ def write_csv(program: Program, *, align: bool = True) -> str:
                 )
     compute = program.replace(
         ranks=tuple(
-            tuple(i for i in instrs if i.op not in COMM_OPS and i.op is not Op.REDUCE)
+            tuple(i for i in instrs if i.op not in COMM_OPS and i.op not in COLLECTIVE_OPS)
             for instrs in program.ranks
         )
     )

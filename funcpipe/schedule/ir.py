@@ -13,6 +13,8 @@ Text form of one instruction (``parse_instr(str(i)) == i``)::
     SEND grad s0>s1 m3 to r0     send the gradient of that edge's data back to the producer's rank
     RECV grad s0>s1 m3 from r1   receive it
     REDUCE s0 data               reduce stage 0's gradients over the group named ``data``
+    SCATTER s0 data              reduce-scatter them instead: each data copy keeps its shard
+    GATHER s0 data               all-gather stage 0's parameter shards into full parameters
     + RECV grad s0>s1 m3 from r1 posted in one group with the SEND/RECV right before it
 
 Communication groups: a SEND or RECV with ``joined=True`` (text: a leading ``+ ``) is posted
@@ -38,6 +40,7 @@ from funcpipe.errors import ScheduleError
 from funcpipe.schedule.instr import (
     ACT,
     BACKWARD_OPS,
+    COLLECTIVE_OPS,
     COMM_OPS,
     COMPUTE_OPS,
     GRAD,
@@ -47,12 +50,14 @@ from funcpipe.schedule.instr import (
     backward_input,
     backward_weight,
     forward,
+    gather,
     groups,
     keep_groups,
     parse_instr,
     recompute,
     recv,
     reduce,
+    scatter,
     send,
 )
 
@@ -61,6 +66,7 @@ _T = TypeVar("_T")
 __all__ = [
     "ACT",
     "BACKWARD_OPS",
+    "COLLECTIVE_OPS",
     "COMM_OPS",
     "COMPUTE_OPS",
     "GRAD",
@@ -73,6 +79,7 @@ __all__ = [
     "chain",
     "format_table",
     "forward",
+    "gather",
     "groups",
     "keep_groups",
     "parse_instr",
@@ -80,6 +87,7 @@ __all__ = [
     "recompute",
     "recv",
     "reduce",
+    "scatter",
     "send",
 ]
 

@@ -34,6 +34,7 @@ from funcpipe.errors import InvalidArgument, ScheduleError
 from funcpipe.schedule.ir import (
     ACT,
     BACKWARD_OPS,
+    COLLECTIVE_OPS,
     COMM_OPS,
     GRAD,
     Instr,
@@ -111,7 +112,7 @@ def _locate(program: Program) -> Where:
     where: Where = {}
     for r, instrs in enumerate(program.ranks):
         for t, i in enumerate(instrs):
-            if i.op not in COMM_OPS and i.op is not Op.REDUCE:
+            if i.op not in COMM_OPS and i.op not in COLLECTIVE_OPS:
                 where.setdefault((i.op, i.stage, i.microbatch), (r, t))
     return where
 
@@ -252,9 +253,10 @@ def add_communication(program: Program) -> Program:
 
 
 def strip_communication(program: Program) -> Program:
-    """Remove every SEND, RECV and REDUCE: the compute-only program lowering started from."""
+    """Remove every SEND, RECV, REDUCE, SCATTER and GATHER: the compute-only program lowering
+    started from."""
     program = _program(program, "strip_communication")
-    drop = COMM_OPS | {Op.REDUCE}
+    drop = COMM_OPS | COLLECTIVE_OPS
     return program.replace(
         ranks=tuple(tuple(i for i in instrs if i.op not in drop) for instrs in program.ranks)
     )

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.schedule.ir import COMPUTE_OPS, Instr, Op, groups
+from funcpipe.schedule.ir import COLLECTIVE_OPS, COMPUTE_OPS, Instr, Op, groups
 from funcpipe.schedule.simulate import Event, Timeline
 
 __all__ = ["ascii_timeline", "chrome_trace", "draw_timeline", "write_chrome_trace"]
@@ -35,6 +35,8 @@ COLOURS: dict[str, str] = {
     "R": "#72B7B2",
     "comm": "#BAB0AC",
     "REDUCE": "#5F5A57",
+    "SCATTER": "#79706E",
+    "GATHER": "#9D7660",
 }
 _LABELS = {
     "F": "F forward",
@@ -44,8 +46,11 @@ _LABELS = {
     "R": "R recompute",
     "comm": "RECV posted, data in flight",
     "REDUCE": "REDUCE",
+    "SCATTER": "SCATTER (reduce-scatter)",
+    "GATHER": "GATHER (all-gather)",
 }
 _FORMATS = (".png", ".svg", ".pdf")
+_COLLECTIVES = frozenset(op.value for op in COLLECTIVE_OPS)
 
 
 def _timeline(timeline: object, fn: str) -> Timeline:
@@ -58,7 +63,7 @@ def _timeline(timeline: object, fn: str) -> Timeline:
 
 
 def _kind(i: Instr) -> str:
-    if i.op in COMPUTE_OPS or i.op is Op.REDUCE:
+    if i.op in COMPUTE_OPS or i.op in COLLECTIVE_OPS:
         return i.op.value
     return "comm"
 
@@ -192,7 +197,7 @@ def _draw_row(
                 [(e.start, length)], (r - height / 2 - 0.12, 0.12), facecolors=colour, zorder=1
             )
             continue
-        if chunk_of is not None and kind != "REDUCE":
+        if chunk_of is not None and kind not in _COLLECTIVES:
             colour = _mix(colour, min(0.55, 0.45 * chunk_of[e.instr.stage]))
         ax.broken_barh(
             [(e.start, length)],
@@ -202,7 +207,7 @@ def _draw_row(
             linewidth=0.6,
             zorder=2,
         )
-        if kind == "REDUCE" or font < 3.5:
+        if kind in _COLLECTIVES or font < 3.5:
             continue
         i = e.instr
         label = f"{i.microbatch}\ns{i.stage}" if multi else str(i.microbatch)
@@ -267,7 +272,7 @@ def chrome_trace(timeline: Timeline, *, scale: float = 1000.0) -> dict[str, Any]
         for e in rank_events:
             i = e.instr
             args: dict[str, Any] = {"op": i.op.value, "stage": i.stage, "step": e.step}
-            if i.op is Op.REDUCE:
+            if i.op in COLLECTIVE_OPS:
                 args["group"] = i.group
             elif i.op in COMPUTE_OPS:
                 args["microbatch"] = i.microbatch
@@ -279,11 +284,11 @@ def chrome_trace(timeline: Timeline, *, scale: float = 1000.0) -> dict[str, Any]
                 continue
             events.append(
                 {
-                    "name": str(i) if i.op in COMPUTE_OPS or i.op is Op.REDUCE else _short(i),
+                    "name": str(i) if i.op not in (Op.SEND, Op.RECV) else _short(i),
                     "cat": _kind(i),
                     "ph": "X",
                     "pid": e.rank,
-                    "tid": 0 if i.op in COMPUTE_OPS or i.op is Op.REDUCE else 1,
+                    "tid": 0 if i.op not in (Op.SEND, Op.RECV) else 1,
                     "ts": e.start * scale,
                     "dur": (e.end - e.start) * scale,
                     "args": args,
@@ -334,7 +339,8 @@ def write_chrome_trace(
 
 
 # ----------------------------------------------------------------------------- text
-_ASCII = {"F": "F", "B": "B", "I": "I", "W": "W", "R": "R", "REDUCE": "r", "comm": "."}
+_ASCII = {"F": "F", "B": "B", "I": "I", "W": "W", "R": "R", "comm": "."}
+_ASCII.update(REDUCE="r", SCATTER="s", GATHER="g")
 
 
 def ascii_timeline(timeline: Timeline, *, width: int | None = None, show: str = "op") -> str:
@@ -342,7 +348,7 @@ def ascii_timeline(timeline: Timeline, *, width: int | None = None, show: str = 
 
     ``width=None`` gives one cell per cost unit; ``width=N`` squeezes the makespan into N cells.
     A cell shows the instruction running in its middle: with ``show="op"`` its letter (F, B, I, W,
-    R; ``r`` REDUCE), with ``show="microbatch"`` the last digit of its microbatch; ``.`` is idle
+    R; ``r`` REDUCE, ``s`` SCATTER, ``g`` GATHER), with ``show="microbatch"`` the last digit of its microbatch; ``.`` is idle
     (waiting for a RECV's data included: SEND and RECV cost the rank nothing, and their groups
     show, with their ``+``, in the program's table). A last line gives the makespan and the
     bubble fraction.
@@ -373,7 +379,7 @@ def ascii_timeline(timeline: Timeline, *, width: int | None = None, show: str = 
             e = busy[k] if k < len(busy) and busy[k].start <= t else None
             if e is None:
                 row.append(".")
-            elif show == "microbatch" and e.instr.op is not Op.REDUCE:
+            elif show == "microbatch" and e.instr.op not in COLLECTIVE_OPS:
                 row.append(str(e.instr.microbatch % 10))
             else:
                 row.append(_ASCII[_kind(e.instr)])

@@ -36,7 +36,8 @@ def _check_cost(name: str, value: object, *, where: str = "Costs", what: str = "
 @dataclass(frozen=True)
 class Costs:
     """Per-stage costs: ``f`` forward, ``b`` input-gradient backward, ``w`` weight-gradient
-    backward, ``comm`` the latency of one message, ``reduce`` the time of one REDUCE, ``full``
+    backward, ``comm`` the latency of one message, ``reduce`` the time of one REDUCE (a SCATTER
+    or a GATHER takes half of it: each moves half an all-reduce's bytes), ``full``
     one full backward B (default ``b + w``; on small stages a B is cheaper than its I and W run
     apart, which a measured ``full`` lets the simulator and ``auto`` see). ``f``, ``b``, ``w`` and
     ``full`` may be one number or one per stage."""
@@ -237,6 +238,8 @@ def _cost(
         return w[i.stage]
     if op is Op.REDUCE:
         return costs.reduce
+    if op is Op.SCATTER or op is Op.GATHER:
+        return costs.reduce / 2  # a reduce-scatter or an all-gather: half an all-reduce's bytes
     return 0.0
 
 

@@ -122,6 +122,9 @@ def clip_by_global_norm(
       all-reduce): weight ``1 / t``;
     * tied parameters, whose copies each hold the summed gradient after the tie reduce: weight
       1 on one copy and 0 on the others (or ``1 / copies`` on each).
+    * gradient shards (``Pipeline(zero=1)``): the data-parallel copies hold disjoint pieces of
+      one averaged gradient, so put the data axis *in* ``group`` (all pipeline x data ranks)
+      with weight 1 per piece: the data group's sum of squares is the whole gradient's.
 
     Args:
         grads: a pytree of floating-point tensors (``None`` for subtrees not held here).

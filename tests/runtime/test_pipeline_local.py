@@ -9,10 +9,11 @@ import torch
 
 import funcpipe as fp
 from funcpipe.errors import InvalidArgument
+from funcpipe.pipeline import pipeline as pipeline_module
 from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.runtime.interpreter import RankResult
 from funcpipe.schedule.generators import forward_only, generate, to_eval
-from funcpipe.schedule.ir import chain
+from funcpipe.schedule.ir import Program, chain
 from funcpipe.stages.stage import Stage
 from funcpipe.testing import assert_trees_close
 from funcpipe.tree import tree_flatten
@@ -70,15 +71,15 @@ def test_chimera_with_few_microbatches_matches_on_every_rank(
     ties = {"E": [(0, "E"), (ranks - 1, "E")]} if tied else None
     pipe = Pipeline(stages, program, loss_fn=mse, ties=ties, data=copies)
     per_rank: list[dict[int, list[torch.Tensor]]] = []
-    real = Pipeline._grads
+    real = pipeline_module.stage_grads
 
     def keep(
-        self: Pipeline, prm: tuple[object, ...], results: list[RankResult], *rest: object
+        program: Program, prm: tuple[object, ...], results: list[RankResult], *rest: object
     ) -> tuple[object, ...]:
         per_rank.extend(dict(res.grads) for res in results)
-        return real(self, prm, results, *rest)  # type: ignore[arg-type]
+        return real(program, prm, results, *rest)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Pipeline, "_grads", keep)
+    monkeypatch.setattr(pipeline_module, "stage_grads", keep)
     x, y = data(6 * copies)
     loss, grads = pipe.step(params, x, y)
     want_loss, want = tied_reference(stages, params, x, y, microbatches * copies, ties)

@@ -1,0 +1,201 @@
+"""Sharded data parallelism for a Pipeline (``zero=1``, ZeRO-1): shards in, shards out.
+
+Between steps each data-parallel copy holds its shard of every parameter (the sharding rule
+of :mod:`funcpipe.runtime.shards`: ``torch.tensor_split(leaf.flatten(), d)[copy]``), and so
+of whatever an elementwise optimizer keeps for it. :meth:`Pipeline.shard` cuts full
+parameters into this process's shards (no communication) and learns their full shapes;
+:meth:`Pipeline.step` takes shards: its program's GATHERs rebuild the full parameters inside
+the step and its SCATTERs return the shards of the averaged gradients; :meth:`Pipeline.gather`
+rebuilds full parameters (a collective over processes: for evaluation and saving).
+
+Over processes (``transport="dist"``) ``shards`` is one pytree of pieces per stage, this
+process's (its copy ``c`` of ``d``), as ``params`` is; in one process with ``data=d`` copies it
+is a list of ``d`` such tuples, one per copy, and the gradients come back the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from funcpipe.errors import InvalidArgument
+from funcpipe.runtime.shards import gather_pieces, piece_sizes, shard_leaf
+from funcpipe.runtime.transport_common import Transport
+from funcpipe.tree import tree_flatten, tree_map, tree_unflatten
+
+__all__ = [
+    "check_zero",
+    "full_meta",
+    "gather_copies",
+    "gather_dist",
+    "pipe_gather",
+    "pipe_shard",
+    "pipe_unshard",
+    "placeholders",
+    "shard",
+]
+
+Tensor = torch.Tensor
+
+SHARDS = "pass what pipe.shard(params) returned (or an elementwise optimizer's update of it)"
+
+
+def check_zero(zero: Any, copies: int) -> int:
+    """``zero`` checked against the rest of a Pipeline's options (``copies``: its data-parallel
+    copies, in this process or over processes)."""
+    if isinstance(zero, bool) or zero not in (0, 1):
+        raise InvalidArgument(
+            f"zero={zero!r}: 0 (every copy holds full parameters) or 1 (each copy holds its "
+            "shard: ZeRO-1); zero=2 (sharded gradient sums per microbatch) is not supported yet"
+        )
+    if zero and copies < 2:
+        raise InvalidArgument(
+            f"zero={zero} shards over data-parallel copies, and this pipeline has {copies}: "
+            "use data > 1 (one process) or a world of several copies of the program, or zero=0"
+        )
+    return int(zero)
+
+
+def full_meta(params: Sequence[Any]) -> tuple[Any, ...]:
+    """The full parameters' shapes and dtypes, as meta tensors (what a step rebuilds)."""
+    return tuple(
+        tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), p) for p in params
+    )
+
+
+def shard(params: Sequence[Any], d: int, copy: int) -> tuple[Any, ...]:
+    """Copy ``copy``'s shards of ``params``: per stage a pytree of its 1-D pieces."""
+    return tuple(tree_map(lambda t: shard_leaf(t, d, copy), p) for p in params)
+
+
+def placeholders(
+    shards: Any, full: tuple[Any, ...], held: set[int], d: int, copy: int, where: str
+) -> tuple[tuple[Any, ...], dict[int, list[Tensor]]]:
+    """Full parameters for a step to gather into (uninitialised, where each held stage's
+    pieces are; meta elsewhere) and each held stage's pieces, checked against ``full``."""
+    if not isinstance(shards, tuple | list) or len(shards) != len(full):
+        raise InvalidArgument(
+            f"{where} must be a tuple with one pytree of shards per stage ({len(full)}); got "
+            f"{type(shards).__name__}; {SHARDS}"
+        )
+    params: list[Any] = []
+    pieces: dict[int, list[Tensor]] = {}
+    for o, (mine, whole) in enumerate(zip(shards, full, strict=True)):
+        if o not in held:
+            params.append(whole)
+            continue
+        leaves, tree = tree_flatten(mine)
+        wholes, want = tree_flatten(whole)
+        if tree != want:
+            raise InvalidArgument(
+                f"{where}[{o}] has the structure {tree}, the parameters {want}; {SHARDS}"
+            )
+        for k, (t, w) in enumerate(zip(leaves, wholes, strict=True)):
+            n = piece_sizes(w.numel(), d)[copy]
+            if not isinstance(t, Tensor) or t.shape != (n,) or t.dtype != w.dtype:
+                got = repr(t) if not isinstance(t, Tensor) else f"{t.dtype}{list(t.shape)}"
+                raise InvalidArgument(
+                    f"{where}[{o}] leaf #{k} is {got}; copy {copy} of {d} holds {w.dtype}[{n}] "
+                    f"of that {w.dtype}{list(w.shape)} parameter; {SHARDS}"
+                )
+        pieces[o] = leaves
+        dev = leaves[0].device if leaves else torch.device("cpu")
+        params.append(
+            tree_unflatten(want, [torch.empty(w.shape, dtype=w.dtype, device=dev) for w in wholes])
+        )
+    return tuple(params), pieces
+
+
+def gather_copies(copies: Sequence[Sequence[Any]], full: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Full parameters from every copy's shards (one process: no communication)."""
+    out = []
+    for o, whole in enumerate(full):
+        wholes, tree = tree_flatten(whole)
+        per_copy = [tree_flatten(c[o])[0] for c in copies]
+        leaves = [torch.cat([p[k] for p in per_copy]).view(w.shape) for k, w in enumerate(wholes)]
+        out.append(tree_unflatten(tree, leaves))
+    return tuple(out)
+
+
+def gather_dist(
+    transport: Transport,
+    shards: Sequence[Any],
+    full: tuple[Any, ...],
+    held: set[int],
+    d: int,
+    copy: int,
+) -> tuple[Any, ...]:
+    """Full parameters of the stages this process holds (``None`` for the others) from the
+    copies' shards: one all-gather per bucket over the data group (collective)."""
+    _, pieces = placeholders(shards, full, held, d, copy, "gather(shards)")
+    out: list[Any] = [None] * len(full)
+    for o in sorted(held):
+        wholes, tree = tree_flatten(full[o])
+        dev = pieces[o][0].device if pieces[o] else torch.device("cpu")
+        leaves = [torch.empty(w.shape, dtype=w.dtype, device=dev) for w in wholes]
+        handle, done = gather_pieces(transport, pieces[o], leaves, d, copy, "data")
+        handle.wait()
+        done()
+        out[o] = tree_unflatten(tree, leaves)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- a Pipeline's shards
+def pipe_shard(pipe: Any, params: tuple[Any, ...]) -> Any:
+    """:meth:`Pipeline.shard` of checked ``params``: this process's shards, or every copy's."""
+    if pipe._world is None:
+        return [shard(params, pipe.data, c) for c in range(pipe.data)]
+    return shard(params, pipe.data_size, pipe._world.copy)
+
+
+def pipe_gather(pipe: Any, shards: Any) -> tuple[Any, ...]:
+    """:meth:`Pipeline.gather`."""
+    full, held = _need_full(pipe, "gather"), _held(pipe)
+    if pipe._world is None:
+        return gather_copies(_copies(pipe, shards, "gather(shards)"), full)
+    t = pipe._world.transport
+    return gather_dist(t, shards, full, held, pipe.data_size, pipe._world.copy)
+
+
+def pipe_unshard(pipe: Any, shards: Any) -> tuple[list[tuple[Any, ...]], list[dict[int, Any]]]:
+    """What a step of shards runs on: per copy (one over processes) full params to gather
+    into and the pieces (:func:`placeholders`)."""
+    full, held = _need_full(pipe, "step"), _held(pipe)
+    if pipe._world is None:
+        got = [
+            placeholders(c, full, held, pipe.data, k, f"shards[{k}]")
+            for k, c in enumerate(_copies(pipe, shards, "step(shards)"))
+        ]
+    else:
+        d, c = pipe.data_size, pipe._world.copy
+        got = [placeholders(shards, full, held, d, c, "shards")]
+    return [g[0] for g in got], [g[1] for g in got]
+
+
+def _need_full(pipe: Any, what: str) -> tuple[Any, ...]:
+    if not pipe.zero or pipe._full is None:
+        raise InvalidArgument(
+            f"{what} of shards needs Pipeline(zero=1) and pipe.shard(params) first (it learns "
+            "the full shapes there)"
+        )
+    full: tuple[Any, ...] = pipe._full
+    return full
+
+
+def _copies(pipe: Any, shards: Any, where: str) -> list[Any]:
+    if not isinstance(shards, list) or len(shards) != pipe.data:
+        raise InvalidArgument(
+            f"{where}: in one process, a list of every copy's shards ({pipe.data}), as "
+            f"pipe.shard(params) returns it; got {type(shards).__name__}"
+        )
+    return shards
+
+
+def _held(pipe: Any) -> set[int]:
+    p = pipe.program
+    owners = p.replica_of or tuple(range(p.n_stages))
+    if pipe._world is None:
+        return set(owners)
+    return {owners[s] for s in p.stages_on(pipe.rank)}

@@ -1,0 +1,182 @@
+"""Shards of parameters and gradients over ``d`` data-parallel copies (ZeRO-1), and their
+layout in the buffers of one collective per bucket.
+
+**The sharding rule.** Every leaf is flattened and cut with ``torch.tensor_split(leaf.flatten(),
+d)``: copy ``c`` holds piece ``c``, a 1-D tensor of ``n // d + 1`` elements for ``c < n % d``
+and ``n // d`` for the others (:func:`piece_sizes`), so any leaf size shards, even ones smaller
+than ``d``. :func:`shard_leaf` cuts one piece; a leaf is rebuilt by concatenating its pieces in
+copy order.
+
+**The buffers.** A :class:`ShardBucket` lays out the leaves of one bucket
+(:func:`funcpipe.runtime.buckets.bucket_indices`: same dtype and device, up to 25 MiB) for one
+collective over the copies: a buffer of ``d`` segments of ``width`` elements each, segment
+``c`` holding piece ``c`` of every leaf of the bucket in order, then zeros up to ``width``
+(copy 0's pieces are the largest, so ``width`` is the sum of those). One reduce-scatter of the
+full gradients packed this way (:meth:`ShardBucket.pack_full`) leaves on copy ``c`` the sums of
+its pieces (:meth:`ShardBucket.pieces`); one all-gather of each copy's pieces packed into its
+segment (:meth:`ShardBucket.pack_pieces`) gives every copy the full leaves
+(:meth:`ShardBucket.unpack_full`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from funcpipe.runtime.buckets import bucket_indices
+from funcpipe.runtime.transport_common import Handle, Transport
+
+__all__ = [
+    "ShardBucket",
+    "gather_pieces",
+    "own_pieces",
+    "piece_sizes",
+    "scatter_grads",
+    "shard_leaf",
+]
+
+Tensor = torch.Tensor
+
+
+def piece_sizes(n: int, d: int) -> list[int]:
+    """The sizes of ``torch.tensor_split`` of ``n`` elements into ``d`` pieces."""
+    q, extra = divmod(n, d)
+    return [q + 1 if c < extra else q for c in range(d)]
+
+
+def shard_leaf(t: Tensor, d: int, c: int) -> Tensor:
+    """Piece ``c`` of ``d`` of ``t`` flattened: a 1-D tensor of its own (a copy)."""
+    return torch.tensor_split(t.detach().reshape(-1), d)[c].clone()
+
+
+class ShardBucket:
+    """The leaves of one bucket (their element counts ``numels``) laid out over ``d`` copies
+    for one reduce-scatter or all-gather (see the module docstring)."""
+
+    def __init__(self, numels: Sequence[int], d: int) -> None:
+        self.d = d
+        self.sizes = [piece_sizes(n, d) for n in numels]  # [leaf][copy]
+        self.width = sum(s[0] for s in self.sizes)
+
+    def pack_full(self, full: Sequence[Tensor]) -> Tensor:
+        """``(d * width,)``: segment ``c`` holds piece ``c`` of every full tensor, padded."""
+        cut = [torch.tensor_split(t.reshape(-1), self.d) for t in full]
+        parts: list[Tensor] = []
+        for c in range(self.d):
+            parts.extend(pieces[c] for pieces in cut)
+            parts.append(self._pad(full[0], c))
+        return torch.cat(parts)
+
+    def pack_pieces(self, pieces: Sequence[Tensor], c: int) -> Tensor:
+        """``(width,)``: copy ``c``'s pieces in order, padded (what it adds to an all-gather)."""
+        return torch.cat([*(t.reshape(-1) for t in pieces), self._pad(pieces[0], c)])
+
+    def pieces(self, segment: Tensor, c: int) -> list[Tensor]:
+        """Copy ``c``'s pieces in its ``(width,)`` segment (views of it)."""
+        out, at = [], 0
+        for sizes in self.sizes:
+            out.append(segment[at : at + sizes[c]])
+            at += sizes[c]
+        return out
+
+    def unpack_full(self, gathered: Tensor, full: Sequence[Tensor]) -> None:
+        """Copy the ``(d * width,)`` gathered buffer into the full tensors (in place)."""
+        segments = gathered.view(self.d, self.width)
+        per_copy = [self.pieces(segments[c], c) for c in range(self.d)]
+        for k, t in enumerate(full):
+            flat = torch.cat([per_copy[c][k] for c in range(self.d)])
+            t.copy_(flat.view(t.shape))
+
+    def _pad(self, like: Tensor, c: int) -> Tensor:
+        used = sum(s[c] for s in self.sizes)
+        return like.new_zeros(self.width - used)
+
+
+def gather_pieces(
+    transport: Transport,
+    pieces: Sequence[Tensor],
+    full: Sequence[Tensor],
+    d: int,
+    c: int,
+    group: str,
+) -> tuple[Handle, Callable[[], None]]:
+    """Start the all-gather of a GATHER: this copy's (``c`` of ``d``) ``pieces`` of the leaves
+    ``full`` (one collective per bucket, in the pieces' dtype); the callback, once the handle
+    is done, copies the gathered values into ``full`` (in place, outside autograd; cast where
+    ``full`` is kept in a wider dtype)."""
+    ins, outs, jobs = [], [], []
+    # buckets of the pieces' dtype (the full leaves may be kept wider: grad_dtype), sized as
+    # the full leaves (zero-stride views: no memory)
+    sized = [p.new_empty(()).expand(f.shape) for p, f in zip(pieces, full, strict=True)]
+    for idx in bucket_indices(sized):
+        b = ShardBucket([full[k].numel() for k in idx], d)
+        ins.append(b.pack_pieces([pieces[k] for k in idx], c))
+        outs.append(pieces[idx[0]].new_empty(d * b.width))
+        jobs.append((b, idx))
+
+    def done() -> None:
+        with torch.no_grad():
+            for (b, idx), out in zip(jobs, outs, strict=True):
+                b.unpack_full(out, [full[k] for k in idx])
+        ins.clear()
+
+    return transport.all_gather(ins, outs, group), done
+
+
+def scatter_grads(
+    transport: Transport,
+    grads: Sequence[Tensor],
+    d: int,
+    c: int,
+    group: str,
+) -> tuple[Handle, Callable[[], None], list[Tensor | None]]:
+    """Start the reduce-scatter of a SCATTER: the full gradient sums ``grads`` of one stage
+    (packed into one buffer per bucket, last leaf first as a backward produces them), summed
+    over the group, this copy (``c`` of ``d``) keeping its pieces. Returns the handle, the
+    callback that averages them once it is done, and the list of pieces it fills (zeros, for
+    a leaf that is not floating, from the start)."""
+    floating = [g.is_floating_point() or g.is_complex() for g in grads]
+    out_pieces: list[Tensor | None] = [
+        None if f else g.new_zeros(piece_sizes(g.numel(), d)[c])
+        for g, f in zip(grads, floating, strict=True)
+    ]
+    keys = [k for k in reversed(range(len(grads))) if floating[k]]
+    ins, outs, jobs = [], [], []
+    for idx in bucket_indices([grads[k] for k in keys]):
+        ks = [keys[j] for j in idx]
+        b = ShardBucket([grads[k].numel() for k in ks], d)
+        ins.append(b.pack_full([grads[k] for k in ks]))
+        outs.append(grads[ks[0]].new_empty(b.width))
+        jobs.append((b, ks))
+    scale = 1.0 / d
+
+    def done() -> None:
+        for (b, ks), out in zip(jobs, outs, strict=True):
+            out.mul_(scale)
+            for k, piece in zip(ks, b.pieces(out, c), strict=True):
+                out_pieces[k] = piece
+        ins.clear()
+
+    return transport.reduce_scatter(ins, outs, group), done, out_pieces
+
+
+def own_pieces(
+    pieces: Sequence[Tensor | None] | None, leaves: Sequence[Tensor], d: int, c: int
+) -> list[Tensor]:
+    """A sharded owner's gradients as a step returns them: its SCATTERed ``pieces``, and
+    where there is none (no SCATTER ran: a stage no microbatch visits) piece ``c`` of the
+    leaf's gradient sum (zeros if it has none). The leaves let go of their sums."""
+    out = []
+    for k, leaf in enumerate(leaves):
+        p = None if pieces is None else pieces[k]
+        if p is None:
+            g = leaf.grad
+            p = (
+                leaf.new_zeros(piece_sizes(leaf.numel(), d)[c])
+                if g is None
+                else shard_leaf(g, d, c)
+            )
+        leaf.grad = None
+        out.append(p)
+    return out

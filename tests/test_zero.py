@@ -1,0 +1,329 @@
+"""Sharded data parallelism (ZeRO-1, issue 44): SCATTER and GATHER as program instructions.
+
+The schedule half (text form, the pass, the checker's rules, the simulator's prices, the
+timeline) runs here; the runtime half (equal to the unsharded run over processes, optimizer
+state per rank) at the end of this file, its jobs in ``tests/jobs_zero.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from funcpipe.errors import InvalidArgument, ScheduleError
+from funcpipe.pipeline.pipeline import Pipeline
+from funcpipe.schedule import (
+    Costs,
+    ascii_timeline,
+    check,
+    chrome_trace,
+    gather,
+    parse_instr,
+    parse_program,
+    reduce,
+    scatter,
+    shard_data,
+    simulate,
+    strip_communication,
+)
+from funcpipe.schedule.generators import CHUNKS, GENERATORS, generate, to_eval
+from funcpipe.schedule.ir import Op, Program
+from funcpipe.schedule.p2p import PAIR
+from funcpipe.schedule.passes import add_reduce, lower
+from funcpipe.testing import assert_trees_close
+from tests import jobs_zero
+
+
+# ------------------------------------------------------------------ the instructions
+def test_text_form_round_trips() -> None:
+    for i in (scatter(1, "data"), gather(0, "data")):
+        assert parse_instr(str(i)) == i
+    assert str(scatter(1, "data")) == "SCATTER s1 data"
+    assert str(gather(0, "data")) == "GATHER s0 data"
+    assert parse_instr("  GATHER  s2 data ").op is Op.GATHER
+    with pytest.raises(ScheduleError, match="without the '\\+'"):
+        parse_instr("+ SCATTER s0 data")
+
+
+def _sharded(name: str, ranks: int = 2, microbatches: int = 4) -> Program:
+    return shard_data(lower(generate(name, ranks=ranks, microbatches=microbatches)))
+
+
+@pytest.mark.parametrize("name", sorted(n for n in GENERATORS if n != "chimera"))
+def test_every_generator_shards_to_a_program_nccl_accepts(name: str) -> None:
+    for ranks, microbatches in ((2, 4), (4, 8), (3, 5)):
+        if CHUNKS[name] is not None and microbatches < ranks:
+            continue
+        p = _sharded(name, ranks, microbatches)
+        check(p, p2p="nccl", layout=PAIR)
+        assert parse_program(p.to_text()) == p
+        assert shard_data(p) is p  # idempotent
+        ops = [i.op for r in p.ranks for i in r]
+        assert Op.REDUCE not in ops
+        gathered = {i.stage for r in p.ranks for i in r if i.op is Op.GATHER}
+        assert gathered == set(range(p.n_stages))
+        if p.training:
+            assert {i.stage for r in p.ranks for i in r if i.op is Op.SCATTER} == gathered
+        for instrs in p.ranks:  # the GATHERs open each rank, in the order of first forwards
+            heads = [i for i in instrs if i.op is Op.GATHER]
+            assert instrs[: len(heads)] == tuple(heads)
+            firsts = list(dict.fromkeys(i.stage for i in instrs if i.op is Op.F))
+            assert [i.stage for i in heads] == firsts
+        assert strip_communication(p) == strip_communication(
+            lower(generate(name, ranks=ranks, microbatches=microbatches))
+        )
+
+
+def test_chimera_is_refused_naming_the_fix() -> None:
+    with pytest.raises(InvalidArgument, match="replicas yet.*zero=0"):
+        _sharded("chimera", 2, 4)
+
+
+def test_a_program_reduced_already_gets_scatters_in_place_of_its_reduces() -> None:
+    base = lower(generate("1f1b", ranks=2, microbatches=4))
+    reduced = add_reduce(base)
+    assert shard_data(reduced) == shard_data(base)
+    where = [t for t, i in enumerate(reduced.ranks[0]) if i.op is Op.REDUCE]
+    sharded = shard_data(reduced).ranks[0]
+    assert [t + 1 for t in where] == [t for t, i in enumerate(sharded) if i.op is Op.SCATTER]
+
+
+# ------------------------------------------------------------------ the checker's rules
+ONE = """\
+placement 0
+microbatches 2
+rank 0: {body}
+"""
+
+
+def _check(body: str) -> None:
+    check(parse_program(ONE.format(body=body)), p2p="nccl")
+
+
+def test_the_checker_accepts_the_simple_order() -> None:
+    _check("GATHER s0 data; F s0 m0; F s0 m1; B s0 m0; B s0 m1; SCATTER s0 data")
+
+
+@pytest.mark.parametrize(
+    ("body", "rule"),
+    [
+        (
+            "F s0 m0; GATHER s0 data; F s0 m1; B s0 m0; B s0 m1; SCATTER s0 data",
+            "before every forward",
+        ),
+        (
+            "GATHER s0 data; F s0 m0; F s0 m1; B s0 m0; SCATTER s0 data; B s0 m1",
+            "after every gradient",
+        ),
+        ("GATHER s0 data; F s0 m0; F s0 m1; B s0 m0; B s0 m1", "if and only if"),
+        ("F s0 m0; F s0 m1; B s0 m0; B s0 m1; SCATTER s0 data", "if and only if"),
+        (
+            "GATHER s0 data; F s0 m0; F s0 m1; B s0 m0; B s0 m1; SCATTER s0 data; REDUCE s0 data",
+            "not both",
+        ),
+        (
+            "GATHER s0 data; GATHER s0 data; F s0 m0; F s0 m1; B s0 m0; B s0 m1; SCATTER s0 data",
+            "at most one GATHER",
+        ),
+        ("GATHER s0 tie:w; F s0 m0; F s0 m1; B s0 m0; B s0 m1; SCATTER s0 tie:w", "copies"),
+    ],
+)
+def test_the_checker_rejects_naming_the_rule(body: str, rule: str) -> None:
+    with pytest.raises(ScheduleError, match=rule):
+        _check(body)
+
+
+def test_an_eval_program_gathers_and_never_scatters() -> None:
+    text = "placement 0\nmicrobatches 1\nmode eval\nrank 0: GATHER s0 data; F s0 m0"
+    check(parse_program(text))
+    with pytest.raises(ScheduleError, match="eval program"):
+        check(parse_program(text + "; SCATTER s0 data"))
+
+
+# ------------------------------------------------------------------ priced and shown
+def test_the_simulator_prices_each_at_half_a_reduce() -> None:
+    costs = Costs(reduce=3.0)
+    reduced = simulate(add_reduce(lower(generate("1f1b", ranks=2, microbatches=4))), costs)
+    sharded = simulate(_sharded("1f1b"), costs)
+    for events in sharded.events:
+        for e in events:
+            if e.instr.op in (Op.SCATTER, Op.GATHER):
+                assert e.end - e.start == pytest.approx(1.5)
+    # a GATHER at the start of every rank and a SCATTER where the REDUCE was: the same total
+    assert sharded.makespan == pytest.approx(reduced.makespan)
+    text = ascii_timeline(sharded)
+    assert text.splitlines()[0].split("|")[1].startswith("g")
+    assert "s|" in text.splitlines()[1] or "s." in text.splitlines()[1]
+    names = {e["name"] for e in chrome_trace(sharded)["traceEvents"] if e.get("ph") == "X"}
+    assert {"GATHER s0 data", "SCATTER s1 data"} <= names
+
+
+# ------------------------------------------------------------------ the runtime: one process
+@pytest.mark.parametrize("name", sorted(jobs_zero.SCHEDULES))
+@pytest.mark.parametrize("data", [2, 4])
+def test_sharded_equals_unsharded_in_one_process(name: str, data: int) -> None:
+    """Three AdamW steps, tied parameters, uneven shards: losses and parameters equal."""
+    ref_losses, ref = jobs_zero.train_local(name, 0, data)
+    losses, got = jobs_zero.train_local(name, 1, data)
+    assert losses == pytest.approx(ref_losses, abs=1e-12, rel=0)
+    assert_trees_close(list(got), list(ref), atol=1e-12, rtol=0)
+
+
+def test_shards_follow_tensor_split_and_gradients_come_back_as_shards() -> None:
+    pipe, params = jobs_zero._pipeline("1f1b", 1, data=2)
+    shards = pipe.shard(params)
+    assert len(shards) == 2
+    e = params[0]["E"]  # 25 elements: 13 and 12
+    for c in range(2):
+        assert torch.equal(shards[c][0]["E"], torch.tensor_split(e.flatten(), 2)[c])
+    assert [s[0]["E"].shape[0] for s in shards] == [13, 12]
+    assert [s[0]["b"].shape[0] for s in shards] == [3, 2]
+    x, y = jobs_zero.batches(2)[0]
+    _, grads = pipe.step(shards, x, y)
+    assert [g[0]["E"].shape for g in grads] == [torch.Size([13]), torch.Size([12])]
+    full = pipe.gather(shards)
+    assert_trees_close(list(full), list(params))
+    timeline = pipe.step(shards, x, y, trace=True).timeline
+    ops = {e.instr.op for r in timeline.events for e in r}
+    assert {Op.GATHER, Op.SCATTER} <= ops
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    with pytest.raises(InvalidArgument, match="zero=2.*not supported yet"):
+        jobs_zero._pipeline("1f1b", 2, data=2)
+    with pytest.raises(InvalidArgument, match="data > 1"):
+        jobs_zero._pipeline("1f1b", 1, data=1)
+    pipe, params = jobs_zero._pipeline("1f1b", 1, data=2)
+    x, y = jobs_zero.batches(2)[0]
+    with pytest.raises(InvalidArgument, match="shard\\(params\\) first"):
+        pipe.step(params, x, y)
+    shards = pipe.shard(params)
+    with pytest.raises(InvalidArgument, match="list of every copy's shards"):
+        pipe.step(shards[0], x, y)
+    wrong = [shards[1], shards[0]]  # copy 0 given copy 1's pieces (12 elements, not 13)
+    with pytest.raises(InvalidArgument, match="copy 0 of 2 holds torch.float64\\[13\\]"):
+        pipe.step(wrong, x, y)
+    plain, _ = jobs_zero._pipeline("1f1b", 0, data=2)
+    with pytest.raises(InvalidArgument, match="Pipeline\\(zero=1\\)"):
+        plain.shard(params)
+
+
+# ------------------------------------------------------------------ over processes
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", sorted(jobs_zero.SCHEDULES))
+def test_sharded_equals_unsharded_over_four_processes(pool, name: str) -> None:
+    """Pipeline 2 x data 2 over gloo under NCCL's point-to-point rules (strict transport):
+    three AdamW steps with tied parameters and uneven shards, sharded against unsharded."""
+    for dl, dp in pool(4).run(jobs_zero.zero_vs_unsharded, name):
+        assert dl <= 1e-12 and dp <= 1e-12
+
+
+@pytest.mark.timeout(240)
+def test_bf16_with_master_weights_over_four_processes(pool) -> None:
+    """bf16 shards over gloo (float32 sums, master weights): bit for bit the unsharded run."""
+    for dl, dp in pool(4).run(jobs_zero.zero_vs_unsharded, "interleaved", bf16=True):
+        assert dl == 0 and dp == 0
+
+
+@pytest.mark.timeout(240)
+def test_four_copies_over_eight_processes(pool) -> None:
+    """Pipeline 2 x data 4 (ZB-V, strict transport): pieces of 25 elements are 7, 6, 6, 6."""
+    for dl, dp in pool(8).run(jobs_zero.zero_vs_unsharded, "zbv"):
+        assert dl <= 1e-12 and dp <= 1e-12
+
+
+@pytest.mark.timeout(300)
+def test_the_gpt_at_pipeline_2_data_2_tensor_2(pool) -> None:
+    """The demo's GPT (float64, its embedding tied across the two stages) over eight
+    processes: each tensor rank's leaves sharded over the copies of its coordinate; AdamW,
+    three steps, equal to the unsharded run."""
+    for worst in pool(8).run(jobs_zero.gpt_zero_vs_unsharded, 2):
+        assert worst <= 1e-12
+
+
+@pytest.mark.timeout(240)
+def test_clipping_sharded_gradients_over_the_world(pool) -> None:
+    """Clipped by the global norm: sharded (each piece weighs 1 over the world) equals
+    unsharded (each copy's full gradient weighs 1/copies); a norm small enough to clip."""
+    for dl, dp in pool(4).run(jobs_zero.zero_vs_unsharded, "1f1b", 0.05):
+        assert dl <= 1e-12 and dp <= 1e-12
+
+
+@pytest.mark.timeout(240)
+def test_optimizer_state_per_process_is_one_over_d(pool) -> None:
+    """AdamW's two moments per process, sharded over 2 copies against unsharded: 1/2 within
+    5% (the leaves of 3969 and 63 elements split unevenly: copy 0 holds the larger pieces)."""
+    full = pool(4).run(jobs_zero.state_bytes, 0)
+    sharded = pool(4).run(jobs_zero.state_bytes, 1)
+    for a, b in zip(sharded, full, strict=True):
+        assert abs(a / b - 0.5) <= 0.05 * 0.5
+    print("AdamW state bytes per process: unsharded", full, "sharded", sharded)
+
+
+@pytest.mark.parametrize("name", sorted(jobs_zero.SCHEDULES))
+def test_one_process_under_nccl_rules(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """The local transport in strict mode (NCCL's point-to-point rules) runs the sharded
+    programs too, and they still equal the unsharded run."""
+    monkeypatch.setenv("FUNCPIPE_STRICT_P2P", "1")
+    ref_losses, ref = jobs_zero.train_local(name, 0, 2)
+    losses, got = jobs_zero.train_local(name, 1, 2)
+    assert losses == pytest.approx(ref_losses, abs=1e-12, rel=0)
+    assert_trees_close(list(got), list(ref), atol=1e-12, rtol=0)
+
+
+def test_an_eval_program_gathers_shards_and_gives_the_same_loss() -> None:
+    program = to_eval(generate("1f1b", ranks=2, microbatches=4))
+    stages, params = jobs_zero.model(2)
+    ties = {"E": [(0, "E"), (1, "E")]}
+    plain = Pipeline(stages, program, loss_fn=jobs_zero.mse, ties=ties, data=2)
+    sharded = Pipeline(stages, program, loss_fn=jobs_zero.mse, ties=ties, data=2, zero=1)
+    assert [str(i) for i in sharded.program.ranks[1][:1]] == ["GATHER s1 data"]
+    x, y = jobs_zero.batches(2)[0]
+    want = plain.step(tuple(params), x, y).loss
+    got = sharded.step(sharded.shard(params), x, y)
+    assert got.grads == (None, None) or all(g == (None, None) for g in got.grads)
+    assert float(got.loss) == pytest.approx(float(want), abs=1e-12, rel=0)
+
+
+def test_the_checker_wants_every_stage_sharded_or_none() -> None:
+    p = _sharded("1f1b")
+    bare = tuple(i for i in p.ranks[0] if i.op not in (Op.GATHER, Op.SCATTER))
+    half = p.replace(ranks=(bare, p.ranks[1]))  # stage 1 sharded, stage 0 reduced in full
+    with pytest.raises(ScheduleError, match="every stage a microbatch visits, or none") as info:
+        check(add_reduce(half, stages=[0]), p2p="nccl")
+    assert "stages [0] have no GATHER" in str(info.value)
+
+
+def test_the_checker_wants_tie_sums_after_the_scatters() -> None:
+    p = _sharded("1f1b")
+    rank0 = list(p.ranks[0])
+    at = next(t for t, i in enumerate(rank0) if i.op is Op.SCATTER)
+    ties = [reduce(0, "tie:E"), reduce(1, "tie:E")]
+    good = p.replace(ranks=(tuple([*rank0, ties[0]]), (*p.ranks[1], ties[1])))
+    check(good, p2p="nccl")
+    bad = p.replace(ranks=(tuple([*rank0[:at], ties[0], *rank0[at:]]), good.ranks[1]))
+    with pytest.raises(ScheduleError, match="comes after its rank's SCATTERs"):
+        check(bad, p2p="nccl")
+
+
+def test_shard_learns_the_shapes_from_meta_tensors() -> None:
+    """Resuming from saved shards: pipe.shard on meta params teaches the full shapes."""
+    pipe, params = jobs_zero._pipeline("1f1b", 1, data=2)
+    saved = pipe.shard(params)
+    fresh, _ = jobs_zero._pipeline("1f1b", 1, data=2)
+    meta = fresh.shard(tuple({k: v.to("meta") for k, v in p.items()} for p in params))
+    assert meta[0][0]["E"].is_meta and meta[0][0]["E"].shape == (13,)
+    x, y = jobs_zero.batches(2)[0]
+    assert float(fresh.step(saved, x, y).loss) == float(pipe.step(saved, x, y).loss)
+
+
+@pytest.mark.parametrize("name", sorted(jobs_zero.SCHEDULES))
+def test_bf16_parameters_with_float32_sums_and_master_weights(name: str) -> None:
+    """bf16 shards, grad_dtype=float32 (the GATHER fills float32 leaves, the stage computes
+    with their bf16 copies), AdamW with float32 master weights on the shards: bit for bit the
+    unsharded run (two copies: each average is (a + b) / 2 either way)."""
+    ref_losses, ref = jobs_zero.train_local(name, 0, 2, bf16=True)
+    losses, got = jobs_zero.train_local(name, 1, 2, bf16=True)
+    assert got[0]["E"].dtype == torch.bfloat16
+    assert losses == ref_losses
+    assert_trees_close(list(got), list(ref), atol=0, rtol=0)
