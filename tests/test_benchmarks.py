@@ -24,6 +24,7 @@ from benchmarks import (
     vs_peer,
     vs_simulated,
     vs_single,
+    zero,
 )
 
 Pool = Callable[[int], Any]
@@ -232,6 +233,24 @@ def test_memory_counts_match_the_schedule(pool: Pool, size: str) -> None:
             assert r["figure_kib"] <= r["count_figure_kib"]
 
 
+@pytest.mark.timeout(180)
+def test_zero_bytes_per_rank(pool: Pool) -> None:
+    """Sharded, each rank keeps 1/d of the AdamW state, of the gradients and of the params
+    (exactly here: gpt-tiny's leaves split evenly), and computes with the full params."""
+    argv = ["--size", "gpt-tiny", "--data", "2", "4", "--microbatches", "2"]
+    rows, extras = zero.main([*argv, "--steps", "1", "--pairs", "2"], pool=pool)
+    assert [r["data"] for r in rows] == [2] * 4 + [4] * 8
+    for r in rows:
+        d, b0, b1 = r["data"], r["bytes"]["zero0"], r["bytes"]["zero1"]
+        assert r["within_5pct"] and r["opt_ratio"] * d == pytest.approx(1, rel=0.05)
+        assert b0["optimizer"] == 2 * b0["held"] == 8 * r["params"]  # float32 mu and nu
+        assert b1["gradients"] * d == pytest.approx(b0["gradients"], rel=0.05)
+        assert b1["held"] * d == pytest.approx(b0["held"], rel=0.05)
+        assert b1["in_step"] == b0["in_step"] == b0["held"]
+    assert [t["data"] for t in extras["timing"]] == [2, 4]
+    assert all(t["pairs"] == 2 and t["ratio"] > 0 for t in extras["timing"])
+
+
 @pytest.mark.timeout(120)
 def test_overhead(pool: Pool) -> None:
     argv = ["--ranks", "2", "--gloo-ranks", "2", "--schedules", "1f1b", "--reps", "3"]
@@ -257,6 +276,7 @@ def test_help_of_every_script(capsys: pytest.CaptureFixture[str]) -> None:
         backward_split,
         chart,
         auto_executed,
+        zero,
     ):
         with pytest.raises(SystemExit) as e:
             mod.main(["--help"])

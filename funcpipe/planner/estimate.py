@@ -13,7 +13,13 @@ from funcpipe.planner.layout import MAX_STAGES, ClusterLayout, check_gpus
 from funcpipe.planner.model import Transformer
 from funcpipe.planner.pipeline import closed_form, in_flight, placement, simulated
 
-__all__ = ["Estimate", "check_layout", "estimate"]
+__all__ = [
+    "GRADIENT_BYTES",
+    "Estimate",
+    "check_layout",
+    "estimate",
+    "optimizer_bytes_per_param",
+]
 
 GiB = 2**30
 
@@ -53,6 +59,19 @@ class Estimate:
             "breakdown_s": dict(self.breakdown),
             "memory_gib": {k: v / GiB for k, v in self.memory.items()},
         }
+
+
+GRADIENT_BYTES = 4
+"""Bytes per parameter of the gradients a step accumulates: float32 (main gradients of narrow
+parameters, or the float32 parameters' own). Whole on every data-parallel copy until the step's
+reduction, sharded or not (ZeRO-1 shards what is kept after it, not the sum during the step)."""
+
+
+def optimizer_bytes_per_param(dtype: str) -> int:
+    """AdamW's bytes per parameter: the float32 moments ``m`` and ``v`` (8), plus a float32
+    master copy (4) for parameters narrower than float32 (``bf16``, ``fp16``:
+    ``adamw(master_weights=True)``). float32 parameters are updated in place of a master: 8."""
+    return 8 if dtype == "fp32" else 12
 
 
 def check_layout(model: Transformer, layout: ClusterLayout, gpus: int, global_batch: int) -> int:
@@ -207,11 +226,11 @@ def estimate(
     peak = cluster.gpu.peak(model.dtype)
     mfu = model_flops / (step * n_gpus * peak)
     # memory of the fullest rank
-    opt_bytes = 12 / (d if layout.zero1 else 1)
+    opt_bytes = optimizer_bytes_per_param(model.dtype) / (d if layout.zero1 else 1)
     mem_rank = []
     for r in range(p):
         weights = params[r] * nb
-        grads_b = params[r] * 4  # float32 main gradients
+        grads_b = params[r] * GRADIENT_BYTES  # float32 gradients, whole during the step
         optim = params[r] * opt_bytes
         acts = peaks[r] + lay.working
         buffers = 4 * act_bytes / t + cal.workspace_bytes
