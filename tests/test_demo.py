@@ -86,16 +86,19 @@ def test_interrupted_demo_resumes_with_the_same_losses(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_an_interrupted_demo_resumes_at_another_layout(tmp_path: Path) -> None:
-    """Stopped at pipeline 2 x tensor 1, resumed at pipeline 1 x tensor 2 (the checkpoint is
-    keyed by the model's names): the losses go on as the uninterrupted run's, to float32
-    rounding (the tensor-parallel sums add in another order)."""
+    """Stopped at pipeline 2 x tensor 1 with sharded optimizer state (--data 2: --zero 1 by
+    default), resumed at pipeline 1 x tensor 2 unsharded (--zero 0; the checkpoint is keyed by
+    the model's names, the optimizer state by flat regions): the losses go on as the
+    uninterrupted run's, to float32 rounding (the tensor-parallel sums add in another order)."""
     straight, moved = tmp_path / "straight", tmp_path / "moved"
     common = ["--data", "2", "--steps", "5", "--eval-every", "0"]
     a = _demo(*common, "--pipeline", "2", "--tensor", "1", "--out", str(straight))
     assert a.returncode == 0, a.stderr[-3000:]
     b = _demo(*common, "--pipeline", "2", "--tensor", "1", "--out", str(moved), "--stop-after", "2")
     assert b.returncode == 0, b.stderr[-3000:]
-    c = _demo(*common, "--pipeline", "1", "--tensor", "2", "--out", str(moved), "--resume")
+    c = _demo(
+        *common, "--pipeline", "1", "--tensor", "2", "--zero", "0", "--out", str(moved), "--resume"
+    )
     assert c.returncode == 0, c.stderr[-3000:]
     first = json.loads((straight / "history.json").read_text())["train"]
     second = json.loads((moved / "history.json").read_text())["train"]
@@ -177,6 +180,48 @@ def test_sizes_fill_the_model_and_given_options_override(no_cuda: None) -> None:
     o = parse(["--size", "medium", "--d-model", "128", "--precision", "bf16", "--compile"])
     assert o.d_model == 128 and o.layers == SIZES["medium"].layers and o.size == "medium"
     assert o.precision == "bf16" and o.compile and o.compile_backend == "inductor"
+
+
+@pytest.mark.timeout(300)
+def test_sharded_demo_matches_the_unsharded_one(tmp_path: Path) -> None:
+    """--data 2 shards the params and AdamW state (--zero 1, the default there): the same
+    losses as full copies (--zero 0), to float32 rounding, and the summary says which ran."""
+    runs = {}
+    for zero in ("1", "0"):
+        where = tmp_path / f"zero{zero}"
+        argv = ["--pipeline", "2", "--tensor", "1", "--data", "2", "--steps", "5"]
+        out = _demo(*argv, *(["--zero", "0"] if zero == "0" else []), "--out", str(where))
+        assert _summary(out, where)["zero"] == int(zero)
+        assert ("ZeRO-1" in out.stdout) == (zero == "1")
+        runs[zero] = json.loads((where / "history.json").read_text())
+    for key in ("train", "val"):
+        assert [row[0] for row in runs["1"][key]] == [row[0] for row in runs["0"][key]]
+        for (_, got), (_, want) in zip(runs["1"][key], runs["0"][key], strict=True):
+            assert got == pytest.approx(want, rel=1e-4)
+
+
+def test_zero_options(capsys: pytest.CaptureFixture[str]) -> None:
+    """--zero: 2 and a zero 1 nothing can shard are refused; the default gives way to a
+    schedule that replicates stages, with a note."""
+    from funcpipe.cli.app import main
+    from funcpipe.cli.demo_options import DemoOptions, zero_level
+    from funcpipe.schedule.generators import generate
+
+    assert main(["demo", "--data", "2", "--zero", "2"]) == 2
+    assert "not implemented" in capsys.readouterr().err
+    assert main(["demo", "--data", "1", "--zero", "1"]) == 2
+    assert "--data" in capsys.readouterr().err
+    assert main(["demo", "--data", "2", "--zero", "1", "--schedule", "chimera"]) == 2
+    assert "chimera" in capsys.readouterr().err
+    chimera, plain = (
+        generate("chimera", ranks=2, microbatches=2),
+        generate("1f1b", ranks=2, microbatches=2),
+    )
+    o = DemoOptions(data=2, schedule="chimera")
+    assert zero_level(o, plain) == (1, "") and zero_level(DemoOptions(), plain) == (0, "")
+    assert zero_level(DemoOptions(data=2, zero=0), plain) == (0, "")
+    level, note = zero_level(o, chimera)
+    assert level == 0 and "chimera" in note
 
 
 @pytest.mark.parametrize(

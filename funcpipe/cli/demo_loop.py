@@ -19,6 +19,7 @@ import torch
 
 from funcpipe.cli.demo_options import COMPILE_BACKEND, DemoOptions
 from funcpipe.cli.demo_report import History, pictures, progress, summary
+from funcpipe.errors import InvalidArgument
 from funcpipe.runtime.clock import timer
 from funcpipe.train.throughput import peak_flops, throughput, warmup_steps
 
@@ -36,20 +37,24 @@ def train_rank(rank: int, o: DemoOptions, program: Program | None = None) -> dic
     torch.manual_seed(o.seed)
     r, params, state = _build(o, program)
     params, state, start, history = _resume(r, params, state)
+    if r.zero:  # from here on ``params`` is this copy's shards (the full ones are dropped)
+        params = r.pipe.shard(params)
     if start == 0:
         history["val"].append([0, _val_loss(r, params)])  # where it starts: about ln 256
     t_start = time.perf_counter()
     end = o.stop_after or o.steps
     params, state, step_times, last = _train(r, params, state, history, start, end)
     if end < o.steps:  # interrupted on purpose: keep what a resume needs, nothing else
-        checkpoint.save_model(r.ckpt_dir, params, opt_state=state, naming=r.naming, step=end)
+        full = _full(r, params)
+        checkpoint.save_model(r.ckpt_dir, full, opt_state=state, naming=r.naming, step=end)
         if r.first:
             _write_history(o, history)
         return None
     final_val = _val_loss(r, params)
     history["val"].append([o.steps, final_val])
     traced, simulated = _traced_step(r, params)
-    checkpoint.save_model(r.ckpt_dir, params, opt_state=state, naming=r.naming, step=o.steps)
+    full = _full(r, params)
+    checkpoint.save_model(r.ckpt_dir, full, opt_state=state, naming=r.naming, step=o.steps)
     peak_memory = _peak_memory(r.device)  # every rank takes part (a gather)
     if not r.first:
         return None
@@ -74,7 +79,8 @@ def train_rank(rank: int, o: DemoOptions, program: Program | None = None) -> dic
 @dataclass(frozen=True)
 class _Rank:
     """What one rank trains with: its device and clock, the model's config and stages, the
-    training and evaluation pipelines, the optimizer, the clipping weights and the data."""
+    training and evaluation pipelines, the optimizer, the clipping weights and the data. With
+    ``zero`` 1 both pipelines take this data copy's shards of the params."""
 
     o: DemoOptions
     device: torch.device
@@ -90,6 +96,9 @@ class _Rank:
     tag: str  # this rank's key in a checkpoint.save one (before the demo saved by names)
     naming: Any  # checkpoint.Naming: the model's names and this rank's region of each tensor
     first: bool  # the rank that reports
+    zero: int  # 1: params and optimizer state sharded over the data copies (ZeRO-1)
+    zero_note: str  # why the default --zero gave way ("" when it did not)
+    template: tuple[Any, ...]  # the full params' shapes, as meta tensors (to fill a gather's None)
 
     @property
     def ckpt_dir(self) -> str:
@@ -118,10 +127,11 @@ def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, .
     """This rank's :class:`_Rank`, its shard of the model's parameters and the optimizer state."""
     import torch.distributed as dist
 
+    from funcpipe.cli.demo_options import zero_level
     from funcpipe.models import gpt
     from funcpipe.parallel.mesh import build_mesh
-    from funcpipe.pipeline.pipeline import Pipeline
-    from funcpipe.schedule.generators import generate, to_eval
+    from funcpipe.pipeline.zero import full_meta
+    from funcpipe.schedule.generators import generate
     from funcpipe.train import checkpoint, optim
     from funcpipe.train.data import load_corpus
 
@@ -146,27 +156,17 @@ def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, .
     )
     del full
     stages = _transform(gpt.stages(cfg, n, axis=axis), o)
-    loss = gpt.loss_fn(axis=axis)
-    on_gpu = device if device.type == "cuda" else None  # CPU: where the params are
-    pipe = Pipeline(
-        stages,
-        program,
-        loss_fn=loss,
-        ties=gpt.tie_spec(n),
-        transport="dist",
-        mesh=mesh,
-        scatter_gather=o.tensor > 1,  # each tensor rank sends 1/t of every boundary tensor
-        device=on_gpu,
-        grad_dtype=torch.float32 if low is not None else None,
-    )
-    evaluate = Pipeline(
-        stages, to_eval(program), loss_fn=loss, transport="dist", mesh=mesh, device=on_gpu
-    )
+    zero, note = zero_level(o, program)
+    pipe, evaluate = _pipelines(o, cfg, stages, program, mesh, device, low, zero)
+    template = full_meta(params)
+    if zero:  # each pipeline learns the full shapes its steps rebuild (meta: nothing allocated)
+        evaluate.shard(template)
     schedule = optim.warmup_cosine(
         o.lr, warmup=max(1, o.steps // 10), total=o.steps, final=o.lr / 10
     )
     opt = optim.adamw(schedule, weight_decay=0.01, master_weights=low is not None)
-    state = opt.init(params)
+    state = opt.init(pipe.shard(params) if zero else params)  # zero: state of the shards only
+    data_rank = place.coords["data"]  # the copy index pipe.shard cuts by (the mesh's data axis)
     rank = _Rank(
         o=o,
         device=device,
@@ -176,19 +176,64 @@ def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, .
         pipe=pipe,
         evaluate=evaluate,
         opt=opt,
-        weights=_clip_weights(shardings, n, o),
+        weights=_clip_weights(shardings, n, o, zero),
         corpus=load_corpus(max_bytes=o.corpus_bytes),
-        data_rank=place.coords["data"],
+        data_rank=data_rank,
         tag=f"tensor{axis.coord}of{o.tensor}",
-        naming=checkpoint.Naming(shardings=shardings, place=place),
+        # zero: the optimizer state is this copy's flat shard of each leaf (the params are
+        # saved and loaded whole, so a run resumes at any --zero and layout)
+        naming=checkpoint.Naming(
+            shardings=shardings, place=place, opt_shard=(o.data, data_rank) if zero else None
+        ),
         first=dist.get_rank() == 0,
+        zero=zero,
+        zero_note=note,
+        template=template,
     )
     return rank, params, state
 
 
+def _pipelines(
+    o: DemoOptions,
+    cfg: Any,
+    stages: list[Any],
+    program: Program,
+    mesh: Any,
+    device: torch.device,
+    low: torch.dtype | None,
+    zero: int,
+) -> tuple[Any, Any]:
+    """The training pipeline and the evaluation one (its program's forwards), both over the
+    world's processes, both on shards with ``zero`` 1."""
+    from funcpipe.models import gpt
+    from funcpipe.pipeline.pipeline import Pipeline
+    from funcpipe.schedule.generators import to_eval
+
+    loss = gpt.loss_fn(axis=mesh["tensor"])
+    on_gpu = device if device.type == "cuda" else None  # CPU: where the params are
+    pipe = Pipeline(
+        stages,
+        program,
+        loss_fn=loss,
+        ties=gpt.tie_spec(program.n_stages),
+        transport="dist",
+        mesh=mesh,
+        scatter_gather=o.tensor > 1,  # each tensor rank sends 1/t of every boundary tensor
+        device=on_gpu,
+        grad_dtype=torch.float32 if low is not None else None,
+        zero=zero,
+    )
+    evaluate = Pipeline(
+        stages, to_eval(program), loss_fn=loss, transport="dist", mesh=mesh, device=on_gpu,
+        zero=zero,
+    )  # fmt: skip
+    return pipe, evaluate
+
+
 def _resume(r: _Rank, params: Any, state: Any) -> tuple[Any, Any, int, History]:
-    """``--resume``: the parameters, optimizer state, step and loss history of the newest
-    complete checkpoint in ``--out``; otherwise the given ones, step 0 and no history."""
+    """``--resume``: the parameters (full), optimizer state (sharded as ``state``), step and loss
+    history of the newest complete checkpoint in ``--out``; otherwise the given ones, step 0 and
+    no history."""
     from funcpipe.train import checkpoint
 
     o = r.o
@@ -200,6 +245,11 @@ def _resume(r: _Rank, params: Any, state: Any) -> tuple[Any, Any, int, History]:
     if found is not None and checkpoint.by_names(found):  # any layout: by the model's names
         got = checkpoint.load_model(found, params, opt_state=state, naming=r.naming)
         params, state, start = got.params, got.opt_state, int(got.step or 0)
+    elif found is not None and r.zero:
+        raise InvalidArgument(
+            f"--resume: {found!r} was written before the demo saved by names (unsharded "
+            "optimizer state, its own layout only): resume it with --zero 0"
+        )
     elif found is not None:  # written before the demo saved by names: its own layout only
         like = {r.tag: {"params": params, "opt": state}, "step": 0}
         loaded = checkpoint.load(found, like)
@@ -218,7 +268,8 @@ def _train(
 ) -> tuple[Any, Any, list[float], float]:
     """Steps ``start`` to ``end``: pipeline step, clipping, AdamW, a validation loss every
     ``--eval-every`` steps (appended to ``history``); returns the new parameters and state, each
-    step's time and the last loss."""
+    step's time and the last loss. With ``zero`` 1 the parameters, gradients and state are this
+    copy's shards: the same updates, on disjoint pieces."""
     import torch.distributed as dist
 
     from funcpipe.train import optim
@@ -248,6 +299,15 @@ def _train(
             tps = r.tokens_per_step * len(recent) / sum(recent)
             progress(step + 1, o.steps, last, tps, tty, history["val"])
     return params, state, step_times, last
+
+
+def _full(r: _Rank, params: Any) -> tuple[Any, ...]:
+    """Full parameters (a collective over the data copies with ``zero`` 1), meta for the stages
+    this rank does not hold."""
+    if not r.zero:
+        return tuple(params)
+    got = r.pipe.gather(params)
+    return tuple(m if g is None else g for g, m in zip(got, r.template, strict=True))
 
 
 def _val_loss(r: _Rank, params: Any) -> float:
@@ -337,6 +397,9 @@ def _summarise(
         last=last,
         bytes_sent=r.pipe.bytes_sent,
     )
+    result["zero"] = r.zero
+    if r.zero_note:
+        result["zero_note"] = r.zero_note
     with open(os.path.join(o.out, "summary.json"), "w") as f:
         json.dump(result, f, indent=2)
     return result
@@ -360,15 +423,16 @@ def _shard(
     return tree_map(lambda t: t.to(where, dtype), sharded)
 
 
-def _clip_weights(shardings: Any, n_stages: int, o: DemoOptions) -> Any:
-    """Each leaf's share of the global norm: 1/tensor for leaves every tensor rank holds, 1/data
-    for the data copies, 1/2 for the two tied copies of the embedding."""
+def _clip_weights(shardings: Any, n_stages: int, o: DemoOptions, zero: int) -> Any:
+    """Each leaf's share of the global norm over the world: 1/tensor for leaves every tensor
+    rank holds, 1/data for the data copies (``zero`` 1: 1, the copies hold disjoint pieces), 1/2
+    for the two tied copies of the embedding."""
     from funcpipe.parallel.sharding import Sharding
     from funcpipe.tree import tree_map
 
     def weight(lay: Sharding) -> float:
         sharded = any(lay.dims)
-        return (1.0 if sharded else 1.0 / o.tensor) / o.data
+        return (1.0 if sharded else 1.0 / o.tensor) / (1 if zero else o.data)
 
     out = []
     for lay in shardings:

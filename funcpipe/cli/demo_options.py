@@ -33,6 +33,7 @@ __all__ = [
     "resolve",
     "resolve_device",
     "validate",
+    "zero_level",
 ]
 
 
@@ -100,6 +101,9 @@ class DemoOptions:
     precision: str = "fp32"
     compile: bool = False  # every stage through funcpipe.compile_stage
     compile_backend: str = COMPILE_BACKEND
+    # 1: each data copy keeps its shard of the params and optimizer state (ZeRO-1); None: 1 when
+    # --data > 1 and the schedule allows it, else 0 (:func:`zero_level`)
+    zero: int | None = None
 
     @property
     def world(self) -> int:
@@ -126,6 +130,14 @@ def _add_layout_options(ap: argparse.ArgumentParser) -> None:
         "--data", type=int, default=d.data, help=f"data-parallel copies (default {d.data})"
     )
     ap.add_argument("--schedule", default=d.schedule, help=f"schedule name (default {d.schedule})")
+    ap.add_argument(
+        "--zero",
+        type=int,
+        default=None,
+        choices=(0, 1, 2),
+        help="1: each data copy keeps only its shard of the params and AdamW state (ZeRO-1); 0: "
+        "full copies; 2 is not implemented (default: 1 when --data > 1, else 0)",
+    )
     ap.add_argument(
         "--device",
         default=d.device,
@@ -378,6 +390,16 @@ def _check_values(o: DemoOptions) -> None:
         raise InvalidArgument(f"--lr {o.lr!r}: a learning rate > 0")
     if o.stop_after < 0 or o.stop_after > o.steps:
         raise InvalidArgument(f"--stop-after={o.stop_after}: must be in 0..--steps ({o.steps})")
+    if o.zero not in (None, 0, 1):
+        raise InvalidArgument(
+            f"--zero {o.zero!r}: 0 or 1; ZeRO-2 (gradient shards during the step) is not "
+            "implemented: it needs a reduce-scatter per microbatch into a sharded gradient sum"
+        )
+    if o.zero == 1 and o.data < 2:
+        raise InvalidArgument(
+            f"--zero 1 shards over the data-parallel copies and --data is {o.data}: use --data "
+            ">= 2, or --zero 0"
+        )
     if o.eval_every < 0:
         raise InvalidArgument(f"--eval-every={o.eval_every}: must be >= 0 (0: only at the end)")
     for name in ("timeout", "pg_timeout"):
@@ -400,6 +422,11 @@ def _check_model(o: DemoOptions) -> Program:
     program = generate(o.schedule, ranks=o.pipeline, microbatches=o.microbatches)
     cfg = GPTConfig(vocab=256, context=o.context, d_model=o.d_model, heads=o.heads, layers=o.layers)
     cfg.check_tensor(o.tensor)
+    if o.zero == 1 and _replicates(program):
+        raise InvalidArgument(
+            f"--zero 1: --schedule {o.schedule} replicates stages (Chimera), which the sharded "
+            "runtime does not support yet: use another schedule, or --zero 0"
+        )
     if program.n_stages > o.layers + 1 and program.n_stages > 1:
         raise InvalidArgument(
             f"--schedule {o.schedule} places {program.n_stages} stages but the model has "
@@ -410,3 +437,25 @@ def _check_model(o: DemoOptions) -> Program:
             f"--batch {o.batch} < --microbatches {o.microbatches}: every microbatch needs a sequence"
         )
     return program
+
+
+def _replicates(program: Program) -> bool:
+    """Whether ``program`` runs a stage on several ranks (Chimera): ZeRO-1 refuses it."""
+    owners = program.replica_of
+    return owners is not None and len(set(owners)) < program.n_stages
+
+
+def zero_level(o: DemoOptions, program: Program) -> tuple[int, str]:
+    """``--zero`` as the ranks run it, and a note when the default had to give way: given, it
+    stands (:func:`validate` checked it); by default 1 with ``--data`` > 1, unless the schedule
+    replicates stages (Chimera: then 0, and the note says why)."""
+    if o.zero is not None:
+        return o.zero, ""
+    if o.data < 2:
+        return 0, ""
+    if _replicates(program):
+        return 0, (
+            f"zero 0: --schedule {o.schedule} replicates stages, which sharded data "
+            "parallelism (zero 1) does not support yet"
+        )
+    return 1, ""

@@ -175,6 +175,10 @@ def print_summary(s: dict[str, Any]) -> None:
         f"  bubble                      {100 * s['bubble_measured']:.1f}% measured, "
         f"{100 * s['bubble_simulated']:.1f}% simulated"
     )
+    if o["data"] > 1:
+        how = "sharded over the data copies (ZeRO-1)" if s.get("zero") else "a full copy each"
+        note = f" ({s['zero_note']})" if s.get("zero_note") else ""
+        print(f"  params and optimizer state  {how}{note}")
     for name, path in s["files"].items():
         print(f"  {name:<28}{path}")
 
