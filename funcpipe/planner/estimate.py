@@ -11,7 +11,13 @@ from funcpipe.planner.cluster import Cluster
 from funcpipe.planner.compute import head_costs, layer_costs
 from funcpipe.planner.layout import MAX_STAGES, ClusterLayout, check_gpus
 from funcpipe.planner.model import Transformer
-from funcpipe.planner.pipeline import closed_form, in_flight, placement, simulated
+from funcpipe.planner.pipeline import (
+    closed_form,
+    in_flight,
+    pipeline_bound,
+    placement,
+    simulated,
+)
 
 __all__ = [
     "GRADIENT_BYTES",
@@ -39,6 +45,9 @@ class Estimate:
     breakdown: dict[str, float] = field(default_factory=dict)
     memory: dict[str, float] = field(default_factory=dict)
     simulated: bool = False
+    bound_s: float = 0.0
+    """A lower bound of this layout's simulated step time (:func:`pipeline_bound` for the
+    pipeline part, the rest as priced here): what the search prunes by. Not in the JSON."""
 
     @property
     def memory_gib_per_gpu(self) -> float:
@@ -178,6 +187,7 @@ def estimate(
     bf, bi, bw_ = rank_f[worst], rank_i[worst], rank_w[worst]
     if simulate and p > 1:
         pipe, peaks = simulated(layout.schedule, p, m, v, f, i, w, act)
+        bound = pipe
     else:
         pipe = closed_form(layout.schedule, p, m, v, bf, bi, bw_)
         chunk_act = [0.0] * p  # the largest chunk's activations per rank
@@ -186,6 +196,7 @@ def estimate(
         peaks = tuple(
             max(in_flight(layout.schedule, p, m, v, r) * chunk_act[r], 0.0) for r in range(p)
         )
+        bound = pipeline_bound(layout.schedule, place, m, f, i, w) if p > 1 else pipe
     # parameters per rank: blocks, the embedding on the first stage, the output layer on the last
     block = model.layer_params() / t
     params = [0.0] * p
@@ -265,4 +276,5 @@ def estimate(
             "buffers": full[5],
         },
         simulated=simulate and p > 1,
+        bound_s=bound + dp_exposed + emb + optimizer,
     )

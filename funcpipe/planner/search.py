@@ -8,6 +8,7 @@ sorted by that price. 3,072 GPUs x 512 microbatches take seconds (benchmarks/pla
 
 from __future__ import annotations
 
+from bisect import insort
 from collections.abc import Iterator, Sequence
 from itertools import islice
 from typing import Any
@@ -181,27 +182,50 @@ def search(
     fast.sort(key=lambda e: e.step_time_s)
     if not simulate:
         return fast[:top]
-    best = fast[0].step_time_s
-    want = max(refine, top)
-    chosen = [e for k, e in enumerate(fast) if k < want or e.step_time_s <= best * (1 + margin)]
-    chosen = chosen[: 2 * want]
-    refined = []
-    for e in chosen:
+    priced: list[Estimate] = []
+    prices: list[float] = []  # sorted
+
+    def simulates(e: Estimate) -> bool:
         lay = e.layout
         size = lay.pipeline * min(e.microbatches, 3 * lay.pipeline) * lay.interleave
-        if size > max_simulated_microbatches:
-            refined.append(e)
-            continue
-        s = estimate(
-            model,
-            cluster,
-            lay,
-            global_batch=global_batch,
-            simulate=True,
-            memory_limit=memory_limit,
-            **kw,
-        )
-        if s.fits:
-            refined.append(s)
-    refined.sort(key=lambda e: e.step_time_s)
-    return refined[:top] if refined else fast[:top]
+        return lay.pipeline > 1 and size <= max_simulated_microbatches
+
+    def price(e: Estimate) -> None:
+        if simulates(e):
+            e = estimate(
+                model,
+                cluster,
+                e.layout,
+                global_batch=global_batch,
+                simulate=True,
+                memory_limit=memory_limit,
+                **kw,
+            )
+            if not e.fits:
+                return
+        priced.append(e)
+        insort(prices, e.step_time_s)
+
+    # the closed form's favourites first, for a good price to prune by; then, by their floors
+    # (the closed form where the simulator does not run, else a lower bound of the simulated
+    # time: never above the candidate's final price), each whose floor is below the top-th
+    # price so far. Exact: no candidate left out could have made the top.
+    best = fast[0].step_time_s
+    want = max(refine, top)
+    first = [e for k, e in enumerate(fast) if k < want or e.step_time_s <= best * (1 + margin)]
+    first = first[: 2 * want]
+    for e in first:
+        price(e)
+    rest = sorted(
+        (
+            (e.bound_s if simulates(e) else e.step_time_s, k, e)
+            for k, e in enumerate(fast[len(first) :])
+        ),
+        key=lambda x: x[:2],
+    )
+    for low, _, e in rest:
+        if len(prices) >= top and low >= prices[top - 1]:
+            break
+        price(e)
+    priced.sort(key=lambda e: e.step_time_s)
+    return priced[:top] if priced else fast[:top]

@@ -218,3 +218,14 @@ def test_a_batch_no_data_size_divides_names_the_data_sizes() -> None:
     assert "global_batch=7 is not a multiple of any data size" in text, text
     assert "16, 32 or 64" in text and "a multiple of 16" in text, text
     assert "memory" not in text, text
+
+
+def test_the_search_prunes_by_a_true_lower_bound() -> None:
+    """``Estimate.bound_s`` (closed-form path) is never above the simulated step time, zbv's
+    extrapolated runs (m > 3p) included: the search's exactness rests on it."""
+    where = cluster("h100-sxm", gpus_per_node=4)
+    space = {"microbatches": (1, 2), "zero1": (False, True)}
+    for lay in candidates(TINY, 8, 64, gpus_per_node=4, **space):  # type: ignore[arg-type]
+        low = estimate(TINY, where, lay, global_batch=64).bound_s
+        sim = estimate(TINY, where, lay, global_batch=64, simulate=True).step_time_s
+        assert low <= sim * (1 + 1e-12), lay.short()
