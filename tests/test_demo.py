@@ -224,6 +224,38 @@ def test_zero_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert level == 0 and "chimera" in note
 
 
+@pytest.mark.timeout(180)
+def test_chimera_demo_trains_on_its_model_stages(tmp_path: Path) -> None:
+    """Chimera's 2p program stages are replicas of p model stages: the demo cuts the GPT into
+    the model stages (each rank holds both here) and, with --data 2, falls back to --zero 0."""
+    import math
+
+    argv = ["--schedule", "chimera", "--pipeline", "2", "--tensor", "1", "--data", "2"]
+    out = _demo(*argv, "--steps", "3", "--eval-every", "0", "--out", str(tmp_path))
+    s = _summary(out, tmp_path)
+    assert s["zero"] == 0 and "chimera" in s["zero_note"] and len(s["stages"]) == 2
+    losses = [loss for _, loss in json.loads((tmp_path / "history.json").read_text())["train"]]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0] and s["final_val_loss"] < s["first_val_loss"]
+
+
+def test_clip_weights_count_the_replicas() -> None:
+    """A model stage k pipeline ranks hold (Chimera's replicas, each with the summed
+    gradients) weighs 1/k in the global norm; the tied embedding another 1/2."""
+    from funcpipe.cli.demo_loop import _clip_weights, _holders
+    from funcpipe.cli.demo_options import DemoOptions
+    from funcpipe.models import gpt
+    from funcpipe.schedule.generators import generate
+
+    chimera = generate("chimera", ranks=2, microbatches=2)
+    assert _holders(chimera) == [2, 2]
+    assert _holders(generate("chimera", ranks=3, microbatches=2)) == [2, 1, 2]
+    assert _holders(generate("1f1b", ranks=2, microbatches=2)) == [1, 1]
+    cfg = gpt.GPTConfig(vocab=256, context=16, d_model=16, heads=2, layers=2)
+    w = _clip_weights(gpt.shardings(cfg, 2), _holders(chimera), DemoOptions(tensor=1), 0)
+    assert w[0]["wte"] == 0.25 and w[1]["wte"] == 0.25
+
+
 @pytest.mark.parametrize(
     ("argv", "words"),
     [

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -145,11 +146,12 @@ def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, .
     )
     if program is None:
         program = generate(o.schedule, ranks=o.pipeline, microbatches=o.microbatches)
-    n = program.n_stages
+    owners = _owners(program)  # Chimera: program stages are replicas of fewer model stages
+    n = len(set(owners))  # the model is cut into its model stages, params indexed by them
     # drawn on the CPU (the same values on every rank and device), each shard then moved
     full = gpt.split(gpt.init(cfg, seed=o.seed), cfg, n)
     shardings = gpt.shardings(cfg, n)
-    mine = set(program.stages_on(place.coords["pipe"]))
+    mine = {owners[s] for s in program.stages_on(place.coords["pipe"])}
     low = torch.bfloat16 if o.precision == "bf16" else None  # bf16 params (float32 sums)
     params = tuple(
         _shard(full[s], shardings[s], place, device if s in mine else None, low) for s in range(n)
@@ -176,7 +178,7 @@ def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, .
         pipe=pipe,
         evaluate=evaluate,
         opt=opt,
-        weights=_clip_weights(shardings, n, o, zero),
+        weights=_clip_weights(shardings, _holders(program), o, zero),
         corpus=load_corpus(max_bytes=o.corpus_bytes),
         data_rank=data_rank,
         tag=f"tensor{axis.coord}of{o.tensor}",
@@ -215,7 +217,7 @@ def _pipelines(
         stages,
         program,
         loss_fn=loss,
-        ties=gpt.tie_spec(program.n_stages),
+        ties=gpt.tie_spec(len(stages)),  # model stages (Chimera: fewer than the program's)
         transport="dist",
         mesh=mesh,
         scatter_gather=o.tensor > 1,  # each tensor rank sends 1/t of every boundary tensor
@@ -423,21 +425,36 @@ def _shard(
     return tree_map(lambda t: t.to(where, dtype), sharded)
 
 
-def _clip_weights(shardings: Any, n_stages: int, o: DemoOptions, zero: int) -> Any:
+def _owners(program: Program) -> tuple[int, ...]:
+    """The model stage whose params each program stage runs (itself but for Chimera's
+    replicas)."""
+    return tuple(program.replica_of or range(program.n_stages))
+
+
+def _holders(program: Program) -> list[int]:
+    """Per model stage, how many pipeline ranks hold it (Chimera: each replica's rank; their
+    gradients are summed, so every holder has the same total)."""
+    owners = _owners(program)
+    held = [{owners[s] for s in program.stages_on(r)} for r in range(program.n_ranks)]
+    return [sum(o in h for h in held) for o in range(len(set(owners)))]
+
+
+def _clip_weights(shardings: Any, holders: list[int], o: DemoOptions, zero: int) -> Any:
     """Each leaf's share of the global norm over the world: 1/tensor for leaves every tensor
     rank holds, 1/data for the data copies (``zero`` 1: 1, the copies hold disjoint pieces), 1/2
-    for the two tied copies of the embedding."""
+    for the two tied copies of the embedding, 1/k for a model stage ``k`` pipeline ranks hold
+    (Chimera's replicas, summed gradients on each). ``holders``: :func:`_holders`."""
     from funcpipe.parallel.sharding import Sharding
     from funcpipe.tree import tree_map
 
-    def weight(lay: Sharding) -> float:
+    def weight(lay: Sharding, holders: int) -> float:
         sharded = any(lay.dims)
-        return (1.0 if sharded else 1.0 / o.tensor) / (1 if zero else o.data)
+        return (1.0 if sharded else 1.0 / o.tensor) / (1 if zero else o.data) / holders
 
     out = []
-    for lay in shardings:
-        w = tree_map(weight, lay)
-        if n_stages > 1 and "wte" in w:
+    for lay, k in zip(shardings, holders, strict=True):
+        w = tree_map(partial(weight, holders=k), lay)
+        if len(shardings) > 1 and "wte" in w:
             w = {**w, "wte": w["wte"] * 0.5}
         out.append(w)
     return tuple(out)

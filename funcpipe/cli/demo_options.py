@@ -427,10 +427,11 @@ def _check_model(o: DemoOptions) -> Program:
             f"--zero 1: --schedule {o.schedule} replicates stages (Chimera), which the sharded "
             "runtime does not support yet: use another schedule, or --zero 0"
         )
-    if program.n_stages > o.layers + 1 and program.n_stages > 1:
+    n = len(set(program.replica_of or range(program.n_stages)))  # model stages (Chimera: fewer)
+    if n > o.layers + 1 and n > 1:
         raise InvalidArgument(
-            f"--schedule {o.schedule} places {program.n_stages} stages but the model has "
-            f"--layers {o.layers}: use at least {program.n_stages - 1} layers"
+            f"--schedule {o.schedule} places {n} model stages but the model has "
+            f"--layers {o.layers}: use at least {n - 1} layers"
         )
     if o.batch < o.microbatches:
         raise InvalidArgument(
