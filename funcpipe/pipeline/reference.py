@@ -166,8 +166,8 @@ def _microbatch_loss(loss: Any, j: int, counts: list[torch.Tensor]) -> tuple[Any
     counted = isinstance(loss, tuple | list)
     if counted:  # (sum, count): weighted by the counts
         loss, count = loss_and_count(loss, f"loss_fn for microbatch {j}")
-        assert count is not None
-        counts.append(count)
+        if count is not None:  # (always, for a pair)
+            counts.append(count)
     _check_loss(loss, j)
     if counts and len(counts) != j + 1:
         raise InvalidArgument(

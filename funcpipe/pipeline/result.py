@@ -158,9 +158,8 @@ def local_scalars(
     counted = _counted(sum(res.counted_items for res in results), items, "loss_fn")
     mean = microbatches * copies
     factor = None
-    if loss is not None and counted:
-        count = total([res.count_sum for res in results])
-        assert count is not None
+    count = total([res.count_sum for res in results]) if counted else None
+    if loss is not None and count is not None:
         factor = count_factor(float(count), microbatches, copies)
         loss = loss / count.to(loss.dtype)
     elif loss is not None:

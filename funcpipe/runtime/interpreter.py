@@ -459,7 +459,8 @@ class _Rank:
         o, k = key
         if o in self.pieces:
             piece = self.pieces[o][k]
-            assert piece is not None  # (set when its SCATTER finished, settled before this)
+            if piece is None:  # (set when its SCATTER finished, settled before this)
+                raise RuntimeError(f"funcpipe internal error: stage {o}'s piece {k} is unset")
             return piece
         leaf = self.leaves[o][k]
         g = leaf.grad

@@ -547,7 +547,8 @@ def load_model(
     except (InvalidArgument, FuncpipeError) as e:
         error = e
     _read(source, info, plan.wanted if plan is not None else {}, group, error)
-    assert plan is not None
+    if plan is None:  # (_read raised the error that left no plan, on every rank)
+        raise RuntimeError("funcpipe internal error: load_model has no plan and no error")
     return plan.finish(info.get("step"))
 
 

@@ -156,9 +156,13 @@ class _Walk:
             out.append(leaf)
         self.trees[kind] = (spec, out)
 
-    def held(self) -> list[_Leaf]:
+    def held(self) -> list[tuple[_Leaf, Region]]:
+        """The leaves this rank holds, each with its region of the full tensor."""
         return [
-            leaf for _, leaves in self.trees.values() for leaf in leaves if leaf.region is not None
+            (leaf, leaf.region)
+            for _, leaves in self.trees.values()
+            for leaf in leaves
+            if leaf.region is not None
         ]
 
     def rebuild(self, values: dict[int, Tensor], scalars: dict[str, Any]) -> tuple[Any, Any]:
@@ -189,15 +193,14 @@ def named_pieces(
     walk = _Walk(params, opt_state, naming)
     tensors: dict[str, Tensor] = {}
     table: dict[str, dict[str, Any]] = {}
-    for leaf in walk.held():
-        assert leaf.region is not None
-        entry = {"shape": list(leaf.region.shape), "dtype": str(leaf.value.dtype)}
+    for leaf, region in walk.held():
+        entry = {"shape": list(region.shape), "dtype": str(leaf.value.dtype)}
         if table.setdefault(leaf.name, entry) != entry:
             raise InvalidArgument(
                 f"two leaves are named {leaf.name!r} but are {table[leaf.name]} and {entry}; "
                 "the naming's names must give each model tensor one name"
             )
-        key = f"{leaf.name}@{leaf.region.text()}"
+        key = f"{leaf.name}@{region.text()}"
         value = leaf.value.detach()
         if key in tensors and not torch.equal(tensors[key], value):
             raise InvalidArgument(
@@ -242,14 +245,13 @@ class Plan:
 
     walk: _Walk
     wanted: dict[str, Tensor] = field(default_factory=dict)
-    jobs: list[tuple[_Leaf, list[tuple[Region, str]]]] = field(default_factory=list)
+    jobs: list[tuple[_Leaf, Region, list[tuple[Region, str]]]] = field(default_factory=list)
     scalars: dict[str, str] = field(default_factory=dict)
 
     def finish(self, step: Any) -> Loaded:
         values = {}
-        for leaf, pieces in self.jobs:
-            assert leaf.region is not None
-            got = assemble(leaf.region, [(r, self.wanted[k]) for r, k in pieces])
+        for leaf, region, pieces in self.jobs:
+            got = assemble(region, [(r, self.wanted[k]) for r, k in pieces])
             values[id(leaf)] = got.to(device=leaf.value.device, dtype=leaf.value.dtype)
         scalars = {
             kind: _SCALAR_TYPES[kind_type](self.wanted[kind].item())
@@ -314,24 +316,23 @@ def plan_load(
     plan = Plan(walk)
     missing: list[str] = []
     wrong: list[str] = []
-    for leaf in walk.held():
-        assert leaf.region is not None
+    for leaf, held in walk.held():
         saved = table.get(leaf.name)
         if saved is None:
             missing.append(leaf.name)
             continue
-        if tuple(saved["shape"]) != leaf.region.shape or saved["dtype"] != str(leaf.value.dtype):
+        if tuple(saved["shape"]) != held.shape or saved["dtype"] != str(leaf.value.dtype):
             wrong.append(
                 f"{leaf.name!r} was saved as {saved['dtype']} of full shape "
                 f"{tuple(saved['shape'])}, this run has {leaf.value.dtype} of full shape "
-                f"{leaf.region.shape}"
+                f"{held.shape}"
             )
             continue
         pieces = stored.get(leaf.name, [])
-        short, used = coverage(leaf.region, [r for r, _ in pieces])
+        short, used = coverage(held, [r for r, _ in pieces])
         if short:
             wrong.append(
-                f"{leaf.name!r}: {short} element(s) of the region {leaf.region.text()} this "
+                f"{leaf.name!r}: {short} element(s) of the region {held.text()} this "
                 "rank holds are in no saved piece (the save did not write every shard)"
             )
             continue
@@ -339,7 +340,7 @@ def plan_load(
         dtype = leaf.value.dtype
         for region, key in chosen:
             plan.wanted.setdefault(key, torch.empty(region.held_shape, dtype=dtype))
-        plan.jobs.append((leaf, chosen))
+        plan.jobs.append((leaf, held, chosen))
     for kind, value in walk.scalars.items():
         if kind not in scalars:
             missing.append(kind)

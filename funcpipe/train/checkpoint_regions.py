@@ -202,12 +202,13 @@ class Region:
         return cls(tuple(shape), spans, _span(flat) if flat else None)
 
 
-def _blocked(region: Region, data: Tensor | None) -> tuple[Tensor | None, Tensor]:
-    """A flat ``region`` spread over its block: (the block's values or None, a mask of those
-    held)."""
-    assert region.flat is not None
+def _blocked(
+    region: Region, flat: tuple[int, int], data: Tensor | None
+) -> tuple[Tensor | None, Tensor]:
+    """A flat ``region`` (elements ``flat`` of its block) spread over its block: (the block's
+    values or None, a mask of those held)."""
     mask = torch.zeros(region.block_shape, dtype=torch.bool)
-    lo, hi = region.flat
+    lo, hi = flat
     mask.view(-1)[lo:hi] = True
     if data is None:
         return None, mask
@@ -230,9 +231,9 @@ def _overlap(a: Region, b: Region) -> tuple[tuple[slice, ...], tuple[slice, ...]
 
 def _fill(
     want: Region, pieces: Sequence[tuple[Region, Tensor | None]], out: Tensor | None
-) -> tuple[Tensor | None, Tensor, list[int]]:
-    """Copy what ``pieces`` hold of ``want``'s block into ``out``; the mask of what they cover
-    and the indices of the pieces that contribute anything."""
+) -> tuple[Tensor, list[int]]:
+    """Copy what ``pieces`` hold of ``want``'s block into ``out`` (when given); the mask of
+    what they cover and the indices of the pieces that contribute anything."""
     covered = torch.zeros(want.block_shape, dtype=torch.bool)
     used = []
     for k, (region, data) in enumerate(pieces):
@@ -248,7 +249,7 @@ def _fill(
                 out[mine] = data[theirs]
             covered[mine] = True
             continue
-        values, mask = _blocked(region, data)
+        values, mask = _blocked(region, region.flat, data)
         mask = mask[theirs]
         if not bool(mask.any()):
             continue
@@ -256,7 +257,7 @@ def _fill(
         if out is not None and values is not None:
             out[mine] = torch.where(mask, values[theirs].to(out.dtype), out[mine])
         covered[mine] |= mask
-    return out, covered, used
+    return covered, used
 
 
 def _needed(want: Region, covered: Tensor) -> Tensor:
@@ -265,7 +266,7 @@ def _needed(want: Region, covered: Tensor) -> Tensor:
 
 def coverage(want: Region, pieces: Sequence[Region]) -> tuple[int, list[int]]:
     """How many elements of ``want`` the ``pieces`` do not cover, and which pieces overlap it."""
-    _, covered, used = _fill(want, [(p, None) for p in pieces], None)
+    covered, used = _fill(want, [(p, None) for p in pieces], None)
     return int((~_needed(want, covered)).sum()), used
 
 
@@ -273,8 +274,8 @@ def assemble(want: Region, pieces: Sequence[tuple[Region, Tensor]]) -> Tensor:
     """The values of ``want`` from stored ``(region, tensor)`` pieces of the same full tensor
     (they must cover it: check with :func:`coverage` first)."""
     dtype = pieces[0][1].dtype if pieces else torch.float32
-    out, covered, _ = _fill(want, pieces, torch.zeros(want.block_shape, dtype=dtype))
-    assert out is not None
+    out = torch.zeros(want.block_shape, dtype=dtype)
+    covered, _ = _fill(want, pieces, out)
     missing = int((~_needed(want, covered)).sum())
     if missing:
         raise InvalidArgument(f"{want!r}: {missing} element(s) are in no stored piece")
@@ -343,8 +344,9 @@ class Naming:
                 )
         if sharding is None:
             block = Region.whole(shape)
+        elif self.place is None:  # (refused at construction: shardings need a place)
+            raise RuntimeError("funcpipe internal error: a Naming with shardings has no place")
         else:
-            assert self.place is not None
             block = Region.of(sharding, shape, self.place)
         if opt and self.opt_shard is not None:
             return block.flat_shard(*self.opt_shard)
