@@ -22,6 +22,17 @@ def batch(step: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def rank_params(full: Any, shardings: Any, place: Any, mine: Any) -> tuple[Any, ...]:
+    """Each stage's params as this rank passes them: its tensor shard of the stages it holds,
+    meta tensors of the shard's shapes for the others."""
+    return tuple(
+        shard_tree(full[s], shardings[s], place)
+        if s in mine
+        else tree_map(lambda t: t.to("meta"), shard_tree(full[s], shardings[s], place))
+        for s in range(len(full))
+    )
+
+
 def reference(steps: int, schedule: str, pipeline: int) -> tuple[list[float], tuple[Any, ...]]:
     """Single device: the same model, microbatches and SGD, losses of ``steps`` steps and the
     first step's full gradients (per pipeline stage, as split for the schedule)."""
@@ -64,12 +75,7 @@ def pipeline_step(
     full = gpt.split(gpt.init(CFG, seed=0, dtype=torch.float64), CFG, n)
     lay = gpt.shardings(CFG, n)
     mine = set(program.stages_on(place.coords["pipe"]))
-    params = tuple(
-        shard_tree(full[s], lay[s], place)
-        if s in mine
-        else tree_map(lambda t: t.to("meta"), shard_tree(full[s], lay[s], place))
-        for s in range(n)
-    )
+    params = rank_params(full, lay, place, mine)
     pipe = fp.Pipeline(
         gpt.stages(CFG, n, axis=axis),
         program,

@@ -14,6 +14,7 @@ from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.schedule.generators import GENERATORS, generate
 from funcpipe.stages.stage import Stage
 from funcpipe.tree import tree_leaves
+from tests.jobs_gpt import rank_params
 
 F64 = torch.float64
 D, V, T = 6, 5, 4  # width, classes, tokens per sequence
@@ -105,7 +106,7 @@ def gpt_tensor_parallel_token_loss(rank: int, pipeline: int, tensor: int) -> flo
     from funcpipe.models import gpt
     from funcpipe.parallel.mesh import build_mesh
     from funcpipe.parallel.sharding import shard_tree
-    from funcpipe.tree import tree_flatten, tree_map, tree_unflatten
+    from funcpipe.tree import tree_flatten, tree_unflatten
 
     cfg = gpt.GPTConfig(vocab=16, context=6, d_model=8, heads=2, layers=2, mlp=16)
     mesh = build_mesh({"pipeline": pipeline, "tensor": tensor})
@@ -116,12 +117,7 @@ def gpt_tensor_parallel_token_loss(rank: int, pipeline: int, tensor: int) -> flo
     lay = gpt.shardings(cfg, n)
     mine = set(program.stages_on(place.coords["pipe"]))
     split_full = gpt.split(full, cfg, n)
-    params = tuple(
-        shard_tree(split_full[s], lay[s], place)
-        if s in mine
-        else tree_map(lambda t: t.to("meta"), shard_tree(split_full[s], lay[s], place))
-        for s in range(n)
-    )
+    params = rank_params(split_full, lay, place, mine)
     g = torch.Generator().manual_seed(4)
     tokens = torch.randint(0, cfg.vocab, (5, cfg.context + 1), generator=g)
     x, y = tokens[:, :-1], tokens[:, 1:].clone()

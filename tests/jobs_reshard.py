@@ -11,10 +11,9 @@ import funcpipe as fp
 from funcpipe import checkpoint, optim
 from funcpipe.models import gpt
 from funcpipe.parallel.mesh import build_mesh
-from funcpipe.parallel.sharding import shard_tree
 from funcpipe.schedule import generate
 from funcpipe.train.checkpoint_named import named_pieces
-from funcpipe.tree import tree_map
+from tests.jobs_gpt import rank_params
 
 CFG = gpt.GPTConfig(vocab=32, context=8, d_model=16, heads=4, layers=7, mlp=32)
 OPT = optim.adamw(1e-2, weight_decay=0.1)
@@ -36,12 +35,7 @@ def _setup(
     full = gpt.split(gpt.init(CFG, seed=seed, dtype=torch.float64), CFG, n, blocks=blocks)
     lay = gpt.shardings(CFG, n, blocks=blocks)
     mine = set(program.stages_on(place.coords["pipe"]))
-    params = tuple(
-        shard_tree(full[s], lay[s], place)
-        if s in mine
-        else tree_map(lambda t: t.to("meta"), shard_tree(full[s], lay[s], place))
-        for s in range(n)
-    )
+    params = rank_params(full, lay, place, mine)
     pipe = fp.Pipeline(
         gpt.stages(CFG, n, axis=axis, blocks=blocks),
         program,

@@ -21,6 +21,7 @@ from funcpipe.stages.stage import Stage
 from funcpipe.testing import assert_trees_close
 from funcpipe.train.clip import clip_by_global_norm
 from funcpipe.train.optimizers import adamw
+from tests.jobs_gpt import rank_params
 
 W = 5
 F64 = torch.float64
@@ -221,8 +222,6 @@ def gpt_run(rank: int, pipeline: int, zero: int) -> tuple[list[float], list[Any]
     holds after them."""
     from funcpipe.models import gpt
     from funcpipe.parallel.mesh import build_mesh
-    from funcpipe.parallel.sharding import shard_tree
-    from funcpipe.tree import tree_map
     from tests import jobs_gpt
 
     cfg = jobs_gpt.CFG
@@ -233,12 +232,7 @@ def gpt_run(rank: int, pipeline: int, zero: int) -> tuple[list[float], list[Any]
     full = gpt.split(gpt.init(cfg, seed=0, dtype=F64), cfg, n)
     lay = gpt.shardings(cfg, n)
     mine = sorted(program.stages_on(place.coords["pipe"]))
-    params = tuple(
-        shard_tree(full[s], lay[s], place)
-        if s in mine
-        else tree_map(lambda t: t.to("meta"), shard_tree(full[s], lay[s], place))
-        for s in range(n)
-    )
+    params = rank_params(full, lay, place, mine)
     pipe = Pipeline(
         gpt.stages(cfg, n, axis=axis),
         program,
