@@ -458,8 +458,7 @@ class _Rank:
         into it); of a SCATTERed owner, this copy's piece of it."""
         o, k = key
         if o in self.pieces:
-            piece = self.pieces[o][k]
-            if piece is None:  # (set when its SCATTER finished, settled before this)
+            if (piece := self.pieces[o][k]) is None:  # (set once its SCATTER finished)
                 raise RuntimeError(f"funcpipe internal error: stage {o}'s piece {k} is unset")
             return piece
         leaf = self.leaves[o][k]
