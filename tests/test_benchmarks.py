@@ -21,10 +21,12 @@ from benchmarks import (
     gpt,
     memory,
     overhead,
+    peak_memory,
     vs_peer,
     vs_simulated,
     vs_single,
     zero,
+    zero_peak,
 )
 
 Pool = Callable[[int], Any]
@@ -251,6 +253,66 @@ def test_zero_bytes_per_rank(pool: Pool) -> None:
     assert all(t["pairs"] == 2 and t["ratio"] > 0 for t in extras["timing"])
 
 
+def test_storage_tracker_counts_each_storage_once_while_it_lives() -> None:
+    """Hand-counted bytes: new storages count once (views and in-place results add nothing),
+    until their last view goes; tensors from before count once tagged; labels move with tag;
+    autograd's CPU backward runs under the tracker."""
+    before = torch.zeros(1000)  # 4,000 bytes, made before the tracker
+    with peak_memory.StorageTracker() as tr:
+        a = torch.empty(256)  # 1,024
+        with tr.labelled("x"):
+            b = torch.ones(100, dtype=torch.float64)  # 800, labelled x
+        views = (a[10:], a.view(16, 16))  # 0
+        c = before + 1  # 4,000
+        before.add_(1)  # in place on a tensor from before: 0
+        assert (tr.current, tr.peak) == (5824, 5824)
+        assert tr.by_label == {"other": 5024, "x": 800}
+        del a
+        assert tr.current == 5824  # its views hold the storage
+        del views
+        assert tr.current == 4800
+        assert tr.tag([before, before[:5]], "held") == 4000 and tr.current == 8800
+        assert tr.tag(b, "y") == 800 and tr.labels_of(b) == {"y"}
+        del c
+        assert (tr.current, tr.peak) == (4800, 8800)
+        assert tr.peak_by_label == {"other": 4000, "x": 800, "held": 4000}  # (c, b, before)
+        tr.reset_peak()
+        assert tr.peak == 4800 and tr.peak_by_label == {"held": 4000, "y": 800}
+        w = torch.randn(8, 8, requires_grad=True)  # 256
+        (torch.ones(4, 8) @ w).sum().backward()
+        assert tr.current == 4800 + 256 + 256 and tr.labels_of(w.grad) == {"other"}
+        # at the peak, in backward: w, the ones (saved for mm's backward: 128), the sum and its
+        # gradient (4 each), mm's result that becomes w.grad (256); the product (128) went
+        # when .sum() had read it
+        assert tr.peak == 4800 + 256 + 128 + 4 + 4 + 256
+        del w, b
+        assert tr.current == 4000
+    assert tr.current == 4000  # (exited: nothing new is counted, frees still are)
+
+
+@pytest.mark.timeout(180)
+def test_zero_peak_labels_the_step(pool: Pool) -> None:
+    """The in-step peak of zero=0 and 1 on gpt-tiny: what each rank held before (sharded:
+    1/d), the full gradient sums at the peak, and sharded the gathered full parameters;
+    zero=2 is measured where the Pipeline has it, else skipped with a message."""
+    argv = ["--size", "gpt-tiny", "--data", "2", "--zero-levels", "0", "1", "2"]
+    rows, extras = zero_peak.main([*argv, "--microbatches", "2"], pool=pool)
+    levels = extras["levels"]
+    assert levels[:2] == [0, 1]
+    assert 2 in levels or "zero=2 skipped" in extras["skipped"][0]
+    assert len(rows) == 4 * len(levels)
+    by = {(r["rank"], r["zero"]): r for r in rows}
+    for r in rows:
+        p, at = r["param_bytes"], r["step_by_label"]
+        assert r["held"]["params"] == pytest.approx(p / (r["data"] if r["zero"] else 1), rel=0.05)
+        assert r["held"]["optimizer"] == pytest.approx(2 * r["held"]["params"], rel=0.05)
+        assert at.get("gathered", 0) == (p if r["zero"] else 0)
+        assert r["step_peak"] >= sum(r["held"].values()) + p  # the sums live at the peak
+        assert r["after"] <= sum(r["held"].values()) + 64  # (+ the loss scalar)
+        if r["zero"] == 1:
+            assert r["held"]["params"] * 2 == pytest.approx(by[(r["rank"], 0)]["held"]["params"])
+
+
 @pytest.mark.timeout(120)
 def test_overhead(pool: Pool) -> None:
     argv = ["--ranks", "2", "--gloo-ranks", "2", "--schedules", "1f1b", "--reps", "3"]
@@ -277,6 +339,7 @@ def test_help_of_every_script(capsys: pytest.CaptureFixture[str]) -> None:
         chart,
         auto_executed,
         zero,
+        zero_peak,
     ):
         with pytest.raises(SystemExit) as e:
             mod.main(["--help"])
