@@ -258,20 +258,16 @@ def expected(r: dict[str, Any], z: int) -> dict[str, float]:
     each stage's ``measure_memory``), ``held``: the parameters, AdamW state and batch before
     the step (3P or 3P/d, + the batch). Two moments of a step:
 
-    - ``backward``: the activations at their peak beside the gradient sums (P) and, sharded,
-      the gathered parameters (P) and the all-gather's output buffer (P, alive until the step
-      ends: the GATHER's callback holds it);
-    - ``reduction``: zero=0: the sums and their flattened bucket (P each); sharded: the sums,
-      their packed copy for the reduce-scatter (P each) and the reduced shards (P/d), beside
-      the gathered parameters and the all-gather buffer.
-
-    zero=2 is modelled as zero=1 plus its 1/d gradient accumulator (P/d) at both moments, the
-    full gradient being one microbatch's instead of the sum: a guess written before zero=2
-    existed; compare the measured column."""
+    - ``backward``: the activations at their peak beside the gradient sums (P: zero=2's are
+      one microbatch's, beside its 1/d accumulator) and, sharded, the gathered parameters (P);
+    - ``reduction``: zero=0: the sums and their flattened bucket (P each); sharded: the
+      gradients, their packed copy for the reduce-scatter (P each) and the reduced shards
+      (P/d; zero=2 adds its accumulator, P/d), beside the gathered parameters.
+    """
     p, d, a = r["param_bytes"], r["data"], r["activation"]
     batch = r["levels"][z]["held"]["batch"]
     held = 3 * (p if z == 0 else p / d) + batch
-    gathered = 0 if z == 0 else 2 * p
+    gathered = 0 if z == 0 else p
     accumulator = p / d if z == 2 else 0
     backward = held + gathered + p + a + accumulator
     reduction = held + 2 * p if z == 0 else held + gathered + 2 * p + p / d + accumulator

@@ -27,6 +27,7 @@ W = 5
 F64 = torch.float64
 STEPS = 3
 SCHEDULES = {"1f1b": 1, "interleaved": 2, "zbv": 2}  # name -> stages per rank
+MODEL_STAGES = {"chimera": 2, **{k: 2 * v for k, v in SCHEDULES.items()}}  # at 2 ranks
 
 
 def _first(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +80,7 @@ def _pipeline(
     grad_dtype: torch.dtype | None = None,
 ) -> tuple[Pipeline, Any]:
     program = generate(name, ranks=2, microbatches=4)
-    n = 2 * SCHEDULES[name]
+    n = MODEL_STAGES[name]  # (Chimera: 4 program stages, replicas of 2)
     stages, params = model(n, width)
     if grad_dtype is not None:  # bf16 parameters, float32 gradient sums
         params = [{k: v.to(torch.bfloat16) for k, v in p.items()} for p in params]
@@ -153,7 +154,12 @@ def train_dist(
     n = len(params)
     losses: list[float] = []
     values: Any = pipe.shard(params) if zero else params
-    mine = sorted(pipe.program.stages_on(pipe.rank))  # (no replicas: stage = owner)
+    prog = pipe.program
+    owner = prog.replica_of or tuple(range(prog.n_stages))  # (Chimera: replicas of n stages)
+    mine = sorted({owner[s] for s in prog.stages_on(pipe.rank)})
+    holders = [
+        len({prog.placement[s] for s in range(prog.n_stages) if owner[s] == o}) for o in range(n)
+    ]
     states = {o: opt.init(values[o]) for o in mine}
     cast = torch.bfloat16 if bf16 else F64
     for x, y in batches(copies, width):
@@ -161,7 +167,7 @@ def train_dist(
         loss, grads = pipe.step(values, x[share].to(cast), y[share].to(cast))
         losses.append(float(loss))
         if clip is not None:
-            grads = _clipped(grads, mine, n, clip, copies, zero, dist.group.WORLD)
+            grads = _clipped(grads, mine, holders, clip, copies, zero, dist.group.WORLD)
         values = list(values)
         for o in mine:
             values[o], states[o] = opt.update(grads[o], states[o], values[o])
@@ -182,27 +188,39 @@ def train_dist(
 
 
 def _clipped(
-    grads: Sequence[Any], mine: list[int], n: int, clip: float, copies: int, zero: int, world: Any
+    grads: Sequence[Any],
+    mine: list[int],
+    holders: list[int],
+    clip: float,
+    copies: int,
+    zero: int,
+    world: Any,
 ) -> list[Any]:
     """``grads`` clipped by the norm of the whole model's averaged gradient, over the world.
 
     Unsharded, every copy holds the whole averaged gradient: each leaf weighs ``1 / copies``.
     Sharded, the copies hold disjoint pieces of it: each weighs 1 (the data group's sum of
-    squares). Either way the tied ``E`` counts once: weight 0 on the last stage's copy."""
+    squares). A stage ``holders[o]`` ranks hold (Chimera's replicas) weighs a share of that.
+    Either way the tied ``E`` counts once: weight 0 on the last stage's copy."""
+    n = len(holders)
     w = 1.0 if zero else 1.0 / copies
     tree = {o: grads[o] for o in mine}
-    weights = {o: {k: (0.0 if (o == n - 1 and k == "E") else w) for k in grads[o]} for o in mine}
+    weights = {
+        o: {k: (0.0 if (o == n - 1 and k == "E") else w / holders[o]) for k in grads[o]}
+        for o in mine
+    }
     clipped, _ = clip_by_global_norm(tree, clip, group=world, weights=weights)
     return [clipped.get(o) for o in range(n)]
 
 
 def zero_vs_unsharded(
-    rank: int, name: str, clip: float | None = None, bf16: bool = False
+    rank: int, name: str, clip: float | None = None, bf16: bool = False, zero: int = 1
 ) -> tuple[float, float]:
-    """The sharded run against the unsharded one in the same processes (strict transport:
-    NCCL's point-to-point rules): the largest loss and parameter differences."""
+    """The sharded run (``zero`` 1 or 2) against the unsharded one in the same processes
+    (strict transport: NCCL's point-to-point rules): the largest loss and parameter
+    differences."""
     ref_losses, ref_full, _ = train_dist(rank, name, 0, clip=clip, strict=True, bf16=bf16)
-    losses, full, _ = train_dist(rank, name, 1, clip=clip, strict=True, bf16=bf16)
+    losses, full, _ = train_dist(rank, name, zero, clip=clip, strict=True, bf16=bf16)
     held = [(a, b) for a, b in zip(full, ref_full, strict=True) if b is not None]
     assert_trees_close([a for a, _ in held], [b for _, b in held], atol=1e-12, rtol=0)
     dl = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
@@ -261,8 +279,8 @@ def gpt_run(rank: int, pipeline: int, zero: int) -> tuple[list[float], list[Any]
     return losses, [out[o] for o in mine]
 
 
-def gpt_zero_vs_unsharded(rank: int, pipeline: int) -> float:
+def gpt_zero_vs_unsharded(rank: int, pipeline: int, zero: int = 1, atol: float = 1e-12) -> float:
     ref_losses, ref = gpt_run(rank, pipeline, 0)
-    losses, got = gpt_run(rank, pipeline, 1)
-    assert_trees_close(got, ref, atol=1e-12, rtol=0)
+    losses, got = gpt_run(rank, pipeline, zero)
+    assert_trees_close(got, ref, atol=atol, rtol=0)
     return max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))

@@ -201,18 +201,17 @@ def test_sharded_demo_matches_the_unsharded_one(tmp_path: Path) -> None:
 
 
 def test_zero_options(capsys: pytest.CaptureFixture[str]) -> None:
-    """--zero: 2 and a zero 1 nothing can shard are refused; the default gives way to a
-    schedule that replicates stages, with a note."""
+    """--zero: a level nothing can shard is refused (no data copies; Chimera with one
+    microbatch, whose up pipeline sees none); the default gives way there, with a note."""
     from funcpipe.cli.app import main
     from funcpipe.cli.demo_options import DemoOptions, zero_level
     from funcpipe.schedule.generators import generate
 
-    assert main(["demo", "--data", "2", "--zero", "2"]) == 2
-    assert "not implemented" in capsys.readouterr().err
-    assert main(["demo", "--data", "1", "--zero", "1"]) == 2
+    assert main(["demo", "--data", "1", "--zero", "2"]) == 2
     assert "--data" in capsys.readouterr().err
-    assert main(["demo", "--data", "2", "--zero", "1", "--schedule", "chimera"]) == 2
-    assert "chimera" in capsys.readouterr().err
+    one = ["--schedule", "chimera", "--microbatches", "1", "--batch", "2"]
+    assert main(["demo", "--data", "2", "--zero", "1", *one]) == 2
+    assert "at least 2 microbatches" in capsys.readouterr().err
     chimera, plain = (
         generate("chimera", ranks=2, microbatches=2),
         generate("1f1b", ranks=2, microbatches=2),
@@ -220,20 +219,24 @@ def test_zero_options(capsys: pytest.CaptureFixture[str]) -> None:
     o = DemoOptions(data=2, schedule="chimera")
     assert zero_level(o, plain) == (1, "") and zero_level(DemoOptions(), plain) == (0, "")
     assert zero_level(DemoOptions(data=2, zero=0), plain) == (0, "")
-    level, note = zero_level(o, chimera)
-    assert level == 0 and "chimera" in note
+    assert zero_level(DemoOptions(data=2, zero=2), plain) == (2, "")
+    assert zero_level(o, chimera) == (1, "")
+    level, note = zero_level(o, generate("chimera", ranks=2, microbatches=1))
+    assert level == 0 and "at least 2 microbatches" in note
 
 
 @pytest.mark.timeout(180)
 def test_chimera_demo_trains_on_its_model_stages(tmp_path: Path) -> None:
     """Chimera's 2p program stages are replicas of p model stages: the demo cuts the GPT into
-    the model stages (each rank holds both here) and, with --data 2, falls back to --zero 0."""
+    the model stages (each rank holds both here) and, with --data 2, shards them (ZeRO-2
+    here: every rank's replicas gathered and scattered, the replica sums adding pieces)."""
     import math
 
     argv = ["--schedule", "chimera", "--pipeline", "2", "--tensor", "1", "--data", "2"]
-    out = _demo(*argv, "--steps", "3", "--eval-every", "0", "--out", str(tmp_path))
+    out = _demo(*argv, "--zero", "2", "--steps", "3", "--eval-every", "0", "--out", str(tmp_path))
     s = _summary(out, tmp_path)
-    assert s["zero"] == 0 and "chimera" in s["zero_note"] and len(s["stages"]) == 2
+    assert s["zero"] == 2 and "zero_note" not in s and len(s["stages"]) == 2
+    assert "ZeRO-2" in out.stdout
     losses = [loss for _, loss in json.loads((tmp_path / "history.json").read_text())["train"]]
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
     assert losses[-1] < losses[0] and s["final_val_loss"] < s["first_val_loss"]

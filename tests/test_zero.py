@@ -1,4 +1,5 @@
-"""Sharded data parallelism (ZeRO-1, issue 44): SCATTER and GATHER as program instructions.
+"""Sharded data parallelism (ZeRO-1 and ZeRO-2, issue 44): SCATTER and GATHER as program
+instructions.
 
 The schedule half (text form, the pass, the checker's rules, the simulator's prices, the
 timeline) runs here; the runtime half (equal to the unsharded run over processes, optimizer
@@ -6,6 +7,8 @@ state per rank) at the end of this file, its jobs in ``tests/jobs_zero.py``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -31,52 +34,78 @@ from funcpipe.schedule.ir import Op, Program
 from funcpipe.schedule.p2p import PAIR
 from funcpipe.schedule.passes import add_reduce, lower
 from funcpipe.testing import assert_trees_close
+from funcpipe.train.optimizers import adamw
 from tests import jobs_zero
 
 
 # ------------------------------------------------------------------ the instructions
 def test_text_form_round_trips() -> None:
-    for i in (scatter(1, "data"), gather(0, "data")):
+    for i in (scatter(1, "data"), gather(0, "data"), scatter(1, "data", 3)):
         assert parse_instr(str(i)) == i
     assert str(scatter(1, "data")) == "SCATTER s1 data"
+    assert str(scatter(1, "data", 3)) == "SCATTER s1 m3 data"
+    with pytest.raises(ScheduleError, match="only a SCATTER names a microbatch"):
+        parse_instr("GATHER s0 m1 data")
     assert str(gather(0, "data")) == "GATHER s0 data"
     assert parse_instr("  GATHER  s2 data ").op is Op.GATHER
     with pytest.raises(ScheduleError, match="without the '\\+'"):
         parse_instr("+ SCATTER s0 data")
 
 
-def _sharded(name: str, ranks: int = 2, microbatches: int = 4) -> Program:
-    return shard_data(lower(generate(name, ranks=ranks, microbatches=microbatches)))
+def _sharded(name: str, ranks: int = 2, microbatches: int = 4, zero: int = 1) -> Program:
+    return shard_data(lower(generate(name, ranks=ranks, microbatches=microbatches)), zero=zero)
 
 
-@pytest.mark.parametrize("name", sorted(n for n in GENERATORS if n != "chimera"))
-def test_every_generator_shards_to_a_program_nccl_accepts(name: str) -> None:
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_every_generator_shards_to_a_program_nccl_accepts(name: str, zero: int) -> None:
     for ranks, microbatches in ((2, 4), (4, 8), (3, 5)):
         if CHUNKS[name] is not None and microbatches < ranks:
             continue
-        p = _sharded(name, ranks, microbatches)
+        p = _sharded(name, ranks, microbatches, zero)
         check(p, p2p="nccl", layout=PAIR)
         assert parse_program(p.to_text()) == p
         assert shard_data(p) is p  # idempotent
-        ops = [i.op for r in p.ranks for i in r]
-        assert Op.REDUCE not in ops
-        gathered = {i.stage for r in p.ranks for i in r if i.op is Op.GATHER}
-        assert gathered == set(range(p.n_stages))
+        assert not [i for r in p.ranks for i in r if i.op is Op.REDUCE and i.group == "data"]
+        owner = p.replica_of or tuple(range(p.n_stages))
+        gathered = {
+            (r, owner[i.stage]) for r, ii in enumerate(p.ranks) for i in ii if i.op is Op.GATHER
+        }
+        # one GATHER per stage a rank holds (replicas of one stage on one rank: one for them)
+        assert gathered == {(p.placement[s], owner[s]) for s in range(p.n_stages)}
         if p.training:
-            assert {i.stage for r in p.ranks for i in r if i.op is Op.SCATTER} == gathered
+            scatters = [i for r in p.ranks for i in r if i.op is Op.SCATTER]
+            # ZeRO-1: one per stage; ZeRO-2: one per (stage, microbatch), each named
+            want = {(s, -1) for s in range(p.n_stages)}
+            if zero == 2:
+                want = {(s, m) for m in range(microbatches) for s in p.visits(m)}
+            assert sorted((i.stage, i.microbatch) for i in scatters) == sorted(want)
         for instrs in p.ranks:  # the GATHERs open each rank, in the order of first forwards
             heads = [i for i in instrs if i.op is Op.GATHER]
             assert instrs[: len(heads)] == tuple(heads)
-            firsts = list(dict.fromkeys(i.stage for i in instrs if i.op is Op.F))
-            assert [i.stage for i in heads] == firsts
+            firsts = list(dict.fromkeys(owner[i.stage] for i in instrs if i.op is Op.F))
+            assert [owner[i.stage] for i in heads] == firsts
         assert strip_communication(p) == strip_communication(
             lower(generate(name, ranks=ranks, microbatches=microbatches))
         )
 
 
-def test_chimera_is_refused_naming_the_fix() -> None:
-    with pytest.raises(InvalidArgument, match="replicas yet.*zero=0"):
-        _sharded("chimera", 2, 4)
+@pytest.mark.parametrize("zero", [1, 2])
+def test_chimera_shards_its_replicas(zero: int) -> None:
+    """Each rank gathers and scatters the replicas it holds; the replica sums add the pieces
+    after every SCATTER of the rank."""
+    for ranks, microbatches in ((2, 4), (4, 8), (2, 2)):
+        p = _sharded("chimera", ranks, microbatches, zero)
+        check(p, p2p="nccl", layout=PAIR)
+        for instrs in p.ranks:
+            last = max(t for t, i in enumerate(instrs) if i.op is Op.SCATTER)
+            sums = [t for t, i in enumerate(instrs) if i.group.startswith("replica:")]
+            assert sums and min(sums) > last
+
+
+def test_chimera_is_refused_where_a_replica_sees_no_microbatch() -> None:
+    with pytest.raises(InvalidArgument, match="unvisited.*at least 2 microbatches.*zero=0"):
+        _sharded("chimera", 2, 1)
 
 
 def test_a_program_reduced_already_gets_scatters_in_place_of_its_reduces() -> None:
@@ -102,6 +131,13 @@ def _check(body: str) -> None:
 
 def test_the_checker_accepts_the_simple_order() -> None:
     _check("GATHER s0 data; F s0 m0; F s0 m1; B s0 m0; B s0 m1; SCATTER s0 data")
+    _check(
+        "GATHER s0 data; F s0 m0; F s0 m1; B s0 m0; SCATTER s0 m0 data; B s0 m1; SCATTER s0 m1 data"
+    )
+    # a SCATTER takes what the stage gathered since the one before it: a late one is sound
+    _check(
+        "GATHER s0 data; F s0 m0; F s0 m1; B s0 m1; B s0 m0; SCATTER s0 m1 data; SCATTER s0 m0 data"
+    )
 
 
 @pytest.mark.parametrize(
@@ -126,6 +162,30 @@ def test_the_checker_accepts_the_simple_order() -> None:
             "at most one GATHER",
         ),
         ("GATHER s0 tie:w; F s0 m0; F s0 m1; B s0 m0; B s0 m1; SCATTER s0 tie:w", "copies"),
+        (  # ZeRO-2: each microbatch's SCATTER after its gradient, one each, not mixed
+            "GATHER s0 data; F s0 m0; F s0 m1; SCATTER s0 m0 data; B s0 m0; B s0 m1; "
+            "SCATTER s0 m1 data",
+            "after microbatch J's gradient contribution",
+        ),
+        (
+            "GATHER s0 data; F s0 m0; F s0 m1; B s0 m0; B s0 m1; SCATTER s0 m1 data",
+            "for microbatches \\[0\\]; add SCATTER s0 m0 data",
+        ),
+        (
+            "GATHER s0 data; F s0 m0; F s0 m1; B s0 m0; SCATTER s0 m0 data; B s0 m1; "
+            "SCATTER s0 data",
+            "one SCATTER per group \\(ZeRO-1\\) or one per microbatch",
+        ),
+        (
+            "GATHER s0 data; F s0 m0; F s0 m1; B s0 m0; SCATTER s0 m0 data; B s0 m1; "
+            "SCATTER s0 m1 data; SCATTER s0 m1 data",
+            "one per microbatch",
+        ),
+        (
+            "GATHER s0 data; F s0 m0; F s0 m1; B s0 m0; B s0 m1; SCATTER s0 m0 data; "
+            "SCATTER s0 m2 data",
+            "microbatch 2 does not exist",
+        ),
     ],
 )
 def test_the_checker_rejects_naming_the_rule(body: str, rule: str) -> None:
@@ -159,14 +219,56 @@ def test_the_simulator_prices_each_at_half_a_reduce() -> None:
 
 
 # ------------------------------------------------------------------ the runtime: one process
+@pytest.mark.parametrize("zero", [1, 2])
 @pytest.mark.parametrize("name", sorted(jobs_zero.SCHEDULES))
 @pytest.mark.parametrize("data", [2, 4])
-def test_sharded_equals_unsharded_in_one_process(name: str, data: int) -> None:
+def test_sharded_equals_unsharded_in_one_process(name: str, data: int, zero: int) -> None:
     """Three AdamW steps, tied parameters, uneven shards: losses and parameters equal."""
     ref_losses, ref = jobs_zero.train_local(name, 0, data)
-    losses, got = jobs_zero.train_local(name, 1, data)
+    losses, got = jobs_zero.train_local(name, zero, data)
     assert losses == pytest.approx(ref_losses, abs=1e-12, rel=0)
     assert_trees_close(list(got), list(ref), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("data", [2, 4])
+def test_chimera_sharded_equals_unsharded_in_one_process(data: int, zero: int) -> None:
+    """Chimera at 2 ranks (4 program stages, replicas of 2 model stages, tied across them):
+    each rank gathers into leaves of its own, the replica sums add the pieces."""
+    ref_losses, ref = jobs_zero.train_local("chimera", 0, data)
+    losses, got = jobs_zero.train_local("chimera", zero, data)
+    assert losses == pytest.approx(ref_losses, abs=1e-12, rel=0)
+    assert_trees_close(list(got), list(ref), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_chimera_at_three_ranks_gathers_the_middle_stage_once(zero: int) -> None:
+    """Chimera at 3 ranks: the middle rank holds both replicas of stage 1 (one GATHER, a
+    SCATTER each, into one set of leaves); 3 AdamW steps equal the unsharded run."""
+    program = generate("chimera", ranks=3, microbatches=6)
+    stages, params = jobs_zero.model(3)
+    ties = {"E": [(0, "E"), (2, "E")]}
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(12, jobs_zero.W, generator=g, dtype=torch.float64) for _ in range(2))
+    runs = []
+    for z in (0, zero):
+        pipe = Pipeline(stages, program, loss_fn=jobs_zero.mse, ties=ties, data=2, zero=z)
+        opt = adamw(1e-2)
+        values: Any = pipe.shard(params) if z else tuple(params)
+        states = [opt.init(v) for v in values] if z else opt.init(values)
+        for _ in range(3):
+            loss, grads = pipe.step(values, x, y)
+            if z:
+                new = [opt.update(*a) for a in zip(grads, states, values, strict=True)]
+                values, states = [n[0] for n in new], [n[1] for n in new]
+            else:
+                values, states = opt.update(grads, states, values)
+        runs.append((float(loss), pipe.gather(values) if z else values))
+        if z:
+            middle = [i for i in pipe.program.ranks[1] if i.op is Op.GATHER]
+            assert [str(i) for i in middle] == ["GATHER s1 data"]
+    assert runs[1][0] == pytest.approx(runs[0][0], abs=1e-12, rel=0)
+    assert_trees_close(list(runs[1][1]), list(runs[0][1]), atol=1e-12, rtol=0)
 
 
 def test_shards_follow_tensor_split_and_gradients_come_back_as_shards() -> None:
@@ -189,8 +291,10 @@ def test_shards_follow_tensor_split_and_gradients_come_back_as_shards() -> None:
 
 
 def test_bad_input_is_a_clear_error() -> None:
-    with pytest.raises(InvalidArgument, match="zero=2.*not supported yet"):
-        jobs_zero._pipeline("1f1b", 2, data=2)
+    with pytest.raises(InvalidArgument, match="zero=3: 0 .*1 .*or 2"):
+        jobs_zero._pipeline("1f1b", 3, data=2)
+    with pytest.raises(InvalidArgument, match="shard_data\\(zero=0\\)"):
+        shard_data(lower(generate("1f1b", ranks=2, microbatches=2)), zero=0)
     with pytest.raises(InvalidArgument, match="data > 1"):
         jobs_zero._pipeline("1f1b", 1, data=1)
     pipe, params = jobs_zero._pipeline("1f1b", 1, data=2)
@@ -204,17 +308,27 @@ def test_bad_input_is_a_clear_error() -> None:
     with pytest.raises(InvalidArgument, match="copy 0 of 2 holds torch.float64\\[13\\]"):
         pipe.step(wrong, x, y)
     plain, _ = jobs_zero._pipeline("1f1b", 0, data=2)
-    with pytest.raises(InvalidArgument, match="Pipeline\\(zero=1\\)"):
+    with pytest.raises(InvalidArgument, match="Pipeline\\(zero=1 or 2\\)"):
         plain.shard(params)
 
 
 # ------------------------------------------------------------------ over processes
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("zero", [1, 2])
 @pytest.mark.parametrize("name", sorted(jobs_zero.SCHEDULES))
-def test_sharded_equals_unsharded_over_four_processes(pool, name: str) -> None:
+def test_sharded_equals_unsharded_over_four_processes(pool, name: str, zero: int) -> None:
     """Pipeline 2 x data 2 over gloo under NCCL's point-to-point rules (strict transport):
     three AdamW steps with tied parameters and uneven shards, sharded against unsharded."""
-    for dl, dp in pool(4).run(jobs_zero.zero_vs_unsharded, name):
+    for dl, dp in pool(4).run(jobs_zero.zero_vs_unsharded, name, zero=zero):
+        assert dl <= 1e-12 and dp <= 1e-12
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("zero", [1, 2])
+def test_chimera_sharded_over_four_processes(pool, zero: int) -> None:
+    """Chimera, pipeline 2 x data 2 over gloo, strict transport, clipped over the world:
+    every process holds both model stages (a down and an up replica)."""
+    for dl, dp in pool(4).run(jobs_zero.zero_vs_unsharded, "chimera", 0.05, zero=zero):
         assert dl <= 1e-12 and dp <= 1e-12
 
 
@@ -226,26 +340,33 @@ def test_bf16_with_master_weights_over_four_processes(pool) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_four_copies_over_eight_processes(pool) -> None:
+@pytest.mark.parametrize("zero", [1, 2])
+def test_four_copies_over_eight_processes(pool, zero: int) -> None:
     """Pipeline 2 x data 4 (ZB-V, strict transport): pieces of 25 elements are 7, 6, 6, 6."""
-    for dl, dp in pool(8).run(jobs_zero.zero_vs_unsharded, "zbv"):
+    for dl, dp in pool(8).run(jobs_zero.zero_vs_unsharded, "zbv", zero=zero):
         assert dl <= 1e-12 and dp <= 1e-12
 
 
 @pytest.mark.timeout(300)
-def test_the_gpt_at_pipeline_2_data_2_tensor_2(pool) -> None:
+@pytest.mark.parametrize("zero", [1, 2])
+def test_the_gpt_at_pipeline_2_data_2_tensor_2(pool, zero: int) -> None:
     """The demo's GPT (float64, its embedding tied across the two stages) over eight
     processes: each tensor rank's leaves sharded over the copies of its coordinate; AdamW,
-    three steps, equal to the unsharded run."""
-    for worst in pool(8).run(jobs_zero.gpt_zero_vs_unsharded, 2):
+    three steps, equal to the unsharded run. ZeRO-2 adds the copies' averages microbatch by
+    microbatch, the unsharded run each copy's microbatches first: float64 rounding, which
+    AdamW's normalisation lifts to 1.25e-12 on one attention bias element whose gradient is a
+    near-cancelled sum (measured); 4e-12 for it."""
+    atol = 1e-12 if zero == 1 else 4e-12
+    for worst in pool(8).run(jobs_zero.gpt_zero_vs_unsharded, 2, zero, atol):
         assert worst <= 1e-12
 
 
 @pytest.mark.timeout(240)
-def test_clipping_sharded_gradients_over_the_world(pool) -> None:
+@pytest.mark.parametrize("zero", [1, 2])
+def test_clipping_sharded_gradients_over_the_world(pool, zero: int) -> None:
     """Clipped by the global norm: sharded (each piece weighs 1 over the world) equals
     unsharded (each copy's full gradient weighs 1/copies); a norm small enough to clip."""
-    for dl, dp in pool(4).run(jobs_zero.zero_vs_unsharded, "1f1b", 0.05):
+    for dl, dp in pool(4).run(jobs_zero.zero_vs_unsharded, "1f1b", 0.05, zero=zero):
         assert dl <= 1e-12 and dp <= 1e-12
 
 
@@ -260,13 +381,16 @@ def test_optimizer_state_per_process_is_one_over_d(pool) -> None:
     print("AdamW state bytes per process: unsharded", full, "sharded", sharded)
 
 
+@pytest.mark.parametrize("zero", [1, 2])
 @pytest.mark.parametrize("name", sorted(jobs_zero.SCHEDULES))
-def test_one_process_under_nccl_rules(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+def test_one_process_under_nccl_rules(
+    monkeypatch: pytest.MonkeyPatch, name: str, zero: int
+) -> None:
     """The local transport in strict mode (NCCL's point-to-point rules) runs the sharded
     programs too, and they still equal the unsharded run."""
     monkeypatch.setenv("FUNCPIPE_STRICT_P2P", "1")
     ref_losses, ref = jobs_zero.train_local(name, 0, 2)
-    losses, got = jobs_zero.train_local(name, 1, 2)
+    losses, got = jobs_zero.train_local(name, zero, 2)
     assert losses == pytest.approx(ref_losses, abs=1e-12, rel=0)
     assert_trees_close(list(got), list(ref), atol=1e-12, rtol=0)
 
@@ -317,13 +441,15 @@ def test_shard_learns_the_shapes_from_meta_tensors() -> None:
     assert float(fresh.step(saved, x, y).loss) == float(pipe.step(saved, x, y).loss)
 
 
+@pytest.mark.parametrize("zero", [1, 2])
 @pytest.mark.parametrize("name", sorted(jobs_zero.SCHEDULES))
-def test_bf16_parameters_with_float32_sums_and_master_weights(name: str) -> None:
+def test_bf16_parameters_with_float32_sums_and_master_weights(name: str, zero: int) -> None:
     """bf16 shards, grad_dtype=float32 (the GATHER fills float32 leaves, the stage computes
     with their bf16 copies), AdamW with float32 master weights on the shards: bit for bit the
-    unsharded run (two copies: each average is (a + b) / 2 either way)."""
+    unsharded run (two copies: each average is (a + b) / 2 either way; ZeRO-2's float32 sums
+    of per-microbatch averages round below what the bf16 parameters keep, on this model)."""
     ref_losses, ref = jobs_zero.train_local(name, 0, 2, bf16=True)
-    losses, got = jobs_zero.train_local(name, 1, 2, bf16=True)
+    losses, got = jobs_zero.train_local(name, zero, 2, bf16=True)
     assert got[0]["E"].dtype == torch.bfloat16
     assert losses == ref_losses
     assert_trees_close(list(got), list(ref), atol=0, rtol=0)

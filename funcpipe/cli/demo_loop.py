@@ -81,7 +81,7 @@ def train_rank(rank: int, o: DemoOptions, program: Program | None = None) -> dic
 class _Rank:
     """What one rank trains with: its device and clock, the model's config and stages, the
     training and evaluation pipelines, the optimizer, the clipping weights and the data. With
-    ``zero`` 1 both pipelines take this data copy's shards of the params."""
+    ``zero`` 1 or 2 both pipelines take this data copy's shards of the params."""
 
     o: DemoOptions
     device: torch.device
@@ -97,7 +97,7 @@ class _Rank:
     tag: str  # this rank's key in a checkpoint.save one (before the demo saved by names)
     naming: Any  # checkpoint.Naming: the model's names and this rank's region of each tensor
     first: bool  # the rank that reports
-    zero: int  # 1: params and optimizer state sharded over the data copies (ZeRO-1)
+    zero: int  # 1, 2: params and optimizer state sharded over the data copies (ZeRO-1, -2)
     zero_note: str  # why the default --zero gave way ("" when it did not)
     template: tuple[Any, ...]  # the full params' shapes, as meta tensors (to fill a gather's None)
 
@@ -206,7 +206,7 @@ def _pipelines(
     zero: int,
 ) -> tuple[Any, Any]:
     """The training pipeline and the evaluation one (its program's forwards), both over the
-    world's processes, both on shards with ``zero`` 1."""
+    world's processes, both on shards with ``zero`` 1 or 2."""
     from funcpipe.models import gpt
     from funcpipe.pipeline.pipeline import Pipeline
     from funcpipe.schedule.generators import to_eval
@@ -270,7 +270,7 @@ def _train(
 ) -> tuple[Any, Any, list[float], float]:
     """Steps ``start`` to ``end``: pipeline step, clipping, AdamW, a validation loss every
     ``--eval-every`` steps (appended to ``history``); returns the new parameters and state, each
-    step's time and the last loss. With ``zero`` 1 the parameters, gradients and state are this
+    step's time and the last loss. With ``zero`` 1 or 2 the parameters, gradients and state are this
     copy's shards: the same updates, on disjoint pieces."""
     import torch.distributed as dist
 
@@ -304,7 +304,7 @@ def _train(
 
 
 def _full(r: _Rank, params: Any) -> tuple[Any, ...]:
-    """Full parameters (a collective over the data copies with ``zero`` 1), meta for the stages
+    """Full parameters (a collective over the data copies with ``zero`` 1 or 2), meta for the stages
     this rank does not hold."""
     if not r.zero:
         return tuple(params)
@@ -441,7 +441,7 @@ def _holders(program: Program) -> list[int]:
 
 def _clip_weights(shardings: Any, holders: list[int], o: DemoOptions, zero: int) -> Any:
     """Each leaf's share of the global norm over the world: 1/tensor for leaves every tensor
-    rank holds, 1/data for the data copies (``zero`` 1: 1, the copies hold disjoint pieces), 1/2
+    rank holds, 1/data for the data copies (``zero`` 1 or 2: 1, the copies hold disjoint pieces), 1/2
     for the two tied copies of the embedding, 1/k for a model stage ``k`` pipeline ranks hold
     (Chimera's replicas, summed gradients on each). ``holders``: :func:`_holders`."""
     from funcpipe.parallel.sharding import Sharding

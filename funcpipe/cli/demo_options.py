@@ -101,8 +101,9 @@ class DemoOptions:
     precision: str = "fp32"
     compile: bool = False  # every stage through funcpipe.compile_stage
     compile_backend: str = COMPILE_BACKEND
-    # 1: each data copy keeps its shard of the params and optimizer state (ZeRO-1); None: 1 when
-    # --data > 1 and the schedule allows it, else 0 (:func:`zero_level`)
+    # 1: each data copy keeps its shard of the params and optimizer state (ZeRO-1); 2: and each
+    # microbatch's gradient is reduce-scattered at once (ZeRO-2); None: 1 when --data > 1 and
+    # the schedule allows it, else 0 (:func:`zero_level`)
     zero: int | None = None
 
     @property
@@ -135,8 +136,9 @@ def _add_layout_options(ap: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         choices=(0, 1, 2),
-        help="1: each data copy keeps only its shard of the params and AdamW state (ZeRO-1); 0: "
-        "full copies; 2 is not implemented (default: 1 when --data > 1, else 0)",
+        help="1: each data copy keeps only its shard of the params and AdamW state (ZeRO-1); 2: "
+        "and reduce-scatters each microbatch's gradients into its shard at once (ZeRO-2); 0: "
+        "full copies (default: 1 when --data > 1, else 0)",
     )
     ap.add_argument(
         "--device",
@@ -390,15 +392,15 @@ def _check_values(o: DemoOptions) -> None:
         raise InvalidArgument(f"--lr {o.lr!r}: a learning rate > 0")
     if o.stop_after < 0 or o.stop_after > o.steps:
         raise InvalidArgument(f"--stop-after={o.stop_after}: must be in 0..--steps ({o.steps})")
-    if o.zero not in (None, 0, 1):
+    if o.zero not in (None, 0, 1, 2):
         raise InvalidArgument(
-            f"--zero {o.zero!r}: 0 or 1; ZeRO-2 (gradient shards during the step) is not "
-            "implemented: it needs a reduce-scatter per microbatch into a sharded gradient sum"
+            f"--zero {o.zero!r}: 0 (full copies), 1 (sharded params and optimizer state: "
+            "ZeRO-1) or 2 (and gradients reduce-scattered per microbatch: ZeRO-2)"
         )
-    if o.zero == 1 and o.data < 2:
+    if o.zero and o.data < 2:
         raise InvalidArgument(
-            f"--zero 1 shards over the data-parallel copies and --data is {o.data}: use --data "
-            ">= 2, or --zero 0"
+            f"--zero {o.zero} shards over the data-parallel copies and --data is {o.data}: use "
+            "--data >= 2, or --zero 0"
         )
     if o.eval_every < 0:
         raise InvalidArgument(f"--eval-every={o.eval_every}: must be >= 0 (0: only at the end)")
@@ -422,11 +424,8 @@ def _check_model(o: DemoOptions) -> Program:
     program = generate(o.schedule, ranks=o.pipeline, microbatches=o.microbatches)
     cfg = GPTConfig(vocab=256, context=o.context, d_model=o.d_model, heads=o.heads, layers=o.layers)
     cfg.check_tensor(o.tensor)
-    if o.zero == 1 and _replicates(program):
-        raise InvalidArgument(
-            f"--zero 1: --schedule {o.schedule} replicates stages (Chimera), which the sharded "
-            "runtime does not support yet: use another schedule, or --zero 0"
-        )
+    if o.zero and (why := _unshardable(program)):
+        raise InvalidArgument(f"--zero {o.zero}: {why}")
     n = len(set(program.replica_of or range(program.n_stages)))  # model stages (Chimera: fewer)
     if n > o.layers + 1 and n > 1:
         raise InvalidArgument(
@@ -440,23 +439,25 @@ def _check_model(o: DemoOptions) -> Program:
     return program
 
 
-def _replicates(program: Program) -> bool:
-    """Whether ``program`` runs a stage on several ranks (Chimera): ZeRO-1 refuses it."""
-    owners = program.replica_of
-    return owners is not None and len(set(owners)) < program.n_stages
+def _unshardable(program: Program) -> str:
+    """Why sharded data parallelism cannot run ``program`` ("" when it can)."""
+    from funcpipe.schedule.zero import shard_data
+
+    try:
+        shard_data(program)
+    except InvalidArgument as e:
+        return str(e)
+    return ""
 
 
 def zero_level(o: DemoOptions, program: Program) -> tuple[int, str]:
     """``--zero`` as the ranks run it, and a note when the default had to give way: given, it
-    stands (:func:`validate` checked it); by default 1 with ``--data`` > 1, unless the schedule
-    replicates stages (Chimera: then 0, and the note says why)."""
+    stands (:func:`validate` checked it); by default 1 with ``--data`` > 1, unless the program
+    cannot be sharded (Chimera with one microbatch: then 0, and the note says why)."""
     if o.zero is not None:
         return o.zero, ""
     if o.data < 2:
         return 0, ""
-    if _replicates(program):
-        return 0, (
-            f"zero 0: --schedule {o.schedule} replicates stages, which sharded data "
-            "parallelism (zero 1) does not support yet"
-        )
+    if why := _unshardable(program):
+        return 0, f"zero 0: {why}"
     return 1, ""

@@ -176,7 +176,8 @@ def print_summary(s: dict[str, Any]) -> None:
         f"{100 * s['bubble_simulated']:.1f}% simulated"
     )
     if o["data"] > 1:
-        how = "sharded over the data copies (ZeRO-1)" if s.get("zero") else "a full copy each"
+        level = s.get("zero")
+        how = f"sharded over the data copies (ZeRO-{level})" if level else "a full copy each"
         note = f" ({s['zero_note']})" if s.get("zero_note") else ""
         print(f"  params and optimizer state  {how}{note}")
     for name, path in s["files"].items():

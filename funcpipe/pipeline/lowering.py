@@ -34,11 +34,11 @@ def lower_program(
 ) -> Program:
     """``schedule`` lowered for a Pipeline (``recompute``, ``ties``, ``data_parallel`` and
     ``zero`` as it was given them) and checked under the point-to-point rules ``p2p`` on the
-    communicator ``layout``; a lowered ``schedule`` is only checked (with ``zero=1``, sharded
-    first: :func:`funcpipe.schedule.zero.shard_data`)."""
+    communicator ``layout``; a lowered ``schedule`` is only checked (with ``zero`` 1 or 2,
+    sharded first: :func:`funcpipe.schedule.zero.shard_data`)."""
     p = schedule
     if p.lowered:
-        p = shard_data(p) if zero else p
+        p = shard_data(p, zero=zero) if zero else p
         check(p, p2p=p2p, layout=layout)
         return p
     if recompute and p.training:
@@ -51,7 +51,7 @@ def lower_program(
         p = add_reduce(p, group="data")  # also adds the replica sums (Chimera)
     p = add_communication(p)
     if zero:  # GATHERs before the forwards, SCATTERs in place of the data REDUCEs
-        p = shard_data(p)
+        p = shard_data(p, zero=zero)
     check(p, p2p=p2p, layout=layout)
     return p
 

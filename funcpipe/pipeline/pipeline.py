@@ -93,9 +93,9 @@ class Pipeline:
             Default: on when the environment sets ``FUNCPIPE_DEBUG=1``. Costs one reduction per
             tensor.
         device: where received tensors are placed (default: where the params are).
-        zero: ``1`` shards parameters and gradients over the data-parallel copies (ZeRO-1,
-            :mod:`funcpipe.pipeline.zero`): :meth:`shard` params once, then ``step`` takes and
-            returns shards, and :meth:`gather` rebuilds full params. Default ``0``.
+        zero: ``1`` (ZeRO-1, :mod:`funcpipe.pipeline.zero`): :meth:`shard` params once, then
+            ``step`` takes and returns data-parallel shards, :meth:`gather` rebuilds params;
+            ``2`` (ZeRO-2) also reduce-scatters each microbatch's gradients at once. Default 0.
         grad_dtype: sum the gradients of lower-precision floating parameters (bf16, float16)
             in this dtype across microbatches and return them in it (``torch.float32``: what
             mixed-precision training wants; see docs/pipeline.md). The stage still computes
@@ -405,7 +405,8 @@ class Pipeline:
             entry, side, tgt, layouts, _ = self._microbatches(params, shards[d], tshards[d])
             ranks = [d * n + k for k in range(n)]
             for r in range(n):
-                x = self._rank_inputs(r, per_copy[d], entry, side, tgt, layouts, return_outputs)
+                mine = per_copy[d] if zin is None else _zero.for_rank(self, per_copy[d], r)
+                x = self._rank_inputs(r, mine, entry, side, tgt, layouts, return_outputs)
                 if zin is not None:
                     x.shards, x.copy = zin[1][d], d
                 x.trace = trace
@@ -431,20 +432,20 @@ class Pipeline:
             out.timeline = executed_timeline(program, [res.times for res in per_rank])
         return out
 
-    # ------------------------------------------------------------------ sharded (zero=1)
+    # ------------------------------------------------------------------ sharded (zero=1, 2)
     def shard(self, params: Sequence[Any]) -> Any:
-        """``params`` cut into shards for ``zero=1`` (no communication;
+        """``params`` cut into shards for ``zero`` 1 or 2 (no communication;
         :mod:`funcpipe.pipeline.zero`): over processes this process's, per stage a pytree of
         1-D pieces (stages it does not hold may be meta tensors); in one process a list of
         every copy's. The pipeline keeps the full shapes, which its steps rebuild."""
         if not self.zero:
-            raise InvalidArgument("shard(params) is for Pipeline(zero=1); pass params to step")
+            raise InvalidArgument("shard(params) is for Pipeline(zero=1 or 2); pass params to step")
         params = self._check_params(params)
         self._full = _zero.full_meta(params)
         return _zero.pipe_shard(self, params)
 
     def gather(self, shards: Any) -> tuple[Any, ...]:
-        """Full params from ``zero=1`` shards: over processes a collective of every process
+        """Full params from ``zero`` 1 or 2 shards: over processes a collective of every process
         (``None`` for the stages this one does not hold); in one process from every copy's."""
         return _zero.pipe_gather(self, shards)
 

@@ -1,4 +1,5 @@
-"""Sharded data parallelism for a Pipeline (``zero=1``, ZeRO-1): shards in, shards out.
+"""Sharded data parallelism for a Pipeline (``zero=1`` or ``2``, ZeRO-1 or ZeRO-2): shards in,
+shards out (the two differ only inside a step: where the program's SCATTERs stand).
 
 Between steps each data-parallel copy holds its shard of every parameter (the sharding rule
 of :mod:`funcpipe.runtime.shards`: ``torch.tensor_split(leaf.flatten(), d)[copy]``), and so
@@ -27,6 +28,7 @@ from funcpipe.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "check_zero",
+    "for_rank",
     "full_meta",
     "gather_copies",
     "gather_dist",
@@ -45,10 +47,11 @@ SHARDS = "pass what pipe.shard(params) returned (or an elementwise optimizer's u
 def check_zero(zero: Any, copies: int) -> int:
     """``zero`` checked against the rest of a Pipeline's options (``copies``: its data-parallel
     copies, in this process or over processes)."""
-    if isinstance(zero, bool) or zero not in (0, 1):
+    if isinstance(zero, bool) or zero not in (0, 1, 2):
         raise InvalidArgument(
-            f"zero={zero!r}: 0 (every copy holds full parameters) or 1 (each copy holds its "
-            "shard: ZeRO-1); zero=2 (sharded gradient sums per microbatch) is not supported yet"
+            f"zero={zero!r}: 0 (every copy holds full parameters), 1 (each copy holds its "
+            "shard: ZeRO-1) or 2 (the same, and each microbatch's gradient is reduce-scattered "
+            "into the shards at once: ZeRO-2)"
         )
     if zero and copies < 2:
         raise InvalidArgument(
@@ -174,10 +177,23 @@ def pipe_unshard(pipe: Any, shards: Any) -> tuple[list[tuple[Any, ...]], list[di
     return [g[0] for g in got], [g[1] for g in got]
 
 
+def for_rank(pipe: Any, params: tuple[Any, ...], rank: int) -> tuple[Any, ...]:
+    """The full parameters one rank of a copy gathers into (one process): the copy's, except
+    that where the program replicates a stage on several ranks (Chimera) each rank gets leaves
+    of its own (two GATHERs into one tensor would each bump the version autograd saved)."""
+    p = pipe.program
+    if not p.replica_of or len(set(p.replica_of)) == p.n_stages:
+        return params
+    mine = {p.replica_of[s] for s in p.stages_on(rank)}
+    return tuple(
+        tree_map(torch.empty_like, prm) if o in mine else prm for o, prm in enumerate(params)
+    )
+
+
 def _need_full(pipe: Any, what: str) -> tuple[Any, ...]:
     if not pipe.zero or pipe._full is None:
         raise InvalidArgument(
-            f"{what} of shards needs Pipeline(zero=1) and pipe.shard(params) first (it learns "
+            f"{what} of shards needs Pipeline(zero=1 or 2) and pipe.shard(params) first (it learns "
             "the full shapes there)"
         )
     full: tuple[Any, ...] = pipe._full

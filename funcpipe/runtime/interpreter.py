@@ -30,7 +30,9 @@ import torch
 from funcpipe.errors import InvalidArgument, NonFiniteError
 from funcpipe.runtime import autodiff
 from funcpipe.runtime.clock import step_clock
-from funcpipe.runtime.rank_io import SCALARS, RankInputs, RankResult
+from funcpipe.runtime.pending import Pending as _Pending
+from funcpipe.runtime.pending import wait_for
+from funcpipe.runtime.rank_io import RankInputs, RankResult
 from funcpipe.runtime.shards import gather_pieces, own_pieces, scatter_grads
 from funcpipe.runtime.stage_call import stage_fn
 from funcpipe.runtime.transport_common import P2P, RECV, SEND, Handle, Transport
@@ -42,25 +44,6 @@ from funcpipe.tree import tree_flatten
 __all__ = ["RankInputs", "RankResult", "run_rank"]
 
 Tensor = torch.Tensor
-
-
-def _wait(handle: Handle) -> Generator[Handle, None, None]:
-    if not handle.ready():
-        yield handle
-        handle.wait()
-
-
-class _Pending:
-    """A reduction in flight and what to do once it is complete (exactly once)."""
-
-    def __init__(self, handle: Handle, done: Callable[[], None]) -> None:
-        self.handle, self.done, self.finished = handle, done, False
-
-    def finish(self) -> Generator[Handle, None, None]:
-        if not self.finished:
-            yield from _wait(self.handle)
-            self.done()
-            self.finished = True
 
 
 class _Rank:
@@ -103,6 +86,8 @@ class _Rank:
         # and this copy's pieces of the averaged gradients once SCATTERed
         self.gathering: dict[int, _Pending] = {}
         self.pieces: dict[int, list[Tensor | None]] = {}
+        # owner -> its SCATTERs in flight (adding into the pieces; each holds a packed copy)
+        self.scattering: dict[int, list[_Pending]] = {}
         self.nodes: dict[int, dict[Any, int]] = {}  # owner -> autodiff.param_nodes (for I)
         # receives posted and not yet read: message key -> (handle, what to do once in)
         self.incoming: dict[Any, tuple[Handle, Callable[[], None] | None]] = {}
@@ -371,7 +356,7 @@ class _Rank:
             got = self.incoming.pop(key, None)
             if got is not None:
                 h, then = got
-                yield from _wait(h)
+                yield from wait_for(h)
                 if then is not None:
                     then()
 
@@ -433,31 +418,11 @@ class _Rank:
 
         self._reduce(self.t.all_reduce(diff, group), average, {owner})
 
-    def _post_scalars(self, group: str) -> None:
-        """Start reducing this rank's loss and metric sums (final once its sink forwards ran):
-        one float64 buffer, laid out as :data:`funcpipe.runtime.rank_io.SCALARS`."""
-        res = self.result
-        buf = torch.zeros(len(SCALARS), dtype=torch.float64, device=self.x.device)
-        if res.loss_sum is not None:
-            buf[SCALARS["loss"]] = res.loss_sum.detach().to(torch.float64)
-            buf[SCALARS["loss_items"]] = res.loss_items
-        if res.count_sum is not None:
-            buf[SCALARS["count"]] = res.count_sum
-            buf[SCALARS["counted_items"]] = res.counted_items
-        if res.metric_sum is not None:
-            msum = res.metric_sum.detach().to(torch.float64)
-            if msum.ndim:  # (sum, count)
-                buf[SCALARS["metric"]], buf[SCALARS["metric_count"]] = msum[0], msum[1]
-                buf[SCALARS["metric_counted"]] = res.loss_items
-            else:
-                buf[SCALARS["metric"]] = msum
-        res.scalars = (buf, self.t.all_reduce([buf], group))
-
-    def _grad_leaf(self, key: tuple[int, int]) -> Tensor:
+    def _grad_leaf(self, key: tuple[int, int], full: bool = False) -> Tensor:
         """The gradient sum of leaf ``k`` of ``o``, contiguous and its own (reductions write
-        into it); of a SCATTERed owner, this copy's piece of it."""
+        into it); of a SCATTERed owner (unless ``full``), this copy's piece of it."""
         o, k = key
-        if o in self.pieces:
+        if o in self.pieces and not full:
             if (piece := self.pieces[o][k]) is None:  # (set once its SCATTER finished)
                 raise RuntimeError(f"funcpipe internal error: stage {o}'s piece {k} is unset")
             return piece
@@ -486,16 +451,20 @@ class _Rank:
                 self.compute[o] = _compute_leaves(self.leaves[o], casts)
 
     def scatter(self, i: Instr) -> None:
-        """Start SCATTER ``i``: reduce-scatter the stage's gradient sums, averaged over the
-        copies; this copy keeps its pieces (:attr:`pieces`) and lets go of the full sums."""
+        """Start SCATTER ``i``: reduce-scatter what the stage's gradients gathered since its
+        previous SCATTER (all of them, or one microbatch's: ZeRO-2), averaged over the copies;
+        this copy adds its pieces into :attr:`pieces` and lets go of the full sums. Nothing
+        waits for it but a tie or replica REDUCE (which reads the pieces) and the step's end."""
         x, o = self.x, self.owner[i.stage]
         leaves = self.leaves[o]
-        grads = [self._grad_leaf((o, k)) for k in range(len(leaves))]
-        h, done, pieces = scatter_grads(self.t, grads, x.data_size, x.copy, i.group)
-        self.pieces[o] = pieces
+        grads = [self._grad_leaf((o, k), full=True) for k in range(len(leaves))]
+        into = self.pieces.get(o)
+        h, done, self.pieces[o] = scatter_grads(self.t, grads, x.data_size, x.copy, i.group, into)
         for t in leaves:
             t.grad = None
-        self._reduce(h, done, {o})
+        pending = _Pending(h, done)
+        self.reductions.append(pending)
+        self.scattering.setdefault(o, []).append(pending)
 
     def _reduce(self, h: Handle, done: Callable[[], None], owners: set[int]) -> None:
         pending = _Pending(h, done)
@@ -503,11 +472,20 @@ class _Rank:
         for o in owners:
             self.inflight.setdefault(o, []).append(pending)
 
+    def _scattered(self, owners: Sequence[int]) -> Generator[Handle, None, None]:
+        """Finish these owners' SCATTERs in flight (their packed buffers go)."""
+        for o in owners:
+            for pending in self.scattering.pop(o, ()):
+                yield from pending.finish()
+
     def _settle(self, owners: Sequence[int]) -> Generator[Handle, None, None]:
-        """Finish the reductions in flight over these owners' gradients before they change."""
+        """Finish the reductions in flight over these owners' gradients before they change,
+        and their SCATTERs (ZeRO-2: the previous microbatch's packed copy goes before the next
+        backward makes another full gradient)."""
         for o in owners:
             for pending in self.inflight.pop(o, ()):
                 yield from pending.finish()
+        yield from self._scattered(owners)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Generator[Handle, None, RankResult]:
@@ -520,6 +498,12 @@ class _Rank:
         for t, i in enumerate(instrs):
             op = i.op
             if op in COMPUTE_OPS:  # (its start is after its inputs are in)
+                if self.scattering:  # (ZeRO-2: the packed gradients of those done go now)
+                    self.scattering = {
+                        o: rest
+                        for o, ps in self.scattering.items()
+                        if (rest := [q for q in ps if not q.poll()])
+                    }
                 if self.gathering and (op is Op.F or op is Op.R):  # its GATHER first
                     yield from self._gathered(i.stage)
                 yield from self.inputs_in(i)
@@ -528,23 +512,26 @@ class _Rank:
             if op is Op.F:
                 self.forward(i)
             elif op is Op.B:
-                if self.inflight:
+                if self.inflight or self.scattering:  # (and the last SCATTER's packed copy)
                     yield from self._settle([self.owner[i.stage]])
                 self.backward(i)
             elif op is Op.I:
                 self.backward_input(i)
             elif op is Op.W:
-                if self.inflight:
+                if self.inflight or self.scattering:
                     yield from self._settle([self.owner[i.stage]])
                 self.backward_weight(i)
             elif t in group_of:  # a SEND or RECV that starts a group (joined ones: posted)
                 self.post([instrs[k] for k in group_of[t]])
             elif op is Op.R:
                 self.recompute(i)
-            elif op is Op.REDUCE or op is Op.SCATTER:
+            elif op is Op.REDUCE:
                 if self.inflight:  # a tie or replica sum reads what earlier reductions wrote
                     yield from self._settle(list(self.inflight))
-                (self.reduce if op is Op.REDUCE else self.scatter)(i)
+                yield from self._scattered(list(self.scattering))  # ... and the pieces
+                self.reduce(i)
+            elif op is Op.SCATTER:
+                self.scatter(i)
             elif op is Op.GATHER:
                 self.gather(i)
             if trace is not None:
@@ -556,15 +543,17 @@ class _Rank:
             # last rank's loss, and a device-wide synchronisation meanwhile (autotuning, the
             # allocator's retry on out-of-memory, a user's synchronize) would hold this rank's
             # host before it posts the sends the last rank needs: a hang.
-            self._post_scalars(x.scalars_group)
+            buf = self.result.scalar_buffer(x.device)
+            self.result.scalars = (buf, self.t.all_reduce([buf], x.scalars_group))
         for h, then in self.incoming.values():  # (none in a checked program: read by now)
-            yield from _wait(h)
+            yield from wait_for(h)
             if then is not None:
                 then()
         self.incoming = {}
         for pending in self.reductions:
             yield from pending.finish()
-        self.reductions, self.inflight = [], {}  # their callbacks are done: let them go
+        # their callbacks are done: let them go
+        self.reductions, self.inflight, self.scattering = [], {}, {}
         self.t.finish()
         if trace is not None:  # (CUDA: waits for the step's work)
             self.result.times = clock.resolve(trace)

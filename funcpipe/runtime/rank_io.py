@@ -123,3 +123,22 @@ class RankResult:
                     "microbatch."
                 )
             self.metric_sum = mv if self.metric_sum is None else self.metric_sum + mv
+
+    def scalar_buffer(self, device: torch.device) -> Tensor:
+        """This rank's loss and metric sums (final once its sink forwards ran) in one float64
+        buffer laid out as :data:`SCALARS`, for the step's one reduction."""
+        buf = torch.zeros(len(SCALARS), dtype=torch.float64, device=device)
+        if self.loss_sum is not None:
+            buf[SCALARS["loss"]] = self.loss_sum.detach().to(torch.float64)
+            buf[SCALARS["loss_items"]] = self.loss_items
+        if self.count_sum is not None:
+            buf[SCALARS["count"]] = self.count_sum
+            buf[SCALARS["counted_items"]] = self.counted_items
+        if self.metric_sum is not None:
+            msum = self.metric_sum.detach().to(torch.float64)
+            if msum.ndim:  # (sum, count)
+                buf[SCALARS["metric"]], buf[SCALARS["metric_count"]] = msum[0], msum[1]
+                buf[SCALARS["metric_counted"]] = self.loss_items
+            else:
+                buf[SCALARS["metric"]] = msum
+        return buf

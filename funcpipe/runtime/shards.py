@@ -119,7 +119,8 @@ def gather_pieces(
         with torch.no_grad():
             for (b, idx), out in zip(jobs, outs, strict=True):
                 b.unpack_full(out, [full[k] for k in idx])
-        ins.clear()
+        ins.clear()  # (the pending keeps this callback to the step's end: let the buffers go)
+        outs.clear()
 
     return transport.all_gather(ins, outs, group), done
 
@@ -130,17 +131,24 @@ def scatter_grads(
     d: int,
     c: int,
     group: str,
+    into: list[Tensor | None] | None = None,
 ) -> tuple[Handle, Callable[[], None], list[Tensor | None]]:
     """Start the reduce-scatter of a SCATTER: the full gradient sums ``grads`` of one stage
     (packed into one buffer per bucket, last leaf first as a backward produces them), summed
     over the group, this copy (``c`` of ``d``) keeping its pieces. Returns the handle, the
-    callback that averages them once it is done, and the list of pieces it fills (zeros, for
-    a leaf that is not floating, from the start)."""
+    callback that averages them once it is done, and the list of pieces it fills: ``into``
+    where an earlier SCATTER of the stage made one (ZeRO-2: the callback adds into its pieces,
+    in whatever order the callbacks run), else a new one (zeros, for a leaf that is not
+    floating, from the start)."""
     floating = [g.is_floating_point() or g.is_complex() for g in grads]
-    out_pieces: list[Tensor | None] = [
-        None if f else g.new_zeros(piece_sizes(g.numel(), d)[c])
-        for g, f in zip(grads, floating, strict=True)
-    ]
+    out_pieces: list[Tensor | None] = (
+        into
+        if into is not None
+        else [
+            None if f else g.new_zeros(piece_sizes(g.numel(), d)[c])
+            for g, f in zip(grads, floating, strict=True)
+        ]
+    )
     keys = [k for k in reversed(range(len(grads))) if floating[k]]
     ins, outs, jobs = [], [], []
     for idx in bucket_indices([grads[k] for k in keys]):
@@ -155,8 +163,13 @@ def scatter_grads(
         for (b, ks), out in zip(jobs, outs, strict=True):
             out.mul_(scale)
             for k, piece in zip(ks, b.pieces(out, c), strict=True):
-                out_pieces[k] = piece
+                held = out_pieces[k]
+                if held is None:
+                    out_pieces[k] = piece
+                else:
+                    held.add_(piece)
         ins.clear()
+        outs.clear()
 
     return transport.reduce_scatter(ins, outs, group), done, out_pieces
 

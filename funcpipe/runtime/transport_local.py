@@ -393,8 +393,8 @@ class LocalTransport(_Counters):
             del self.world.pending[key]
             parts.sort(key=lambda c: c.rank)  # a fixed order: deterministic sums
             complete(parts)
-            for c in parts:
-                c.done = True
+            for c in parts:  # (done: the world's list of them keeps no buffers to the end)
+                c.done, c.tensors, c.outputs = True, [], []
         return me
 
     def finish(self) -> None:

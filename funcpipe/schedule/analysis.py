@@ -16,6 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from funcpipe.errors import ScheduleError
+from funcpipe.schedule.analysis_shards import check_shards
 from funcpipe.schedule.ir import (
     ACT,
     BACKWARD_OPS,
@@ -23,9 +24,11 @@ from funcpipe.schedule.ir import (
     COMM_OPS,
     COMPUTE_OPS,
     GRAD,
+    IN_PROGRAM_PREFIXES,
     Instr,
     Op,
     Program,
+    in_program,
 )
 
 __all__ = ["IN_PROGRAM_PREFIXES", "Analysis", "Dep", "analyse", "fail", "in_program"]
@@ -72,15 +75,6 @@ def fail(program: Program, rank: int, step: int, rule: str, detail: str) -> Sche
     return ScheduleError(message, rank=rank, step=step, instruction=instr, rule=rule)
 
 
-IN_PROGRAM_PREFIXES = ("tie:", "replica:")
-
-
-def in_program(group: str) -> bool:
-    """Whether REDUCE ``group`` meets ranks of this program (ties, replicas) rather than the
-    same rank of the program's data-parallel copies (``data``, or any other name)."""
-    return group.startswith(IN_PROGRAM_PREFIXES)
-
-
 class _Analyser:
     def __init__(self, program: Program) -> None:
         self.p = program
@@ -117,7 +111,8 @@ class _Analyser:
                 raise self.fail(
                     r, t, "an eval program has no gradients", f"{i.op.value} in an eval program"
                 )
-            return
+            if i.microbatch < 0:  # (ZeRO-2's SCATTERs name one: checked below)
+                return
         if not 0 <= i.microbatch < p.microbatches:
             raise self.fail(
                 r, t, rule, f"microbatch {i.microbatch} does not exist (0..{p.microbatches - 1})"
@@ -478,108 +473,11 @@ class _Analyser:
                         )
                     seen[g] += 1
 
-    def shards(self) -> None:
-        """SCATTER and GATHER (ZeRO, :mod:`funcpipe.schedule.zero`). They run over the
-        program's data-parallel copies, which run this very program, so each meets the others'
-        in one order; what is left to prove is where they stand: once per stage and group, a
-        SCATTER after every gradient contribution of its stage, a GATHER before its every
-        forward, and, in a training program, a stage gathered over a group (its parameters are
-        shards) scattered over it (its gradients come back as shards) and not also REDUCEd."""
-        p = self.p
-        seen: dict[tuple[Op, int, str], tuple[int, int]] = {}
-        reduced = {(i.stage, i.group) for r in p.ranks for i in r if i.op is Op.REDUCE}
-        for r, instrs in enumerate(p.ranks):
-            for t, i in enumerate(instrs):
-                if i.op is not Op.SCATTER and i.op is not Op.GATHER:
-                    continue
-                s, g, name = i.stage, i.group, i.op.value
-                if in_program(g):
-                    raise self.fail(
-                        r,
-                        t,
-                        "SCATTER and GATHER run over the data-parallel copies of the program",
-                        f"group {g!r} names ranks of this program; use 'data'",
-                    )
-                if (i.op, s, g) in seen:
-                    r0, t0 = seen[(i.op, s, g)]
-                    raise self.fail(
-                        r,
-                        t,
-                        f"a stage has at most one {name} per group",
-                        f"duplicate of rank {r0}, step {t0}; remove one",
-                    )
-                seen[(i.op, s, g)] = (r, t)
-                for mb in (mb for mb in range(p.microbatches) if s in p.visits(mb)):
-                    if i.op is Op.SCATTER:
-                        key = (Op.B, s, mb) if (Op.B, s, mb) in self.where else (Op.W, s, mb)
-                        self.need_local(
-                            r,
-                            t,
-                            key,
-                            "SCATTER comes after every gradient contribution (B or W) of its stage",
-                            f"{key[0].value} s{s} m{mb}",
-                        )
-                    elif (f := self.where.get((Op.F, s, mb))) is not None and f[1] < t:
-                        raise self.fail(
-                            r,
-                            t,
-                            "GATHER comes before every forward of its stage",
-                            f"F s{s} m{mb} runs earlier (step {f[1]}); move the GATHER before it",
-                        )
-                if i.op is Op.SCATTER and (s, g) in reduced:
-                    raise self.fail(
-                        r,
-                        t,
-                        "a stage's gradients are REDUCEd or SCATTERed over a group, not both",
-                        f"stage {s} also has REDUCE s{s} {g}; remove one",
-                    )
-        self._all_or_none(seen)
-        for (op, s, g), (r, t) in seen.items():
-            other = Op.SCATTER if op is Op.GATHER else Op.GATHER
-            if p.training and (other, s, g) not in seen:
-                raise self.fail(
-                    r,
-                    t,
-                    "in a training program a stage is GATHERed over a group if and only if it "
-                    "is SCATTERed over it (shard parameters, shard gradients)",
-                    f"add {other.value} s{s} {g} (funcpipe.schedule.shard_data places both)",
-                )
-
-    def _all_or_none(self, seen: dict[tuple[Op, int, str], tuple[int, int]]) -> None:
-        """A program shards every stage a microbatch visits, or none (the runtime holds the
-        shards of all of them); and on a rank that SCATTERs, the tie and replica REDUCEs come
-        after its SCATTERs (they then add the copies' pieces, on every member alike)."""
-        p = self.p
-        gathers = {(s, g): at for (op, s, g), at in seen.items() if op is Op.GATHER}
-        visited = set().union(*(p.visits(m) for m in range(p.microbatches)))
-        for g in sorted({g for _, g in gathers}):
-            missing = sorted(visited - {s for s, h in gathers if h == g})
-            if missing:
-                r, t = min(at for (_, h), at in gathers.items() if h == g)
-                raise self.fail(
-                    r,
-                    t,
-                    "a program shards every stage a microbatch visits, or none",
-                    f"stages {missing} have no GATHER over {g!r}; "
-                    "funcpipe.schedule.shard_data places one per stage",
-                )
-        for r, instrs in enumerate(p.ranks):
-            last = max((t for t, i in enumerate(instrs) if i.op is Op.SCATTER), default=0)
-            for t, i in enumerate(instrs[:last]):
-                if i.op is Op.REDUCE and in_program(i.group):
-                    raise self.fail(
-                        r,
-                        t,
-                        "with sharded gradients a tie or replica REDUCE comes after its rank's "
-                        "SCATTERs (it adds the copies' pieces)",
-                        f"move it after step {last} ({instrs[last]})",
-                    )
-
     def run(self) -> Analysis:
         self.index()
         self.complete()
         self.dependencies()
-        self.shards()
+        check_shards(self)
         if self.lowered:
             self.match_messages()
         self.match_collectives()

@@ -23,6 +23,7 @@ __all__ = [
     "COMM_OPS",
     "COMPUTE_OPS",
     "GRAD",
+    "IN_PROGRAM_PREFIXES",
     "Instr",
     "Op",
     "backward",
@@ -31,6 +32,7 @@ __all__ = [
     "forward",
     "gather",
     "groups",
+    "in_program",
     "keep_groups",
     "parse_instr",
     "recompute",
@@ -63,8 +65,15 @@ COMPUTE_OPS = frozenset({Op.F, Op.B, Op.I, Op.W, Op.R})
 BACKWARD_OPS = frozenset({Op.B, Op.I})  # the ops that produce input gradients
 COMM_OPS = frozenset({Op.SEND, Op.RECV})
 COLLECTIVE_OPS = frozenset({Op.REDUCE, Op.SCATTER, Op.GATHER})  # over a named group
+IN_PROGRAM_PREFIXES = ("tie:", "replica:")
 ACT = "act"
 GRAD = "grad"
+
+
+def in_program(group: str) -> bool:
+    """Whether REDUCE ``group`` meets ranks of this program (ties, replicas) rather than the
+    same rank of the program's data-parallel copies (``data``, or any other name)."""
+    return group.startswith(IN_PROGRAM_PREFIXES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +106,9 @@ class Instr:
                 fix(self, "joined", bool(self.joined))
             return
         if self.op in COLLECTIVE_OPS:
-            blank = {"microbatch": -1, "kind": "", "other": -1, "peer": -1, "joined": False}
+            blank = {"kind": "", "other": -1, "peer": -1, "joined": False}
+            if self.op is not Op.SCATTER or self.microbatch < 0:  # (ZeRO-2's carry one)
+                blank["microbatch"] = -1
         else:
             blank = {"kind": "", "other": -1, "peer": -1, "group": "", "joined": False}
         for name, value in blank.items():
@@ -121,7 +132,8 @@ class Instr:
         if self.op in COMPUTE_OPS:
             return f"{self.op.value} s{self.stage} m{self.microbatch}"
         if self.op in COLLECTIVE_OPS:
-            return f"{self.op.value} s{self.stage} {self.group}"
+            mb = f" m{self.microbatch}" if self.microbatch >= 0 else ""
+            return f"{self.op.value} s{self.stage}{mb} {self.group}"
         p, c = self.edge
         direction = "to" if self.op is Op.SEND else "from"
         joined = "+ " if self.joined else ""
@@ -196,11 +208,13 @@ def reduce(stage: int, group: str) -> Instr:
     return Instr(Op.REDUCE, stage, group=group)
 
 
-def scatter(stage: int, group: str) -> Instr:
+def scatter(stage: int, group: str, microbatch: int = -1) -> Instr:
     """SCATTER the gradients of ``stage`` over ``group`` (``data``): reduce-scatter them,
     averaged, so that each data-parallel copy keeps its shard (ZeRO-1; see
-    :mod:`funcpipe.schedule.zero`)."""
-    return Instr(Op.SCATTER, stage, group=group)
+    :mod:`funcpipe.schedule.zero`). With ``microbatch`` (ZeRO-2, ``SCATTER s0 m3 data``): what
+    the stage's gradients gathered since its previous SCATTER, through that microbatch's,
+    added into the shards."""
+    return Instr(Op.SCATTER, stage, microbatch, group=group)
 
 
 def gather(stage: int, group: str) -> Instr:
@@ -213,10 +227,10 @@ _COMPUTE_RE = re.compile(r"([FBIWR])\s+s(\d+)\s+m(\d+)")
 _COMM_RE = re.compile(
     r"(\+\s*)?(SEND|RECV)\s+(act|grad)\s+s(\d+)\s*>\s*s(\d+)\s+m(\d+)\s+(to|from)\s+r(\d+)"
 )
-_REDUCE_RE = re.compile(r"(REDUCE|SCATTER|GATHER)\s+s(\d+)\s+([A-Za-z_][\w:.\-]*)")
+_REDUCE_RE = re.compile(r"(REDUCE|SCATTER|GATHER)\s+s(\d+)(?:\s+m(\d+))?\s+([A-Za-z_][\w:.\-]*)")
 _INSTR_FORMS = (
     "'F s0 m1' (also B, I, W, R), 'SEND act s0>s1 m1 to r1', 'RECV grad s0>s1 m1 from r1', "
-    "'REDUCE s0 data' (also SCATTER, GATHER), and '+ ' before a SEND/RECV that joins the group of the one before it"
+    "'REDUCE s0 data' (also SCATTER, GATHER), 'SCATTER s0 m1 data', and '+ ' before a SEND/RECV that joins the group of the one before it"
 )
 
 
@@ -241,7 +255,13 @@ def parse_instr(text: str) -> Instr:
                 f"write {rest!r} without the '+'"
             )
     if m := _REDUCE_RE.fullmatch(t):
-        return Instr(Op(m[1]), int(m[2]), group=m[3])
+        if m[3] is not None and m[1] != "SCATTER":
+            raise ScheduleError(
+                f"cannot parse {text!r}: only a SCATTER names a microbatch (ZeRO-2); "
+                f"write '{m[1]} s{m[2]} {m[4]}'"
+            )
+        mb = -1 if m[3] is None else int(m[3])
+        return Instr(Op(m[1]), int(m[2]), mb, group=m[4])
     raise ScheduleError(f"cannot parse instruction {text!r}; the forms are {_INSTR_FORMS}")
 
 
