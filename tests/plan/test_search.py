@@ -81,7 +81,7 @@ def test_cli_prices_a_given_layout(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["layout"] == {"tensor": 2, "pipeline": 2, "data": 2, "microbatch": 1,
                              "interleave": 2, "recompute": "full", "sequence_parallel": True,
                              "schedule": "zbv", "zero1": False,
-                             "stage_layers": None}  # fmt: skip
+                             "stage_layers": None, "zero": 0}  # fmt: skip
     assert main([*ARGS, "--tensor", "2"]) == 0
     table = capsys.readouterr().out
     assert "t2 p1 d4" in table and "MFU" in table
