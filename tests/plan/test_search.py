@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import lru_cache
 from math import isclose
 
 import pytest
@@ -11,20 +12,41 @@ import pytest
 import funcpipe
 from funcpipe.cli.app import main
 from funcpipe.errors import InvalidArgument
-from funcpipe.planner import ClusterLayout, Transformer, candidates, cluster, estimate, search
+from funcpipe.planner import (
+    ClusterLayout,
+    Estimate,
+    Transformer,
+    candidates,
+    cluster,
+    estimate,
+    search,
+)
 from funcpipe.planner.published import MEGATRON_2021
 
 TINY = Transformer(layers=4, hidden=256, heads=4, vocab=1000, seq=128)
 
 
-@pytest.mark.parametrize("share", [None, 0.3])
+SPACE = {"microbatches": (1, 2, 4), "interleaves": (2,)}
+
+
+@lru_cache(maxsize=1)
+def _brute_force() -> tuple[Estimate, ...]:
+    """Every candidate of the search below (sharding levels 0, 1, 2 where data > 1: the
+    default), priced with the simulator."""
+    where = cluster("h100-sxm", gpus_per_node=4)
+    lays = list(candidates(TINY, 8, 16, gpus_per_node=4, **SPACE))  # type: ignore[arg-type]
+    assert {lay.zero for lay in lays} == {0, 1, 2}
+    return tuple(estimate(TINY, where, lay, global_batch=16, simulate=True) for lay in lays)
+
+
+@pytest.mark.parametrize("share", [None, 0.3, 0.7])
 def test_search_finds_the_brute_force_optimum(share: float | None) -> None:
     """Every candidate priced with the simulator; with a memory limit that only ``share`` of
-    them meet (the fastest ones among those cut, by construction: the limit sits below them)."""
+    them meet (the fastest ones among those cut, by construction: the limit sits below them).
+    At 0.3 the closed-form memory of some layouts that fit is above the limit (the search drops
+    by a lower bound of the simulated memory); at 0.7 a ZeRO-2 layout is the optimum."""
     where = cluster("h100-sxm", gpus_per_node=4)  # 8 GPUs on 2 nodes: the links differ
-    space = {"microbatches": (1, 2, 4), "interleaves": (2,)}
-    lays = list(candidates(TINY, 8, 16, gpus_per_node=4, **space))  # type: ignore[arg-type]
-    every = [estimate(TINY, where, lay, global_batch=16, simulate=True) for lay in lays]
+    every = _brute_force()
     limit = None
     if share is not None:
         limit = sorted(e.memory_bytes_per_gpu for e in every)[int(share * len(every))]
@@ -34,12 +56,18 @@ def test_search_finds_the_brute_force_optimum(share: float | None) -> None:
     fastest = min(every, key=lambda e: e.step_time_s)
     if share is not None:
         assert fastest.step_time_s < best.step_time_s  # the limit changes the answer
-    got = search(TINY, where, gpus=8, global_batch=16, memory_limit=limit, top=3, **space)
+    got = search(TINY, where, gpus=8, global_batch=16, memory_limit=limit, top=3, **SPACE)
     assert isclose(got[0].step_time_s, best.step_time_s)
     tied = [e.layout for e in fitting if isclose(e.step_time_s, best.step_time_s)]
     assert got[0].layout in tied  # the optimum itself (one of several when they tie)
     assert [e.step_time_s for e in got] == sorted(e.step_time_s for e in got)
     assert all(e.fits for e in got)
+    if share == 0.7:
+        assert got[0].layout.zero == 2, got[0].layout.short()
+    if share == 0.3:  # what the closed-form memory filter dropped: layouts that fit
+        wrong = [e for e in fitting if not estimate(TINY, where, e.layout, global_batch=16,
+                                                    memory_limit=limit).fits]  # fmt: skip
+        assert wrong
 
 
 def test_candidates_are_the_valid_layouts() -> None:
@@ -224,7 +252,7 @@ def test_the_search_prunes_by_a_true_lower_bound() -> None:
     """``Estimate.bound_s`` (closed-form path) is never above the simulated step time, zbv's
     extrapolated runs (m > 3p) included: the search's exactness rests on it."""
     where = cluster("h100-sxm", gpus_per_node=4)
-    space = {"microbatches": (1, 2), "zero1": (False, True)}
+    space = {"microbatches": (1, 2)}  # and every sharding level (the default)
     for lay in candidates(TINY, 8, 64, gpus_per_node=4, **space):  # type: ignore[arg-type]
         low = estimate(TINY, where, lay, global_batch=64).bound_s
         sim = estimate(TINY, where, lay, global_batch=64, simulate=True).step_time_s
