@@ -660,7 +660,7 @@ CASES: list[Case] = [
     Case(
         "plan-search-too-many-layouts",
         "schedules",
-        "funcpipe plan searching 720,720 GPUs for 720,720 layers (52,560 layouts)",
+        "funcpipe plan searching 720,720 GPUs for 720,720 layers (157,680 layouts with 3 sharding levels)",
         lambda: _plan(720720, gpus=720720, global_batch=8 * 720720),
         InvalidArgument,
         ("more than 20,000 layouts", "narrow it", "price one layout"),

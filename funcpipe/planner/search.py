@@ -30,9 +30,10 @@ __all__ = ["MAX_LAYOUTS", "candidates", "search"]
 DEFAULT_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
 
 MAX_LAYOUTS = 20_000
-"""The most layouts :func:`search` prices: seconds of work (the 1T GPT on 3,072 GPUs has 3,480).
-A GPU count, layer count and batch with many common divisors can give more (720,720 of each:
-52,560); such a search is refused, saying how to narrow it (issue 42: bound the work)."""
+"""The most layouts :func:`search` prices: seconds of work (the 1T GPT on 3,072 GPUs has 10,440
+with its three sharding levels). A GPU count, layer count and batch with many common divisors
+can give more (720,720 of each: 157,680, 52,560 without sharding); such a search is refused,
+saying how to narrow it (issue 42: bound the work)."""
 
 
 def _divisors(n: int) -> list[int]:

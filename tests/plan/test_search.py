@@ -217,7 +217,8 @@ HUGE = ["--hidden", "4096", "--heads", "32", "--vocab", "50000", "--seq", "2048"
         (["--layers", "1024", "--global-batch", "4096", "--gpus", "1024", "--pipeline", "1024"],
          0, ["closed form"]),
         (["--layers", "32", "--global-batch", "2097152", "--gpus", "1048576"], 0, ["searched"]),
-        # many common divisors: 52,560 layouts, some of hundreds of stages (was minutes)
+        # many common divisors: 157,680 layouts (52,560 without sharding), some of hundreds of
+        # stages (was minutes)
         (["--layers", "720720", "--global-batch", "5765760", "--gpus", "720720"], 2,
          ["more than 20,000 layouts", "narrow it", "--pipeline"]),
     ],
