@@ -104,19 +104,23 @@ def _zero_levels(zero: Sequence[int] | None, zero1: Sequence[bool] | None) -> tu
             "(zero1=(False, True) is the old spelling of zero=(0, 1))"
         )
     if zero1 is not None:
-        if isinstance(zero1, (str, bytes)) or any(z not in (False, True) for z in zero1):
+        if _not_a_sequence(zero1) or any(z not in (False, True) for z in zero1):
             raise InvalidArgument(
                 f"search(zero1={zero1!r}): a sequence of True/False, e.g. (False, True)"
             )
         return tuple(dict.fromkeys(int(bool(z)) for z in zero1))
     if zero is None:
         return ZERO
-    if isinstance(zero, (str, bytes)) or any(isinstance(z, bool) or z not in ZERO for z in zero):
+    if _not_a_sequence(zero) or any(isinstance(z, bool) or z not in ZERO for z in zero):
         raise InvalidArgument(
             f"search(zero={zero!r}): a sequence of sharding levels out of 0, 1, 2 "
             "(none, ZeRO-1, ZeRO-2), e.g. (0, 1, 2) or (0,)"
         )
     return tuple(zero)
+
+
+def _not_a_sequence(value: object) -> bool:
+    return isinstance(value, (str, bytes)) or not hasattr(value, "__iter__")
 
 
 def _chunks(model: Transformer, sched: str, p: int, interleaves: Sequence[int]) -> list[int]:

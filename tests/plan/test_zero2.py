@@ -103,7 +103,7 @@ def test_candidates_walk_the_zero_levels() -> None:
     only = list(candidates(TINY, 8, 16, schedules=("1f1b",), recompute=("none",), zero=(2,)))
     assert {lay.zero for lay in only if lay.data > 1} == {2}
     refused = [({"zero": (0,), "zero1": (True,)}, "once"), ({"zero": (3,)}, r"zero=\(3,\)"),
-               ({"zero1": (2,)}, r"zero1=\(2,\)")]  # fmt: skip
+               ({"zero1": (2,)}, r"zero1=\(2,\)"), ({"zero": 2}, r"zero=2\): a sequence")]  # fmt: skip
     for kw, needle in refused:
         with pytest.raises(InvalidArgument, match=needle):
             list(candidates(TINY, 8, 16, **kw))  # type: ignore[arg-type]
