@@ -2,7 +2,7 @@
 
 ``python benchmarks/plan_search.py``: the 1T-parameter GPT of Megatron-LM 2021 on 3,072
 A100-80GB with a global batch of 3,072 sequences (512 microbatches per pipeline at data 6,
-microbatch 1), every schedule, recompute mode, microbatch size and sequence-parallel choice;
+microbatch 1), every schedule, recompute mode, microbatch size, sequence-parallel choice and sharding level;
 then the same with a global batch of 1,536 on 3,072 H100s. Prints candidates priced, seconds,
 and the best layouts.
 """

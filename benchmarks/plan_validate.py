@@ -73,11 +73,11 @@ def main() -> None:
             print(f"        search: {best.layout.short():<40} {best.step_time_s:8.2f} s vs "
                   f"{e.step_time_s:8.2f} s published ({row['search_speedup']:.2f}x, "
                   f"{row['search_seconds']:.1f} s to search)")  # fmt: skip
-            # only what Megatron-LM had in 2021: no sequence parallelism, selective recompute
-            # or zero-bubble schedules
+            # only what Megatron-LM had in 2021: no sequence parallelism, selective recompute,
+            # zero-bubble schedules or sharded optimizer state
             old = search(model, a100, gpus=gpus, global_batch=batch, overlap_grad_reduce=False,
                          schedules=("1f1b", "interleaved"), recompute=("none", "full"),
-                         sequence_parallel=(False,))[0]  # fmt: skip
+                         sequence_parallel=(False,), zero=(0,))[0]  # fmt: skip
             row.update(search_2021_layout=old.layout.short(), search_2021_step_s=old.step_time_s,
                        search_2021_speedup=e.step_time_s / old.step_time_s)  # fmt: skip
             print(f"        2021 techniques: {old.layout.short():<31} {old.step_time_s:8.2f} s "

@@ -395,6 +395,12 @@ def _binary_csv() -> None:
     read_csv(path)
 
 
+def _zero_layout(level: int) -> None:
+    from funcpipe.planner import ClusterLayout
+
+    ClusterLayout(data=2, zero=level)
+
+
 def _plan(layers: int = 32, heads: int = 32, *, pipeline: int | None = None, **kw: Any) -> None:
     from funcpipe.planner import ClusterLayout, Transformer
 
@@ -654,7 +660,7 @@ CASES: list[Case] = [
     Case(
         "plan-search-too-many-layouts",
         "schedules",
-        "funcpipe plan searching 720,720 GPUs for 720,720 layers (52,560 layouts)",
+        "funcpipe plan searching 720,720 GPUs for 720,720 layers (157,680 layouts with 3 sharding levels)",
         lambda: _plan(720720, gpus=720720, global_batch=8 * 720720),
         InvalidArgument,
         ("more than 20,000 layouts", "narrow it", "price one layout"),
@@ -669,6 +675,14 @@ CASES: list[Case] = [
         ("global_batch=7 is not a multiple of any data size", "16, 32 or 64", "a multiple of 16"),
         "funcpipe/planner/search.py (said 'add GPUs, allow recompute, or use a GPU with more "
         "memory')",
+    ),
+    Case(
+        "plan-zero-level-unknown",
+        "schedules",
+        "a planner layout with a sharding level the runtime does not have (ZeRO-3)",
+        lambda: _zero_layout(3),
+        InvalidArgument,
+        ("ClusterLayout(zero=3)", "1 (ZeRO-1", "2 (ZeRO-2"),
     ),
     Case(
         "cli-schedule-png-unwritable",

@@ -1,6 +1,8 @@
 """The planner's memory model of ZeRO-1 (``ClusterLayout(zero1=True)``) against what the runtime
 holds (``Pipeline(zero=1)``): optimizer state, gradients and parameters per rank, at data 2 and
-4, within 5%.
+4, within 5%. ZeRO-2 (``ClusterLayout(zero=2)``) against the pieces it is made of, measured at
+``zero=0`` and ``zero=1``: this runtime has no ``Pipeline(zero=2)`` to measure (its in-step
+gradient arithmetic is pinned in tests/plan/test_zero2.py).
 
 Measured in one process (``Pipeline(data=d)``: the copies side by side, the same shards the
 processes of ``benchmarks/zero.py`` hold) on the benchmark GPT in float32, cut into 2 stages,
@@ -11,6 +13,7 @@ and head bias, which the planner leaves out, are under 3% of a stage). No timing
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import pytest
@@ -41,6 +44,7 @@ def _bytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
+@cache
 def measured(data: int, zero: int) -> dict[str, int]:
     """The largest bytes any (stage, copy) holds after one AdamW step, by kind: ``optimizer``
     (mu, nu, master), ``gradients`` (what the step returns), ``held`` (params between steps),
@@ -75,8 +79,8 @@ def measured(data: int, zero: int) -> dict[str, int]:
     return out
 
 
-def planned(data: int, zero1: bool) -> dict[str, float]:
-    layout = ClusterLayout(pipeline=2, data=data, zero1=zero1)
+def planned(data: int, zero1: bool, zero: int = 0) -> dict[str, float]:
+    layout = ClusterLayout(pipeline=2, data=data, zero1=zero1, zero=zero)
     e = estimate(
         PLANNED, cluster("h100-sxm"), layout, global_batch=data * MICROBATCHES
     )  # microbatch 1: MICROBATCHES per copy
@@ -108,6 +112,21 @@ def test_planner_zero1_memory_matches_the_runtime(data: int) -> None:
         assert _close(plan["parameters"], full["held"]), (plan, full)
     assert sharded["in_step"] == full["held"] == full["in_step"]
     assert _close(sharded["held"] * data, full["held"])
+
+
+@pytest.mark.parametrize("data", [2, 4])
+def test_planner_zero2_memory_from_the_runtime_pieces(data: int) -> None:
+    """ZeRO-2 keeps what ZeRO-1 keeps between steps (optimizer state and parameter shards, the
+    gradient shard it returns); in the step it holds a float32 shard of the gradient sums (the
+    1/d piece ``zero=1`` returns) plus one chunk's whole gradient until its reduce-scatter (one
+    stage's gradient, what ``zero=0`` returns: one chunk per rank here)."""
+    full, sharded = measured(data, 0), measured(data, 1)
+    plan1, plan2 = planned(data, True), planned(data, False, zero=2)
+    for key in ("optimizer", "parameters", "activations", "buffers"):
+        assert plan2[key] == plan1[key]
+    assert _close(plan2["gradients"], sharded["gradients"] + full["gradients"]), (plan2, full)
+    # one chunk per rank: the transient whole gradient is the rank's, so ZeRO-2 holds 1/d more
+    assert plan2["gradients"] == pytest.approx(plan1["gradients"] * (1 + 1 / data))
 
 
 def test_optimizer_bytes_follow_the_dtype() -> None:

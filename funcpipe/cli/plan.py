@@ -21,21 +21,22 @@ _LAYOUT_FLAGS = (
     "stage_layers",
     "sequence_parallel",
     "schedule",
+    "zero",
 )
 
 
 def register(subparsers: Subparsers) -> None:
     """Add the ``plan`` subcommand to ``subparsers``."""
     from funcpipe.planner.cluster import GPUS
-    from funcpipe.planner.layout import RECOMPUTE, SCHEDULES
+    from funcpipe.planner.layout import RECOMPUTE, SCHEDULES, ZERO
 
     parser = subparsers.add_parser(
         "plan",
         help="predict step time, MFU and memory per GPU of a transformer on a GPU cluster",
         description="Predict a transformer's training step (time, MFU, hardware TFLOP/s, memory "
         "per GPU) on N GPUs. With any layout option the layout is priced (options left out "
-        "default to 1, none, off, 1f1b and data = gpus / (tensor x pipeline)); without them the "
-        "best layouts that fit are searched. See docs/planner.md.",
+        "default to 1, none, off, 1f1b, zero 0 and data = gpus / (tensor x pipeline)); without "
+        "them the best layouts that fit are searched. See docs/planner.md.",
     )
     need = parser.add_argument_group("model and cluster")
     for flag, what in (
@@ -67,6 +68,14 @@ def register(subparsers: Subparsers) -> None:
         default=None,
         metavar="NAME",
         help=f"one of {', '.join(SCHEDULES)}",
+    )
+    lay.add_argument(
+        "--zero",
+        type=int,
+        choices=ZERO,
+        default=None,
+        help="sharding over data: 0 none, 1 ZeRO-1 (optimizer state and parameters), "
+        "2 ZeRO-2 (gradients too, reduce-scattered every microbatch); searched when left out",
     )
     parser.add_argument(
         "--top", type=int, default=1, metavar="K", help="layouts to show when searching (default 1)"
@@ -102,6 +111,7 @@ def _layout(args: argparse.Namespace) -> Any:
         sequence_parallel=bool(args.sequence_parallel),
         schedule=schedule,
         stage_layers=_stage_layers(args.stage_layers),
+        zero=args.zero or 0,
     )
 
 

@@ -1,6 +1,6 @@
 """Plan a transformer's parallel layout on a GPU cluster: predict step time, MFU and memory per
 GPU for any (tensor, pipeline, data, microbatch, interleave, recompute, sequence parallel,
-schedule) layout, and search for the best one. Pure Python: no torch, no process group.
+schedule, sharding) layout, and search for the best one. Pure Python: no torch, no process group.
 
 See docs/planner.md. ``funcpipe.plan(...)`` is :func:`funcpipe.planner.api.plan`; the old path
 ``funcpipe.plan.X`` (``from funcpipe.plan import estimate``) is this package.
@@ -11,7 +11,7 @@ from funcpipe.planner.calibration import DEFAULT as DEFAULT_CALIBRATION
 from funcpipe.planner.calibration import Calibration
 from funcpipe.planner.cluster import GPU, GPUS, Cluster, Link, cluster
 from funcpipe.planner.estimate import Estimate, estimate
-from funcpipe.planner.layout import RECOMPUTE, SCHEDULES, ClusterLayout, Layout
+from funcpipe.planner.layout import RECOMPUTE, SCHEDULES, ZERO, ClusterLayout, Layout
 from funcpipe.planner.model import Transformer
 from funcpipe.planner.search import candidates, search
 
@@ -21,6 +21,7 @@ __all__ = [
     "GPUS",
     "RECOMPUTE",
     "SCHEDULES",
+    "ZERO",
     "Calibration",
     "Cluster",
     "ClusterLayout",

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from funcpipe.errors import InvalidArgument
 from funcpipe.planner import comm
 from funcpipe.planner.calibration import DEFAULT, Calibration
 from funcpipe.planner.cluster import Cluster
-from funcpipe.planner.compute import head_costs, layer_costs
+from funcpipe.planner.compute import OpCosts, head_costs, layer_costs
 from funcpipe.planner.layout import MAX_STAGES, ClusterLayout, check_gpus
 from funcpipe.planner.model import Transformer
 from funcpipe.planner.pipeline import (
+    MAX_SIMULATED,
+    activation_floor,
     closed_form,
     in_flight,
     pipeline_bound,
@@ -23,7 +26,9 @@ __all__ = [
     "GRADIENT_BYTES",
     "Estimate",
     "check_layout",
+    "data_parallel_seconds",
     "estimate",
+    "gradient_bytes",
     "optimizer_bytes_per_param",
 ]
 
@@ -48,6 +53,11 @@ class Estimate:
     bound_s: float = 0.0
     """A lower bound of this layout's simulated step time (:func:`pipeline_bound` for the
     pipeline part, the rest as priced here): what the search prunes by. Not in the JSON."""
+    memory_floor_bytes: float = 0.0
+    """A lower bound of this layout's simulated memory per GPU (:func:`activation_floor` for
+    the activations, the rest as here; the memory itself when simulated, or where nothing is
+    simulated: one pipeline rank): what the search drops layouts by before pricing them. Not
+    in the JSON."""
 
     @property
     def memory_gib_per_gpu(self) -> float:
@@ -73,7 +83,49 @@ class Estimate:
 GRADIENT_BYTES = 4
 """Bytes per parameter of the gradients a step accumulates: float32 (main gradients of narrow
 parameters, or the float32 parameters' own). Whole on every data-parallel copy until the step's
-reduction, sharded or not (ZeRO-1 shards what is kept after it, not the sum during the step)."""
+reduction with ``zero`` 0 and 1 (ZeRO-1 shards what is kept after it, not the sum during the
+step); with ``zero`` 2 a 1/d shard of the sums, plus one chunk's whole gradient of one
+microbatch until its reduce-scatter (:func:`gradient_bytes`)."""
+
+
+def gradient_bytes(zero: int, data: int, rank_params: float, chunk_params: float) -> float:
+    """Gradient bytes a rank holds during a step: its ``rank_params`` parameters' float32 sums,
+    whole (``zero`` 0, 1) or 1/``data`` of them plus one microbatch's whole gradient of its
+    largest chunk (``chunk_params``), which lives until its reduce-scatter (``zero`` 2)."""
+    if zero < 2:
+        return rank_params * GRADIENT_BYTES
+    return (rank_params / data + chunk_params) * GRADIENT_BYTES
+
+
+def data_parallel_seconds(
+    zero: int,
+    m: int,
+    gradient: float,
+    stage_gradients: Sequence[float],
+    gather: float,
+    compute: float,
+    window: float,
+    buckets: int,
+    overlap: bool,
+) -> tuple[float, float]:
+    """(exposed, total) seconds of a rank's data-parallel gradient reduction (and parameter
+    gather). ``gradient``: an all-reduce (``zero`` 0) or reduce-scatter (1) of the rank's
+    gradients, once a step; ``stage_gradients``: a reduce-scatter of each of its stages',
+    once per microbatch (2); ``gather``: the all-gather of its parameters (1, 2); ``compute``:
+    its seconds of F + I + W per microbatch; ``window``: the last microbatch's backward.
+
+    Overlapped (``overlap``), the step's last reduction sticks out of ``window`` (at least one
+    of ``buckets``); ``zero`` 2's ``m - 1`` earlier ones run under the following microbatches'
+    compute, and only what a microbatch's reduce-scatters take beyond its compute adds up. Not
+    overlapped, everything runs after the pipeline drains. The gather is never hidden."""
+    last = sum(stage_gradients) if zero == 2 else gradient
+    total = (m if zero == 2 else 1) * last + gather
+    if not overlap:
+        return total, total
+    exposed = max(last / buckets, last - window) + gather
+    if zero == 2:
+        exposed += (m - 1) * max(0.0, last - compute)
+    return exposed, total
 
 
 def optimizer_bytes_per_param(dtype: str) -> int:
@@ -151,11 +203,186 @@ def estimate(
     m = check_layout(model, layout, layout.gpus, global_batch)
     t, p, d, v = layout.tensor, layout.pipeline, layout.data, layout.interleave
     nb = model.bytes
-    tokens = layout.microbatch * model.seq
     lay = layer_costs(model, layout, cluster, cal)
-    head = head_costs(model, layout, cluster, cal)
     stages = p * v
     counts = layout.stage_layers or (model.layers // stages,) * stages  # blocks per stage
+    f, i, w, act, tp, msg, act_bytes = _stage_costs(model, cluster, layout, counts, lay, cal)
+    place = placement(layout.schedule, p, v)
+    rank_f, rank_i, rank_w = [0.0] * p, [0.0] * p, [0.0] * p
+    rank_layers = [0] * p
+    for s, r in enumerate(place):
+        rank_layers[r] += counts[s]
+        rank_f[r] += f[s]
+        rank_i[r] += i[s]
+        rank_w[r] += w[s]
+    compute = [rank_f[r] + rank_i[r] + rank_w[r] for r in range(p)]
+    worst = max(range(p), key=lambda r: compute[r])
+    bf, bi, bw_ = rank_f[worst], rank_i[worst], rank_w[worst]
+    if simulate and p > 1:
+        pipe, peaks = simulated(layout.schedule, p, m, v, f, i, w, act)
+        bound, floor = pipe, peaks
+    else:
+        pipe = closed_form(layout.schedule, p, m, v, bf, bi, bw_)
+        chunk_act = [0.0] * p  # the largest chunk's activations per rank
+        for s, r in enumerate(place):
+            chunk_act[r] = max(chunk_act[r], act[s])
+        peaks = tuple(
+            max(in_flight(layout.schedule, p, m, v, r) * chunk_act[r], 0.0) for r in range(p)
+        )
+        bound = pipeline_bound(layout.schedule, place, m, f, i, w) if p > 1 else pipe
+        floor = peaks
+        if p > 1:  # the program's peaks where it is small enough to read; else one chunk alive
+            small = p * min(m, 3 * p) * v <= MAX_SIMULATED
+            floor = activation_floor(layout.schedule, p, m, v, act) if small else tuple(chunk_act)
+    stage_params, params = _parameters(model, t, counts, place)
+    zero, top = layout.zero, max(params)
+    backward = (bi + bw_, max(rank_layers[worst], 1))  # the last microbatch's, and buckets
+    dp_exposed, dp_total = _data_parallel(
+        layout, m, nb, params, stage_params, place, compute, backward, cluster, overlap_grad_reduce
+    )
+    emb = 0.0
+    if p > 1 and model.tied:
+        emb = comm.all_reduce(model.vocab * model.hidden / t * nb, 2, cluster.inter)
+    opt_params = top / (d if zero else 1)
+    optimizer = opt_params * 30 / (cluster.gpu.bandwidth * cal.elementwise)
+    step = pipe + dp_exposed + emb + optimizer
+    model_flops, hw_flops = _flops(model, layout, global_batch)
+    n_gpus = layout.gpus
+    mfu = model_flops / (step * n_gpus * cluster.gpu.peak(model.dtype))
+    # memory of the fullest rank, and a floor of the simulated one
+    chunk = [0.0] * p  # the largest chunk's parameters per rank (zero 2's whole gradient)
+    for s, r in enumerate(place):
+        chunk[r] = max(chunk[r], stage_params[s])
+    opt_bytes = optimizer_bytes_per_param(model.dtype) / (d if zero else 1)
+    parts = [
+        {
+            "parameters": params[r] * nb,
+            "gradients": gradient_bytes(zero, d, params[r], chunk[r]),
+            "optimizer": params[r] * opt_bytes,
+            "activations": peaks[r] + lay.working,
+            "buffers": 4 * act_bytes / t + cal.workspace_bytes,
+        }
+        for r in range(p)
+    ]
+    totals = [sum(part.values()) for part in parts]
+    full = max(range(p), key=lambda r: totals[r])
+    floor_bytes = max(totals[r] - peaks[r] + floor[r] for r in range(p))
+    full_bytes = totals[full]
+    limit = cluster.gpu.memory if memory_limit is None else memory_limit
+    return Estimate(
+        layout=layout,
+        step_time_s=step,
+        mfu=mfu,
+        hardware_tflops_per_gpu=hw_flops / step / n_gpus / 1e12,
+        model_tflops_per_gpu=model_flops / step / n_gpus / 1e12,
+        memory_bytes_per_gpu=full_bytes,
+        fits=full_bytes <= limit,
+        microbatches=m,
+        breakdown={
+            "pipeline": pipe,
+            "compute_per_microbatch": bf + bi + bw_,
+            "tensor_comm_per_microbatch": max(rank_layers) * tp,
+            "p2p_per_microbatch": 2 * v * msg,
+            "data_parallel_exposed": dp_exposed,
+            "data_parallel_total": dp_total,
+            "embedding_sync": emb,
+            "optimizer": optimizer,
+        },
+        memory=parts[full],
+        simulated=simulate and p > 1,
+        bound_s=bound + dp_exposed + emb + optimizer,
+        memory_floor_bytes=floor_bytes,
+    )
+
+
+def _parameters(
+    model: Transformer, t: int, counts: Sequence[int], place: Sequence[int]
+) -> tuple[list[float], list[float]]:
+    """(per stage, per rank) parameters over ``t``: blocks, the embedding on the first stage,
+    the output layer and final norm on the last (a tied output layer on the embedding's rank
+    is that one copy)."""
+    table = model.vocab * model.hidden / t
+    stage_params = [n * model.layer_params() / t for n in counts]
+    stage_params[0] += table
+    stage_params[-1] += table + 2 * model.hidden
+    params = [0.0] * (max(place) + 1)
+    for s, r in enumerate(place):
+        params[r] += stage_params[s]
+    if model.tied and place[-1] == place[0]:
+        params[place[0]] -= table
+    return stage_params, params
+
+
+def _data_parallel(
+    layout: ClusterLayout,
+    m: int,
+    nb: int,
+    params: Sequence[float],
+    stage_params: Sequence[float],
+    place: Sequence[int],
+    compute: Sequence[float],
+    backward: tuple[float, int],
+    cluster: Cluster,
+    overlap: bool,
+) -> tuple[float, float]:
+    """(exposed, total) seconds of the data-parallel reduction and ZeRO's parameter gather:
+    the fullest rank's (:func:`data_parallel_seconds`), or with ``zero`` 2 the most of any
+    rank's (its per-microbatch reduce-scatters weigh against its own compute). ``backward``:
+    the busiest rank's last backward and its buckets (blocks)."""
+    d, zero = layout.data, layout.zero
+    dlink = cluster.link(stride=layout.tensor, size=d)
+    window, buckets = backward
+    top = max(params)
+    gather = comm.all_gather(top * nb, d, dlink) if zero else 0.0
+    once = comm.reduce_scatter if zero else comm.all_reduce
+    exposed = total = 0.0
+    for r in range(len(params)) if zero == 2 else (params.index(top),):
+        mine = [
+            comm.reduce_scatter(x * nb, d, dlink)
+            for x, q in zip(stage_params, place, strict=True)
+            if q == r
+        ]
+        e, a = data_parallel_seconds(
+            zero,
+            m,
+            once(params[r] * nb, d, dlink),
+            mine,
+            gather,
+            compute[r],
+            window,
+            buckets,
+            overlap,
+        )
+        exposed, total = max(exposed, e), max(total, a)
+    return exposed, total
+
+
+def _flops(model: Transformer, layout: ClusterLayout, global_batch: int) -> tuple[float, float]:
+    """(model, hardware) FLOPs of a step: the hardware's adds what recompute repeats."""
+    all_tokens = global_batch * model.seq
+    model_flops = model.model_flops_per_token() * all_tokens
+    h, kvd = model.hidden, model.kv * model.head_dim
+    fwd_block = 2 * (2 * h * h + 2 * h * kvd + 2 * h * model.ff) + 4 * h * model.seq
+    selective = 0.0 if model.flash else 4.0 * h * model.seq  # the scores, recomputed
+    recompute = {"none": 0.0, "selective": selective, "full": float(fwd_block)}
+    return model_flops, model_flops + recompute[layout.recompute] * model.layers * all_tokens
+
+
+def _stage_costs(
+    model: Transformer,
+    cluster: Cluster,
+    layout: ClusterLayout,
+    counts: Sequence[int],
+    lay: OpCosts,
+    cal: Calibration,
+) -> tuple[list[float], list[float], list[float], list[float], float, float, float]:
+    """Per stage F, I, W seconds and activation bytes of a microbatch, with the tensor-parallel
+    collectives and point-to-point messages in them; then a block's tensor-parallel seconds,
+    a message's, and a microbatch's activation bytes at a block boundary."""
+    t, p, d = layout.tensor, layout.pipeline, layout.data
+    head = head_costs(model, layout, cluster, cal)
+    nb = model.bytes
+    tokens = layout.microbatch * model.seq
     # tensor-parallel collectives per block: 2 in F, 2 in I (+2 in a full recompute)
     tlink = cluster.link(stride=1, size=t)
     act_bytes = tokens * model.hidden * nb
@@ -175,106 +402,4 @@ def estimate(
     i[-1] += head.i + comm.all_reduce(act_bytes, t, tlink)
     w[-1] += head.w
     act[-1] += head.activation
-    place = placement(layout.schedule, p, v)
-    rank_f, rank_i, rank_w = [0.0] * p, [0.0] * p, [0.0] * p
-    rank_layers = [0] * p
-    for s, r in enumerate(place):
-        rank_layers[r] += counts[s]
-        rank_f[r] += f[s]
-        rank_i[r] += i[s]
-        rank_w[r] += w[s]
-    worst = max(range(p), key=lambda r: rank_f[r] + rank_i[r] + rank_w[r])
-    bf, bi, bw_ = rank_f[worst], rank_i[worst], rank_w[worst]
-    if simulate and p > 1:
-        pipe, peaks = simulated(layout.schedule, p, m, v, f, i, w, act)
-        bound = pipe
-    else:
-        pipe = closed_form(layout.schedule, p, m, v, bf, bi, bw_)
-        chunk_act = [0.0] * p  # the largest chunk's activations per rank
-        for s, r in enumerate(place):
-            chunk_act[r] = max(chunk_act[r], act[s])
-        peaks = tuple(
-            max(in_flight(layout.schedule, p, m, v, r) * chunk_act[r], 0.0) for r in range(p)
-        )
-        bound = pipeline_bound(layout.schedule, place, m, f, i, w) if p > 1 else pipe
-    # parameters per rank: blocks, the embedding on the first stage, the output layer on the last
-    block = model.layer_params() / t
-    params = [0.0] * p
-    for s, r in enumerate(place):
-        params[r] += counts[s] * block
-    params[place[0]] += model.vocab * model.hidden / t
-    if not model.tied or place[-1] != place[0]:  # the output layer (a tied copy on another rank)
-        params[place[-1]] += model.vocab * model.hidden / t
-    params[place[-1]] += 2 * model.hidden
-    # data-parallel gradient reduction (and ZeRO-1's parameter gather), the tied embedding
-    dlink = cluster.link(stride=t, size=d)
-    top = max(params)
-    grads = comm.all_reduce(top * nb, d, dlink)
-    # ZeRO-1: a reduce-scatter under the backward, an all-gather of the parameters after the step
-    gather = comm.all_gather(top * nb, d, dlink) if layout.zero1 else 0.0
-    under = grads - gather
-    if overlap_grad_reduce:
-        window = bi + bw_  # the last microbatch's backward on this rank
-        buckets = max(rank_layers[worst], 1)
-        dp_exposed = max(under / buckets, under - window) + gather
-    else:
-        dp_exposed = grads
-    emb = 0.0
-    if p > 1 and model.tied:
-        emb = comm.all_reduce(model.vocab * model.hidden / t * nb, 2, cluster.inter)
-    opt_params = top / (d if layout.zero1 else 1)
-    optimizer = opt_params * 30 / (cluster.gpu.bandwidth * cal.elementwise)
-    step = pipe + dp_exposed + emb + optimizer
-    # FLOPs
-    n_gpus = layout.gpus
-    all_tokens = global_batch * model.seq
-    model_flops = model.model_flops_per_token() * all_tokens
-    h, kvd = model.hidden, model.kv * model.head_dim
-    fwd_block = 2 * (2 * h * h + 2 * h * kvd + 2 * h * model.ff) + 4 * h * model.seq
-    selective = 0.0 if model.flash else 4.0 * h * model.seq  # the scores, recomputed
-    recompute = {"none": 0.0, "selective": selective, "full": float(fwd_block)}
-    hw_flops = model_flops + recompute[layout.recompute] * model.layers * all_tokens
-    peak = cluster.gpu.peak(model.dtype)
-    mfu = model_flops / (step * n_gpus * peak)
-    # memory of the fullest rank
-    opt_bytes = optimizer_bytes_per_param(model.dtype) / (d if layout.zero1 else 1)
-    mem_rank = []
-    for r in range(p):
-        weights = params[r] * nb
-        grads_b = params[r] * GRADIENT_BYTES  # float32 gradients, whole during the step
-        optim = params[r] * opt_bytes
-        acts = peaks[r] + lay.working
-        buffers = 4 * act_bytes / t + cal.workspace_bytes
-        total = weights + grads_b + optim + acts + buffers
-        mem_rank.append((total, weights, grads_b, optim, acts, buffers))
-    full = max(mem_rank)
-    limit = cluster.gpu.memory if memory_limit is None else memory_limit
-    return Estimate(
-        layout=layout,
-        step_time_s=step,
-        mfu=mfu,
-        hardware_tflops_per_gpu=hw_flops / step / n_gpus / 1e12,
-        model_tflops_per_gpu=model_flops / step / n_gpus / 1e12,
-        memory_bytes_per_gpu=full[0],
-        fits=full[0] <= limit,
-        microbatches=m,
-        breakdown={
-            "pipeline": pipe,
-            "compute_per_microbatch": bf + bi + bw_,
-            "tensor_comm_per_microbatch": max(rank_layers) * (tp_f + tp_i),
-            "p2p_per_microbatch": 2 * v * msg,
-            "data_parallel_exposed": dp_exposed,
-            "data_parallel_total": grads,
-            "embedding_sync": emb,
-            "optimizer": optimizer,
-        },
-        memory={
-            "parameters": full[1],
-            "gradients": full[2],
-            "optimizer": full[3],
-            "activations": full[4],
-            "buffers": full[5],
-        },
-        simulated=simulate and p > 1,
-        bound_s=bound + dp_exposed + emb + optimizer,
-    )
+    return f, i, w, act, tp_f + tp_i, msg, act_bytes

@@ -11,6 +11,7 @@ __all__ = [
     "MAX_STAGES",
     "RECOMPUTE",
     "SCHEDULES",
+    "ZERO",
     "ClusterLayout",
     "Layout",
     "check_gpus",
@@ -19,6 +20,12 @@ __all__ = [
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "zb-h2", "zbv")
 """Schedules the planner prices (names of :data:`funcpipe.schedule.GENERATORS`)."""
+
+ZERO = (0, 1, 2)
+"""Sharding levels over ``data`` the planner prices (``Pipeline(zero=...)``): 0 none; 1 (ZeRO-1)
+parameters and optimizer state kept 1/d between steps, the step's gradient sums whole until one
+reduce-scatter per stage; 2 (ZeRO-2) as 1, but a reduce-scatter per stage and microbatch into a
+1/d gradient shard, so only one chunk's full gradient exists at a time."""
 
 _CHUNKS = {"1f1b": 1, "gpipe": 1, "zb-h1": 1, "zb-h2": 1, "zbv": 2}
 
@@ -48,7 +55,9 @@ class ClusterLayout:
     """``tensor`` x ``pipeline`` x ``data`` GPUs; ``microbatch`` sequences per microbatch;
     ``interleave`` stages (chunks) per pipeline rank; ``recompute`` one of
     :data:`RECOMPUTE`; ``sequence_parallel`` shards norms and dropout over the tensor axis;
-    ``schedule`` one of :data:`SCHEDULES`; ``zero1`` shards optimizer state over ``data``;
+    ``schedule`` one of :data:`SCHEDULES`; ``zero`` one of :data:`ZERO`, the sharding over
+    ``data`` (``zero1=True`` is the old spelling of ``zero=1``; after construction ``zero1`` says
+    whether the optimizer state is sharded, ``zero >= 1``);
     ``stage_layers`` the blocks of each of the ``pipeline x interleave`` stages in order (default
     an even split), e.g. one block fewer on the first and last stage for the embedding and the
     output layer, as Megatron-LM's ``--decoder-first/last-pipeline-num-layers`` do."""
@@ -63,8 +72,10 @@ class ClusterLayout:
     schedule: str = "1f1b"
     zero1: bool = False
     stage_layers: tuple[int, ...] | None = None
+    zero: int = 0
 
     def __post_init__(self) -> None:
+        self._check_zero()
         for name in ("tensor", "pipeline", "data", "microbatch", "interleave"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -110,6 +121,24 @@ class ClusterLayout:
                 "the tensor axis; pass tensor > 1 or leave it off"
             )
 
+    def _check_zero(self) -> None:
+        """``zero`` one of :data:`ZERO`; ``zero1=True`` (the old spelling) means at least 1."""
+        zero, zero1 = self.zero, self.zero1
+        if zero1 not in (False, True):
+            raise InvalidArgument(
+                f"ClusterLayout(zero1={zero1!r}): True or False (or use zero=0, 1 or 2)"
+            )
+        if isinstance(zero, bool) or zero not in ZERO:
+            raise InvalidArgument(
+                f"ClusterLayout(zero={zero!r}): 0 (no sharding), 1 (ZeRO-1: optimizer state and "
+                "parameters sharded over data) or 2 (ZeRO-2: gradients too, reduce-scattered "
+                "every microbatch)"
+            )
+        if zero1 and zero == 0:
+            zero = 1
+        object.__setattr__(self, "zero", zero)
+        object.__setattr__(self, "zero1", zero >= 1)
+
     @property
     def gpus(self) -> int:
         return self.tensor * self.pipeline * self.data
@@ -129,8 +158,8 @@ class ClusterLayout:
         ]
         if self.sequence_parallel:
             bits.append("sp")
-        if self.zero1:
-            bits.append("zero1")
+        if self.zero:
+            bits.append(f"zero{self.zero}")
         if self.stage_layers is not None:
             bits.append("layers " + ",".join(map(str, self.stage_layers)))
         bits.append(self.schedule)

@@ -16,6 +16,8 @@ together; ``B = I + W``; ``p`` ranks, ``m`` microbatches, ``v`` chunks per rank)
 embedding, the output layer): exactly for ``m <= 3p``, else at ``2p`` and ``3p`` microbatches and
 extended linearly (a schedule's steady state adds the same time per microbatch), never below
 :func:`pipeline_bound`, a lower bound of any run's makespan that the search prunes by.
+:func:`activation_floor` is the same for memory: never above :func:`simulated`'s peaks, cheap
+enough to filter every candidate of a search by.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from funcpipe.schedule.generators import generate
+from funcpipe.schedule.instr import Op
 from funcpipe.schedule.ir import Program
 from funcpipe.schedule.simulate import Costs, peak_memory, simulate
 
 __all__ = [
     "MAX_SIMULATED",
+    "activation_floor",
     "closed_form",
     "in_flight",
+    "live_sets",
     "pipeline_bound",
     "placement",
     "program",
@@ -158,3 +163,57 @@ def simulated(
     # the extrapolation is held at or above what any run of the program provably takes
     low = pipeline_bound(schedule, placement(schedule, p, v), m, f, i, w)
     return max(t3 + (t3 - t2) / p * (m - 3 * p), low), peaks
+
+
+@lru_cache(maxsize=1024)
+def live_sets(
+    schedule: str, p: int, m: int, v: int
+) -> tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], ...]:
+    """Per rank, ``(stages, counts)``: the rank's stages in order, and every maximal vector of
+    how many activations of each of them the program keeps alive at once (alive from F until
+    B, or W when the backward is split: :func:`funcpipe.schedule.peak_memory`'s rule). Any
+    moment's live bytes are at most one of these vectors' weighted sum, and each vector is a
+    moment of the program, so the largest weighted sum is the program's peak for any sizes."""
+    prog = program(schedule, p, m, v)
+    out = []
+    for instrs in prog.ranks:
+        stages = tuple(sorted({i.stage for i in instrs if i.op is Op.F}))
+        index = {s: k for k, s in enumerate(stages)}
+        live = [0] * len(stages)
+        seen = set()
+        for i in instrs:
+            if i.op is Op.F or i.op is Op.R:  # planner programs have no R: F starts a life
+                live[index[i.stage]] += 1
+                seen.add(tuple(live))  # only a rise can make a new maximum
+            elif i.op is Op.B or i.op is Op.W:
+                live[index[i.stage]] -= 1
+        maximal: list[tuple[int, ...]] = []
+        for vec in sorted(seen, key=sum, reverse=True):
+            if not any(all(a >= b for a, b in zip(top, vec, strict=True)) for top in maximal):
+                maximal.append(vec)
+        out.append((stages, tuple(maximal)))
+    return tuple(out)
+
+
+def activation_floor(
+    schedule: str, p: int, m: int, v: int, activation: Sequence[float]
+) -> tuple[float, ...]:
+    """Per rank, a lower bound of :func:`simulated`'s peak activation bytes (``activation``: one
+    microbatch's bytes per stage), without simulating time.
+
+    One chunk per rank (``v == 1``): :func:`in_flight` x the stage's bytes, the closed form
+    equal to the program's peak count (tests/plan pins it). Several: the most bytes of any
+    moment of the program (:func:`live_sets`), where the closed form's ``in_flight`` x the
+    largest chunk is above it on uneven chunks (and ``in_flight`` itself is off for some ``m``).
+    Beyond ``3p`` microbatches the program of ``2p`` is read, as :func:`simulated` does."""
+    if v == 1:
+        place = placement(schedule, p, v)
+        peaks = [0.0] * p
+        for s, r in enumerate(place):
+            peaks[r] = max(peaks[r], in_flight(schedule, p, m, v, r) * activation[s])
+        return tuple(peaks)
+    runs = m if m <= 3 * p else 2 * p
+    return tuple(
+        max(sum(n * activation[s] for n, s in zip(vec, stages, strict=True)) for vec in vecs)
+        for stages, vecs in live_sets(schedule, p, runs, v)
+    )

@@ -1,9 +1,13 @@
 """Search the layouts of a GPU count and global batch for the fastest that fits in memory.
 
-Every candidate is priced with the closed forms (:mod:`funcpipe.planner.pipeline`), those that do
-not fit are dropped, and the best few (``refine``, plus any within ``margin`` of the best, up to
-``2 * refine``) are priced again with the simulator, which sees uneven stages; the result is
-sorted by that price. 3,072 GPUs x 512 microbatches take seconds (benchmarks/plan_search.py).
+Every candidate is priced with the closed forms (:mod:`funcpipe.planner.pipeline`); those whose
+memory cannot fit are dropped (by ``Estimate.memory_floor_bytes``, a lower bound of the simulated
+memory, where the simulator will price them; by the closed form where it will not), and the best
+few (``refine``, plus any within ``margin`` of the best, up to ``2 * refine``) are priced again
+with the simulator, which sees uneven stages, then every other whose lower bound of the simulated
+time is below the ``top``-th price so far; a simulated price that does not fit is dropped. The
+result is sorted by that price. 3,072 GPUs x 512 microbatches take seconds
+(benchmarks/plan_search.py).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from funcpipe.errors import InvalidArgument
 from funcpipe.planner.calibration import DEFAULT, Calibration
 from funcpipe.planner.cluster import Cluster
 from funcpipe.planner.estimate import Estimate, estimate
-from funcpipe.planner.layout import MAX_STAGES, RECOMPUTE, ClusterLayout, check_gpus
+from funcpipe.planner.layout import MAX_STAGES, RECOMPUTE, ZERO, ClusterLayout, check_gpus
 from funcpipe.planner.model import Transformer
 from funcpipe.planner.pipeline import MAX_SIMULATED
 
@@ -26,9 +30,10 @@ __all__ = ["MAX_LAYOUTS", "candidates", "search"]
 DEFAULT_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
 
 MAX_LAYOUTS = 20_000
-"""The most layouts :func:`search` prices: seconds of work (the 1T GPT on 3,072 GPUs has 3,480).
-A GPU count, layer count and batch with many common divisors can give more (720,720 of each:
-52,560); such a search is refused, saying how to narrow it (issue 42: bound the work)."""
+"""The most layouts :func:`search` prices: seconds of work (the 1T GPT on 3,072 GPUs has 10,440
+with its three sharding levels). A GPU count, layer count and batch with many common divisors
+can give more (720,720 of each: 157,680, 52,560 without sharding); such a search is refused,
+saying how to narrow it (issue 42: bound the work)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -66,11 +71,16 @@ def candidates(
     microbatches: Sequence[int] = (1, 2, 4, 8),
     interleaves: Sequence[int] = (2, 3, 4, 6, 8),
     sequence_parallel: Sequence[bool] = (False, True),
-    zero1: Sequence[bool] = (False,),
+    zero: Sequence[int] | None = None,
+    zero1: Sequence[bool] | None = None,
 ) -> Iterator[ClusterLayout]:
     """Every valid layout: ``tensor`` within a node and dividing the heads, ``pipeline`` and
     ``interleave`` splitting the layers evenly, ``data`` the rest, ``microbatch`` dividing the
-    batch of one data rank; at most :data:`~funcpipe.planner.layout.MAX_STAGES` stages."""
+    batch of one data rank; at most :data:`~funcpipe.planner.layout.MAX_STAGES` stages; every
+    sharding level of ``zero`` (default :data:`~funcpipe.planner.layout.ZERO`, all three) where
+    ``data > 1``, none where ``data`` is 1. ``zero1=(False, True)``, the old spelling, is
+    ``zero=(0, 1)``."""
+    levels = _zero_levels(zero, zero1)
     for t, p in _splits(model, gpus, gpus_per_node):
         d = gpus // (t * p)
         if global_batch % d:
@@ -82,8 +92,35 @@ def candidates(
                 for v in _chunks(model, sched, p, interleaves):
                     for rc in recompute:
                         for sp in sequence_parallel if t > 1 else (False,):
-                            for z in zero1 if d > 1 else (False,):
-                                yield ClusterLayout(t, p, d, b, v, rc, sp, sched, z)
+                            for z in levels if d > 1 else (0,):
+                                yield ClusterLayout(t, p, d, b, v, rc, sp, sched, zero=z)
+
+
+def _zero_levels(zero: Sequence[int] | None, zero1: Sequence[bool] | None) -> tuple[int, ...]:
+    """The sharding levels to search: ``zero``, or the old ``zero1`` flags as levels 0 and 1."""
+    if zero is not None and zero1 is not None:
+        raise InvalidArgument(
+            f"search(zero={zero!r}, zero1={zero1!r}): give the sharding levels once, as zero= "
+            "(zero1=(False, True) is the old spelling of zero=(0, 1))"
+        )
+    if zero1 is not None:
+        if _not_a_sequence(zero1) or any(z not in (False, True) for z in zero1):
+            raise InvalidArgument(
+                f"search(zero1={zero1!r}): a sequence of True/False, e.g. (False, True)"
+            )
+        return tuple(dict.fromkeys(int(bool(z)) for z in zero1))
+    if zero is None:
+        return ZERO
+    if _not_a_sequence(zero) or any(isinstance(z, bool) or z not in ZERO for z in zero):
+        raise InvalidArgument(
+            f"search(zero={zero!r}): a sequence of sharding levels out of 0, 1, 2 "
+            "(none, ZeRO-1, ZeRO-2), e.g. (0, 1, 2) or (0,)"
+        )
+    return tuple(zero)
+
+
+def _not_a_sequence(value: object) -> bool:
+    return isinstance(value, (str, bytes)) or not hasattr(value, "__iter__")
 
 
 def _chunks(model: Transformer, sched: str, p: int, interleaves: Sequence[int]) -> list[int]:
@@ -140,7 +177,8 @@ def search(
     """The ``top`` fastest layouts that fit, best first (see the module docstring).
 
     ``space`` narrows :func:`candidates` (``schedules=``, ``recompute=``, ``microbatches=``,
-    ``interleaves=``, ``sequence_parallel=``, ``zero1=``). Candidates whose programs would be
+    ``interleaves=``, ``sequence_parallel=``, ``zero=``; ``zero1=`` the old spelling of
+    ``zero=``). Candidates whose programs would be
     longer than ``max_simulated_microbatches`` (ranks x microbatches x chunks) keep their
     closed-form price.
     """
@@ -161,34 +199,40 @@ def search(
             f"search: more than {MAX_LAYOUTS:,} layouts of {gpus} GPUs to price for "
             f"layers={model.layers} and global_batch={global_batch} (they have many divisors in "
             "common), more than the search prices in seconds; narrow it (search or plan with "
-            "schedules=, recompute=, microbatches=, interleaves=, sequence_parallel=), or price "
-            "one layout (funcpipe plan with --tensor, --pipeline, ...)"
+            "schedules=, recompute=, microbatches=, interleaves=, sequence_parallel=, zero=), or "
+            "price one layout (funcpipe plan with --tensor, --pipeline, ...)"
         )
+
+    def simulates(e: Estimate) -> bool:
+        lay = e.layout
+        size = lay.pipeline * min(e.microbatches, 3 * lay.pipeline) * lay.interleave
+        return simulate and lay.pipeline > 1 and size <= max_simulated_microbatches
+
+    def may_fit(e: Estimate) -> bool:  # the simulated memory is never below the floor
+        return e.memory_floor_bytes <= limit if simulates(e) else e.fits
+
+    limit = cluster.gpu.memory if memory_limit is None else memory_limit
     fast = []
     for layout in layouts:
         e = estimate(
             model, cluster, layout, global_batch=global_batch, memory_limit=memory_limit, **kw
         )
-        if e.fits:
+        if may_fit(e):
             fast.append(e)
     if not layouts:
         raise InvalidArgument(_no_layout(model, gpus, global_batch, cluster.gpus_per_node, space))
+    no_fit = (
+        f"search: no layout of {gpus} GPUs fits {model} with global_batch={global_batch} "
+        f"in {limit / 2**30:.0f} GiB per GPU; add GPUs, allow recompute or sharding (zero=), "
+        "or use a GPU with more memory"
+    )
     if not fast:
-        raise InvalidArgument(
-            f"search: no layout of {gpus} GPUs fits {model} with global_batch={global_batch} "
-            f"in {cluster.gpu.memory / 2**30:.0f} GiB per GPU; add GPUs, allow recompute, or "
-            "use a GPU with more memory"
-        )
+        raise InvalidArgument(no_fit)
     fast.sort(key=lambda e: e.step_time_s)
     if not simulate:
         return fast[:top]
     priced: list[Estimate] = []
     prices: list[float] = []  # sorted
-
-    def simulates(e: Estimate) -> bool:
-        lay = e.layout
-        size = lay.pipeline * min(e.microbatches, 3 * lay.pipeline) * lay.interleave
-        return lay.pipeline > 1 and size <= max_simulated_microbatches
 
     def price(e: Estimate) -> None:
         if simulates(e):
@@ -227,5 +271,7 @@ def search(
         if len(prices) >= top and low >= prices[top - 1]:
             break
         price(e)
+    if not priced:  # every candidate was priced (none gave a price to stop at): none fits
+        raise InvalidArgument(no_fit)
     priced.sort(key=lambda e: e.step_time_s)
-    return priced[:top] if priced else fast[:top]
+    return priced[:top]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import lru_cache
 from math import isclose
 
 import pytest
@@ -11,20 +12,41 @@ import pytest
 import funcpipe
 from funcpipe.cli.app import main
 from funcpipe.errors import InvalidArgument
-from funcpipe.planner import ClusterLayout, Transformer, candidates, cluster, estimate, search
+from funcpipe.planner import (
+    ClusterLayout,
+    Estimate,
+    Transformer,
+    candidates,
+    cluster,
+    estimate,
+    search,
+)
 from funcpipe.planner.published import MEGATRON_2021
 
 TINY = Transformer(layers=4, hidden=256, heads=4, vocab=1000, seq=128)
 
 
-@pytest.mark.parametrize("share", [None, 0.3])
+SPACE = {"microbatches": (1, 2, 4), "interleaves": (2,)}
+
+
+@lru_cache(maxsize=1)
+def _brute_force() -> tuple[Estimate, ...]:
+    """Every candidate of the search below (sharding levels 0, 1, 2 where data > 1: the
+    default), priced with the simulator."""
+    where = cluster("h100-sxm", gpus_per_node=4)
+    lays = list(candidates(TINY, 8, 16, gpus_per_node=4, **SPACE))  # type: ignore[arg-type]
+    assert {lay.zero for lay in lays} == {0, 1, 2}
+    return tuple(estimate(TINY, where, lay, global_batch=16, simulate=True) for lay in lays)
+
+
+@pytest.mark.parametrize("share", [None, 0.3, 0.7])
 def test_search_finds_the_brute_force_optimum(share: float | None) -> None:
     """Every candidate priced with the simulator; with a memory limit that only ``share`` of
-    them meet (the fastest ones among those cut, by construction: the limit sits below them)."""
+    them meet (the fastest ones among those cut, by construction: the limit sits below them).
+    At 0.3 the closed-form memory of some layouts that fit is above the limit (the search drops
+    by a lower bound of the simulated memory); at 0.7 a ZeRO-2 layout is the optimum."""
     where = cluster("h100-sxm", gpus_per_node=4)  # 8 GPUs on 2 nodes: the links differ
-    space = {"microbatches": (1, 2, 4), "interleaves": (2,)}
-    lays = list(candidates(TINY, 8, 16, gpus_per_node=4, **space))  # type: ignore[arg-type]
-    every = [estimate(TINY, where, lay, global_batch=16, simulate=True) for lay in lays]
+    every = _brute_force()
     limit = None
     if share is not None:
         limit = sorted(e.memory_bytes_per_gpu for e in every)[int(share * len(every))]
@@ -34,12 +56,18 @@ def test_search_finds_the_brute_force_optimum(share: float | None) -> None:
     fastest = min(every, key=lambda e: e.step_time_s)
     if share is not None:
         assert fastest.step_time_s < best.step_time_s  # the limit changes the answer
-    got = search(TINY, where, gpus=8, global_batch=16, memory_limit=limit, top=3, **space)
+    got = search(TINY, where, gpus=8, global_batch=16, memory_limit=limit, top=3, **SPACE)
     assert isclose(got[0].step_time_s, best.step_time_s)
     tied = [e.layout for e in fitting if isclose(e.step_time_s, best.step_time_s)]
     assert got[0].layout in tied  # the optimum itself (one of several when they tie)
     assert [e.step_time_s for e in got] == sorted(e.step_time_s for e in got)
     assert all(e.fits for e in got)
+    if share == 0.7:
+        assert got[0].layout.zero == 2, got[0].layout.short()
+    if share == 0.3:  # what the closed-form memory filter dropped: layouts that fit
+        wrong = [e for e in fitting if not estimate(TINY, where, e.layout, global_batch=16,
+                                                    memory_limit=limit).fits]  # fmt: skip
+        assert wrong
 
 
 def test_candidates_are_the_valid_layouts() -> None:
@@ -81,7 +109,7 @@ def test_cli_prices_a_given_layout(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["layout"] == {"tensor": 2, "pipeline": 2, "data": 2, "microbatch": 1,
                              "interleave": 2, "recompute": "full", "sequence_parallel": True,
                              "schedule": "zbv", "zero1": False,
-                             "stage_layers": None}  # fmt: skip
+                             "stage_layers": None, "zero": 0}  # fmt: skip
     assert main([*ARGS, "--tensor", "2"]) == 0
     table = capsys.readouterr().out
     assert "t2 p1 d4" in table and "MFU" in table
@@ -189,7 +217,8 @@ HUGE = ["--hidden", "4096", "--heads", "32", "--vocab", "50000", "--seq", "2048"
         (["--layers", "1024", "--global-batch", "4096", "--gpus", "1024", "--pipeline", "1024"],
          0, ["closed form"]),
         (["--layers", "32", "--global-batch", "2097152", "--gpus", "1048576"], 0, ["searched"]),
-        # many common divisors: 52,560 layouts, some of hundreds of stages (was minutes)
+        # many common divisors: 157,680 layouts (52,560 without sharding), some of hundreds of
+        # stages (was minutes)
         (["--layers", "720720", "--global-batch", "5765760", "--gpus", "720720"], 2,
          ["more than 20,000 layouts", "narrow it", "--pipeline"]),
     ],
@@ -224,7 +253,7 @@ def test_the_search_prunes_by_a_true_lower_bound() -> None:
     """``Estimate.bound_s`` (closed-form path) is never above the simulated step time, zbv's
     extrapolated runs (m > 3p) included: the search's exactness rests on it."""
     where = cluster("h100-sxm", gpus_per_node=4)
-    space = {"microbatches": (1, 2), "zero1": (False, True)}
+    space = {"microbatches": (1, 2)}  # and every sharding level (the default)
     for lay in candidates(TINY, 8, 64, gpus_per_node=4, **space):  # type: ignore[arg-type]
         low = estimate(TINY, where, lay, global_batch=64).bound_s
         sim = estimate(TINY, where, lay, global_batch=64, simulate=True).step_time_s
