@@ -1,7 +1,10 @@
 """What sharding the optimizer state over data-parallel copies (``Pipeline(zero=1)``, ZeRO-1)
 saves in bytes per rank, and what it costs in step time, on CPU gloo processes.
 
-    python benchmarks/zero.py [--size gpt] [--data 2 4] [--pairs 8] [--json FILE]
+    python benchmarks/zero.py [--size gpt] [--data 2 4] [--pairs 8] [--level 1] [--json FILE]
+
+``--level 2`` compares ``zero=2`` (ZeRO-2: a reduce-scatter per stage and microbatch) with
+``zero=0`` instead; its figures then fill the ``zero1`` columns and fields (``level`` says which).
 
 The benchmark GPT (fp32, untied head) cut into 2 pipeline stages (1F1B), ``data`` copies of the
 program: ``2 x data`` processes. Each copy takes ``1 / data`` of the global batch (``batch``
@@ -81,14 +84,16 @@ def _state_bytes(state: Any) -> int:
 class _Run:
     """One training run in this process: its pipeline, values (params or shards), states."""
 
-    def __init__(self, size: C.Size, zero: int, microbatches: int, seed: int) -> None:
+    def __init__(
+        self, size: C.Size, zero: int, microbatches: int, seed: int, schedule: str = "1f1b"
+    ) -> None:
         import funcpipe as fp
         from funcpipe.schedule import generate
         from funcpipe.train.optimizers import adamw
 
-        program = generate("1f1b", ranks=2, microbatches=microbatches)
+        program = generate(schedule, ranks=2, microbatches=microbatches)
         model = C.build(size, seed=seed)
-        stages, params = C.funcpipe_stages(model, size, 2)
+        stages, params = C.funcpipe_stages(model, size, program.n_stages)
         self.pipe = fp.Pipeline(stages, program, loss_fn=C.loss_fn(size), zero=zero)
         self.zero = zero
         self.mine = sorted(self.pipe.program.stages_on(self.pipe.rank))
@@ -126,7 +131,8 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     size = C.Size(**cfg["size"])
     world = dist.get_world_size()
     data = world // 2
-    runs = [_Run(size, z, cfg["microbatches"], cfg["seed"]) for z in (0, 1)]
+    level = cfg.get("level", 1)
+    runs = [_Run(size, z, cfg["microbatches"], cfg["seed"]) for z in (0, level)]
     copy = runs[1].pipe._world.copy  # type: ignore[union-attr]
     x, y = C.data(size, seed=cfg["seed"] + 1)
     share = size.batch // data
@@ -134,12 +140,13 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for _ in range(cfg["steps"]):  # bytes after these; warm-up for the timing
         for r in runs:
             r.train_step(x, y)
-    got = {f"zero{r.zero}": r.bytes() for r in runs}
+    # "zero1": the sharded run's, at cfg["level"] (1 or 2)
+    got = {("zero1" if r.zero else "zero0"): r.bytes() for r in runs}
     times: dict[str, list[list[float]]] = {"zero0": [], "zero1": []}
     for k in range(cfg["pairs"]):
         for r in runs if k % 2 == 0 else runs[::-1]:
             dist.barrier()
-            times[f"zero{r.zero}"].append(list(r.train_step(x, y)))
+            times["zero1" if r.zero else "zero0"].append(list(r.train_step(x, y)))
     for r in runs:
         r.pipe.close()
     stage = runs[0].mine
@@ -169,6 +176,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> tuple[list[dict[str, Any]],
             "steps": args.steps,
             "pairs": args.pairs,
             "seed": args.seed,
+            "level": args.level,
         }
         pool = pools.get(2 * data)
         got, info = C.measured_cell(
@@ -208,6 +216,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> tuple[list[dict[str, Any]],
             {
                 "size": size.name,
                 "data": data,
+                "level": args.level,
                 "processes": 2 * data,
                 "zero0_ms": C.median(t0) * 1e3,
                 "zero1_ms": C.median(t1) * 1e3,
@@ -239,6 +248,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--microbatches", type=C.int_at_least(1), default=4, help="per copy")
     ap.add_argument("--steps", type=C.int_at_least(1), default=2, help="before the bytes")
     ap.add_argument("--pairs", type=C.int_at_least(1), default=8)
+    ap.add_argument(
+        "--level",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="the sharded run: zero=1 or zero=2 (its figures fill the zero1 columns; default 1)",
+    )
     C.pool_options(ap, job_timeout=900.0)
     return ap
 

@@ -208,13 +208,14 @@ def job(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     x, y = C.data(size, seed=cfg["seed"] + 1)
     out: dict[str, Any] = {"rank": rank, "data": data, "levels": {}}
     for z in cfg["levels"]:
-        run = zero._Run(size, z, cfg["microbatches"], cfg["seed"])
+        run = zero._Run(size, z, cfg["microbatches"], cfg["seed"], cfg["schedule"])
         copy = run.pipe._world.copy  # type: ignore[union-attr]
         share = size.batch // data
         xs = x[copy * share : (copy + 1) * share].clone()  # (storages of their own)
         ys = y[copy * share : (copy + 1) * share].clone()
         if "activation" not in out:  # the schedule's figure of the bytes saved for backward
-            stages, params = C.funcpipe_stages(C.build(size, seed=cfg["seed"]), size, 2)
+            n = run.pipe.program.n_stages
+            stages, params = C.funcpipe_stages(C.build(size, seed=cfg["seed"]), size, n)
             mb = share // cfg["microbatches"]
             got = measure_memory(stages, params, xs[:mb], loss_fn=C.loss_fn(size), target=ys[:mb])
             out["activation"] = peak_memory(run.pipe.program, got.activation, got.for_w)[
@@ -299,12 +300,13 @@ def run(args: argparse.Namespace, pools: C.Pools) -> tuple[list[dict[str, Any]],
             "warmup": args.warmup,
             "levels": levels,
             "seed": args.seed,
+            "schedule": args.schedule,
         }
         pool = pools.get(2 * data)
         got = pool.run(zero_peak.job, cfg, timeout=args.job_timeout)
         for r in sorted(got, key=lambda r: r["rank"]):
             for z in levels:
-                rows.append(row(size.name, r, z))
+                rows.append({**row(size.name, r, z), "schedule": args.schedule})
                 print(C.table([rows[-1]], COLUMNS).splitlines()[-1], flush=True)
     return rows, {"skipped": skipped, "levels": levels}
 
@@ -318,7 +320,7 @@ def row(size: str, r: dict[str, Any], z: int) -> dict[str, Any]:
         "zero": z,
         "rank": r["rank"],
         "copy": r["copy"],
-        "stage": r["stages"][0],
+        "stage": "+".join(str(s) for s in r["stages"]),
         "param_bytes": r["param_bytes"],
         "activation_figure": r["activation"],
         "held_mib": sum(m["held"].values()) / MIB,
@@ -344,6 +346,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument(
         "--data", nargs="+", type=C.int_at_least(2, "sharding needs copies"), default=[2]
+    )
+    ap.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=["1f1b", "interleaved", "zbv"],
+        help="1f1b: a stage per rank; interleaved, zbv: two (default 1f1b)",
     )
     ap.add_argument("--zero-levels", nargs="+", type=int, default=[0, 1, 2], choices=[0, 1, 2])
     ap.add_argument("--microbatches", type=C.int_at_least(1), default=4, help="per copy")

@@ -27,7 +27,16 @@ W = 5
 F64 = torch.float64
 STEPS = 3
 SCHEDULES = {"1f1b": 1, "interleaved": 2, "zbv": 2}  # name -> stages per rank
-MODEL_STAGES = {"chimera": 2, **{k: 2 * v for k, v in SCHEDULES.items()}}  # at 2 ranks
+# name -> model stages at 2 ranks (Chimera: 4 program stages, replicas of 2)
+MODEL_STAGES = {
+    "chimera": 2,
+    "gpipe": 2,
+    "zb-h1": 2,
+    "zb-h2": 2,
+    "looped-bfs": 4,
+    "dualpipev": 4,
+    **{k: 2 * v for k, v in SCHEDULES.items()},
+}
 
 
 def _first(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:

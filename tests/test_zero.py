@@ -382,12 +382,12 @@ def test_optimizer_state_per_process_is_one_over_d(pool) -> None:
 
 
 @pytest.mark.parametrize("zero", [1, 2])
-@pytest.mark.parametrize("name", sorted(jobs_zero.SCHEDULES))
+@pytest.mark.parametrize("name", sorted(jobs_zero.MODEL_STAGES))
 def test_one_process_under_nccl_rules(
     monkeypatch: pytest.MonkeyPatch, name: str, zero: int
 ) -> None:
-    """The local transport in strict mode (NCCL's point-to-point rules) runs the sharded
-    programs too, and they still equal the unsharded run."""
+    """The local transport in strict mode (NCCL's point-to-point rules) runs every training
+    generator's sharded program (Chimera's too), and each equals the unsharded run."""
     monkeypatch.setenv("FUNCPIPE_STRICT_P2P", "1")
     ref_losses, ref = jobs_zero.train_local(name, 0, 2)
     losses, got = jobs_zero.train_local(name, zero, 2)
