@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+import funcpipe as fp
 from funcpipe.errors import InvalidArgument, ScheduleError
 from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.schedule import (
@@ -269,6 +270,52 @@ def test_chimera_at_three_ranks_gathers_the_middle_stage_once(zero: int) -> None
             assert [str(i) for i in middle] == ["GATHER s1 data"]
     assert runs[1][0] == pytest.approx(runs[0][0], abs=1e-12, rel=0)
     assert_trees_close(list(runs[1][1]), list(runs[0][1]), atol=1e-12, rtol=0)
+
+
+def _mixed(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ p["W"] + p["b"].double()) * p["s"].double()
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_any_copy_count_and_mixed_dtypes_need_no_alignment(zero: int) -> None:
+    """No shard count is refused for alignment: 3 copies of leaves of 25, 5 and 1 elements
+    (pieces 9/8/8, 2/2/1, 1/0/0), a float32 bias and scale beside float64 weights (a bucket of
+    each dtype, each padded to equal segments); 3 AdamW steps equal the unsharded run."""
+    g = torch.Generator().manual_seed(3)
+    stages = [fp.Stage(_mixed, name="a"), fp.Stage(_mixed, name="b")]
+    params = [
+        {
+            "W": torch.randn(5, 5, generator=g, dtype=torch.float64) / 3,
+            "b": torch.randn(5, generator=g),
+            "s": torch.ones(1),
+        }
+        for _ in range(2)
+    ]
+    x, y = (torch.randn(12, 5, generator=g, dtype=torch.float64) for _ in range(2))
+    program = generate("1f1b", ranks=2, microbatches=2)
+    runs = []
+    for z in (0, zero):
+        pipe = Pipeline(stages, program, loss_fn=jobs_zero.mse, data=3, zero=z)
+        opt = adamw(1e-2)
+        values: Any = pipe.shard(params) if z else tuple(params)
+        if z:
+            assert [c[0]["s"].numel() for c in values] == [1, 0, 0]
+        states = [opt.init(v) for v in values] if z else opt.init(values)
+        for _ in range(3):
+            loss, grads = pipe.step(values, x, y)
+            if z:
+                new = [opt.update(*a) for a in zip(grads, states, values, strict=True)]
+                values, states = [n[0] for n in new], [n[1] for n in new]
+            else:
+                values, states = opt.update(grads, states, values)
+        runs.append((float(loss), pipe.gather(values) if z else values))
+    assert runs[1][0] == pytest.approx(runs[0][0], abs=1e-12, rel=0)
+    got, want = runs[1][1], runs[0][1]
+    assert got[0]["b"].dtype == torch.float32
+    assert_trees_close([p["W"] for p in got], [p["W"] for p in want], atol=1e-12, rtol=0)
+    # float32 leaves: the three copies' sums in another order (float32 rounding)
+    assert_trees_close([p["b"] for p in got], [p["b"] for p in want], atol=1e-6, rtol=0)
+    assert_trees_close([p["s"] for p in got], [p["s"] for p in want], atol=1e-6, rtol=0)
 
 
 def test_shards_follow_tensor_split_and_gradients_come_back_as_shards() -> None:
