@@ -237,3 +237,57 @@ def test_gpt_tensor2_attention_dropout_differs_per_rank(pool) -> None:
     assert not torch.allclose(a, b)
     a, b = qkv(GPT_DROP)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def _gpt_dropout_pipes(backend: str) -> tuple[Any, Any, Any, Any]:
+    from funcpipe.models.gpt import single_axis
+
+    cfg = gpt.GPTConfig(vocab=64, context=8, d_model=16, heads=2, layers=2, dropout=0.2)
+    params = gpt.split(gpt.init(cfg, seed=0), cfg, 2)
+    stages = gpt.stages(cfg, 2, axis=single_axis())
+    compiled = [fp.compile_stage(s, backend=backend) for s in stages]
+    program = generate("1f1b", ranks=2, microbatches=2)
+    loss_fn = gpt.loss_fn(axis=single_axis())
+    eager = fp.Pipeline(stages, program, loss_fn=loss_fn)
+    pipes = [fp.Pipeline(compiled, program, loss_fn=loss_fn, recompute=r) for r in (False, True)]
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g))
+    return params, eager, pipes, batch
+
+
+# dynamo, resuming after the key's graph break, reads .grad of the block's activations while
+# tracing (torch 2.13): a UserWarning, which this suite turns into an error
+QUIET_DYNAMO = pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor")
+
+
+@QUIET_DYNAMO
+def test_compiled_gpt_dropout_draws_the_eager_masks() -> None:
+    """torch.compile'd GPT stages with dropout (aot_eager: the same ATen ops, so the same
+    masks) give eager's loss and gradients under each seed, with recomputation too, and a new
+    seed compiles nothing new (the key is read, not baked into a guard). The key's ContextVar
+    is a graph break under dynamo (dropout 0 reads no key: no break)."""
+    from torch._dynamo.utils import counters
+
+    params, eager, (plain, rec), (x, y) = _gpt_dropout_pipes("aot_eager")
+    for seed in (1, 2, 3):
+        want = eager.step(params, x, y, seed=seed)
+        for pipe in (plain, rec):
+            got = pipe.step(params, x, y, seed=seed)
+            fp.testing.assert_trees_close(
+                (got.loss, got.grads), (want.loss, want.grads), atol=1e-6, rtol=1e-5
+            )
+        if seed == 1:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.slow
+@QUIET_DYNAMO
+def test_inductor_gpt_dropout_is_keyed_and_recomputes_its_masks() -> None:
+    """Under inductor the masks are its own (philox, seeded from the keyed generator), so they
+    differ from eager's, but a seed gives the same step every time and R redraws F's masks."""
+    params, _, (plain, rec), (x, y) = _gpt_dropout_pipes("inductor")
+    a, b, c = (p.step(params, x, y, seed=5) for p in (plain, rec, plain))
+    fp.testing.assert_trees_close((a.loss, a.grads), (c.loss, c.grads), atol=0, rtol=0)
+    fp.testing.assert_trees_close((a.loss, a.grads), (b.loss, b.grads), atol=1e-6, rtol=1e-5)
+    assert float(plain.step(params, x, y, seed=6).loss) != float(a.loss)
