@@ -177,3 +177,49 @@ def test_reference_errors() -> None:
         reference_step([stage], [params], x, _mse, targets=y, microbatches=5)
     with pytest.raises(InvalidArgument, match="stages is empty"):
         reference_step([], [], x, _mse)
+
+
+def _masked_first(p: dict[str, torch.Tensor], x: torch.Tensor, *, mask: torch.Tensor) -> Any:
+    return torch.tanh(x @ p["W"]) * mask[:, None]
+
+
+def _masked_last(p: dict[str, torch.Tensor], h: torch.Tensor, *, mask: torch.Tensor) -> Any:
+    return (h @ p["U"]) * mask[:, None]
+
+
+def test_side_inputs_reach_each_stage_as_in_a_pipeline() -> None:
+    """``side_inputs``: a mask field of the batch, split like it, passed to both stages as a
+    keyword; the reference equals plain autograd over the whole batch and the pipeline step."""
+    from funcpipe import Pipeline
+    from funcpipe.schedule import generate
+
+    g = torch.Generator().manual_seed(0)
+    params = (
+        {"W": torch.randn(4, 4, generator=g, dtype=torch.float64)},
+        {"U": torch.randn(4, 3, generator=g, dtype=torch.float64)},
+    )
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(8, 3, generator=g, dtype=torch.float64)
+    mask = (torch.rand(8, generator=g) > 0.3).double()
+    stages = [Stage(_masked_first), Stage(_masked_last)]
+    side = {0: ["mask"], 1: ["mask"]}
+    batch = {"inputs": x, "mask": mask}
+
+    def mse(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return ((out - t) ** 2).mean()
+
+    loss, grads = reference_step(
+        stages, params, batch, mse, targets=y, microbatches=4, side_inputs=side
+    )
+    leaves = [params[0]["W"].clone().requires_grad_(), params[1]["U"].clone().requires_grad_()]
+    want = mse(_masked_last({"U": leaves[1]}, _masked_first({"W": leaves[0]}, x, mask=mask),
+                            mask=mask), y)  # fmt: skip
+    dw, du = torch.autograd.grad(want, leaves)
+    assert_trees_close((loss, grads), (want.detach(), ({"W": dw}, {"U": du})), atol=1e-12, rtol=0)
+    pipe = Pipeline(
+        stages, generate("1f1b", ranks=2, microbatches=4), loss_fn=mse, side_inputs=side
+    )
+    step = pipe.step(params, batch, y)
+    assert_trees_close((step.loss, step.grads), (loss, grads), atol=1e-12, rtol=0)
+    with pytest.raises(InvalidArgument, match="side_inputs need batch keys \\['mask'\\]"):
+        reference_step(stages, params, {"inputs": x}, mse, targets=y, side_inputs=side)

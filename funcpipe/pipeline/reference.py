@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.pipeline.checks import step_seed
+from funcpipe.pipeline.checks import side_input_stages, step_seed
 from funcpipe.pipeline.microbatch import _batch_size, _split_named, merge
+from funcpipe.pipeline.rank_inputs import split_batch
 from funcpipe.runtime.keys import keyed, stage_key
 from funcpipe.runtime.loss_terms import count_factor, loss_and_count
 from funcpipe.stages.stage import Stage, as_inputs
@@ -60,6 +61,7 @@ def reference_step(
     return_outputs: bool = False,
     ties: Mapping[str, Sequence[TiePath]] | None = None,
     seed: int | None = None,
+    side_inputs: Mapping[int, Sequence[str]] | None = None,
 ) -> tuple[Any, ...]:
     """One training step on one device: the loss and the gradients of every stage's params.
 
@@ -98,6 +100,10 @@ def reference_step(
             j)`` (:mod:`funcpipe.runtime.keys`), as in a :class:`funcpipe.Pipeline` step with
             that seed; ``None``: one drawn from torch's default CPU generator, as the pipeline
             draws it (``torch.manual_seed(s)`` before each gives both the same masks).
+        side_inputs: ``{stage: ["mask", ...]}`` as ``Pipeline`` takes them: the batch is then a
+            dict whose ``"inputs"`` is the first stage's input, and each named field, split
+            into microbatches like it, is passed to that stage as a keyword argument
+            (``split_module``'s ``parts.side_inputs`` and ``parts.batch(fields)``).
 
     Returns:
         ``(loss, grads)``, or ``(loss, grads, outputs)`` with ``return_outputs=True``. ``loss``
@@ -119,10 +125,9 @@ def reference_step(
     targets_dim = default_dim if targets_dim is None else targets_dim
     outputs_dim = default_dim if outputs_dim is None else outputs_dim
 
-    batches = _split_named(batch, microbatches, dim=dim, name="batch")
-    target_mbs: list[Any] = [None] * len(batches)
-    if targets is not None:
-        target_mbs = _split_targets(batch, targets, microbatches, dim, targets_dim)
+    batches, sides, target_mbs = _microbatches(
+        batch, targets, side_inputs, len(stages), microbatches, dim, targets_dim
+    )
 
     flat = [tree_flatten(p) for p in params]
     leaves = [[t.detach().requires_grad_(True) for t in ls] for ls, _ in flat]
@@ -134,13 +139,12 @@ def reference_step(
     losses: list[torch.Tensor] = []
     counts: list[torch.Tensor] = []
     outputs_mbs: list[Any] = []
-    for j, (mb, target_mb) in enumerate(zip(batches, target_mbs, strict=True)):
-        inputs = as_inputs(mb)
+    for j, (inputs, target_mb) in enumerate(zip(batches, target_mbs, strict=True)):
         outputs: Any = None
         with torch.enable_grad():
             for i, stage in enumerate(stages):
                 with keyed(stage_key(key_seed, i, j), _device(leaves[i], inputs)):
-                    outputs = stage(stage_params[i], *inputs)
+                    outputs = stage(stage_params[i], *inputs, **sides[j].get(i, {}))
                 inputs = as_inputs(outputs)
             loss = loss_fn(outputs) if targets is None else loss_fn(outputs, target_mb)
         loss, counted = _microbatch_loss(loss, j, counts)
@@ -159,6 +163,28 @@ def reference_step(
         check_tensor_tree(outputs_mbs[0], name="outputs")
         return loss_mean, tuple(out_grads), merge(outputs_mbs, dim=outputs_dim)
     return loss_mean, tuple(out_grads)
+
+
+def _microbatches(
+    batch: Any,
+    targets: Any,
+    side_inputs: Mapping[int, Sequence[str]] | None,
+    n_stages: int,
+    microbatches: int,
+    dim: Any,
+    targets_dim: Any,
+) -> tuple[list[tuple[Any, ...]], list[dict[int, dict[str, Any]]], list[Any]]:
+    """Per microbatch: the first stage's positional inputs, each stage's side inputs (keyword
+    arguments) and the targets (``None`` without), as a pipeline step splits them."""
+    if not side_inputs:
+        entries = [as_inputs(mb) for mb in _split_named(batch, microbatches, dim=dim, name="batch")]
+        sides: list[dict[int, dict[str, Any]]] = [{} for _ in entries]
+    else:
+        named = side_input_stages(side_inputs, n_stages)
+        entries, sides, batch = split_batch(batch, named, microbatches, dim)
+    if targets is None:
+        return entries, sides, [None] * len(entries)
+    return entries, sides, _split_targets(batch, targets, microbatches, dim, targets_dim)
 
 
 def _microbatch_loss(loss: Any, j: int, counts: list[torch.Tensor]) -> tuple[Any, bool]:
