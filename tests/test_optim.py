@@ -304,3 +304,47 @@ def test_clip_across_two_gloo_ranks_equals_one_process(pool) -> None:
                 assert clipped[1 - rank] is None
                 if with_shared:
                     assert_trees_close(clipped[2], ref[2], **TIGHT)
+
+
+class _TiedLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(11, 6)
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 6))
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head.weight = self.wte.weight  # tied, as GPT-2's lm_head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(self.wte(ids))))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_tie_weights_count_a_tied_parameter_once(n: int) -> None:
+    """A tied embedding and head (in one stage, or two): every name holds the total gradient
+    after a step, so the plain norm counts it twice; with tie_weights the norm is the unsplit
+    model's, as torch.nn.utils.clip_grad_norm_ measures it."""
+    import funcpipe as fp
+
+    model = _TiedLM().double()
+    ids = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 11), y.reshape(-1))
+
+    parts = fp.split_module(model, n, example=ids[:2])
+    ties = fp.find_ties(parts.params)
+    assert ties
+    _, grads = fp.reference_step(
+        parts.stages, parts.params, ids, loss_fn, targets=ids, ties=ties, microbatches=2
+    )
+    loss_fn(model(ids), ids).backward()
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    assert float(optim.global_norm(grads)) > float(want) * 1.01  # the tie counted twice
+    got = optim.global_norm(grads, weights=optim.tie_weights(ties))
+    assert float(got) == pytest.approx(float(want), rel=1e-12)
+    half = optim.tie_weights(ties, lambda path, leaf: 0.5)  # other rules compose
+    assert float(optim.global_norm(grads, weights=half)) == pytest.approx(
+        float(want) * 0.5**0.5, rel=1e-12
+    )
+    with pytest.raises(InvalidArgument, match="each member is \\(stage, path\\)"):
+        optim.tie_weights({"w": [(0, "a"), "b"]})

@@ -19,7 +19,7 @@ from funcpipe.train.common import all_reduce_sum
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["clip_by_global_norm", "global_norm"]
+__all__ = ["clip_by_global_norm", "global_norm", "tie_weights"]
 
 Tensor = torch.Tensor
 
@@ -155,3 +155,41 @@ def clip_by_global_norm(
             for i, s in zip(idx, scaled, strict=True):
                 out[i] = s
     return optree.tree_unflatten(spec, out), total
+
+
+def tie_weights(ties: Any, weights: Any = None) -> Any:
+    """``weights`` for :func:`global_norm` and :func:`clip_by_global_norm` that count each tied
+    parameter once: 0 on every member of a tie but the first, ``weights(path, leaf)`` (or 1)
+    elsewhere.
+
+    ``ties`` is ``{name: [(stage, path), ...]}`` as ``Pipeline(ties=...)`` takes it and
+    :func:`funcpipe.find_ties` returns it. After a step every member holds the tie's total
+    gradient, so a norm over all of them counts it once per name: GPT-2's token embedding and
+    LM head twice, in one stage or two. ``weights`` (optional) is a function ``(path, leaf) ->
+    number`` for the other rules (tensor-parallel replicas, data-parallel copies).
+    """
+    if not isinstance(ties, dict):
+        raise InvalidArgument(
+            f"tie_weights(ties={type(ties).__name__}): pass the ties dict, "
+            "{name: [(stage, path), ...]}, as funcpipe.find_ties returns it"
+        )
+    if weights is not None and not callable(weights):
+        raise InvalidArgument(
+            f"tie_weights(weights={weights!r}): a function (path, leaf) -> number, or None"
+        )
+    skip = set()
+    for name, members in ties.items():
+        for member in list(members)[1:]:
+            if not (isinstance(member, tuple | list) and len(member) == 2):
+                raise InvalidArgument(
+                    f"tie_weights: ties[{name!r}] holds {member!r}; each member is (stage, path)"
+                )
+            s, path = member
+            skip.add((s, *(path if isinstance(path, tuple | list) else (path,))))
+
+    def weight(path: Any, leaf: Tensor) -> float:
+        if tuple(path) in skip:
+            return 0.0
+        return 1.0 if weights is None else weights(path, leaf)
+
+    return weight

@@ -15,7 +15,7 @@ They are defined in :mod:`funcpipe.train.optimizers`, :mod:`funcpipe.train.clip`
 
 from __future__ import annotations
 
-from funcpipe.train.clip import clip_by_global_norm, global_norm
+from funcpipe.train.clip import clip_by_global_norm, global_norm, tie_weights
 from funcpipe.train.lr_schedules import Schedule, constant, linear_warmup, warmup_cosine
 from funcpipe.train.optimizers import AdamWState, Optimizer, SGDState, adamw, sgd
 
@@ -30,5 +30,6 @@ __all__ = [
     "global_norm",
     "linear_warmup",
     "sgd",
+    "tie_weights",
     "warmup_cosine",
 ]
