@@ -242,6 +242,22 @@ def test_chimera_sharded_equals_unsharded_in_one_process(data: int, zero: int) -
     assert_trees_close(list(got), list(ref), atol=1e-12, rtol=0)
 
 
+def _three_adamw_steps(pipe: Pipeline, params: Any, x: Any, y: Any) -> tuple[float, Any]:
+    """Three AdamW steps of ``pipe`` (one process; every copy's shards where it is sharded):
+    the last loss and the full params after them."""
+    opt = adamw(1e-2)
+    values: Any = pipe.shard(params) if pipe.zero else tuple(params)
+    states = [opt.init(v) for v in values] if pipe.zero else opt.init(values)
+    for _ in range(3):
+        loss, grads = pipe.step(values, x, y)
+        if pipe.zero:
+            new = [opt.update(*a) for a in zip(grads, states, values, strict=True)]
+            values, states = [n[0] for n in new], [n[1] for n in new]
+        else:
+            values, states = opt.update(grads, states, values)
+    return float(loss), pipe.gather(values) if pipe.zero else values
+
+
 @pytest.mark.parametrize("zero", [1, 2])
 def test_chimera_at_three_ranks_gathers_the_middle_stage_once(zero: int) -> None:
     """Chimera at 3 ranks: the middle rank holds both replicas of stage 1 (one GATHER, a
@@ -254,17 +270,7 @@ def test_chimera_at_three_ranks_gathers_the_middle_stage_once(zero: int) -> None
     runs = []
     for z in (0, zero):
         pipe = Pipeline(stages, program, loss_fn=jobs_zero.mse, ties=ties, data=2, zero=z)
-        opt = adamw(1e-2)
-        values: Any = pipe.shard(params) if z else tuple(params)
-        states = [opt.init(v) for v in values] if z else opt.init(values)
-        for _ in range(3):
-            loss, grads = pipe.step(values, x, y)
-            if z:
-                new = [opt.update(*a) for a in zip(grads, states, values, strict=True)]
-                values, states = [n[0] for n in new], [n[1] for n in new]
-            else:
-                values, states = opt.update(grads, states, values)
-        runs.append((float(loss), pipe.gather(values) if z else values))
+        runs.append(_three_adamw_steps(pipe, params, x, y))
         if z:
             middle = [i for i in pipe.program.ranks[1] if i.op is Op.GATHER]
             assert [str(i) for i in middle] == ["GATHER s1 data"]
@@ -296,19 +302,9 @@ def test_any_copy_count_and_mixed_dtypes_need_no_alignment(zero: int) -> None:
     runs = []
     for z in (0, zero):
         pipe = Pipeline(stages, program, loss_fn=jobs_zero.mse, data=3, zero=z)
-        opt = adamw(1e-2)
-        values: Any = pipe.shard(params) if z else tuple(params)
         if z:
-            assert [c[0]["s"].numel() for c in values] == [1, 0, 0]
-        states = [opt.init(v) for v in values] if z else opt.init(values)
-        for _ in range(3):
-            loss, grads = pipe.step(values, x, y)
-            if z:
-                new = [opt.update(*a) for a in zip(grads, states, values, strict=True)]
-                values, states = [n[0] for n in new], [n[1] for n in new]
-            else:
-                values, states = opt.update(grads, states, values)
-        runs.append((float(loss), pipe.gather(values) if z else values))
+            assert [c[0]["s"].numel() for c in pipe.shard(params)] == [1, 0, 0]
+        runs.append(_three_adamw_steps(pipe, params, x, y))
     assert runs[1][0] == pytest.approx(runs[0][0], abs=1e-12, rel=0)
     got, want = runs[1][1], runs[0][1]
     assert got[0]["b"].dtype == torch.float32
