@@ -496,3 +496,16 @@ def test_bf16_parameters_with_float32_sums_and_master_weights(name: str, zero: i
     assert got[0]["E"].dtype == torch.bfloat16
     assert losses == ref_losses
     assert_trees_close(list(got), list(ref), atol=0, rtol=0)
+
+
+def test_a_zero2_step_traces_a_scatter_per_microbatch() -> None:
+    """The executed timeline and its Chrome trace show ZeRO-2's SCATTERs, one per (stage,
+    microbatch), and the simulator prices each (at half a REDUCE)."""
+    pipe, params = jobs_zero._pipeline("1f1b", 2, data=2)
+    x, y = jobs_zero.batches(2)[0]
+    res = pipe.step(pipe.shard(params), x, y, trace=True)
+    names = {e["name"] for e in chrome_trace(res.timeline)["traceEvents"] if e.get("ph") == "X"}
+    want = {f"SCATTER s{s} m{m} data" for s in range(2) for m in range(4)}
+    assert want <= names and "SCATTER s0 data" not in names
+    one, per_mb = (simulate(_sharded("1f1b", zero=z), Costs(reduce=2.0)) for z in (1, 2))
+    assert per_mb.makespan > one.makespan  # 4 SCATTERs a stage, not 1
