@@ -132,16 +132,16 @@ def gather_dist(
 ) -> tuple[Any, ...]:
     """Full parameters of the stages this process holds (``None`` for the others) from the
     copies' shards: one all-gather per bucket over the data group (collective)."""
-    _, pieces = placeholders(shards, full, held, d, copy, "gather(shards)")
+    params, pieces = placeholders(shards, full, held, d, copy, "gather(shards)")
     out: list[Any] = [None] * len(full)
+    posted = []  # every stage's all-gathers at once, in stage order, then the waits
     for o in sorted(held):
-        wholes, tree = tree_flatten(full[o])
-        dev = pieces[o][0].device if pieces[o] else torch.device("cpu")
-        leaves = [torch.empty(w.shape, dtype=w.dtype, device=dev) for w in wholes]
-        handle, done = gather_pieces(transport, pieces[o], leaves, d, copy, "data")
+        leaves = tree_flatten(params[o])[0]  # (uninitialised: the all-gather fills them)
+        posted.append((o, gather_pieces(transport, pieces[o], leaves, d, copy, "data")))
+    for o, (handle, done) in posted:
         handle.wait()
         done()
-        out[o] = tree_unflatten(tree, leaves)
+        out[o] = params[o]
     return tuple(out)
 
 
