@@ -386,6 +386,8 @@ def test_bf16_with_master_weights_over_four_processes(pool) -> None:
 @pytest.mark.parametrize("zero", [1, 2])
 def test_four_copies_over_eight_processes(pool, zero: int) -> None:
     """Pipeline 2 x data 4 (ZB-V, strict transport): pieces of 25 elements are 7, 6, 6, 6."""
+    pipe, params = jobs_zero._pipeline("zbv", zero, data=4)
+    assert [c[0]["E"].numel() for c in pipe.shard(params)] == [7, 6, 6, 6]
     for dl, dp in pool(8).run(jobs_zero.zero_vs_unsharded, "zbv", zero=zero):
         assert dl <= 1e-12 and dp <= 1e-12
 
@@ -509,3 +511,53 @@ def test_a_zero2_step_traces_a_scatter_per_microbatch() -> None:
     assert want <= names and "SCATTER s0 data" not in names
     one, per_mb = (simulate(_sharded("1f1b", zero=z), Costs(reduce=2.0)) for z in (1, 2))
     assert per_mb.makespan > one.makespan  # 4 SCATTERs a stage, not 1
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_the_checker_wants_every_replica_scattered(zero: int) -> None:
+    """Chimera at 3 ranks: rank 1 holds s1 and s4, both replicas of stage 1, gathered once.
+    Without s4's own SCATTER its microbatches' gradients would be lost (the checker accepted
+    that, and the step trained silently wrong); a REDUCE in its place is refused too."""
+    p = _sharded("chimera", 3, 4, zero)
+    check(p, p2p="nccl")
+    rank1 = p.ranks[1]
+    assert {i.stage for i in rank1} >= {1, 4}
+    dropped = tuple(i for i in rank1 if not (i.op is Op.SCATTER and i.stage == 4))
+    lost = p.replace(ranks=(p.ranks[0], dropped, p.ranks[2]))
+    with pytest.raises(ScheduleError, match="stage 4 computes with the parameters gathered"):
+        check(lost, p2p="nccl")
+    last = max(t for t, i in enumerate(dropped) if i.stage == 4 and i.op in (Op.B, Op.W))
+    both = (*dropped[: last + 1], reduce(4, "data"), *dropped[last + 1 :])
+    with pytest.raises(ScheduleError, match="REDUCEd or SCATTERed over a group, not both"):
+        check(p.replace(ranks=(p.ranks[0], both, p.ranks[2])), p2p="nccl")
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_shard_data_moves_tie_sums_after_the_scatters(zero: int) -> None:
+    """A lowered program whose tie REDUCE comes before its data REDUCE is sound unsharded;
+    sharded, the tie sum reads the pieces, so shard_data moves it after the rank's SCATTERs
+    at either level (at zero=1 it used to leave it where the checker refuses it)."""
+    from funcpipe.stages.ties import add_tie_reduce
+
+    base = add_reduce(add_tie_reduce(lower(generate("1f1b", ranks=2, microbatches=4)), {
+        "E": [(0, "E"), (1, "E")]
+    }))  # fmt: skip
+    ranks = []
+    for instrs in base.ranks:
+        data = next(t for t, i in enumerate(instrs) if i.op is Op.REDUCE and i.group == "data")
+        tie = next(t for t, i in enumerate(instrs) if i.group == "tie:E")
+        order = [
+            *instrs[:data],
+            instrs[tie],
+            instrs[data],
+            *instrs[data + 1 : tie],
+            *instrs[tie + 1 :],
+        ]
+        ranks.append(tuple(order))
+    early = base.replace(ranks=tuple(ranks))
+    check(early, p2p="nccl")
+    sharded = shard_data(early, zero=zero)
+    check(sharded, p2p="nccl")
+    for instrs in sharded.ranks:
+        last = max(t for t, i in enumerate(instrs) if i.op is Op.SCATTER)
+        assert min(t for t, i in enumerate(instrs) if i.group == "tie:E") > last

@@ -26,7 +26,7 @@ from funcpipe.schedule.ir import Op, in_program
 
 __all__ = ["check_shards"]
 
-Key = tuple[Op, int, str]  # (op, the stage's owner on its rank, group)
+Key = tuple[Op, tuple[int, int], str]  # (op, (rank, the stage whose parameters), group)
 
 
 def _owner(p: Any, s: int) -> int:
@@ -41,7 +41,12 @@ def check_shards(a: Any) -> None:
     seen: dict[Key, tuple[int, int]] = {}  # (op, stage, group) -> its first (rank, step)
     tagged: dict[tuple[int, str], dict[int, tuple[int, int]]] = {}  # ZeRO-2's, per microbatch
     untagged: set[tuple[int, str]] = set()
-    reduced = {(i.stage, i.group) for r in p.ranks for i in r if i.op is Op.REDUCE}
+    reduced = {  # (rank, owner, group): replicas on one rank share one gradient sum
+        (r, _owner(p, i.stage), i.group)
+        for r, instrs in enumerate(p.ranks)
+        for i in instrs
+        if i.op is Op.REDUCE
+    }
     for r, instrs in enumerate(p.ranks):
         for t, i in enumerate(instrs):
             if i.op is not Op.SCATTER and i.op is not Op.GATHER:
@@ -58,13 +63,14 @@ def check_shards(a: Any) -> None:
                 _scatter(a, r, t, i, tagged, untagged)
             else:
                 _gather(a, r, t, i, seen)
-            seen.setdefault((i.op, r * p.n_stages + _owner(p, s), g), (r, t))
-            if i.op is Op.SCATTER and (s, g) in reduced:
+            seen.setdefault((i.op, (r, _owner(p, s)), g), (r, t))
+            if i.op is Op.SCATTER and (r, _owner(p, s), g) in reduced:
                 raise a.fail(
                     r,
                     t,
                     "a stage's gradients are REDUCEd or SCATTERed over a group, not both",
-                    f"stage {s} also has REDUCE s{s} {g}; remove one",
+                    f"stage {s} (or a replica of its stage on rank {r}) also has a REDUCE "
+                    f"over {g}; remove one",
                 )
     _every_microbatch(a, tagged)
     _all_or_none(a, seen)
@@ -79,11 +85,13 @@ def check_shards(a: Any) -> None:
                 "is SCATTERed over it (shard parameters, shard gradients)",
                 f"add {other.value} s{s} {g} (funcpipe.schedule.shard_data places both)",
             )
+    if p.training:
+        _every_stage_scattered(a, seen, tagged, untagged)
 
 
 def _gather(a: Any, r: int, t: int, i: Any, seen: dict[Key, tuple[int, int]]) -> None:
     p, o = a.p, _owner(a.p, i.stage)
-    key = (Op.GATHER, r * p.n_stages + o, i.group)
+    key = (Op.GATHER, (r, o), i.group)
     if key in seen:
         r0, t0 = seen[key]
         raise a.fail(
@@ -117,7 +125,7 @@ def _scatter(
     untagged: set[tuple[int, str]],
 ) -> None:
     p, s, g, mb = a.p, i.stage, i.group, i.microbatch
-    mine = tagged.setdefault((s, g), {})
+    mine = tagged.get((s, g), {})
     if mb < 0:
         if (s, g) in untagged or mine:
             rule = "a stage has one SCATTER per group (ZeRO-1) or one per microbatch (ZeRO-2)"
@@ -142,7 +150,7 @@ def _scatter(
             "a stage has one SCATTER per group (ZeRO-1) or one per microbatch (ZeRO-2)",
             f"stage {s} is also SCATTERed over {g!r} at rank {r0}, step {t0}; remove one",
         )
-    mine[mb] = (r, t)
+    tagged.setdefault((s, g), {})[mb] = (r, t)
     key = _contribution(a, s, mb)
     a.need_local(
         r,
@@ -171,15 +179,43 @@ def _every_microbatch(a: Any, tagged: dict[tuple[int, str], dict[int, tuple[int,
             )
 
 
+def _every_stage_scattered(
+    a: Any,
+    seen: dict[Key, tuple[int, int]],
+    tagged: dict[tuple[int, str], dict[int, tuple[int, int]]],
+    untagged: set[tuple[int, str]],
+) -> None:
+    """In training, every visited stage whose parameters its rank GATHERs over a group has a
+    SCATTER of its own over it: replicas on one rank gather once but each adds gradients, and
+    a replica left out would lose its microbatches' gradients silently."""
+    p = a.p
+    visited = set().union(*(p.visits(m) for m in range(p.microbatches)))
+    for (op, (r, o), g), at in seen.items():
+        if op is not Op.GATHER:
+            continue
+        for s in sorted(p.stages_on(r)):
+            if (
+                s in visited
+                and _owner(p, s) == o
+                and (s, g) not in untagged
+                and (s, g) not in tagged
+            ):
+                raise a.fail(
+                    *at,
+                    "every stage a rank GATHERs adds its gradients with a SCATTER of its own "
+                    "(replicas of one stage on a rank too)",
+                    f"stage {s} computes with the parameters gathered here and has no SCATTER "
+                    f"over {g!r}; add SCATTER s{s} {g} after its last B or W (shard_data does)",
+                )
+
+
 def _all_or_none(a: Any, seen: dict[Key, tuple[int, int]]) -> None:
     p = a.p
     gathers = {(key, g): at for (op, key, g), at in seen.items() if op is Op.GATHER}
     visited = set().union(*(p.visits(m) for m in range(p.microbatches)))
     for g in sorted({g for _, g in gathers}):
         have = {key for key, h in gathers if h == g}
-        missing = sorted(
-            s for s in visited if p.placement[s] * p.n_stages + _owner(p, s) not in have
-        )
+        missing = sorted(s for s in visited if (p.placement[s], _owner(p, s)) not in have)
         if missing:
             r, t = min(at for (_, h), at in gathers.items() if h == g)
             raise a.fail(

@@ -42,8 +42,8 @@ def shard_data(program: Program, *, group: str = "data", zero: int = 1) -> Progr
     A training program gets :func:`~funcpipe.schedule.passes.add_reduce` over ``group`` where it
     has none; with ``zero=1`` every ``REDUCE s group`` then becomes ``SCATTER s group``; with
     ``zero=2`` it goes, and every microbatch's weight-gradient instruction of stage s (W, or B)
-    is followed (after the SEND/RECVs right after it) by ``SCATTER s mJ group``, and the rank's
-    tie and replica REDUCEs move after its last SCATTER (they add the pieces). Every rank's
+    is followed (after the SEND/RECVs right after it) by ``SCATTER s mJ group``. At either
+    level the rank's tie and replica REDUCEs move after its last SCATTER (they add the pieces). Every rank's
     program opens with one ``GATHER s group`` per stage it runs (for an eval program too: its
     parameters are shards as well), in the order of the stages' first forwards. Works on
     compute-only and lowered programs alike (no SEND/RECV moves); a program that has SCATTERs
@@ -84,7 +84,7 @@ def shard_data(program: Program, *, group: str = "data", zero: int = 1) -> Progr
             ]
         else:
             body = _per_microbatch(instrs, group)
-        ranks.append(tuple(head + body))
+        ranks.append(tuple(head + _sums_after_scatters(body)))
     return program.replace(ranks=tuple(ranks))
 
 
@@ -106,15 +106,19 @@ def _per_microbatch(instrs: tuple[Instr, ...], group: str) -> list[Instr]:
         if not (i.op is Op.REDUCE and i.group == group):
             body.append(i)
     body.extend(after.get(len(instrs), ()))
-    # a tie or replica REDUCE adds this copy's pieces: after the rank's last SCATTER
-    last = max((t for t, i in enumerate(body) if i.op is Op.SCATTER), default=-1)
-    early = [t for t, i in enumerate(body[:last]) if i.op is Op.REDUCE and in_program(i.group)]
-    if early:
-        moved = [body[t] for t in early]
-        body = [i for t, i in enumerate(body) if t not in set(early)]
-        at = max(t for t, i in enumerate(body) if i.op is Op.SCATTER) + 1
-        body[at:at] = moved
     return body
+
+
+def _sums_after_scatters(body: list[Instr]) -> list[Instr]:
+    """A rank's tie and replica REDUCEs moved after its last SCATTER, in their order (they add
+    this copy's pieces, which the SCATTERs make)."""
+    last = max((t for t, i in enumerate(body) if i.op is Op.SCATTER), default=-1)
+    early = {t for t, i in enumerate(body[:last]) if i.op is Op.REDUCE and in_program(i.group)}
+    if not early:
+        return body
+    rest = [i for t, i in enumerate(body) if t not in early]
+    at = last - len(early) + 1
+    return [*rest[:at], *(body[t] for t in sorted(early)), *rest[at:]]
 
 
 def _check_replicas(program: Program) -> None:
