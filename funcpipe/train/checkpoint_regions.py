@@ -232,25 +232,41 @@ def _overlap(a: Region, b: Region) -> tuple[tuple[slice, ...], tuple[slice, ...]
 def _fill(
     want: Region, pieces: Sequence[tuple[Region, Tensor | None]], out: Tensor | None
 ) -> tuple[Tensor, list[int]]:
-    """Copy what ``pieces`` hold of ``want``'s block into ``out`` (when given); the mask of
-    what they cover and the indices of the pieces that contribute anything."""
+    """Copy what ``pieces`` hold of ``want`` into ``out`` (its block, when given); the mask of
+    what they cover (over the block) and the indices of the pieces that hold any element
+    ``want`` holds (a flat ``want``: of its range, so a rank reads its own ZeRO pieces only)."""
     covered = torch.zeros(want.block_shape, dtype=torch.bool)
+    wanted = None if want.flat is None else _blocked(want, want.flat, None)[1]
     used = []
     for k, (region, data) in enumerate(pieces):
         if region.shape != want.shape:
+            continue
+        if region.box == want.box and region.flat is not None and want.flat is not None:
+            # one block cut flat both ways (ZeRO pieces): intersect the ranges, no masks
+            lo, hi = max(region.flat[0], want.flat[0]), min(region.flat[1], want.flat[1])
+            if lo >= hi:
+                continue
+            used.append(k)
+            covered.view(-1)[lo:hi] = True
+            if out is not None and data is not None:
+                start = lo - region.flat[0]
+                out.view(-1)[lo:hi] = data[start : start + hi - lo].to(out.dtype)
             continue
         hit = _overlap(want, region)
         if hit is None:
             continue
         mine, theirs = hit
-        if region.flat is None:  # a whole block: no mask needed
+        if region.flat is None and wanted is None:  # a whole block into a whole block
             used.append(k)
             if out is not None and data is not None:
                 out[mine] = data[theirs]
             covered[mine] = True
             continue
-        values, mask = _blocked(region, region.flat, data)
-        mask = mask[theirs]
+        if region.flat is None:
+            values, mask = data, wanted[mine]  # type: ignore[index]
+        else:
+            values, mask = _blocked(region, region.flat, data)
+            mask = mask[theirs] if wanted is None else mask[theirs] & wanted[mine]
         if not bool(mask.any()):
             continue
         used.append(k)
