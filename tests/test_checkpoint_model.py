@@ -251,3 +251,38 @@ def test_bf16_params_with_float32_master_weights_load_at_another_split(tmp_path:
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
         assert all(t.dtype == torch.float32 for t in mine.values())
     assert _equal(got.params, params) and got.opt_state.step == 1
+
+
+def test_a_flat_piece_reads_only_the_saved_pieces_holding_its_range() -> None:
+    """Loading ZeRO pieces: a rank's piece is assembled from the saved pieces that hold its
+    range only (every copy's were read before: d times the I/O), at any piece count, from
+    whole, flat or tensor-parallel saves, exactly."""
+    from funcpipe.train.checkpoint_regions import Region, assemble, coverage
+
+    full = torch.randn(6, 10, dtype=torch.float64)
+    whole = Region((6, 10), ((0, 6), (0, 10)))
+
+    def tp(t: int, i: int) -> Region:
+        return Region((6, 10), ((0, 6), (i * 10 // t, (i + 1) * 10 // t)))
+
+    flat4 = [whole.flat_shard(4, c) for c in range(4)]
+    assert coverage(whole.flat_shard(4, 2), flat4) == (0, [2])
+    assert coverage(whole.flat_shard(8, 3), flat4) == (0, [1, 2])  # 24-31 of 0-59: 15-29, 30-44
+    assert coverage(whole, flat4) == (0, [0, 1, 2, 3])
+    assert coverage(tp(2, 0).flat_shard(2, 1), [tp(2, 0), tp(2, 1)]) == (0, [0])
+    saves = {
+        "whole": [whole],
+        "flat3": [whole.flat_shard(3, c) for c in range(3)],
+        "tensor2": [tp(2, i) for i in range(2)],
+        "tensor2 flat2": [tp(2, i).flat_shard(2, c) for i in range(2) for c in range(2)],
+    }
+    wants = [whole, whole.flat_shard(4, 1), tp(2, 1), tp(5, 3), tp(2, 0).flat_shard(3, 2)]
+    for name, regions in saves.items():
+        stored = [(r, r.take(full).clone()) for r in regions]
+        for want in wants:
+            missing, used = coverage(want, regions)
+            got = assemble(want, [stored[k] for k in used])
+            assert missing == 0 and torch.equal(got.reshape(-1), want.take(full).reshape(-1)), (
+                name,
+                want,
+            )
