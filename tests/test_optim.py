@@ -340,11 +340,34 @@ def test_tie_weights_count_a_tied_parameter_once(n: int) -> None:
     loss_fn(model(ids), ids).backward()
     want = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
     assert float(optim.global_norm(grads)) > float(want) * 1.01  # the tie counted twice
-    got = optim.global_norm(grads, weights=optim.tie_weights(ties))
+    got = optim.global_norm(grads, weights=optim.tie_weights(ties, parts.params))
     assert float(got) == pytest.approx(float(want), rel=1e-12)
-    half = optim.tie_weights(ties, lambda path, leaf: 0.5)  # other rules compose
+    half = optim.tie_weights(ties, parts.params, lambda path, leaf: 0.5)  # other rules compose
     assert float(optim.global_norm(grads, weights=half)) == pytest.approx(
         float(want) * 0.5**0.5, rel=1e-12
     )
-    with pytest.raises(InvalidArgument, match="each member is \\(stage, path\\)"):
-        optim.tie_weights({"w": [(0, "a"), "b"]})
+    with pytest.raises(InvalidArgument, match="list at least two \\(stage, path\\) pairs"):
+        optim.tie_weights({"w": [(0, "a"), "b"]}, parts.params)
+    with pytest.raises(InvalidArgument, match="does not name a leaf"):
+        optim.tie_weights({"w": [(0, "nope"), (0, "nope2")]}, parts.params)
+
+
+def test_tie_weights_take_every_path_form_ties_take() -> None:
+    """A nested tie named by a tuple, a dotted string or a list index all hit the leaf the
+    norm's path names (the dotted form used to match nothing: the tie counted twice)."""
+    g = (
+        {"blocks": {"0": {"w": torch.ones(2)}}},
+        {"blocks": {"1": {"w": torch.ones(2)}}, "h": [torch.ones(3)]},
+    )
+    for path in (("blocks", "1", "w"), "blocks.1.w"):
+        ties = {"w": [(0, ("blocks", "0", "w")), (1, path)]}
+        norm = optim.global_norm(g, weights=optim.tie_weights(ties, g))
+        assert float(norm) == pytest.approx((2 + 3) ** 0.5)
+    listed = {"h": [(1, "h.0"), (0, ("blocks", "0", "w"))]}  # (shapes differ: weights only)
+    assert float(optim.global_norm(g, weights=optim.tie_weights(listed, g))) == pytest.approx(
+        (2 + 3) ** 0.5  # stage 0's w counted 0: stage 1's w and h
+    )
+    listed = {"h": [(0, ("blocks", "0", "w")), (1, "h.0")]}
+    assert float(optim.global_norm(g, weights=optim.tie_weights(listed, g))) == pytest.approx(
+        (2 + 2) ** 0.5  # h (a list's leaf, named "h.0") counted 0
+    )

@@ -8,6 +8,7 @@ rule. Users reach these through :mod:`funcpipe.train.optim` (``funcpipe.optim``)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -157,35 +158,36 @@ def clip_by_global_norm(
     return optree.tree_unflatten(spec, out), total
 
 
-def tie_weights(ties: Any, weights: Any = None) -> Any:
+def tie_weights(ties: Any, params: Sequence[Any], weights: Any = None) -> Any:
     """``weights`` for :func:`global_norm` and :func:`clip_by_global_norm` that count each tied
     parameter once: 0 on every member of a tie but the first, ``weights(path, leaf)`` (or 1)
     elsewhere.
 
-    ``ties`` is ``{name: [(stage, path), ...]}`` as ``Pipeline(ties=...)`` takes it and
-    :func:`funcpipe.find_ties` returns it. After a step every member holds the tie's total
-    gradient, so a norm over all of them counts it once per name: GPT-2's token embedding and
-    LM head twice, in one stage or two. ``weights`` (optional) is a function ``(path, leaf) ->
-    number`` for the other rules (tensor-parallel replicas, data-parallel copies).
+    ``ties`` is ``{name: [(stage, path), ...]}`` as ``Pipeline(ties=...)`` takes it (any of its
+    path forms: a key, a dotted string, a tuple) and :func:`funcpipe.find_ties` returns it;
+    ``params`` the per-stage pytrees the paths name (or the gradients: the same structure),
+    against which each member is resolved (a path that names no leaf is an error). After a step
+    every member holds the tie's total gradient, so a norm over all of them counts it once per
+    name: GPT-2's token embedding and LM head twice, in one stage or two. ``weights``
+    (optional) is a function ``(path, leaf) -> number`` for the other rules (tensor-parallel
+    replicas, data-parallel copies).
     """
-    if not isinstance(ties, dict):
-        raise InvalidArgument(
-            f"tie_weights(ties={type(ties).__name__}): pass the ties dict, "
-            "{name: [(stage, path), ...]}, as funcpipe.find_ties returns it"
-        )
+    from funcpipe.stages.ties import check_ties, resolve
+
     if weights is not None and not callable(weights):
         raise InvalidArgument(
             f"tie_weights(weights={weights!r}): a function (path, leaf) -> number, or None"
         )
+    if not isinstance(params, tuple | list):
+        raise InvalidArgument(
+            f"tie_weights(params={type(params).__name__}): the per-stage params (or gradients) "
+            "the ties' paths name, one pytree per stage"
+        )
     skip = set()
-    for name, members in ties.items():
-        for member in list(members)[1:]:
-            if not (isinstance(member, tuple | list) and len(member) == 2):
-                raise InvalidArgument(
-                    f"tie_weights: ties[{name!r}] holds {member!r}; each member is (stage, path)"
-                )
-            s, path = member
-            skip.add((s, *(path if isinstance(path, tuple | list) else (path,))))
+    for name, members in check_ties(ties, len(params)).items():
+        for s, path in list(members)[1:]:
+            k = resolve(params[s], path, f"tie_weights: ties[{name!r}]")
+            skip.add((s, *optree.tree_paths(params[s], none_is_leaf=False)[k]))
 
     def weight(path: Any, leaf: Tensor) -> float:
         if tuple(path) in skip:
