@@ -4,20 +4,23 @@ saves in bytes per rank, and what it costs in step time, on CPU gloo processes.
     python benchmarks/zero.py [--size gpt] [--data 2 4] [--pairs 8] [--level 1] [--json FILE]
 
 ``--level 2`` compares ``zero=2`` (ZeRO-2: a reduce-scatter per stage and microbatch) with
-``zero=0`` instead; its figures then fill the ``zero1`` columns and fields (``level`` says which).
+``zero=0`` instead. The sharded run's figures fill the ``zero1`` / ``1`` fields (``opt1_kib``,
+``bytes["zero1"]``, ``zero1_ms``...) at either level; every row and timing says which in
+``level``, and the printed headers say "sharded".
 
 The benchmark GPT (fp32, untied head) cut into 2 pipeline stages (1F1B), ``data`` copies of the
 program: ``2 x data`` processes. Each copy takes ``1 / data`` of the global batch (``batch``
 sequences). AdamW (``funcpipe.adamw``, float32 parameters: no master copy).
 
 Bytes, per rank, summed over the tensors it holds (``nbytes``), unsharded (``zero=0``) and
-sharded (``zero=1``), after ``--steps`` optimizer steps:
+sharded (``zero=1``, or ``2``), after ``--steps`` optimizer steps:
 
 - ``optimizer``: AdamW's ``mu`` and ``nu`` (and ``master`` where there is one);
 - ``gradients``: what ``pipe.step`` returns (the averaged gradient, or this copy's shard of it);
 - ``params held``: what the rank keeps between steps (full parameters, or its shards);
-- ``params in step``: the full parameters a step computes with (sharded: what its GATHERs
-  rebuild, freed after the step).
+- ``full params``: the bytes of the full parameters a step computes with, from their shapes,
+  not measured (sharded: what its GATHERs rebuild; ``benchmarks/zero_peak.py`` measures them
+  inside a step).
 
 Step time: the two runs' pipelines live side by side in the same processes and their training
 steps (``pipe.step`` + the AdamW update) alternate, ``--pairs`` times (the order swapped every
@@ -46,13 +49,13 @@ MEMORY_COLUMNS: list[C.Column] = [
     ("stages", "stage", ""),
     ("params", "params (full)", "d"),
     ("opt0_kib", "optimizer KiB zero=0", ".1f"),
-    ("opt1_kib", "optimizer KiB zero=1", ".1f"),
-    ("opt_ratio", "optimizer zero1/zero0", ".4f"),
+    ("opt1_kib", "optimizer KiB sharded", ".1f"),
+    ("opt_ratio", "optimizer sharded/zero0", ".4f"),
     ("grad0_kib", "gradients KiB zero=0", ".1f"),
-    ("grad1_kib", "gradients KiB zero=1", ".1f"),
+    ("grad1_kib", "gradients KiB sharded", ".1f"),
     ("held0_kib", "params held KiB zero=0", ".1f"),
-    ("held1_kib", "params held KiB zero=1", ".1f"),
-    ("step1_kib", "params in step KiB zero=1", ".1f"),
+    ("held1_kib", "params held KiB sharded", ".1f"),
+    ("step1_kib", "full params KiB (shapes)", ".1f"),
     ("within_5pct", "optimizer x 1/d within 5%", ""),
 ]
 
@@ -61,8 +64,8 @@ TIME_COLUMNS: list[C.Column] = [
     ("data", "data", "d"),
     ("processes", "processes", "d"),
     ("zero0_ms", "zero=0 step ms", ".1f"),
-    ("zero1_ms", "zero=1 step ms", ".1f"),
-    ("ratio", "zero1 / zero0 (median of pairs)", ".3f"),
+    ("zero1_ms", "sharded step ms", ".1f"),
+    ("ratio", "sharded / zero0 (median of pairs)", ".3f"),
     ("spread", "spread (IQR / median)", ".3f"),
     ("pairs", "pairs", "d"),
     ("runnable", "runnable (mean)", ".1f"),
@@ -191,6 +194,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> tuple[list[dict[str, Any]],
             row = {
                 "size": size.name,
                 "data": data,
+                "level": args.level,
                 "rank": r["rank"],
                 "copy": r["copy"],
                 "stages": r["stages"],
@@ -238,7 +242,7 @@ def run(args: argparse.Namespace, pools: C.Pools) -> tuple[list[dict[str, Any]],
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="zero.py",
-        description="Bytes per rank and paired step time of Pipeline(zero=1) against zero=0.",
+        description="Bytes per rank and paired step time of Pipeline(zero=1 or 2) against zero=0.",
     )
     ap.add_argument("--size", default="gpt", choices=[n for n, s in C.SIZES.items()])
     ap.add_argument("--layers", type=int, default=None)

@@ -1,10 +1,11 @@
-"""Sharded data parallelism (ZeRO-1): the runs tests/test_zero.py compares, in one process
-(``data`` copies) and as pool jobs (importable by pool workers).
+"""Sharded data parallelism (ZeRO-1 and ZeRO-2): the runs tests/test_zero.py compares, in one
+process (``data`` copies) and as pool jobs (importable by pool workers).
 
 A toy model of width :data:`W` = 5 (odd: every leaf's size, 25 or 5, is uneven over 2 and 4
-copies) with the first and last stages' ``E`` tied; AdamW; float64. :func:`train` runs three
-optimizer steps unsharded (``zero=0``) or sharded (``zero=1``) and returns the losses and the
-full parameters after them.
+copies) with the first and last stages' ``E`` tied; AdamW; float64. :func:`train_local` (one
+process) and :func:`train_dist` (over the pool) run three optimizer steps unsharded
+(``zero=0``) or sharded (``zero=1`` or ``2``) and return the losses and the full parameters
+after them.
 """
 
 from __future__ import annotations

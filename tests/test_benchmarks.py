@@ -238,7 +238,7 @@ def test_memory_counts_match_the_schedule(pool: Pool, size: str) -> None:
 @pytest.mark.timeout(180)
 def test_zero_bytes_per_rank(pool: Pool) -> None:
     """Sharded, each rank keeps 1/d of the AdamW state, of the gradients and of the params
-    (exactly here: gpt-tiny's leaves split evenly), and computes with the full params."""
+    (exactly here: gpt-tiny's leaves split evenly)."""
     argv = ["--size", "gpt-tiny", "--data", "2", "4", "--microbatches", "2"]
     rows, extras = zero.main([*argv, "--steps", "1", "--pairs", "2"], pool=pool)
     assert [r["data"] for r in rows] == [2] * 4 + [4] * 8
@@ -248,7 +248,7 @@ def test_zero_bytes_per_rank(pool: Pool) -> None:
         assert b0["optimizer"] == 2 * b0["held"] == 8 * r["params"]  # float32 mu and nu
         assert b1["gradients"] * d == pytest.approx(b0["gradients"], rel=0.05)
         assert b1["held"] * d == pytest.approx(b0["held"], rel=0.05)
-        assert b1["in_step"] == b0["in_step"] == b0["held"]
+        assert r["level"] == 1
     assert [t["data"] for t in extras["timing"]] == [2, 4]
     assert all(t["pairs"] == 2 and t["ratio"] > 0 for t in extras["timing"])
 
@@ -292,14 +292,12 @@ def test_storage_tracker_counts_each_storage_once_while_it_lives() -> None:
 
 @pytest.mark.timeout(180)
 def test_zero_peak_labels_the_step(pool: Pool) -> None:
-    """The in-step peak of zero=0 and 1 on gpt-tiny: what each rank held before (sharded:
-    1/d), the full gradient sums at the peak, and sharded the gathered full parameters;
-    zero=2 is measured where the Pipeline has it, else skipped with a message."""
+    """The in-step peak of zero=0, 1 and 2 on gpt-tiny: what each rank held before (sharded:
+    1/d), the full gradient sums at the peak, and sharded the gathered full parameters."""
     argv = ["--size", "gpt-tiny", "--data", "2", "--zero-levels", "0", "1", "2"]
     rows, extras = zero_peak.main([*argv, "--microbatches", "2"], pool=pool)
     levels = extras["levels"]
-    assert levels[:2] == [0, 1]
-    assert 2 in levels or "zero=2 skipped" in extras["skipped"][0]
+    assert levels == [0, 1, 2]
     assert len(rows) == 4 * len(levels)
     by = {(r["rank"], r["zero"]): r for r in rows}
     for r in rows:

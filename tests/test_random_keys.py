@@ -10,7 +10,6 @@ rank and its attention dropout differs per rank.
 from __future__ import annotations
 
 import functools
-import timeit
 from typing import Any
 
 import pytest
@@ -135,20 +134,6 @@ def test_seed_must_be_an_int() -> None:
     pipe = fp.Pipeline(part.stages, generate("1f1b", ranks=2, microbatches=M), loss_fn=J.mse)
     with pytest.raises(fp.InvalidArgument, match=r"seed=1\.5: an int"):
         pipe.step(part.params, x, y, seed=1.5)  # type: ignore[arg-type]
-
-
-def test_key_context_cost_on_cpu() -> None:
-    """The host cost of one keyed stage call's key handling (printed; bounded loosely)."""
-    n = 2000
-    seconds = timeit.timeit(_enter_exit, number=n)
-    per_call_us = seconds / n * 1e6
-    print(f"keyed() enter+exit on CPU: {per_call_us:.1f} us")
-    assert per_call_us < 1000
-
-
-def _enter_exit() -> None:
-    with keys.keyed(12345):
-        pass
 
 
 # ------------------------------------------------------------------------------ the GPT
