@@ -305,10 +305,13 @@ def _parameters(
     stage_params = [n * model.layer_params() / t for n in counts]
     stage_params[0] += table
     stage_params[-1] += table + 2 * model.hidden
+    one = len(stage_params) == 1
+    if model.tied and one:  # one stage holds the one table (it was counted as two)
+        stage_params[0] -= table
     params = [0.0] * (max(place) + 1)
     for s, r in enumerate(place):
         params[r] += stage_params[s]
-    if model.tied and place[-1] == place[0]:
+    if model.tied and place[-1] == place[0] and not one:
         params[place[0]] -= table
     return stage_params, params
 

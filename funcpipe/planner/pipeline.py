@@ -141,7 +141,22 @@ def simulated(
     w: Sequence[float],
     activation: Sequence[float],
 ) -> tuple[float, tuple[float, ...]]:
-    """(seconds, peak activation bytes per rank) from the simulator, per-stage costs given."""
+    """(seconds, peak activation bytes per rank) from the simulator, per-stage costs given.
+    Cached: a search prices each layout at every sharding level, which changes neither."""
+    return _simulated(schedule, p, m, v, tuple(f), tuple(i), tuple(w), tuple(activation))
+
+
+@lru_cache(maxsize=4096)
+def _simulated(
+    schedule: str,
+    p: int,
+    m: int,
+    v: int,
+    f: tuple[float, ...],
+    i: tuple[float, ...],
+    w: tuple[float, ...],
+    activation: tuple[float, ...],
+) -> tuple[float, tuple[float, ...]]:
     costs = Costs(f=list(f), b=list(i), w=list(w))
     split = schedule.startswith("zb")
     if not split:  # one B per backward: full = I + W
@@ -197,6 +212,14 @@ def live_sets(
 
 def activation_floor(
     schedule: str, p: int, m: int, v: int, activation: Sequence[float]
+) -> tuple[float, ...]:
+    """:func:`_activation_floor`, cached (every sharding level of a layout asks the same)."""
+    return _activation_floor(schedule, p, m, v, tuple(activation))
+
+
+@lru_cache(maxsize=4096)
+def _activation_floor(
+    schedule: str, p: int, m: int, v: int, activation: tuple[float, ...]
 ) -> tuple[float, ...]:
     """Per rank, a lower bound of :func:`simulated`'s peak activation bytes (``activation``: one
     microbatch's bytes per stage), without simulating time.

@@ -188,15 +188,19 @@ def search(
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise InvalidArgument(f"search(top={top!r}): a positive integer")
     kw: dict[str, Any] = {"calibration": calibration, "overlap_grad_reduce": overlap_grad_reduce}
+    # the limit counts layouts apart from their sharding level: the levels of one layout share
+    # its simulation and memory floor (cached), so they add little to the search's time
+    most = MAX_LAYOUTS * len(_zero_levels(space.get("zero"), space.get("zero1")))
     layouts = list(
         islice(
             candidates(model, gpus, global_batch, gpus_per_node=cluster.gpus_per_node, **space),
-            MAX_LAYOUTS + 1,
+            most + 1,
         )
     )
-    if len(layouts) > MAX_LAYOUTS:
+    if len(layouts) > most:
         raise InvalidArgument(
-            f"search: more than {MAX_LAYOUTS:,} layouts of {gpus} GPUs to price for "
+            f"search: more than {MAX_LAYOUTS:,} layouts of {gpus} GPUs (each at its sharding "
+            f"levels) to price for "
             f"layers={model.layers} and global_batch={global_batch} (they have many divisors in "
             "common), more than the search prices in seconds; narrow it (search or plan with "
             "schedules=, recompute=, microbatches=, interleaves=, sequence_parallel=, zero=), or "

@@ -170,3 +170,36 @@ def test_cli_prices_a_sharding_level(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         main([*args, "--zero", "3"])
     assert "--zero" in capsys.readouterr().err
+
+
+def test_one_tied_stage_holds_one_table() -> None:
+    """Pipeline 1, a tied model: the one stage holds the embedding once, so zero 2's whole
+    chunk gradient is the rank's gradient (it counted the table twice: the chunk came out
+    larger than everything the rank holds)."""
+    model = Transformer(layers=4, hidden=256, heads=4, vocab=50_000, seq=128)
+    assert model.tied
+    h100 = cluster("h100-sxm")
+    est0, est2 = (
+        estimate(model, h100, ClusterLayout(data=2, zero=z), global_batch=2) for z in (0, 2)
+    )
+    assert est2.memory["gradients"] == pytest.approx(est0.memory["gradients"] * 1.5)
+
+
+def test_the_layout_limit_counts_layouts_apart_from_their_sharding_level(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Searching the three sharding levels by default must not refuse a space the search took
+    before them: the limit is on layouts, each priced at its levels."""
+    import importlib
+
+    search_mod = importlib.import_module("funcpipe.planner.search")
+
+    model = Transformer(layers=4, hidden=256, heads=4, vocab=1000, seq=128)
+    h100 = cluster("h100-sxm")
+    base = len(list(candidates(model, 8, 16, zero=(0,))))
+    assert len(list(candidates(model, 8, 16))) > base  # the levels multiply the space
+    monkeypatch.setattr(search_mod, "MAX_LAYOUTS", base)
+    assert search_mod.search(model, h100, gpus=8, global_batch=16, simulate=False)
+    monkeypatch.setattr(search_mod, "MAX_LAYOUTS", base // 4)
+    with pytest.raises(InvalidArgument, match="layouts of 8 GPUs"):
+        search_mod.search(model, h100, gpus=8, global_batch=16, simulate=False)
