@@ -230,3 +230,33 @@ def test_t5_in_four_stages_gradients_equal_unsplit_under_each_name() -> None:
             torch.testing.assert_close(v, named[k].grad, rtol=1e-10, atol=1e-12, msg=f"{s} {k}")
             seen.add(k)
     assert seen == set(named)
+
+
+def test_a_sequential_of_named_blocks_is_cut_by_their_names() -> None:
+    """``nn.Sequential(OrderedDict(b0=..., ...))``: its blocks are ``body.b0``..., not
+    ``body.0`` (a count of stages found no place to cut it)."""
+    from collections import OrderedDict
+
+    import funcpipe as fp
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            blocks = [(f"b{k}", torch.nn.Linear(4, 4)) for k in range(4)]
+            self.body = torch.nn.Sequential(OrderedDict(blocks))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x)
+
+    net = Net().double()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    parts = fp.split_module(net, 3, example=x)
+    assert len(parts.stages) == 3
+    names = [sorted(p) for p in parts.params]
+    assert all(names) and sorted(n for ns in names for n in ns) == sorted(net.state_dict())
+    assert all(n.startswith("body.b") for ns in names for n in ns)
+    out: Any = (x,)
+    for stage, p in zip(parts.stages, parts.params, strict=True):
+        out = stage(p, *out)
+        out = out if isinstance(out, tuple) else (out,)
+    torch.testing.assert_close(out[0], net(x))

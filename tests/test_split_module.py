@@ -210,7 +210,8 @@ def test_points_errors_say_what_to_do() -> None:
     example = {"ids": d["ids"][:2], "mask": d["mask"][:2]}
     with pytest.raises(fp.InvalidArgument, match=r"not a submodule.*did you mean \['blocks.2"):
         fp.split_module(model, ["block.2"], example=example)
-    with pytest.raises(fp.InvalidArgument, match=r"can be cut at only 4 places, so into 1..5 stages: .*'blocks' \(4\)"):  # fmt: skip
+    # (refused before torch.export runs: its 4 blocks bound the cuts)
+    with pytest.raises(fp.InvalidArgument, match=r"can be cut in at most 4 places, so into at most 5 stages: .*'blocks' \(4\)"):  # fmt: skip
         fp.split_module(model, 6, example=example)
     with pytest.raises(fp.InvalidArgument, match="not keys of example"):
         fp.split_module(model, 2, example=example, inputs=["x"])

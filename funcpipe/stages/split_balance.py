@@ -38,14 +38,15 @@ def stage_count(points: Any) -> int | None:
     return points
 
 
-def _runs(module: nn.Module) -> list[tuple[str, int]]:
-    """``(name, length)`` of every nn.ModuleList / nn.Sequential whose children are one type
-    (``""``: the module itself is one)."""
+def _runs(module: nn.Module) -> list[tuple[str, list[str]]]:
+    """``(name, its children's names)`` of every nn.ModuleList / nn.Sequential whose children
+    are one type (``""``: the module itself is one; a Sequential of named children keeps their
+    names)."""
     out = []
     for name, m in module.named_modules():
         kinds = {type(c) for c in m.children()}
         if isinstance(m, nn.ModuleList | nn.Sequential) and len(kinds) == 1:
-            out.append((name, len(m)))
+            out.append((name, [child for child, _ in m.named_children()]))
     return out
 
 
@@ -76,7 +77,7 @@ def _blocked(nodes: Sequence[fx.Node], pos: dict[fx.Node, int]) -> list[tuple[in
 
 def _candidates(module: nn.Module, nodes: Sequence[fx.Node]) -> list[tuple[int, str]]:
     """``(index of the first node, block name)`` of each block a stage may begin at."""
-    blocks = [f"{name}.{i}".lstrip(".") for name, n in _runs(module) for i in range(n)]
+    blocks = [f"{name}.{c}".lstrip(".") for name, children in _runs(module) for c in children]
     wanted = set(blocks)
     first: dict[str, int] = {}
     for i, node in enumerate(nodes):
@@ -158,6 +159,30 @@ def _best(cost: list, m: int, n: int, key: Any) -> list[int]:
     return cuts[::-1]
 
 
+def check_count(module: nn.Module, n: int) -> None:
+    """Refuse ``n`` stages before any tracing where ``module``'s runs of repeated blocks have
+    fewer than ``n - 1`` blocks to cut before (the cuts :func:`balanced_points` can make are
+    some of those)."""
+    blocks = sum(len(children) for _, children in _runs(module))
+    if blocks < n - 1:
+        _too_many(module, n, f"in at most {blocks} places, so into at most {blocks + 1} stages")
+    # (the exact count needs the traced graph: balanced_points)
+
+
+def _too_many(module: nn.Module, n: int, places: str) -> None:
+    runs = _runs(module)
+    what = ", ".join(
+        f"{name or type(module).__name__ + ' itself'!r} ({len(k)})" for name, k in runs[:6]
+    ) + (", ..." * (len(runs) > 6))
+    raise InvalidArgument(
+        f"points={n} stages, but {type(module).__name__} can be cut {places}: a "
+        "number of stages cuts before blocks "
+        "of its runs of repeated blocks (an nn.ModuleList or nn.Sequential of one block "
+        f"type: {what or 'it has none'}), where the forward first calls them and only "
+        "tensors are live. Ask for fewer stages, or name the submodules to cut before."
+    )
+
+
 def balanced_points(module: nn.Module, ep: Any, n: int) -> list[str]:
     """The ``n - 1`` block names where stages 1.. begin (see the module docstring)."""
     if n == 1:
@@ -165,17 +190,7 @@ def balanced_points(module: nn.Module, ep: Any, n: int) -> list[str]:
     nodes = list(ep.graph_module.graph.nodes)
     cands = _candidates(module, nodes)
     if len(cands) < n - 1:
-        runs = _runs(module)
-        what = ", ".join(
-            f"{name or type(module).__name__ + ' itself'!r} ({k})" for name, k in runs[:6]
-        ) + (", ..." * (len(runs) > 6))
-        raise InvalidArgument(
-            f"points={n} stages, but {type(module).__name__} can be cut at only {len(cands)} "
-            f"places, so into 1..{len(cands) + 1} stages: a number of stages cuts before blocks "
-            "of its runs of repeated blocks (an nn.ModuleList or nn.Sequential of one block "
-            f"type: {what or 'it has none'}), where the forward first calls them and only "
-            "tensors are live. Ask for fewer stages, or name the submodules to cut before."
-        )
+        _too_many(module, n, f"at only {len(cands)} places, so into 1..{len(cands) + 1} stages")
     starts = [i for i, _ in cands]
     cost = _segment_costs(_uses(ep, nodes), starts)
     m = len(starts) + 1

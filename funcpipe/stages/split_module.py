@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.stages.split_balance import balanced_points, stage_count
+from funcpipe.stages.split_balance import balanced_points, check_count, stage_count
 from funcpipe.stages.split_errors import near_names, quiet_export, untraceable, written_buffers
 from funcpipe.stages.split_inputs import InputCheck, InputSpec, dim_names, size_source
 from funcpipe.stages.stage import ConstFn, Stage
@@ -333,6 +333,8 @@ def split_module(
             )
         args = example if type(example) is tuple else (example,)
         kwargs, entry = {}, ()
+    if count is not None:
+        check_count(module, count)  # (before the export, which may take minutes)
     ep = _export(module, args, kwargs, dynamic_shapes)
     if count is not None:
         cut_at = balanced_points(module, ep, count)
