@@ -163,6 +163,11 @@ def test_the_checker_accepts_the_simple_order() -> None:
             "at most one GATHER",
         ),
         ("GATHER s0 tie:w; F s0 m0; F s0 m1; B s0 m0; B s0 m1; SCATTER s0 tie:w", "copies"),
+        (
+            "GATHER s0 data; GATHER s0 d2; F s0 m0; F s0 m1; B s0 m0; B s0 m1; "
+            "SCATTER s0 data; SCATTER s0 d2",
+            "shards over one group",
+        ),
         (  # ZeRO-2: each microbatch's SCATTER after its gradient, one each, not mixed
             "GATHER s0 data; F s0 m0; F s0 m1; SCATTER s0 m0 data; B s0 m0; B s0 m1; "
             "SCATTER s0 m1 data",

@@ -14,8 +14,9 @@ meets the others' in one order; what is left to prove is where they stand:
 - in a training program a stage is gathered over a group (its parameters are shards) if and
   only if it is scattered over it (its gradients come back as shards), and not also REDUCEd
   (replicas on one rank: gathered once, each scattered);
-- a program shards every stage a microbatch visits, or none; and on a rank that SCATTERs, the
-  tie and replica REDUCEs come after its SCATTERs (they add the copies' pieces).
+- a program shards every stage a microbatch visits, or none, over one group; and on a rank
+  that SCATTERs, the tie and replica REDUCEs come after its SCATTERs (they add the copies'
+  pieces).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def check_shards(a: Any) -> None:
     seen: dict[Key, tuple[int, int]] = {}  # (op, stage, group) -> its first (rank, step)
     tagged: dict[tuple[int, str], dict[int, tuple[int, int]]] = {}  # ZeRO-2's, per microbatch
     untagged: set[tuple[int, str]] = set()
+    sharding_group: tuple[str, int, int] | None = None  # (group, where it was first named)
     reduced = {  # (rank, owner, group): replicas on one rank share one gradient sum
         (r, _owner(p, i.stage), i.group)
         for r, instrs in enumerate(p.ranks)
@@ -58,6 +60,16 @@ def check_shards(a: Any) -> None:
                     t,
                     "SCATTER and GATHER run over the data-parallel copies of the program",
                     f"group {g!r} names ranks of this program; use 'data'",
+                )
+            if sharding_group is None:
+                sharding_group = (g, r, t)
+            elif g != sharding_group[0]:
+                raise a.fail(
+                    r,
+                    t,
+                    "a program shards over one group (its copies hold one set of pieces)",
+                    f"{i.op.value} over {g!r}, where rank {sharding_group[1]} step "
+                    f"{sharding_group[2]} shards over {sharding_group[0]!r}; use one group",
                 )
             if i.op is Op.SCATTER:
                 _scatter(a, r, t, i, tagged, untagged)

@@ -28,7 +28,7 @@ from pathlib import Path
 from funcpipe.errors import InvalidArgument, ScheduleError
 from funcpipe.schedule.analysis import analyse
 from funcpipe.schedule.check import check
-from funcpipe.schedule.ir import COLLECTIVE_OPS, COMM_OPS, Instr, Op, Program, chain
+from funcpipe.schedule.ir import COMPUTE_OPS, Instr, Op, Program, chain
 
 __all__ = ["read_csv", "write_csv"]
 
@@ -263,10 +263,7 @@ def write_csv(program: Program, *, align: bool = True) -> str:
                     "action: drop the R instructions (strip them, or generate without recompute)"
                 )
     compute = program.replace(
-        ranks=tuple(
-            tuple(i for i in instrs if i.op not in COMM_OPS and i.op not in COLLECTIVE_OPS)
-            for instrs in program.ranks
-        )
+        ranks=tuple(tuple(i for i in instrs if i.op in COMPUTE_OPS) for instrs in program.ranks)
     )
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")

@@ -36,6 +36,7 @@ from funcpipe.schedule.ir import (
     BACKWARD_OPS,
     COLLECTIVE_OPS,
     COMM_OPS,
+    COMPUTE_OPS,
     GRAD,
     Instr,
     Op,
@@ -112,7 +113,7 @@ def _locate(program: Program) -> Where:
     where: Where = {}
     for r, instrs in enumerate(program.ranks):
         for t, i in enumerate(instrs):
-            if i.op not in COMM_OPS and i.op not in COLLECTIVE_OPS:
+            if i.op in COMPUTE_OPS:
                 where.setdefault((i.op, i.stage, i.microbatch), (r, t))
     return where
 

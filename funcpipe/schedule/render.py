@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.schedule.ir import COLLECTIVE_OPS, COMPUTE_OPS, Instr, Op, groups
+from funcpipe.schedule.ir import COLLECTIVE_OPS, COMM_OPS, COMPUTE_OPS, Instr, Op, groups
 from funcpipe.schedule.simulate import Event, Timeline
 
 __all__ = ["ascii_timeline", "chrome_trace", "draw_timeline", "write_chrome_trace"]
@@ -284,11 +284,11 @@ def chrome_trace(timeline: Timeline, *, scale: float = 1000.0) -> dict[str, Any]
                 continue
             events.append(
                 {
-                    "name": str(i) if i.op not in (Op.SEND, Op.RECV) else _short(i),
+                    "name": str(i) if i.op not in COMM_OPS else _short(i),
                     "cat": _kind(i),
                     "ph": "X",
                     "pid": e.rank,
-                    "tid": 0 if i.op not in (Op.SEND, Op.RECV) else 1,
+                    "tid": 0 if i.op not in COMM_OPS else 1,
                     "ts": e.start * scale,
                     "dur": (e.end - e.start) * scale,
                     "args": args,
