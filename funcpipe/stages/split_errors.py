@@ -116,7 +116,8 @@ def untraceable(module: nn.Module, e: BaseException, dynamic: Any) -> FuncpipeEr
         f"split_module could not trace {name}.forward with torch.export "
         f"({type(e).__name__}: {first}). It needs a forward whose control flow does not "
         "depend on tensor values; for transformers models pass use_cache=False in the "
-        "config and call model.eval() or set dropout to 0. Otherwise build the stages by "
+        "config, and call model.eval() where it has BatchNorm (dropout may stay on). Otherwise "
+        "build the stages by "
         "hand: funcpipe.from_module(...) per piece, or funcpipe.partition(nn.Sequential(...))."
         + (
             " With dynamic_shapes=, the example's size on each dim a Dim names must be 2 or "

@@ -91,7 +91,6 @@ FORMAT = "funcpipe.train.checkpoint"
 VERSION = 1
 INFO = "funcpipe.json"
 _PAUSE_ENV = "FUNCPIPE_TEST_CHECKPOINT_PAUSE"
-_SCALARS = SCALAR_DTYPES
 _SafeReader = SafeReader  # its name here before checkpoint_integrity held it (tests read with it)
 
 
@@ -106,7 +105,7 @@ def _to_tensor(key: str, value: Any) -> Tensor:
         return value.detach()
     if type(value) is int and not -(2**63) <= value < 2**63:
         raise InvalidArgument(f"state leaf {key!r}={value!r}: ints must fit in 64 bits")
-    return torch.tensor(value, dtype=_SCALARS[type(value)])
+    return torch.tensor(value, dtype=SCALAR_DTYPES[type(value)])
 
 
 # ----------------------------------------------------------------------- process groups
@@ -398,7 +397,7 @@ def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None 
                 if _held(v):
                     wanted[k] = torch.empty_like(v)
             else:
-                wanted[k] = torch.empty((), dtype=_SCALARS[type(v)])
+                wanted[k] = torch.empty((), dtype=SCALAR_DTYPES[type(v)])
         _check_stored(source, wanted)
     except (InvalidArgument, FuncpipeError) as e:
         error = e
@@ -439,9 +438,11 @@ def _open(path: Any) -> tuple[str, dict[str, Any]]:
     return source, info
 
 
-def _check_stored(source: str, wanted: dict[str, Tensor]) -> None:
-    """Every key of ``wanted`` is stored with its shape and dtype, in data files that are whole."""
-    metadata = SafeReader(source).read_metadata()
+def _check_stored(source: str, wanted: dict[str, Tensor], metadata: Any = None) -> None:
+    """Every key of ``wanted`` is stored with its shape and dtype, in data files that are whole
+    (``metadata``: the checkpoint's, where the caller has read it already)."""
+    if metadata is None:
+        metadata = SafeReader(source).read_metadata()
     check_against(source, metadata, wanted)
     check_files(source, metadata, wanted)
 
@@ -540,10 +541,9 @@ def load_model(
                 "to convert it, load it there and write it with checkpoint.save_model(new_path, "
                 "state['params'], opt_state=state['opt'], naming=...)."
             )
-        plan = plan_load(
-            source, info, SafeReader(source).read_metadata(), params, opt_state, naming
-        )
-        _check_stored(source, plan.wanted)
+        metadata = SafeReader(source).read_metadata()
+        plan = plan_load(source, info, metadata, params, opt_state, naming)
+        _check_stored(source, plan.wanted, metadata)
     except (InvalidArgument, FuncpipeError) as e:
         error = e
     _read(source, info, plan.wanted if plan is not None else {}, group, error)

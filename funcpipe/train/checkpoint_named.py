@@ -46,8 +46,7 @@ __all__ = ["NAMED", "Loaded", "Plan", "merge_tables", "named_pieces", "plan_load
 
 Tensor = torch.Tensor
 NAMED = "named"
-_SCALAR_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float}
-_DTYPES = SCALAR_DTYPES
+_SCALAR_TYPES: dict[str, type] = {t.__name__: t for t in SCALAR_DTYPES}
 
 
 class Loaded(NamedTuple):
@@ -113,7 +112,7 @@ class _Walk:
             kind = f"opt/{name}"
             if value is None:
                 continue
-            if type(value) in _DTYPES:
+            if type(value) in SCALAR_DTYPES:
                 self.scalars[kind] = value
             elif isinstance(value, (tuple, list)) and len(value) == self.n:
                 self._add(kind, tuple(value))
@@ -213,7 +212,7 @@ def named_pieces(
     for kind, value in walk.scalars.items():
         if type(value) is int and not -(2**63) <= value < 2**63:
             raise InvalidArgument(f"opt_state {kind!r}={value!r}: ints must fit in 64 bits")
-        tensors[kind] = torch.tensor(value, dtype=_DTYPES[type(value)])
+        tensors[kind] = torch.tensor(value, dtype=SCALAR_DTYPES[type(value)])
         scalars[kind] = type(value).__name__
     return tensors, {"tensors": table, "scalars": scalars}
 
@@ -346,7 +345,7 @@ def plan_load(
             missing.append(kind)
             continue
         plan.scalars[kind] = type(value).__name__
-        plan.wanted[kind] = torch.empty((), dtype=_DTYPES[_SCALAR_TYPES[scalars[kind]]])
+        plan.wanted[kind] = torch.empty((), dtype=SCALAR_DTYPES[_SCALAR_TYPES[scalars[kind]]])
     _raise_mismatch(source, table, missing, wrong)
     return plan
 
