@@ -324,14 +324,14 @@ def stages(
                 h = F.dropout(h, drop) if keyed and drop else h
             else:
                 h = x
+            d, ad = (drop, attn_drop) if keyed else (0.0, 0.0)  # (no key: nothing drawn)
             for k in _keys:
-                if keyed:
-                    h = _dropout_block(h, p["blocks"][k], axis, heads, drop, attn_drop)
-                    continue
+                blk = p["blocks"][k]
                 h = ops.attention_block(
-                    h, p["blocks"][k]["attn"], axis=axis, num_heads=heads, causal=True
-                )
-                h = ops.mlp_block(h, p["blocks"][k]["mlp"], axis=axis)
+                    h, blk["attn"], axis=axis, num_heads=heads, causal=True, dropout=d,
+                    attn_dropout=ad,
+                )  # fmt: skip
+                h = ops.mlp_block(h, blk["mlp"], axis=axis, dropout=d)
             if _last:
                 h = F.layer_norm(
                     h, h.shape[-1:], p["norm"]["weight"], p["norm"]["bias"], ops.LN_EPS
@@ -349,25 +349,6 @@ def stages(
         )
         out.append(Stage(fn, name=name))
     return out
-
-
-def _dropout_block(
-    h: Tensor, p: dict[str, Any], axis: Axis, heads: int, drop: float, attn_drop: float
-) -> Tensor:
-    """One block with dropout, in a keyed stage call: the attention's and the MLP's outputs
-    (replicated: the stage's key) dropped before the residual adds, the attention probabilities
-    (heads split: each tensor rank's own key) inside."""
-
-    def norm(x: Tensor, q: dict[str, Tensor]) -> Tensor:
-        return F.layer_norm(x, x.shape[-1:], q["weight"], q["bias"], ops.LN_EPS)
-
-    a = p["attn"]
-    y = ops.parallel_attention(
-        norm(h, a["norm"]), a, axis=axis, num_heads=heads, causal=True, dropout=attn_drop
-    )
-    h = h + (F.dropout(y, drop) if drop else y)
-    y = ops.parallel_mlp(norm(h, p["mlp"]["norm"]), p["mlp"], axis=axis)
-    return h + (F.dropout(y, drop) if drop else y)
 
 
 def loss_fn(*, axis: Axis, ignore_index: int | None = None) -> Callable[[Tensor, Tensor], Any]:

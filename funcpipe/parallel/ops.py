@@ -345,9 +345,12 @@ def _layer_norm(x: Tensor, p: dict[str, Tensor]) -> Tensor:
     return F.layer_norm(x, x.shape[-1:], p["weight"], p["bias"], LN_EPS)
 
 
-def mlp_block(x: Tensor, params: dict[str, Any], *, axis: Axis) -> Tensor:
-    """Pre-norm residual MLP: ``x + parallel_mlp(layer_norm(x))``; norm params replicated."""
-    return x + parallel_mlp(_layer_norm(x, params["norm"]), params, axis=axis)
+def mlp_block(x: Tensor, params: dict[str, Any], *, axis: Axis, dropout: float = 0.0) -> Tensor:
+    """Pre-norm residual MLP: ``x + parallel_mlp(layer_norm(x))``; norm params replicated.
+    ``dropout`` of the MLP's output before the residual add (replicated: every tensor rank
+    drops the same elements under the stage call's key, :mod:`funcpipe.runtime.keys`)."""
+    y = parallel_mlp(_layer_norm(x, params["norm"]), params, axis=axis)
+    return x + (F.dropout(y, dropout) if dropout else y)
 
 
 def mlp_block_sharding(*, axis: str = "tensor") -> OpSharding:
@@ -357,11 +360,23 @@ def mlp_block_sharding(*, axis: str = "tensor") -> OpSharding:
 
 
 def attention_block(
-    x: Tensor, params: dict[str, Any], *, axis: Axis, num_heads: int, causal: bool = False
+    x: Tensor,
+    params: dict[str, Any],
+    *,
+    axis: Axis,
+    num_heads: int,
+    causal: bool = False,
+    dropout: float = 0.0,
+    attn_dropout: float = 0.0,
 ) -> Tensor:
-    """Pre-norm residual attention: ``x + parallel_attention(layer_norm(x))``."""
+    """Pre-norm residual attention: ``x + parallel_attention(layer_norm(x))``. ``dropout`` of
+    the attention's output before the residual add (replicated, as :func:`mlp_block`'s),
+    ``attn_dropout`` of its probabilities (heads split: :func:`parallel_attention`)."""
     h = _layer_norm(x, params["norm"])
-    return x + parallel_attention(h, params, axis=axis, num_heads=num_heads, causal=causal)
+    y = parallel_attention(
+        h, params, axis=axis, num_heads=num_heads, causal=causal, dropout=attn_dropout
+    )
+    return x + (F.dropout(y, dropout) if dropout else y)
 
 
 def attention_block_sharding(*, axis: str = "tensor", fused_qkv: bool = False) -> OpSharding:
