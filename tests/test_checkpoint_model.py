@@ -211,7 +211,10 @@ def _equal(a: Any, b: Any) -> bool:
 
 def test_zero_style_flat_optimizer_shards_round_trip(tmp_path: Path) -> None:
     """Optimizer state held as flat piece c of d (ZeRO-1's torch.tensor_split(leaf.flatten(),
-    d)[c]) saves pieces that load back at the same sharding, at another one, or whole."""
+    d)[c]): each piece saved (one process: a checkpoint of its own) loads back at its sharding,
+    and state saved whole loads at other shardings. (Pieces saved d ways loading d' ways is
+    the region arithmetic of test_a_flat_piece_reads_only_the_saved_pieces_holding_its_range;
+    saved sharded over processes and loaded whole: tests/test_demo.py's resume at --zero 0.)"""
     params, state, _ = _trained(1)
     for c in range(3):  # three "ranks" of one save, written one after the other here
         lay = checkpoint.Naming(opt_shard=(3, c))
