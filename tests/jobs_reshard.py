@@ -13,6 +13,7 @@ from funcpipe.models import gpt
 from funcpipe.parallel.mesh import build_mesh
 from funcpipe.schedule import generate
 from funcpipe.train.checkpoint_named import named_pieces
+from funcpipe.tree import tree_map
 from tests.jobs_gpt import rank_params
 
 CFG = gpt.GPTConfig(vocab=32, context=8, d_model=16, heads=4, layers=7, mlp=32)
@@ -26,7 +27,7 @@ def batch(step: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _setup(
-    pipeline: int, tensor: int, schedule: str, seed: int, blocks: Any = None
+    pipeline: int, tensor: int, schedule: str, seed: int, blocks: Any = None, zero: int = 0
 ) -> tuple[Any, ...]:
     mesh = build_mesh({"pipeline": pipeline, "tensor": tensor})
     place, axis = mesh.place, mesh["tensor"]
@@ -43,13 +44,18 @@ def _setup(
         ties=gpt.tie_spec(n),
         transport="dist",
         mesh=mesh,
+        zero=zero,
     )
-    naming = checkpoint.Naming(shardings=lay, place=place)
+    # zero: each optimizer-state leaf is this data copy's flat piece of the param's leaf
+    shard = (mesh.config.data, place.coords["data"]) if zero else None
+    naming = checkpoint.Naming(shardings=lay, place=place, opt_shard=shard)
     return mesh, pipe, params, naming
 
 
-def _step(mesh: Any, pipe: Any, params: Any, state: Any, step: int) -> tuple[float, Any, Any]:
-    x, y = batch(step)
+def _step(
+    mesh: Any, pipe: Any, params: Any, state: Any, step: int, rows: int = 8
+) -> tuple[float, Any, Any]:
+    x, y = batch(step, rows)
     data, d = mesh.config.data, mesh.place.coords["data"]
     rows = x.shape[0] // data
     loss, grads = pipe.step(params, x[d * rows : (d + 1) * rows], y[d * rows : (d + 1) * rows])
@@ -84,6 +90,41 @@ def run(
         params, state = loaded.params, loaded.opt_state
     loss, params, state = _step(mesh, pipe, params, state, 2)
     pieces, table = named_pieces(params, state, naming)
+    shapes = {k: tuple(v["shape"]) for k, v in table["tensors"].items()}
+    return {"losses": [*losses, loss], "pieces": pieces, "shapes": shapes, "rank": rank}
+
+
+def run_zero(rank: int, pipeline: int, zero: int, path: str, save: bool) -> dict[str, Any]:
+    """As :func:`run` (1F1B, tensor 1, 16 rows a step), with sharded optimizer state at
+    ``zero`` 1 or 2 over the data copies the world leaves (``world / pipeline``): the params
+    are saved and loaded whole (gathered), the optimizer state as this copy's flat pieces; each
+    copy steps on its shards. ``save``: 2 steps, save, step 3; else load at this layout and
+    make step 3. Returns as :func:`run`, the params gathered."""
+    mesh, pipe, params, naming = _setup(pipeline, 1, "1f1b", 0 if save else 1, zero=zero)
+    template = tuple(tree_map(lambda t: t.to("meta"), p) for p in params)
+
+    def whole(values: Any) -> tuple[Any, ...]:  # full params, meta for stages not held
+        if not zero:
+            return tuple(values)
+        got = pipe.gather(values)
+        return tuple(m if g is None else g for g, m in zip(got, template, strict=True))
+
+    values = pipe.shard(params) if zero else params
+    state = OPT.init(values)
+    losses = []
+    if save:
+        for step in range(2):
+            loss, values, state = _step(mesh, pipe, values, state, step, rows=16)
+            losses.append(loss)
+        checkpoint.save_model(path, whole(values), opt_state=state, naming=naming, step=2)
+    else:
+        loaded = checkpoint.load_model(path, params, opt_state=state, naming=naming)
+        assert loaded.step == 2 and loaded.opt_state.step == 2
+        values = pipe.shard(loaded.params) if zero else loaded.params
+        state = loaded.opt_state
+    loss, values, state = _step(mesh, pipe, values, state, 2, rows=16)
+    pieces, table = named_pieces(whole(values), state, naming)
+    pipe.close()
     shapes = {k: tuple(v["shape"]) for k, v in table["tensors"].items()}
     return {"losses": [*losses, loss], "pieces": pieces, "shapes": shapes, "rank": rank}
 

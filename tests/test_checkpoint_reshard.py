@@ -1,6 +1,7 @@
 """A checkpoint of the GPT saved at pipeline 2 x tensor 2 x data 1 (two AdamW steps, float64)
 loads at other layouts, and the next step's loss, params and optimizer state equal the saved
-run's own continuation (no save and load) to 1e-12."""
+run's own continuation (no save and load) to 1e-12. So does one saved at pipeline 2 x data 2
+with sharded optimizer state (ZeRO-1), resumed over another number of processes and shards."""
 
 from __future__ import annotations
 
@@ -79,6 +80,35 @@ def test_the_saved_run_learns_and_resumes_at_its_own_layout(
     losses = saved[1][0]["losses"]
     assert losses[2] < losses[0]
     _check(saved, pool(4).run(jobs_reshard.run, 2, 2, "1f1b", saved[0], False))
+
+
+@pytest.fixture(scope="module")
+def saved_zero(pool: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+    """The run at pipeline 2 x data 2 with ZeRO-1 (optimizer state in flat halves): saved after
+    step 2, then its own step 3."""
+    path = str(tmp_path_factory.mktemp("reshard_zero") / "ck")
+    return path, pool(4).run(jobs_reshard.run_zero, 2, 1, path, True)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("ranks", "pipeline", "zero"),
+    [
+        (4, 2, 1),  # its own layout
+        (4, 1, 2),  # data 4, ZeRO-2: quarters of the state, every stage on each process
+        (2, 1, 1),  # data 2 over 2 processes: the same halves, other stages per process
+        (2, 2, 0),  # data 1, unsharded: the halves joined
+    ],
+)
+def test_sharded_state_resumes_over_another_number_of_processes(
+    pool: Any, saved_zero: tuple[str, list[dict]], ranks: int, pipeline: int, zero: int
+) -> None:
+    """Saved over 4 processes with the optimizer state sharded 2 ways (ZeRO-1), resumed over 4
+    or 2 processes, sharded 4 or 2 ways or not at all: the next step's loss, params and
+    moments equal the saved run's own continuation (the batch's rows summed in another order
+    across data copies: float64 rounding, far under the tolerance)."""
+    got = pool(ranks).run(jobs_reshard.run_zero, pipeline, zero, saved_zero[0], False)
+    _check(saved_zero, got)
 
 
 def test_two_ranks_save_shards_and_copies_and_refuse_a_mismatch_together(
