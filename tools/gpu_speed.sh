@@ -16,6 +16,7 @@
 #   3. the planner's prediction for that run
 #   4. funcpipe's GPT torch.compile'd (bf16 parameters, float32 sums and master weights)
 #   5. the baseline torch.compile'd
+#   6. funcpipe's GPT with CUDA graphs (mode="reduce-overhead"), if time is left
 # A dry run of the script itself on the CPU: GPU_SPEED_DEVICE=cpu GPU_SPEED_SIZE=tiny.
 set -u
 OUT=${OUT:-gpu-speed}
@@ -64,5 +65,6 @@ timeout 30 "$PY" -m funcpipe plan --layers 24 --hidden 1024 --heads 16 --vocab 2
 echo "== planner: exit $?" | tee -a "$LOG"
 profile 90 default funcpipe bf16-master 3
 profile 90 default nanogpt fp32-autocast 3
+profile 90 reduce-overhead funcpipe bf16-master 3  # CUDA graphs, with what time is left
 echo "== done ($(date +%T))" | tee -a "$LOG"
 rm -rf "$WORK"
