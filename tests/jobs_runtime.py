@@ -422,6 +422,40 @@ def batches_per_rank(rank: int, sizes: Sequence[Sequence[tuple[int, ...]]]) -> s
     return "ok"
 
 
+def agreement_calls(rank: int, sizes: Sequence[int]) -> list[tuple[str, int]]:
+    """A 2-rank 1F1B pipeline stepped with batches of ``sizes`` samples (the same on both
+    ranks); the all-gathers and all-reduces each step made (name, elements), counted around
+    torch.distributed's functions (the construction's own agreement not counted)."""
+    import torch.distributed as dist
+
+    names = ("all_gather", "all_gather_single", "all_gather_into_tensor", "all_reduce")
+    real = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+    calls: list[tuple[str, int]] = []
+
+    def counting(name: str) -> Any:
+        def counted(*a: Any, **kw: Any) -> Any:
+            calls.append((name, a[0].numel() if name == "all_reduce" else a[1].numel()))
+            return real[name](*a, **kw)
+
+        return counted
+
+    stages, params = toy(2)
+    pipe = Pipeline(
+        stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=mse, transport="dist"
+    )
+    try:
+        for n in real:
+            setattr(dist, n, counting(n))
+        for size in sizes:
+            x = torch.randn(size, D, dtype=F64)
+            pipe.step(params, x, torch.randn_like(x))
+    finally:
+        for n, fn in real.items():
+            setattr(dist, n, fn)
+        pipe.close()
+    return calls
+
+
 def tied_copies_per_rank(rank: int, seeds: Sequence[int]) -> str:
     """2-rank 1F1B with stage 0's and stage 1's ``E`` tied; rank ``r`` makes its params from
     ``seeds[r]`` (each rank seeding its own: the tied copies differ when the seeds do). Returns

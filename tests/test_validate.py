@@ -16,6 +16,7 @@ from funcpipe.pipeline.agreement import fingerprint
 from funcpipe.pipeline.checks import poison, shared_storage, tensor_loss_scale
 from funcpipe.schedule import generate
 from funcpipe.testing import assert_trees_close
+from tests import jobs_runtime
 
 F64 = torch.float64
 
@@ -373,36 +374,44 @@ def test_tied_copies_with_different_values_over_processes_are_refused() -> None:
         tied_copies_in_one_process(torch.randn(6, 5, dtype=F64))
 
 
-def test_one_agreement_per_step_over_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_agreement_per_step_over_processes(pool: Any) -> None:
     """The step's shapes are agreed by one small all-gather per step (every process enters it,
-    whatever its batch), the tied values once, at the first step; nothing else."""
+    whatever its batch); nothing else but each step's loss sum."""
+    for calls in pool(2).run(jobs_runtime.agreement_calls, [8, 8, 6, 8]):
+        gathers = [n for name, n in calls if name != "all_reduce"]
+        # one per step, of four int64s: two fingerprints, the step's seed, whether it was passed
+        assert gathers == [4, 4, 4, 4], calls
+        assert len(calls) == 8, calls  # and each step's loss (an all-reduce, as before)
+
+
+def test_a_world_of_one_process_agrees_without_a_collective(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One process has no one to agree with: no all-gather at construction or per step (on
+    NCCL each would wait for the GPU), only each step's loss sum; its own seed is the step's."""
     import torch.distributed as dist
 
-    calls: list[tuple[str, int]] = []
-
-    def counting(name: str, real: Any) -> Any:
-        def counted(*a: Any, **kw: Any) -> Any:
-            calls.append((name, a[0].numel() if name == "all_reduce" else a[1].numel()))
-            return real(*a, **kw)
-
-        return counted
-
+    calls: list[str] = []
     for name in ("all_gather", "all_gather_single", "all_gather_into_tensor", "all_reduce"):
         if hasattr(dist, name):
-            monkeypatch.setattr(dist, name, counting(name, getattr(dist, name)))
+            real = getattr(dist, name)
+            monkeypatch.setattr(
+                dist, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1]
+            )
     g = torch.Generator().manual_seed(0)
     stages = [fp.Stage(_layer, name="a"), fp.Stage(_layer, name="b")]
     params = tuple({"w": torch.randn(4, 4, generator=g, dtype=F64)} for _ in range(2))
+    program = generate("zbv", ranks=1, microbatches=2)
+    batches = [torch.randn(size, 4, generator=g, dtype=F64) for size in (8, 6)]
+    local = fp.Pipeline(stages, program, loss_fn=_mse)  # no process group: no agreement
+    want = [local.step(params, x, x, seed=7) for x in batches]
+    calls.clear()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with fp.Pipeline(stages, generate("zbv", ranks=1, microbatches=2), loss_fn=_mse) as pipe:
-            calls.clear()  # the program's agreement, at construction
-            for size in (8, 8, 6, 8):
-                x = torch.randn(size, 4, generator=g, dtype=F64)
-                pipe.step(params, x, x)
+        with fp.Pipeline(stages, program, loss_fn=_mse, transport="dist") as pipe:
+            for x, ref in zip(batches, want, strict=True):
+                got = pipe.step(params, x, x, seed=7)
+                assert_trees_close((got.loss, got.grads), (ref.loss, ref.grads), atol=0, rtol=0)
     finally:
         dist.destroy_process_group()
-    gathers = [n for name, n in calls if name != "all_reduce"]
-    # one per step, of four int64s: two fingerprints, the step's seed, whether it was passed
-    assert gathers == [4, 4, 4, 4], calls
-    assert len(calls) == 8, calls  # and each step's loss (an all-reduce, as before)
+    assert calls == ["all_reduce", "all_reduce"], calls

@@ -57,6 +57,8 @@ def _gather(values: Sequence[int]) -> list[list[int]]:
     world: one all-gather)."""
     import torch.distributed as dist
 
+    if dist.get_world_size() == 1:  # no one to agree with: no collective (on NCCL, no sync)
+        return [[int(v) for v in values]]
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if dist.get_backend() == "nccl"
