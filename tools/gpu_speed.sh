@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Issue 41's proof on one GPU: at most GPU_SPEED_SECONDS (240) in all, everything written under
-# $OUT as it goes, in at most four files (the device tool returns 8 files a call; gpu-check's
-# report takes the others):
+# $OUT as it goes, in at most five files (the device tool returns 8 files a call; gpu-check's
+# report, test log and JUnit XML take the others):
 #   speed.log           every part's output, each headed with its start time and time limit
 #   gpu_profile.jsonl   benchmarks/gpu_profile.py, one JSON line per run as it ends
 #   demo_summary.json   the demo's summary.json (tokens/s, MFU, peak memory, simulated step)
 #   plan.json           the planner's prediction for the demo's run (funcpipe plan, same layout)
+#   plan_calibrate.json benchmarks/plan_calibrate.py: GEMM, memory-bound and attention speeds
 # On the device tool, one call: the tests, then this (docs/gpu.md, "The proof of issue 41"):
 #   make gpu-check GPU_CHECK_ARGS="--no-demo --out $OUT/check"; bash tools/gpu_speed.sh
 # The parts, most important first, each under min(its cap, the time left), so a part that runs
@@ -13,7 +14,7 @@
 # results and costs only the later ones:
 #   1. eager: the nanoGPT-style baseline and funcpipe's GPT in both precisions (8 microbatches)
 #   2. the demo on one GPU (--size large, the planner's microbatches, 20 steps)
-#   3. the planner's prediction for that run
+#   3. the planner's prediction for that run, and the speeds it is calibrated on (this GPU's)
 #   4. funcpipe's GPT torch.compile'd (bf16 parameters, float32 sums and master weights)
 #   5. the baseline torch.compile'd
 #   6. funcpipe's GPT with CUDA graphs (mode="reduce-overhead"), if time is left
@@ -63,6 +64,10 @@ timeout 30 "$PY" -m funcpipe plan --layers 24 --hidden 1024 --heads 16 --vocab 2
     --global-batch 32 --gpus 1 --gpu "$GPU" --microbatch $((32 / ${MB:-1})) --json \
     > "$OUT/plan.json" 2>> "$LOG"
 echo "== planner: exit $?" | tee -a "$LOG"
+# the efficiencies the planner is calibrated on, on this GPU (to recalibrate it if it misses)
+echo "== plan_calibrate ($(date +%T))" | tee -a "$LOG"
+timeout 40 "$PY" benchmarks/plan_calibrate.py > "$OUT/plan_calibrate.json" 2>> "$LOG"
+echo "== plan_calibrate: exit $?" | tee -a "$LOG"
 profile 90 default funcpipe bf16-master 3
 profile 90 default nanogpt fp32-autocast 3
 profile 90 reduce-overhead funcpipe bf16-master 3  # CUDA graphs, with what time is left
