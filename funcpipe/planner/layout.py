@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import InitVar, asdict, dataclass
 
 from funcpipe.errors import InvalidArgument
 
@@ -70,12 +70,12 @@ class ClusterLayout:
     recompute: str = "none"
     sequence_parallel: bool = False
     schedule: str = "1f1b"
-    zero1: bool = False
+    zero1: InitVar[bool] = False  # (read back as the property below)
     stage_layers: tuple[int, ...] | None = None
-    zero: int = 0
+    zero: int = -1  # -1: not given (0, or 1 with zero1=True); always 0, 1 or 2 once made
 
-    def __post_init__(self) -> None:
-        self._check_zero()
+    def __post_init__(self, zero1: bool) -> None:
+        self._check_zero(zero1)
         for name in ("tensor", "pipeline", "data", "microbatch", "interleave"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -121,30 +121,36 @@ class ClusterLayout:
                 "the tensor axis; pass tensor > 1 or leave it off"
             )
 
-    def _check_zero(self) -> None:
-        """``zero`` one of :data:`ZERO`; ``zero1=True`` (the old spelling) means at least 1."""
-        zero, zero1 = self.zero, self.zero1
+    def _check_zero(self, zero1: bool) -> None:
+        """``zero`` one of :data:`ZERO`; ``zero1=True`` (the old spelling) means 1 where ``zero``
+        is not given. A ``zero`` given wins, so ``dataclasses.replace(layout, zero=0)`` unshards
+        a sharded layout (replace passes the layout's ``zero1``, True, again)."""
+        zero = self.zero
         if zero1 not in (False, True):
             raise InvalidArgument(
                 f"ClusterLayout(zero1={zero1!r}): True or False (or use zero=0, 1 or 2)"
             )
+        if zero == -1:
+            zero = 1 if zero1 else 0
         if isinstance(zero, bool) or zero not in ZERO:
             raise InvalidArgument(
                 f"ClusterLayout(zero={zero!r}): 0 (no sharding), 1 (ZeRO-1: optimizer state and "
                 "parameters sharded over data) or 2 (ZeRO-2: gradients too, reduce-scattered "
                 "every microbatch)"
             )
-        if zero1 and zero == 0:
-            zero = 1
         object.__setattr__(self, "zero", zero)
-        object.__setattr__(self, "zero1", zero >= 1)
+        if zero and self.data == 1:
+            raise InvalidArgument(
+                f"ClusterLayout(zero={zero}, data=1): ZeRO shards over the data-parallel copies, "
+                "and there is one; pass data > 1 or zero=0"
+            )
 
     @property
     def gpus(self) -> int:
         return self.tensor * self.pipeline * self.data
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return {**asdict(self), "zero1": self.zero >= 1}
 
     def short(self) -> str:
         """``t8 p8 d24 b1 v2 full sp interleaved``-style text."""
@@ -165,6 +171,16 @@ class ClusterLayout:
         bits.append(self.schedule)
         return " ".join(bits)
 
+
+# after the class is made: a property in the class body would be taken for the InitVar's default
+setattr(  # noqa: B010 (the InitVar's name, for readers of the old spelling)
+    ClusterLayout,
+    "zero1",
+    property(
+        lambda self: self.zero >= 1,
+        doc="Whether the optimizer state is sharded (``zero >= 1``; the old spelling).",
+    ),
+)
 
 Layout = ClusterLayout
 """The name before 2026-11-28 (``from funcpipe.plan import Layout``), kept for old code."""

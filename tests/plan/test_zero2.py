@@ -30,6 +30,26 @@ def test_zero_levels_and_the_old_spelling() -> None:
     assert ClusterLayout(data=2, zero1=True, zero=2) == two
 
 
+def test_replace_changes_the_zero_level_of_a_layout() -> None:
+    """dataclasses.replace passes the layout's zero1 (True when sharded) again: the zero given
+    wins, whichever spelling made the layout."""
+    import dataclasses
+
+    for sharded in (ClusterLayout(data=2, zero1=True), ClusterLayout(data=2, zero=1)):
+        off = dataclasses.replace(sharded, zero=0)
+        assert (off.zero, off.zero1) == (0, False) and off == ClusterLayout(data=2)
+        assert dataclasses.replace(sharded, zero=2).zero == 2
+        assert dataclasses.replace(sharded, data=4) == ClusterLayout(data=4, zero=1)
+    assert dataclasses.replace(ClusterLayout(data=2), zero=2).zero == 2
+
+
+def test_zero_with_one_data_copy_is_refused() -> None:
+    """There is nothing to shard over: as Pipeline(zero=...) with one copy."""
+    for kwargs in ({"zero": 1}, {"zero": 2}, {"zero1": True}):
+        with pytest.raises(InvalidArgument, match=r"data=1\): ZeRO shards over the data-parallel"):
+            ClusterLayout(**kwargs)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [({"zero": 3}, "zero=3"), ({"zero": True}, "zero=True"), ({"zero": "1"}, "zero='1'"),
