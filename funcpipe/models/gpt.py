@@ -57,7 +57,11 @@ class GPTConfig:
     activation is replicated over the tensor axis: every tensor rank drops the same elements);
     ``attn_dropout``: of the attention probabilities (heads are split: each tensor rank draws
     its own), default ``dropout``. Dropout draws only inside a keyed stage call (a training
-    step: :mod:`funcpipe.runtime.keys`); elsewhere (evaluation, sampling) it drops nothing."""
+    step: :mod:`funcpipe.runtime.keys`); elsewhere (evaluation, sampling) it drops nothing.
+
+    ``mlp`` and ``attn_dropout`` are resolved when the config is made and stored as numbers, so
+    ``dataclasses.replace(config, d_model=...)`` (or ``dropout=...``) keeps the old ones: pass
+    ``mlp=0`` (``attn_dropout=None``) again to have them follow."""
 
     vocab: int = 256
     context: int = 64
