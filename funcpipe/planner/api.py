@@ -10,7 +10,7 @@ from funcpipe.planner.cluster import Cluster, cluster
 from funcpipe.planner.estimate import Estimate, estimate
 from funcpipe.planner.layout import ClusterLayout, check_gpus
 from funcpipe.planner.model import Transformer
-from funcpipe.planner.pipeline import MAX_SIMULATED
+from funcpipe.planner.pipeline import simulable
 from funcpipe.planner.search import search
 
 __all__ = ["plan"]
@@ -60,7 +60,7 @@ def plan(
                 layout,
                 global_batch=global_batch,
                 calibration=calibration,
-                simulate=p * min(m, 3 * p) * v <= MAX_SIMULATED,
+                simulate=simulable(p, m, v),
                 overlap_grad_reduce=overlap_grad_reduce,
             )
         ]

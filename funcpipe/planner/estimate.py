@@ -13,12 +13,12 @@ from funcpipe.planner.compute import OpCosts, head_costs, layer_costs
 from funcpipe.planner.layout import MAX_STAGES, ClusterLayout, check_gpus
 from funcpipe.planner.model import Transformer
 from funcpipe.planner.pipeline import (
-    MAX_SIMULATED,
     activation_floor,
     closed_form,
     in_flight,
     pipeline_bound,
     placement,
+    simulable,
     simulated,
 )
 
@@ -232,7 +232,7 @@ def estimate(
         bound = pipeline_bound(layout.schedule, place, m, f, i, w) if p > 1 else pipe
         floor = peaks
         if p > 1:  # the program's peaks where it is small enough to read; else one chunk alive
-            small = p * min(m, 3 * p) * v <= MAX_SIMULATED
+            small = simulable(p, m, v)
             floor = activation_floor(layout.schedule, p, m, v, act) if small else tuple(chunk_act)
     stage_params, params = _parameters(model, t, counts, place)
     zero, top = layout.zero, max(params)

@@ -39,6 +39,7 @@ __all__ = [
     "pipeline_bound",
     "placement",
     "program",
+    "simulable",
     "simulated",
 ]
 
@@ -46,6 +47,13 @@ MAX_SIMULATED = 40_000
 """The largest program :func:`simulated` is asked to run, in ranks x microbatches x chunks
 (``p x min(m, 3p) x v``): a few seconds on one core (ZB-H2 at 115 ranks, 39,675: 2 to 4 s).
 Larger layouts keep their closed-form price (``Estimate.simulated`` is then ``False``)."""
+
+
+def simulable(p: int, m: int, v: int, limit: int = MAX_SIMULATED) -> bool:
+    """Whether the program of ``p`` ranks, ``m`` microbatches and ``v`` chunks per rank is small
+    enough to simulate (``p x min(m, 3p) x v <= limit``: the simulator runs at most ``3p``
+    microbatches and extrapolates the rest)."""
+    return p * min(m, 3 * p) * v <= limit
 
 
 def closed_form(schedule: str, p: int, m: int, v: int, f: float, i: float, w: float) -> float:

@@ -23,7 +23,7 @@ from funcpipe.planner.cluster import Cluster
 from funcpipe.planner.estimate import Estimate, estimate
 from funcpipe.planner.layout import MAX_STAGES, RECOMPUTE, ZERO, ClusterLayout, check_gpus
 from funcpipe.planner.model import Transformer
-from funcpipe.planner.pipeline import MAX_SIMULATED
+from funcpipe.planner.pipeline import MAX_SIMULATED, simulable
 
 __all__ = ["MAX_LAYOUTS", "candidates", "search"]
 
@@ -209,8 +209,8 @@ def search(
 
     def simulates(e: Estimate) -> bool:
         lay = e.layout
-        size = lay.pipeline * min(e.microbatches, 3 * lay.pipeline) * lay.interleave
-        return simulate and lay.pipeline > 1 and size <= max_simulated_microbatches
+        small = simulable(lay.pipeline, e.microbatches, lay.interleave, max_simulated_microbatches)
+        return simulate and lay.pipeline > 1 and small
 
     def may_fit(e: Estimate) -> bool:  # the simulated memory is never below the floor
         return e.memory_floor_bytes <= limit if simulates(e) else e.fits
