@@ -52,7 +52,7 @@ profile() {  # profile CAP COMPILE MODELS PRECISIONS WARMUP
 }
 
 profile 60 none nanogpt,funcpipe bf16-master,fp32-autocast 2
-part "demo --size $SIZE, one GPU" 60 "$PY" -m funcpipe demo --device "$DEVICE" --size "$SIZE" \
+part "demo --size $SIZE, one GPU" 90 "$PY" -m funcpipe demo --device "$DEVICE" --size "$SIZE" \
     --pipeline 1 --tensor 1 --steps 20 --eval-every 0 --out "$WORK/demo"
 cp "$WORK/demo/summary.json" "$OUT/demo_summary.json" 2>/dev/null
 MB=$(grep -o '"microbatches": [0-9]*' "$OUT/demo_summary.json" 2>/dev/null | head -1 | grep -o '[0-9]*$')
