@@ -46,7 +46,7 @@ from funcpipe.parallel.ring import (
     ring_self_attention_sharding,
 )
 from funcpipe.parallel.sharding import OpSharding, Sharding
-from funcpipe.parallel.spec import shard_spec
+from funcpipe.parallel.spec import ShardSpec, shard_spec
 from funcpipe.runtime.keys import sharded
 
 __all__ = [
@@ -102,6 +102,23 @@ def _norm_sharding() -> dict[str, Sharding]:
 
 
 # ------------------------------------------------------------------------------ 1D linear
+_LINEAR_SPECS: dict[tuple[str, str], ShardSpec] = {}
+
+
+def _linear_spec(kind: str, axis: str) -> ShardSpec:
+    """The spec of a column- or row-parallel linear over mesh axis ``axis``, parsed once (the
+    GPT calls four a block, every microbatch; a dict, not ``functools.lru_cache``, which
+    torch.compile warns about and traces through)."""
+    spec = _LINEAR_SPECS.get((kind, axis))
+    if spec is None:
+        if kind == "column":
+            spec = shard_spec("... i, o i -> ... o", {"o": axis})
+        else:
+            spec = shard_spec("... i, o i -> ... o", {"i": axis}, reduce="all_reduce")
+        _LINEAR_SPECS[(kind, axis)] = spec
+    return spec
+
+
 def column_parallel_linear(
     x: Tensor, params: dict[str, Tensor], *, axis: Axis, gather_output: bool = False
 ) -> Tensor:
@@ -111,7 +128,7 @@ def column_parallel_linear(
     Forward: no communication (all-gather of ``y`` when gathering). Backward: all-reduce of the
     gradient of ``x``.
     """
-    y = shard_spec("... i, o i -> ... o", {"o": axis.name})(
+    y = _linear_spec("column", axis.name)(
         x, params["weight"], bias=params.get("bias"), mesh={axis.name: axis}
     )
     return C.gather_from_group(y, axis, dim=-1) if gather_output else y
@@ -132,7 +149,7 @@ def row_parallel_linear(x: Tensor, params: dict[str, Tensor], *, axis: Axis) -> 
     """``x[..., in/t]`` times ``weight[out, in/t]`` -> all-reduce -> ``+ bias[out]`` (added once,
     after the sum) -> ``y[..., out]`` replicated. Forward: one all-reduce of ``y``; backward:
     nothing."""
-    spec = shard_spec("... i, o i -> ... o", {"i": axis.name}, reduce="all_reduce")
+    spec = _linear_spec("row", axis.name)
     return spec(x, params["weight"], bias=params.get("bias"), mesh={axis.name: axis})
 
 

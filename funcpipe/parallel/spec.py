@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import einops
@@ -65,8 +66,7 @@ REDUCE_MODES = ("all_reduce", "reduce_scatter", "partial")
 
 
 def _is_linear(equation: str) -> bool:
-    """Is ``equation`` ``x[..., i] * w[o, i] -> y[..., o]`` (what ``F.linear`` computes)? (No
-    cache: a few string operations, and torch.compile traces through it.)"""
+    """Is ``equation`` ``x[..., i] * w[o, i] -> y[..., o]`` (what ``F.linear`` computes)?"""
     lhs, out = equation.split("->")
     operands = lhs.split(",")
     if len(operands) != 2 or len(operands[1]) != 2:
@@ -74,6 +74,21 @@ def _is_linear(equation: str) -> bool:
     x, w = operands
     o, i, lead = w[0], w[1], x[:-1]
     return x.endswith(i) and out == lead + o and i not in lead and o not in x and o != i
+
+
+@dataclass(frozen=True)
+class _Lowered:
+    """How one call signature of a :class:`ShardSpec` runs: the local product's recipe, whether
+    any input is rearranged first, whether the product is ``F.linear`` (and the bias fused into
+    it), and the collectives that move data (over mesh axes larger than 1) on the inputs and on
+    the output."""
+
+    recipe: _ShapeRecipe
+    rearrange: bool
+    linear: bool
+    fused: bool
+    arrive: tuple[_Step, ...]  # the inputs' collectives
+    moved: tuple[_Step, ...]  # the output's
 
 
 # the old names of the collectives table (before "plan" meant only the cluster planner)
@@ -118,6 +133,8 @@ class ShardSpec:
         self._validate()
         self.steps = self._derive()
         self._shape_cache: dict[Any, _ShapeRecipe] = {}
+        self._mesh_names = tuple(self._mesh_axes())
+        self._lowered: dict[Any, _Lowered] = {}  # call signature -> how it runs (__call__)
 
     # -------------------------------------------------------------------------- validation
     def _fail(self, rule: str) -> InvalidArgument:
@@ -357,19 +374,17 @@ class ShardSpec:
         dtype) when it is ``x[..., i] * w[o, i] -> y[..., o]``, else to ``torch.einsum``; either
         way the collectives are exactly those of :attr:`collectives`. The bias is added after
         the output's collectives (once, after a sum), so it is fused only where those move
-        nothing (none, or a mesh axis of size 1)."""
+        nothing (none, or a mesh axis of size 1). What follows from the shapes, the mesh axes'
+        sizes and whether a bias is given is worked out once per such signature (a GPT block
+        calls its specs on the same shapes every microbatch)."""
         if len(xs) != len(self.inputs):
             raise InvalidArgument(
                 f"pattern {self.pattern!r} has {len(self.inputs)} inputs; got {len(xs)} tensors."
             )
-        axes: dict[str, Axis] = {}
-        for m in self._mesh_axes():
-            if m not in mesh:
-                raise InvalidArgument(
-                    f"pattern {self.pattern!r} uses mesh axis {m!r}, missing from "
-                    f"mesh (axes {list(mesh)}); pass mesh=mesh or a dict {{{m!r}: mesh[{m!r}]}}."
-                )
-            axes[m] = mesh[m]
+        try:
+            axes = {m: mesh[m] for m in self._mesh_names}
+        except KeyError:
+            raise self._missing_axis(mesh) from None
         for i, x in enumerate(xs):
             if not isinstance(x, Tensor):
                 raise InvalidArgument(
@@ -377,8 +392,57 @@ class ShardSpec:
                 )
         if bias is not None and not isinstance(bias, Tensor):
             raise InvalidArgument(f"bias of pattern {self.pattern!r} is {bias!r}, not a Tensor.")
+        key = (
+            tuple(tuple(x.shape) for x in xs),
+            tuple(getattr(a, "size", None) for a in axes.values()),  # (checked in _lower)
+            bias is None,
+            tuple(sorted(sizes.items())) if sizes else (),
+        )
+        low = self._lowered.get(key)
+        if low is None:
+            low = self._lowered[key] = self._lower(xs, axes, bias is not None, sizes)
+        ins = list(xs)
+        for s in low.arrive:
+            ins[s.operand] = _apply_pair(
+                s, ins[s.operand], axes[s.mesh_axis], self.inputs[s.operand]
+            )
+        sp = low.recipe
+        if low.rearrange:
+            ins = [
+                einops.rearrange(x, p, **sz) if p else x
+                for x, (p, sz) in zip(ins, sp.in_rearrange, strict=True)
+            ]
+        if low.linear:
+            y = F.linear(ins[0], ins[1], bias if low.fused else None)
+            if low.fused:
+                bias = None
+        else:
+            y = torch.einsum(sp.equation, *ins)
+            if sp.out_rearrange:
+                y = einops.rearrange(y, sp.out_rearrange)
+        for s in low.moved:
+            y = _apply_pair(s, y, axes[s.mesh_axis], self.output)
+        return y if bias is None else y + bias
+
+    def _missing_axis(self, mesh: Mapping[str, Axis]) -> InvalidArgument:
+        m = next(m for m in self._mesh_names if m not in mesh)
+        return InvalidArgument(
+            f"pattern {self.pattern!r} uses mesh axis {m!r}, missing from "
+            f"mesh (axes {list(mesh)}); pass mesh=mesh or a dict {{{m!r}: mesh[{m!r}]}}."
+        )
+
+    def _lower(
+        self, xs: Sequence[Tensor], axes: Mapping[str, Axis], bias: bool, sizes: Mapping[str, int]
+    ) -> _Lowered:
+        """How a call with these shapes, mesh axes' sizes and bias runs (see ``__call__``)."""
+        for m, a in axes.items():
+            if not isinstance(a, Axis):
+                raise InvalidArgument(
+                    f"pattern {self.pattern!r}: mesh[{m!r}] is {a!r}, not a "
+                    "funcpipe.parallel.Axis (e.g. mesh['tensor'])."
+                )
         left = [m for m, how in self.reduce.items() if how == "partial" and axes[m].size > 1]
-        if bias is not None and left:
+        if bias and left:
             raise InvalidArgument(
                 f"bias= with pattern {self.pattern!r}: the output stays partial sums over mesh "
                 f"axes {left} (reduce='partial'), so a bias added here would be counted once "
@@ -390,33 +454,18 @@ class ShardSpec:
             sizes,
             local=True,
         )
-        ins = list(xs)
-        for s in self.steps:
-            if s.operand >= 0:
-                ins[s.operand] = _apply_pair(
-                    s, ins[s.operand], axes[s.mesh_axis], self.inputs[s.operand]
-                )
-        flat = [
-            einops.rearrange(x, p, **sz) if p else x
-            for x, (p, sz) in zip(ins, sp.in_rearrange, strict=True)
-        ]
-        moved = [
-            s
-            for s in self.steps
-            if s.operand == -1 and s.pair != "none" and axes[s.mesh_axis].size > 1
-        ]
-        if _is_linear(sp.equation) and not sp.out_rearrange:
-            fused = bias is not None and not moved
-            y = F.linear(flat[0], flat[1], bias if fused else None)
-            if fused:
-                bias = None
-        else:
-            y = torch.einsum(sp.equation, *flat)
-            if sp.out_rearrange:
-                y = einops.rearrange(y, sp.out_rearrange)
-        for s in moved:
-            y = _apply_pair(s, y, axes[s.mesh_axis], self.output)
-        return y if bias is None else y + bias
+        # a collective over a mesh axis of size 1 is the identity: only the others run
+        moves = [s for s in self.steps if s.pair != "none" and axes[s.mesh_axis].size > 1]
+        moved = tuple(s for s in moves if s.operand == -1)
+        linear = _is_linear(sp.equation) and not sp.out_rearrange
+        return _Lowered(
+            recipe=sp,
+            rearrange=any(p for p, _ in sp.in_rearrange),
+            linear=linear,
+            fused=linear and bias and not moved,
+            arrive=tuple(s for s in moves if s.operand >= 0),
+            moved=moved,
+        )
 
     def __repr__(self) -> str:
         axes, reduce, scatter, in_shards, gather = self._args
