@@ -55,8 +55,8 @@ def test_a_block_is_within_a_tenth_of_the_nanogpt_block(precision: str) -> None:
 def test_a_blocks_python_calls_are_the_nanogpt_blocks(precision: str) -> None:
     """The host's other cost: Python function calls per block (forward + backward), against the
     nanoGPT-style block's in the same precision and torch. A sharded linear works out what
-    follows from its shapes once per signature (``ShardSpec`` caches it): since 2026-11-29 79
-    against 80 (fp32 under autocast) and 72 against 73, where they were 123 and 116."""
+    follows from its shapes once per signature (``ShardSpec`` caches it): since 2026-11-29 70
+    against 80 (fp32 under autocast) and 63 against 73, where they were 123 and 116."""
     torch.set_num_threads(1)
     calls = {}
     for block in ("funcpipe", "nanogpt"):

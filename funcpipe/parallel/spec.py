@@ -392,9 +392,9 @@ class ShardSpec:
                 )
         if bias is not None and not isinstance(bias, Tensor):
             raise InvalidArgument(f"bias of pattern {self.pattern!r} is {bias!r}, not a Tensor.")
-        key = (
-            tuple(tuple(x.shape) for x in xs),
-            tuple(getattr(a, "size", None) for a in axes.values()),  # (checked in _lower)
+        key = (  # (list comprehensions: one call each, where a generator is one per item)
+            tuple([tuple(x.shape) for x in xs]),
+            tuple([getattr(a, "size", None) for a in axes.values()]),  # (checked in _lower)
             bias is None,
             tuple(sorted(sizes.items())) if sizes else (),
         )
