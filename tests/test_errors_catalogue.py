@@ -317,6 +317,13 @@ def _split_other_dtype() -> None:
     pipe.step(parts.params, torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4))
 
 
+def _split_params_other_dtype() -> None:
+    parts = fp.split_module(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), ["1"], example=torch.randn(2, 4))  # fmt: skip
+    low = [{k: v.to(torch.bfloat16) for k, v in p.items()} for p in parts.params]
+    pipe = fp.Pipeline(parts.stages, _1f1b(), loss_fn=_mse)
+    pipe.step(low, torch.randn(4, 4), torch.randn(4, 4))
+
+
 class _Pooled(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -840,6 +847,19 @@ CASES: list[Case] = [
         InvalidArgument,
         ("= f32[2, 4] and is given f64[2, 4]", "its dtype is float64, the example's float32"),
         "funcpipe/stages/split_inputs.py (same check; was torch's dtype error from inside the stage)",
+    ),
+    Case(
+        "split-module-param-dtype",
+        "stages and partitions",
+        "bf16 params into a model split in float32 (inputs left in float32)",
+        _split_params_other_dtype,
+        InvalidArgument,
+        (
+            "was traced with param '0.weight' = f32[4, 4] and is given bf16[4, 4]",
+            "split the model again in the dtype you train in",
+        ),
+        "funcpipe/stages/split_inputs.py param_problem, checked at every stage call (was torch's "
+        "'mat1 and mat2 must have the same dtype' from inside the stage)",
     ),
     Case(
         "split-module-symbolic-size-across-cut",

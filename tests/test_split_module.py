@@ -354,6 +354,28 @@ def test_split_stages_under_autocast_pass_low_precision_on() -> None:
         sp.stages[1](sp.params[1], *h)  # without autocast the traced float32 is required
 
 
+def test_split_stages_refuse_params_of_other_dtypes_or_shapes() -> None:
+    """The traced graph holds the module's parameter shapes and dtypes: other params are
+    refused naming the param, both specs and the fix (they failed inside torch, or computed in
+    another dtype without a word); under autocast the params stay as traced and pass."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    x = torch.randn(2, 4)
+    sp = fp.split_module(model, ["1"], example=x)
+    low = {k: v.to(torch.bfloat16) for k, v in sp.params[0].items()}
+    with pytest.raises(fp.InvalidArgument, match=r"param '0.weight' = f32\[8, 4\] and is given bf16\[8, 4\]"):  # fmt: skip
+        sp.stages[0](low, x)
+    half = {**sp.params[1], "1.weight": sp.params[1]["1.weight"][:2]}  # a tensor-parallel piece
+    with pytest.raises(fp.InvalidArgument, match=r"param '1.weight' = f32\[4, 8\] and is given f32\[2, 8\]"):  # fmt: skip
+        sp.stages[1](half, torch.randn(2, 8))
+    with pytest.raises(fp.InvalidArgument, match=r"param '0.bias' = f32\[8\] and is given \[0.0\]"):  # fmt: skip
+        sp.stages[0]({**sp.params[0], "0.bias": [0.0]}, x)
+    (h,) = fp.autocast_stage(sp.stages[0], torch.bfloat16)(sp.params[0], x)
+    assert h.dtype == torch.bfloat16
+    ref = model(x)
+    torch.testing.assert_close(sp.stages[1](sp.params[1], *sp.stages[0](sp.params[0], x)), ref)
+
+
 def test_dynamic_sizes_cross_cuts_and_equal_the_unsplit_model() -> None:
     """A size made symbolic by dynamic_shapes and read in later stages (the length each block
     divides by) is read there from an input's shape: it used to be refused as a non-tensor

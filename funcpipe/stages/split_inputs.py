@@ -3,9 +3,9 @@
 ``torch.export`` specialises the traced graph to the example's shapes and dtypes (every dim not
 named in ``dynamic_shapes``): a size the forward reads (``h / h.shape[1]``, ``x.view(b, t, ...)``)
 is a constant of the graph. On other shapes the graph fails deep inside, or worse computes a
-wrong result. So each split stage checks its inputs (positional and side inputs; not its params)
-against the specs they had in the trace before it runs, and refuses a mismatch naming both, the
-rule and the fix. While the inputs match, the check is one comparison of shape and dtype per
+wrong result. So each split stage checks its inputs (positional and side inputs) against the
+specs they had in the trace before it runs, and refuses a mismatch naming both, the rule and the
+fix; and its params against the module's shapes and dtypes (:func:`param_problem`). While the inputs match, the check is one comparison of shape and dtype per
 input (with symbolic dims, a short loop over the dims); the pipeline's shape inference runs every stage once per microbatch signature, so a
 mismatched batch is refused there, before any step runs.
 
@@ -27,7 +27,7 @@ from torch import Tensor
 from funcpipe.errors import InvalidArgument
 from funcpipe.stages.shapes import _SHORT_DTYPES
 
-__all__ = ["InputCheck", "InputSpec", "dim_names", "size_source"]
+__all__ = ["InputCheck", "InputSpec", "dim_names", "param_problem", "size_source"]
 
 Dim = Any  # an int (static), a sympy Symbol (dynamic) or None (a dynamic expression: unchecked)
 
@@ -235,6 +235,37 @@ class InputCheck:
             "Give sizes in that range, or split the model again with a Dim whose min and max "
             "hold them.",
         )
+
+
+def param_problem(
+    label: str,
+    names: Sequence[str],
+    specs: Sequence[tuple[torch.Size, torch.dtype]],
+    given: Sequence[Any],
+) -> str | None:
+    """The message for the first of a split stage's params whose shape or dtype differs from
+    the traced one (a floating param in the autocast dtype, under autocast, passes), else None.
+    torch.export traced the module's parameters at their shapes and dtypes: on others a matrix
+    product fails deep inside torch, or an elementwise op silently computes in another dtype."""
+    for name, (shape, dtype), t in zip(names, specs, given, strict=True):
+        traced = f"{_short(dtype)}[{', '.join(str(s) for s in shape)}]"
+        where = f"stage {label} (made by split_module) was traced with param {name!r} = {traced}"
+        if not isinstance(t, Tensor):
+            return f"{where} and is given {_show(t)}. Give the tensor split_module returned."
+        if t.shape != shape:
+            return (
+                f"{where} and is given {_show(t)}: the traced graph holds the module's parameter "
+                "shapes. Give each stage the params split_module returned (parts.params), whole: "
+                "a split stage runs on one device, without tensor parallelism."
+            )
+        if t.dtype != dtype and not _autocast(t, dtype):
+            return (
+                f"{where} and is given {_show(t)}: torch.export specialised the traced graph to "
+                "the module's dtypes. Give params (and inputs) in the dtypes the module had when "
+                "split, or split the model again in the dtype you train in "
+                "(model.to(torch.bfloat16) before split_module)."
+            )
+    return None
 
 
 def _dim_text(d: int, got: int, want: int) -> str:

@@ -24,7 +24,13 @@ from torch import Tensor, fx, nn
 from funcpipe.errors import InvalidArgument
 from funcpipe.stages.split_balance import balanced_points, check_count, stage_count
 from funcpipe.stages.split_errors import near_names, quiet_export, untraceable, written_buffers
-from funcpipe.stages.split_inputs import InputCheck, InputSpec, dim_names, size_source
+from funcpipe.stages.split_inputs import (
+    InputCheck,
+    InputSpec,
+    dim_names,
+    param_problem,
+    size_source,
+)
 from funcpipe.stages.stage import ConstFn, Stage
 from funcpipe.stages.ties import find_ties
 
@@ -98,6 +104,7 @@ class _GraphStage:
         out_spec: Any,
         label: str,
         check: InputCheck,
+        param_specs: Sequence[tuple[torch.Size, torch.dtype]] = (),
     ) -> None:
         self.gm = gm
         self.param_names = tuple(param_names)
@@ -107,6 +114,7 @@ class _GraphStage:
         self.out_spec = out_spec  # None: a tuple of carried values; else the forward's output
         self.label = label
         self.check = check
+        self.param_specs = tuple(param_specs)  # as traced: (shape, dtype) per param_names
 
     def __call__(self, params: Any, *inputs: Any, **side: Any) -> Any:
         if not isinstance(params, Mapping):
@@ -124,7 +132,14 @@ class _GraphStage:
             )
         given = (*inputs, *(side[n] for n in self.side_names))
         self.check(given)
-        args = [*(params[n] for n in self.param_names), *self.consts.values(), *given]
+        held = [params[n] for n in self.param_names]
+        for t, (shape, dtype) in zip(held, self.param_specs, strict=False):
+            if not isinstance(t, Tensor) or t.shape != shape or t.dtype != dtype:
+                problem = param_problem(self.label, self.param_names, self.param_specs, held)
+                if problem is not None:
+                    raise InvalidArgument(problem)
+                break
+        args = [*held, *self.consts.values(), *given]
         flat = self.gm(*args)
         if self.out_spec is None:
             return tuple(flat)
@@ -144,6 +159,7 @@ class _GraphStage:
             self.out_spec,
             self.label,
             self.check,
+            self.param_specs,
         )
 
     def __repr__(self) -> str:
@@ -450,7 +466,9 @@ def _cut(
             for w, n in zip(whats, [*in_nodes, *side_nodes], strict=True)
         ]
         check = InputCheck(label, specs, ranges, dims, first_input)
-        fn = _GraphStage(gm, names, consts, len(in_nodes), sides, out_spec, label, check)
+        traced = [n.meta["val"] for n in p_nodes]
+        pspecs = [(torch.Size(v.shape), v.dtype) for v in traced]
+        fn = _GraphStage(gm, names, consts, len(in_nodes), sides, out_spec, label, check, pspecs)
         stages.append(Stage(fn, f"stage {label}"))
         params.append(stage_params)
     return ModuleSplit(
