@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -61,6 +61,54 @@ def reference(steps: int, schedule: str, pipeline: int) -> tuple[list[float], tu
     return losses, per_stage
 
 
+class GPTJob(NamedTuple):
+    """One rank's GPT over ``pipeline x tensor x data`` processes (:func:`gpt_job`)."""
+
+    mesh: Any
+    pipe: fp.Pipeline
+    params: tuple[Any, ...]  # this rank's tensor shards of its stages, meta elsewhere
+    shardings: Any
+    mine: set[int]  # the stages this rank runs
+
+    def rows(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's data copy's share of a batch."""
+        data, d = self.mesh.config.data, self.mesh.place.coords["data"]
+        n = x.shape[0] // data
+        return x[d * n : (d + 1) * n], y[d * n : (d + 1) * n]
+
+
+def gpt_job(
+    pipeline: int,
+    tensor: int,
+    schedule: str = "1f1b",
+    *,
+    cfg: gpt.GPTConfig = CFG,
+    seed: int = 0,
+    blocks: Any = None,
+    **options: Any,
+) -> GPTJob:
+    """The float64 GPT (``cfg``, initialised from ``seed``) split for ``schedule`` over
+    ``pipeline`` ranks (4 microbatches), ``tensor`` ranks and the data copies the world leaves;
+    ``blocks`` as for ``gpt.split``; ``options`` to the Pipeline (``zero=``, ...)."""
+    mesh = build_mesh({"pipeline": pipeline, "tensor": tensor})
+    place, axis = mesh.place, mesh["tensor"]
+    program = generate(schedule, ranks=pipeline, microbatches=4)
+    n = program.n_stages
+    full = gpt.split(gpt.init(cfg, seed=seed, dtype=torch.float64), cfg, n, blocks=blocks)
+    lay = gpt.shardings(cfg, n, blocks=blocks)
+    mine = set(program.stages_on(place.coords["pipe"]))
+    pipe = fp.Pipeline(
+        gpt.stages(cfg, n, axis=axis, blocks=blocks),
+        program,
+        loss_fn=gpt.loss_fn(axis=axis),
+        ties=gpt.tie_spec(n),
+        transport="dist",
+        mesh=mesh,
+        **options,
+    )
+    return GPTJob(mesh, pipe, rank_params(full, lay, place, mine), lay, mine)
+
+
 def pipeline_step(
     rank: int, pipeline: int, tensor: int, schedule: str, steps: int, scatter_gather: bool = False
 ) -> dict[str, Any]:
@@ -68,30 +116,11 @@ def pipeline_step(
     first-step gradients (its shards)."""
     import torch.distributed as dist
 
-    mesh = build_mesh({"pipeline": pipeline, "tensor": tensor})
-    place, axis = mesh.place, mesh["tensor"]
-    program = generate(schedule, ranks=pipeline, microbatches=4)
-    n = program.n_stages
-    full = gpt.split(gpt.init(CFG, seed=0, dtype=torch.float64), CFG, n)
-    lay = gpt.shardings(CFG, n)
-    mine = set(program.stages_on(place.coords["pipe"]))
-    params = rank_params(full, lay, place, mine)
-    pipe = fp.Pipeline(
-        gpt.stages(CFG, n, axis=axis),
-        program,
-        loss_fn=gpt.loss_fn(axis=axis),
-        ties=gpt.tie_spec(n),
-        transport="dist",
-        mesh=mesh,
-        scatter_gather=scatter_gather,
-    )
-    data = mesh.config.data
+    job = gpt_job(pipeline, tensor, schedule, scatter_gather=scatter_gather)
+    pipe, params, place, mine = job.pipe, job.params, job.mesh.place, job.mine
     losses, first = [], None
     for step in range(steps):
-        x, y = batch(step)
-        rows = x.shape[0] // data
-        d = place.coords["data"]
-        loss, grads = pipe.step(params, x[d * rows : (d + 1) * rows], y[d * rows : (d + 1) * rows])
+        loss, grads = pipe.step(params, *job.rows(*batch(step)))
         if first is None:
             first = grads
         losses.append(float(loss))

@@ -7,14 +7,11 @@ from typing import Any
 
 import torch
 
-import funcpipe as fp
 from funcpipe import checkpoint, optim
 from funcpipe.models import gpt
-from funcpipe.parallel.mesh import build_mesh
-from funcpipe.schedule import generate
 from funcpipe.train.checkpoint_named import named_pieces
 from funcpipe.tree import tree_map
-from tests.jobs_gpt import rank_params
+from tests.jobs_gpt import GPTJob, gpt_job
 
 CFG = gpt.GPTConfig(vocab=32, context=8, d_model=16, heads=4, layers=7, mlp=32)
 OPT = optim.adamw(1e-2, weight_decay=0.1)
@@ -28,37 +25,16 @@ def batch(step: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _setup(
     pipeline: int, tensor: int, schedule: str, seed: int, blocks: Any = None, zero: int = 0
-) -> tuple[Any, ...]:
-    mesh = build_mesh({"pipeline": pipeline, "tensor": tensor})
-    place, axis = mesh.place, mesh["tensor"]
-    program = generate(schedule, ranks=pipeline, microbatches=4)
-    n = program.n_stages
-    full = gpt.split(gpt.init(CFG, seed=seed, dtype=torch.float64), CFG, n, blocks=blocks)
-    lay = gpt.shardings(CFG, n, blocks=blocks)
-    mine = set(program.stages_on(place.coords["pipe"]))
-    params = rank_params(full, lay, place, mine)
-    pipe = fp.Pipeline(
-        gpt.stages(CFG, n, axis=axis, blocks=blocks),
-        program,
-        loss_fn=gpt.loss_fn(axis=axis),
-        ties=gpt.tie_spec(n),
-        transport="dist",
-        mesh=mesh,
-        zero=zero,
-    )
+) -> tuple[GPTJob, checkpoint.Naming]:
+    job = gpt_job(pipeline, tensor, schedule, cfg=CFG, seed=seed, blocks=blocks, zero=zero)
+    place = job.mesh.place
     # zero: each optimizer-state leaf is this data copy's flat piece of the param's leaf
-    shard = (mesh.config.data, place.coords["data"]) if zero else None
-    naming = checkpoint.Naming(shardings=lay, place=place, opt_shard=shard)
-    return mesh, pipe, params, naming
+    shard = (job.mesh.config.data, place.coords["data"]) if zero else None
+    return job, checkpoint.Naming(shardings=job.shardings, place=place, opt_shard=shard)
 
 
-def _step(
-    mesh: Any, pipe: Any, params: Any, state: Any, step: int, rows: int = 8
-) -> tuple[float, Any, Any]:
-    x, y = batch(step, rows)
-    data, d = mesh.config.data, mesh.place.coords["data"]
-    rows = x.shape[0] // data
-    loss, grads = pipe.step(params, x[d * rows : (d + 1) * rows], y[d * rows : (d + 1) * rows])
+def _step(job: GPTJob, params: Any, state: Any, step: int, rows: int = 8) -> tuple[float, Any, Any]:
+    loss, grads = job.pipe.step(params, *job.rows(*batch(step, rows)))
     params, state = OPT.update(grads, state, params)
     return float(loss), params, state
 
@@ -76,19 +52,20 @@ def run(
     at this layout (into params of another seed) and make step 3. Returns step 3's loss and
     this rank's params and optimizer state after it, keyed as save_model keys them.
     ``blocks``: the GPT's blocks per stage (default: as even as possible)."""
-    mesh, pipe, params, naming = _setup(pipeline, tensor, schedule, 0 if save else 1, blocks)
+    job, naming = _setup(pipeline, tensor, schedule, 0 if save else 1, blocks)
+    params = job.params
     state = OPT.init(params)
     losses = []
     if save:
         for step in range(2):
-            loss, params, state = _step(mesh, pipe, params, state, step)
+            loss, params, state = _step(job, params, state, step)
             losses.append(loss)
         checkpoint.save_model(path, params, opt_state=state, naming=naming, step=2)
     else:
         loaded = checkpoint.load_model(path, params, opt_state=state, naming=naming)
         assert loaded.step == 2 and loaded.opt_state.step == 2
         params, state = loaded.params, loaded.opt_state
-    loss, params, state = _step(mesh, pipe, params, state, 2)
+    loss, params, state = _step(job, params, state, 2)
     pieces, table = named_pieces(params, state, naming)
     shapes = {k: tuple(v["shape"]) for k, v in table["tensors"].items()}
     return {"losses": [*losses, loss], "pieces": pieces, "shapes": shapes, "rank": rank}
@@ -100,7 +77,8 @@ def run_zero(rank: int, pipeline: int, zero: int, path: str, save: bool) -> dict
     are saved and loaded whole (gathered), the optimizer state as this copy's flat pieces; each
     copy steps on its shards. ``save``: 2 steps, save, step 3; else load at this layout and
     make step 3. Returns as :func:`run`, the params gathered."""
-    mesh, pipe, params, naming = _setup(pipeline, 1, "1f1b", 0 if save else 1, zero=zero)
+    job, naming = _setup(pipeline, 1, "1f1b", 0 if save else 1, zero=zero)
+    pipe, params = job.pipe, job.params
     template = tuple(tree_map(lambda t: t.to("meta"), p) for p in params)
 
     def whole(values: Any) -> tuple[Any, ...]:  # full params, meta for stages not held
@@ -114,7 +92,7 @@ def run_zero(rank: int, pipeline: int, zero: int, path: str, save: bool) -> dict
     losses = []
     if save:
         for step in range(2):
-            loss, values, state = _step(mesh, pipe, values, state, step, rows=16)
+            loss, values, state = _step(job, values, state, step, rows=16)
             losses.append(loss)
         checkpoint.save_model(path, whole(values), opt_state=state, naming=naming, step=2)
     else:
@@ -122,7 +100,7 @@ def run_zero(rank: int, pipeline: int, zero: int, path: str, save: bool) -> dict
         assert loaded.step == 2 and loaded.opt_state.step == 2
         values = pipe.shard(loaded.params) if zero else loaded.params
         state = loaded.opt_state
-    loss, values, state = _step(mesh, pipe, values, state, 2, rows=16)
+    loss, values, state = _step(job, values, state, 2, rows=16)
     pieces, table = named_pieces(whole(values), state, naming)
     pipe.close()
     shapes = {k: tuple(v["shape"]) for k, v in table["tensors"].items()}

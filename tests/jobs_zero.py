@@ -22,7 +22,6 @@ from funcpipe.stages.stage import Stage
 from funcpipe.testing import assert_trees_close
 from funcpipe.train.clip import clip_by_global_norm
 from funcpipe.train.optimizers import adamw
-from tests.jobs_gpt import rank_params
 
 W = 5
 F64 = torch.float64
@@ -248,37 +247,16 @@ def gpt_run(rank: int, pipeline: int, zero: int) -> tuple[list[float], list[Any]
     """The demo's GPT (float64, tied embedding) over pipeline x data x tensor 2: three AdamW
     steps, each copy on its rows; the losses and the full (tensor-sharded) params this process
     holds after them."""
-    from funcpipe.models import gpt
-    from funcpipe.parallel.mesh import build_mesh
     from tests import jobs_gpt
 
-    cfg = jobs_gpt.CFG
-    mesh = build_mesh({"pipeline": pipeline, "tensor": 2})
-    place, axis = mesh.place, mesh["tensor"]
-    program = generate("1f1b", ranks=pipeline, microbatches=4)
-    n = program.n_stages
-    full = gpt.split(gpt.init(cfg, seed=0, dtype=F64), cfg, n)
-    lay = gpt.shardings(cfg, n)
-    mine = sorted(program.stages_on(place.coords["pipe"]))
-    params = rank_params(full, lay, place, mine)
-    pipe = Pipeline(
-        gpt.stages(cfg, n, axis=axis),
-        program,
-        loss_fn=gpt.loss_fn(axis=axis),
-        ties=gpt.tie_spec(n),
-        transport="dist",
-        mesh=mesh,
-        zero=zero,
-    )
+    job = jobs_gpt.gpt_job(pipeline, 2, zero=zero)
+    pipe, mine = job.pipe, sorted(job.mine)
     opt = adamw(1e-2)
-    values: Any = pipe.shard(params) if zero else params
+    values: Any = pipe.shard(job.params) if zero else job.params
     states = {o: opt.init(values[o]) for o in mine}
-    data, d = mesh.config.data, place.coords["data"]
     losses = []
     for step in range(STEPS):
-        x, y = jobs_gpt.batch(step)
-        rows = x.shape[0] // data
-        loss, grads = pipe.step(values, x[d * rows : (d + 1) * rows], y[d * rows : (d + 1) * rows])
+        loss, grads = pipe.step(values, *job.rows(*jobs_gpt.batch(step)))
         losses.append(float(loss))
         values = list(values)
         for o in mine:
