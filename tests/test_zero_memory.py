@@ -80,7 +80,7 @@ def measured(data: int, zero: int) -> dict[str, int]:
 
 
 def planned(data: int, zero1: bool, zero: int = 0) -> dict[str, float]:
-    layout = ClusterLayout(pipeline=2, data=data, zero1=zero1, zero=zero)
+    layout = ClusterLayout(pipeline=2, data=data, zero=zero or int(zero1))
     e = estimate(
         PLANNED, cluster("h100-sxm"), layout, global_batch=data * MICROBATCHES
     )  # microbatch 1: MICROBATCHES per copy

@@ -123,8 +123,9 @@ class ClusterLayout:
 
     def _check_zero(self, zero1: bool) -> None:
         """``zero`` one of :data:`ZERO`; ``zero1=True`` (the old spelling) means 1 where ``zero``
-        is not given. A ``zero`` given wins, so ``dataclasses.replace(layout, zero=0)`` unshards
-        a sharded layout (replace passes the layout's ``zero1``, True, again)."""
+        is not given, and is refused beside ``zero=0``: ``dataclasses.replace(layout, zero=0)``
+        on a sharded layout passes its ``zero1`` (True) again, and that must not leave it
+        sharded without a word."""
         zero = self.zero
         if zero1 not in (False, True):
             raise InvalidArgument(
@@ -132,6 +133,13 @@ class ClusterLayout:
             )
         if zero == -1:
             zero = 1 if zero1 else 0
+        elif zero1 and zero == 0:
+            raise InvalidArgument(
+                "ClusterLayout(zero=0, zero1=True): the two disagree (zero1=True is the old "
+                "spelling of zero=1). To unshard a layout with dataclasses.replace, which passes "
+                "the layout's zero1 again, pass zero1=False too: replace(layout, zero=0, "
+                "zero1=False)"
+            )
         if isinstance(zero, bool) or zero not in ZERO:
             raise InvalidArgument(
                 f"ClusterLayout(zero={zero!r}): 0 (no sharding), 1 (ZeRO-1: optimizer state and "

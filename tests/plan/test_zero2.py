@@ -31,16 +31,22 @@ def test_zero_levels_and_the_old_spelling() -> None:
 
 
 def test_replace_changes_the_zero_level_of_a_layout() -> None:
-    """dataclasses.replace passes the layout's zero1 (True when sharded) again: the zero given
-    wins, whichever spelling made the layout."""
+    """dataclasses.replace passes the layout's zero1 (True when sharded) again: zero=0 beside
+    it is refused, not left sharded without a word (it used to stay at 1); with zero1=False it
+    unshards, whichever spelling made the layout."""
     import dataclasses
 
     for sharded in (ClusterLayout(data=2, zero1=True), ClusterLayout(data=2, zero=1)):
-        off = dataclasses.replace(sharded, zero=0)
+        with pytest.raises(InvalidArgument, match=r"pass zero1=False too: replace\(layout, zero=0"):
+            dataclasses.replace(sharded, zero=0)
+        off = dataclasses.replace(sharded, zero=0, zero1=False)
         assert (off.zero, off.zero1) == (0, False) and off == ClusterLayout(data=2)
         assert dataclasses.replace(sharded, zero=2).zero == 2
         assert dataclasses.replace(sharded, data=4) == ClusterLayout(data=4, zero=1)
     assert dataclasses.replace(ClusterLayout(data=2), zero=2).zero == 2
+    with pytest.raises(InvalidArgument, match=r"ClusterLayout\(zero=0, zero1=True\)"):
+        dataclasses.replace(ClusterLayout(data=2), zero1=True)  # zero=0 is passed with it
+    assert ClusterLayout(data=2, zero1=True, zero=2).zero == 2
 
 
 def test_zero_with_one_data_copy_is_refused() -> None:
