@@ -365,36 +365,17 @@ def _cut(
     by_name: bool,
     dynamic_shapes: Any = None,
 ) -> ModuleSplit:
-    from torch.export.graph_signature import InputKind
-
     _check_pure(module, ep)
     graph: fx.Graph = ep.graph_module.graph
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    specs = ep.graph_signature.input_specs
     named_params = dict(module.named_parameters(remove_duplicate=False))
     consts_all: dict[str, Tensor] = {**dict(module.named_buffers(remove_duplicate=False))}
     consts_all.update(getattr(ep, "constants", {}))
-    kind: dict[fx.Node, tuple[str, str]] = {}  # placeholder -> (param|const|input, name)
-    user_inputs: list[fx.Node] = []
-    for node, spec in zip(placeholders, specs, strict=True):
-        if spec.kind == InputKind.PARAMETER:
-            kind[node] = ("param", spec.target)
-        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            kind[node] = ("const", spec.target)
-        elif spec.kind == InputKind.USER_INPUT:
-            user_inputs.append(node)
-        else:
-            raise InvalidArgument(f"split_module cannot handle a traced input of kind {spec.kind}.")
-    if by_name:
-        for node in user_inputs:
-            kind[node] = ("input", node.name)
-        entry_nodes = [next(n for n in user_inputs if n.name == k) for k in entry]
-    else:
-        entry_nodes = list(user_inputs)
-        for node in user_inputs:
-            kind[node] = ("input", node.name)
-
+    kind, user_inputs = _kinds(placeholders, ep.graph_signature.input_specs)
+    entry_nodes = (
+        [next(n for n in user_inputs if n.name == k) for k in entry] if by_name else user_inputs
+    )
     starts = _starts(graph, cut_at)
     n_stages = len(starts) + 1
     stage_of: dict[fx.Node, int] = {}
@@ -479,6 +460,28 @@ def _cut(
         tuple(p for _, p in starts),
         tuple(kind[n][1] for n in entry_nodes),
     )
+
+
+def _kinds(
+    placeholders: Sequence[fx.Node], specs: Sequence[Any]
+) -> tuple[dict[fx.Node, tuple[str, str]], list[fx.Node]]:
+    """Each traced placeholder's kind and name (``param``, ``const`` or ``input``), and the
+    user inputs in order."""
+    from torch.export.graph_signature import InputKind
+
+    kind: dict[fx.Node, tuple[str, str]] = {}
+    user_inputs: list[fx.Node] = []
+    for node, spec in zip(placeholders, specs, strict=True):
+        if spec.kind == InputKind.PARAMETER:
+            kind[node] = ("param", spec.target)
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            kind[node] = ("const", spec.target)
+        elif spec.kind == InputKind.USER_INPUT:
+            kind[node] = ("input", node.name)
+            user_inputs.append(node)
+        else:
+            raise InvalidArgument(f"split_module cannot handle a traced input of kind {spec.kind}.")
+    return kind, user_inputs
 
 
 def _read_sizes(
