@@ -8,7 +8,7 @@
 #   plan.json           the planner's prediction for the demo's run (funcpipe plan, same layout)
 #   plan_calibrate.json benchmarks/plan_calibrate.py: GEMM, memory-bound and attention speeds
 # On the device tool, one call: the tests, then this (docs/gpu.md, "The proof of issue 41"):
-#   make gpu-check GPU_CHECK_ARGS="--no-demo --out $OUT/check"; bash tools/gpu_speed.sh
+#   make gpu-check GPU_CHECK_ARGS="--no-demo --test-timeout 200 --out $OUT/check"; bash tools/gpu_speed.sh
 # The parts, most important first, each under min(its cap, the time left), so a part that runs
 # long (a cold inductor compile of 24 blocks takes a minute or more) leaves the earlier parts'
 # results and costs only the later ones:
@@ -30,20 +30,23 @@ mkdir -p "$OUT"
 LOG="$OUT/speed.log"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-# part NAME CAP COMMAND...: run COMMAND under min(CAP, seconds left), its output into speed.log
-part() {
-    local name=$1 cap=$2 left
-    shift 2
-    left=$((DEADLINE - $(date +%s)))
+# part_to FILE NAME CAP COMMAND...: run COMMAND under min(CAP, seconds left less 5 for the kill's
+# grace), its standard output into FILE (empty: speed.log), its errors into speed.log; skipped
+# when under 15 s are left. part NAME CAP COMMAND...: the same into speed.log.
+part_to() {
+    local file=$1 name=$2 cap=$3 left
+    shift 3
+    left=$((DEADLINE - $(date +%s) - 5))
     if ((left < 10)); then
-        echo "== $name: skipped, ${left}s left of the script's time" | tee -a "$LOG"
+        echo "== $name: skipped, $((left + 5))s left of the script's time" | tee -a "$LOG"
         return
     fi
     ((cap > left)) && cap=$left
     echo "== $name ($(date +%T), at most ${cap}s)" | tee -a "$LOG"
-    timeout -k 5 "$cap" "$@" >> "$LOG" 2>&1
+    timeout -k 5 "$cap" "$@" >> "${file:-$LOG}" 2>> "$LOG"
     echo "== $name: exit $? ($(date +%T))" | tee -a "$LOG"
 }
+part() { part_to "" "$@"; }
 
 profile() {  # profile CAP COMPILE MODELS PRECISIONS WARMUP
     part "gpu_profile --compile $2 --models $3" "$1" "$PY" benchmarks/gpu_profile.py \
@@ -59,15 +62,12 @@ MB=$(grep -o '"microbatches": [0-9]*' "$OUT/demo_summary.json" 2>/dev/null | hea
 # the planner prices the demo's own run: its size, the microbatch size it chose, this GPU
 GPU=$("$PY" -c 'import json, sys; from funcpipe.cli.demo_options import planner_gpu
 print(planner_gpu(json.load(open(sys.argv[1]))["device"]) or "h100-sxm")' "$OUT/demo_summary.json" 2>/dev/null || echo h100-sxm)
-echo "== planner --gpu $GPU --microbatch $((32 / ${MB:-1})) ($(date +%T))" | tee -a "$LOG"
-timeout 30 "$PY" -m funcpipe plan --layers 24 --hidden 1024 --heads 16 --vocab 256 --seq 1024 \
-    --global-batch 32 --gpus 1 --gpu "$GPU" --microbatch $((32 / ${MB:-1})) --json \
-    > "$OUT/plan.json" 2>> "$LOG"
-echo "== planner: exit $?" | tee -a "$LOG"
+[ -n "${MB:-}" ] || echo "== (no demo summary: the planner prices 1 microbatch of 32, not the demo's run)" | tee -a "$LOG"
+part_to "$OUT/plan.json" "planner --gpu $GPU --microbatch $((32 / ${MB:-1}))" 30 "$PY" -m funcpipe plan \
+    --layers 24 --hidden 1024 --heads 16 --vocab 256 --seq 1024 --global-batch 32 --gpus 1 \
+    --gpu "$GPU" --microbatch $((32 / ${MB:-1})) --json
 # the efficiencies the planner is calibrated on, on this GPU (to recalibrate it if it misses)
-echo "== plan_calibrate ($(date +%T))" | tee -a "$LOG"
-timeout 40 "$PY" benchmarks/plan_calibrate.py > "$OUT/plan_calibrate.json" 2>> "$LOG"
-echo "== plan_calibrate: exit $?" | tee -a "$LOG"
+part_to "$OUT/plan_calibrate.json" plan_calibrate 40 "$PY" benchmarks/plan_calibrate.py
 profile 90 default funcpipe bf16-master 3
 profile 90 default nanogpt fp32-autocast 3
 profile 90 reduce-overhead funcpipe bf16-master 3  # CUDA graphs, with what time is left

@@ -101,6 +101,12 @@ def _layout(args: argparse.Namespace) -> Any:
         d = args.gpus // (t * p)
     else:
         d = args.data
+    if args.zero and d == 1:
+        raise InvalidArgument(
+            f"--zero {args.zero}: ZeRO shards over the data-parallel copies, and this layout has "
+            f"one (data = --gpus / (--tensor x --pipeline) = {args.gpus} / {t * p}, or --data 1); "
+            "give more --gpus or a smaller --tensor x --pipeline, or --zero 0"
+        )
     return ClusterLayout(
         tensor=t,
         pipeline=p,

@@ -115,7 +115,8 @@ def _linear_spec(kind: str, axis: str) -> ShardSpec:
             spec = shard_spec("... i, o i -> ... o", {"o": axis})
         else:
             spec = shard_spec("... i, o i -> ... o", {"i": axis}, reduce="all_reduce")
-        _LINEAR_SPECS[(kind, axis)] = spec
+        if not torch.compiler.is_compiling():  # (a store while tracing breaks its own guard)
+            _LINEAR_SPECS[(kind, axis)] = spec
     return spec
 
 

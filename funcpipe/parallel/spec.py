@@ -361,7 +361,9 @@ class ShardSpec:
         key = (shapes, mesh_sizes, tuple(sorted(sizes.items())), local)
         recipe = self._shape_cache.get(key)
         if recipe is None:
-            recipe = self._shape_cache[key] = _solve(self, shapes, dict(mesh_sizes), sizes, local)
+            recipe = _solve(self, shapes, dict(mesh_sizes), sizes, local)
+            if not torch.compiler.is_compiling():  # (see __call__)
+                self._shape_cache[key] = recipe
         return recipe
 
     # -------------------------------------------------------------------------- apply
@@ -400,7 +402,9 @@ class ShardSpec:
         )
         low = self._lowered.get(key)
         if low is None:
-            low = self._lowered[key] = self._lower(xs, axes, bias is not None, sizes)
+            low = self._lower(xs, axes, bias is not None, sizes)
+            if not torch.compiler.is_compiling():  # (a store while tracing breaks its own guard)
+                self._lowered[key] = low
         ins = list(xs)
         for s in low.arrive:
             ins[s.operand] = _apply_pair(

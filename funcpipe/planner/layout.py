@@ -75,11 +75,11 @@ class ClusterLayout:
     zero: int = -1  # -1: not given (0, or 1 with zero1=True); always 0, 1 or 2 once made
 
     def __post_init__(self, zero1: bool) -> None:
-        self._check_zero(zero1)
         for name in ("tensor", "pipeline", "data", "microbatch", "interleave"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"ClusterLayout({name}={value!r}): a positive integer")
+        self._check_zero(zero1)
         if self.recompute not in RECOMPUTE:
             raise InvalidArgument(
                 f"ClusterLayout(recompute={self.recompute!r}): one of {', '.join(RECOMPUTE)}"
@@ -136,9 +136,9 @@ class ClusterLayout:
         elif zero1 and zero == 0:
             raise InvalidArgument(
                 "ClusterLayout(zero=0, zero1=True): the two disagree (zero1=True is the old "
-                "spelling of zero=1). To unshard a layout with dataclasses.replace, which passes "
-                "the layout's zero1 again, pass zero1=False too: replace(layout, zero=0, "
-                "zero1=False)"
+                "spelling of zero=1). With dataclasses.replace, which passes the layout's zero "
+                "and zero1 again: to shard, pass zero=1 (replace(layout, zero=1)); to unshard, "
+                "pass zero1=False too (replace(layout, zero=0, zero1=False))"
             )
         if isinstance(zero, bool) or zero not in ZERO:
             raise InvalidArgument(

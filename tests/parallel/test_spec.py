@@ -310,3 +310,27 @@ def test_random_specs_match_einsum_on_4_ranks(pool: Any, cases: list[dict[str, A
     results = pool(4).run(J.run_spec_cases, cases)
     for k, case in enumerate(cases):
         J.check_spec_case(case, [r[k] for r in results], 4)
+
+
+def test_a_spec_first_called_under_torch_compile_makes_one_graph() -> None:
+    """A spec's per-signature lowering is not stored while dynamo traces (the store would break
+    the trace's own guard on it: a second graph at the next call)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from funcpipe.parallel.mesh import Axis
+
+    axis = Axis("tensor", 1, 0, None)
+    spec = shard_spec("... j, q j -> ... q", {"q": "tensor"})  # a pattern no other test uses
+    w, b = torch.randn(8, 4), torch.randn(8)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return spec(x, w, bias=b, mesh={"tensor": axis})
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(f, backend="eager")
+    x = torch.randn(2, 3, 4)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x), torch.nn.functional.linear(x, w, b))
+    assert counters["stats"]["unique_graphs"] == 1

@@ -37,7 +37,10 @@ def test_replace_changes_the_zero_level_of_a_layout() -> None:
     import dataclasses
 
     for sharded in (ClusterLayout(data=2, zero1=True), ClusterLayout(data=2, zero=1)):
-        with pytest.raises(InvalidArgument, match=r"pass zero1=False too: replace\(layout, zero=0"):
+        with pytest.raises(
+            InvalidArgument,
+            match=r"to unshard, pass zero1=False too \(replace\(layout, zero=0, zero1",
+        ):
             dataclasses.replace(sharded, zero=0)
         off = dataclasses.replace(sharded, zero=0, zero1=False)
         assert (off.zero, off.zero1) == (0, False) and off == ClusterLayout(data=2)
@@ -196,6 +199,10 @@ def test_cli_prices_a_sharding_level(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         main([*args, "--zero", "3"])
     assert "--zero" in capsys.readouterr().err
+    # one data copy: nothing to shard over, said in the CLI's words
+    assert main([*args[:-4], "--pipeline", "8", "--zero", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--zero 1: ZeRO shards over the data-parallel copies" in err and "8 / 8" in err
 
 
 def test_one_tied_stage_holds_one_table() -> None:
