@@ -132,7 +132,7 @@ class ShardSpec:
         self.output = _parse_operand(rhs, pattern)
         self._validate()
         self.steps = self._derive()
-        self._shape_cache: dict[Any, _ShapeRecipe] = {}
+        self._shape_cache: dict[Any, _ShapeRecipe] = {}  # check_shapes' (global shapes)
         self._mesh_names = tuple(self._mesh_axes())
         self._lowered: dict[Any, _Lowered] = {}  # call signature -> how it runs (__call__)
 
@@ -345,26 +345,11 @@ class ShardSpec:
                 f"shapes {list(shapes)}."
             )
         glob = [tuple(int(n) for n in s) for s in shapes]
-        recipe = self._shape_recipe(
-            tuple(glob), tuple(sorted(mesh_sizes.items())), sizes, local=False
-        )
-        return [*recipe.arrive_shapes, recipe.out_shape]
-
-    def _shape_recipe(
-        self,
-        shapes: tuple[tuple[int, ...], ...],
-        mesh_sizes: tuple[tuple[str, int], ...],
-        sizes: Mapping[str, int],
-        *,
-        local: bool,
-    ) -> _ShapeRecipe:
-        key = (shapes, mesh_sizes, tuple(sorted(sizes.items())), local)
+        key = (tuple(glob), tuple(sorted(mesh_sizes.items())), tuple(sorted(sizes.items())))
         recipe = self._shape_cache.get(key)
         if recipe is None:
-            recipe = _solve(self, shapes, dict(mesh_sizes), sizes, local)
-            if not torch.compiler.is_compiling():  # (see __call__)
-                self._shape_cache[key] = recipe
-        return recipe
+            recipe = self._shape_cache[key] = _solve(self, key[0], dict(mesh_sizes), sizes, False)
+        return [*recipe.arrive_shapes, recipe.out_shape]
 
     # -------------------------------------------------------------------------- apply
     def __call__(
@@ -396,7 +381,7 @@ class ShardSpec:
             raise InvalidArgument(f"bias of pattern {self.pattern!r} is {bias!r}, not a Tensor.")
         key = (  # (list comprehensions: one call each, where a generator is one per item)
             tuple([tuple(x.shape) for x in xs]),
-            tuple([getattr(a, "size", None) for a in axes.values()]),  # (checked in _lower)
+            tuple([a.size if isinstance(a, Axis) else None for a in axes.values()]),  # (_lower)
             bias is None,
             tuple(sorted(sizes.items())) if sizes else (),
         )
@@ -452,12 +437,9 @@ class ShardSpec:
                 f"axes {left} (reduce='partial'), so a bias added here would be counted once "
                 "per rank of them; add it after the sums are reduced."
             )
-        sp = self._shape_recipe(
-            tuple(tuple(x.shape) for x in xs),
-            tuple(sorted((m, a.size) for m, a in axes.items())),
-            sizes,
-            local=True,
-        )
+        # (cached with the rest of the lowering, so not in _shape_cache)
+        shapes = tuple(tuple(x.shape) for x in xs)
+        sp = _solve(self, shapes, {m: a.size for m, a in axes.items()}, sizes, True)
         # a collective over a mesh axis of size 1 is the identity: only the others run
         moves = [s for s in self.steps if s.pair != "none" and axes[s.mesh_axis].size > 1]
         moved = tuple(s for s in moves if s.operand == -1)

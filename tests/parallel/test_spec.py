@@ -334,3 +334,22 @@ def test_a_spec_first_called_under_torch_compile_makes_one_graph() -> None:
     for _ in range(3):
         torch.testing.assert_close(compiled(x), torch.nn.functional.linear(x, w, b))
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_mesh_entry_that_is_not_an_axis_is_refused_after_a_cached_call() -> None:
+    """The per-signature lowering keys the axes by size only for real Axes: an object of the
+    same size that is not one is refused, as every call's collectives refused it before."""
+    import types
+
+    import torch
+
+    from funcpipe.parallel.mesh import Axis
+
+    spec = shard_spec("... k, r k -> ... r", {"r": "tensor"})  # a pattern no other test uses
+    x, w = torch.randn(2, 4), torch.randn(6, 4)
+    spec(x, w, mesh={"tensor": Axis("tensor", 1, 0, None)})  # cached for axis size 1
+    fake = types.SimpleNamespace(name="tensor", size=1, coord=0)
+    with pytest.raises(
+        InvalidArgument, match=r"mesh\['tensor'\] is .* not a funcpipe.parallel.Axis"
+    ):
+        spec(x, w, mesh={"tensor": fake})
