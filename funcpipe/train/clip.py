@@ -184,10 +184,13 @@ def tie_weights(ties: Any, params: Sequence[Any], weights: Any = None) -> Any:
             "the ties' paths name, one pytree per stage"
         )
     skip = set()
+    paths: dict[int, list[Any]] = {}  # stage -> its leaves' paths (walked once per stage)
     for name, members in check_ties(ties, len(params)).items():
         for s, path in list(members)[1:]:
             k = resolve(params[s], path, f"tie_weights: ties[{name!r}]")
-            skip.add((s, *optree.tree_paths(params[s], none_is_leaf=False)[k]))
+            if s not in paths:
+                paths[s] = optree.tree_paths(params[s], none_is_leaf=False)
+            skip.add((s, *paths[s][k]))
 
     def weight(path: Any, leaf: Tensor) -> float:
         if tuple(path) in skip:
