@@ -16,7 +16,8 @@ Each runs eager and ``torch.compile``d (``--compile`` modes: ``none``, ``default
 ``reduce-overhead`` for CUDA graphs where the model allows it), after warm-up steps. The CUDA
 time of one step is the sum of its kernels' device time (torch.profiler). A compiled run also
 records the graphs dynamo made and its graph breaks with their reasons (the aim: one graph per
-model; on 2026-11-27 the compiled GPT on an H100 ran as 24 regions a microbatch). Results are printed and
+model; on 2026-11-27 the compiled GPT on an H100 ran in several compiled regions, each entered
+24 times a microbatch: a break per block). Results are printed and
 written, one JSON line per run as it ends, to ``--out`` (on the device tool: ``$OUT``)::
 
     python3 benchmarks/gpu_profile.py --out $OUT/profile.jsonl [--size large] [--steps 6]
