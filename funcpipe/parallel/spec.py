@@ -63,6 +63,7 @@ from funcpipe.parallel.spec_table import CollectiveRow, Collectives, _apply_pair
 __all__ = ["CollectiveRow", "Collectives", "Plan", "PlanRow", "ShardSpec", "shard_spec"]
 
 REDUCE_MODES = ("all_reduce", "reduce_scatter", "partial")
+LOWERED_CACHE = 1024  # call signatures a spec keeps the lowering of (__call__)
 
 
 def _is_linear(equation: str) -> bool:
@@ -389,6 +390,8 @@ class ShardSpec:
         if low is None:
             low = self._lower(xs, axes, bias is not None, sizes)
             if not torch.compiler.is_compiling():  # (a store while tracing breaks its own guard)
+                if len(self._lowered) >= LOWERED_CACHE:  # many sequence lengths: the oldest goes
+                    del self._lowered[next(iter(self._lowered))]
                 self._lowered[key] = low
         ins = list(xs)
         for s in low.arrive:

@@ -353,3 +353,20 @@ def test_a_mesh_entry_that_is_not_an_axis_is_refused_after_a_cached_call() -> No
         InvalidArgument, match=r"mesh\['tensor'\] is .* not a funcpipe.parallel.Axis"
     ):
         spec(x, w, mesh={"tensor": fake})
+
+
+def test_a_spec_keeps_a_bounded_number_of_call_signatures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inputs of ever new shapes (sequence lengths) do not grow a spec's lowering cache past
+    its bound; the oldest signature goes, and the results stay right."""
+    import torch
+
+    from funcpipe.parallel import spec as spec_module
+    from funcpipe.parallel.mesh import Axis
+
+    monkeypatch.setattr(spec_module, "LOWERED_CACHE", 3)
+    spec = shard_spec("... u, v u -> ... v", {"v": "tensor"})  # a pattern no other test uses
+    w, mesh = torch.randn(5, 4), {"tensor": Axis("tensor", 1, 0, None)}
+    for n in range(1, 8):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(spec(x, w, mesh=mesh), x @ w.T)
+    assert len(spec._lowered) == 3
