@@ -741,45 +741,19 @@ def one_process_time(program: Program, c: StageCosts) -> float:
     return per_mb * program.microbatches
 
 
-_P2P_SETUPS = 0
-
-
 def p2p_latency(rank: int, shape: Sequence[int], reps: int = 50) -> float:
     """Half the median round trip of one float32 tensor of ``shape`` between ranks 0 and 1, over
-    what a Pipeline between processes of one host uses: same-host sockets
-    (:mod:`funcpipe.runtime.sockets`), or torch.distributed send/recv where those are not
-    supported or ``FUNCPIPE_P2P=torch``. Every rank of the pool must call it."""
+    torch.distributed send/recv, what a Pipeline between processes uses. Every rank of the pool
+    must call it."""
     import torch.distributed as dist
 
-    from funcpipe.runtime import sockets
-
-    global _P2P_SETUPS
     t = torch.zeros(*shape)
-    chan = None
-    if os.environ.get("FUNCPIPE_P2P", "auto") != "torch" and sockets.supported():
-        _P2P_SETUPS += 1
-        peers = [1 - rank] if rank in (0, 1) else []
-        chan = sockets.Channels(
-            rank,
-            peers,
-            dist.distributed_c10d._get_default_store(),
-            key=f"bench/p2p/{_P2P_SETUPS}",
-            timeout=60.0,
-            on_error=lambda e, what: RuntimeError(f"{what}: {e}"),
-        )
 
     def send(peer: int) -> None:
-        if chan is None:
-            dist.send(t, peer)
-        else:
-            chan.send(t, peer)
-            chan.flush("send")
+        dist.send(t, peer)
 
     def recv(peer: int) -> None:
-        if chan is None:
-            dist.recv(t, peer)
-        else:
-            chan.recv([t], peer, "recv").wait()
+        dist.recv(t, peer)
 
     times = []
     for k in range(reps + 5):
@@ -793,8 +767,6 @@ def p2p_latency(rank: int, shape: Sequence[int], reps: int = 50) -> float:
             send(0)
         if k >= 5:
             times.append((time.perf_counter() - t0) / 2)
-    if chan is not None:
-        chan.close()
     return median(times)
 
 

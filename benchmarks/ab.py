@@ -10,8 +10,6 @@ Pipeline as a user gets it, B the variant:
   :func:`funcpipe.schedule.weights_after_sends` (each B directly followed by the sends of its
   gradients becomes I, those sends, W: the previous rank gets its gradient before this rank
   computes its weight gradients);
-- ``torch-p2p``: messages over ``torch.distributed`` send/recv (gloo) instead of the same-host
-  Unix-domain sockets funcpipe picks between CPU processes (``FUNCPIPE_P2P=torch``);
 - ``per-leaf-reduce``: the data-parallel gradients reduced with one all-reduce per leaf instead
   of one per bucket (:mod:`funcpipe.runtime.buckets`); run it with ``--data 2`` or more.
 
@@ -27,7 +25,6 @@ interval, and the interquartile spread of the ratios. A ratio below 1 means B is
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -39,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _common as C
 
-VARIANTS = ("weights-after-sends", "torch-p2p", "per-leaf-reduce")
+VARIANTS = ("weights-after-sends", "per-leaf-reduce")
 
 COLUMNS: list[C.Column] = [
     ("size", "size", ""),
@@ -79,14 +76,8 @@ def _pipelines(cfg: dict[str, Any], dtype: torch.dtype) -> tuple[Any, Any, list[
     b: Any
     if cfg["variant"] == "weights-after-sends":
         b = fp.Pipeline(stages, weights_after_sends(a.program), loss_fn=loss, transport="dist")
-    elif cfg["variant"] == "per-leaf-reduce":
+    else:  # per-leaf-reduce
         b = _PerLeaf(fp.Pipeline(stages, program, loss_fn=loss, transport="dist"))
-    else:
-        os.environ["FUNCPIPE_P2P"] = "torch"
-        try:
-            b = fp.Pipeline(stages, program, loss_fn=loss, transport="dist")
-        finally:
-            os.environ.pop("FUNCPIPE_P2P", None)
     x, y = C.data(size, dtype=dtype, seed=cfg["seed"] + 1)
     return a, b, params, x, y
 

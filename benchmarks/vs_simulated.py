@@ -3,8 +3,8 @@
     python benchmarks/vs_simulated.py [--size gpt] [--ranks 2] [--steps 20] [--json FILE]
 
 1. Ranks 0 and 1 measure the point-to-point latency of one activation (one microbatch's
-   float32 activation between two stages) over what a Pipeline uses (same-host sockets, or
-   torch.distributed send/recv with ``FUNCPIPE_P2P=torch``): half the median round trip.
+   float32 activation between two stages) over what a Pipeline uses (torch.distributed
+   send/recv): half the median round trip.
 2. funcpipe runs the schedule (``transport="dist"``): ``--warmup`` steps, then ``--steps`` timed
    steps, each after a barrier; a step's time is its slowest rank's. After every step (outside
    its timing) every rank times each stage's F, B, I and W once on one microbatch (funcpipe's

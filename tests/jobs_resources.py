@@ -54,25 +54,20 @@ def _pipeline(tied: bool, mesh: Any = None) -> tuple[Pipeline, list[dict[str, An
     return Pipeline(stages, program, loss_fn=mse, ties=ties, mesh=mesh), params
 
 
-def pipelines(rank: int, n: int, *, close: bool, p2p: str = "auto") -> dict[str, Any]:
+def pipelines(rank: int, n: int, *, close: bool) -> dict[str, Any]:
     """Build, step and drop (or close) ``n`` tied 2-rank Pipelines; the counts at the start,
     after the first and after the last."""
-    if p2p == "torch":
-        os.environ["FUNCPIPE_P2P"] = "torch"
-    try:
-        start = settled()
-        seen = []
-        for _ in range(n):
-            pipe, params = _pipeline(tied=True)
-            x, y = data(8)
-            pipe.step(params, x, y)
-            if close:
-                pipe.close()
-            del pipe
-            seen.append(settled(start if close else None, wait=3.0 if not seen else 0.0))
-        end = settled(start if close else seen[0])
-    finally:
-        os.environ.pop("FUNCPIPE_P2P", None)
+    start = settled()
+    seen = []
+    for _ in range(n):
+        pipe, params = _pipeline(tied=True)
+        x, y = data(8)
+        pipe.step(params, x, y)
+        if close:
+            pipe.close()
+        del pipe
+        seen.append(settled(start if close else None, wait=3.0 if not seen else 0.0))
+    end = settled(start if close else seen[0])
     return {"start": start, "first": seen[0] if seen else start, "end": end}
 
 

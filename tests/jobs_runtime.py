@@ -167,7 +167,6 @@ def run_pipeline_vs_reference(
     tied: bool = False,
     chunks: int | None = None,
     split_all: bool = False,
-    p2p: str = "auto",
     strict: bool = False,
 ) -> float:
     """Train-step ``batches`` (sizes) through ``name`` and compare with the reference; returns
@@ -180,14 +179,11 @@ def run_pipeline_vs_reference(
     n = len(set(program.replica_of or ()))
     stages, params = toy(n, tied=tied)
     ties = {"E": [(0, "E"), (n - 1, "E")]} if tied and n > 1 else None
-    if p2p == "torch":  # gloo's send/recv instead of the same-host sockets
-        os.environ["FUNCPIPE_P2P"] = "torch"
     if strict:  # NCCL's point-to-point rules enforced by the transport
         os.environ["FUNCPIPE_STRICT_P2P"] = "1"
     try:
         pipe = Pipeline(stages, program, loss_fn=mse, ties=ties, recompute=recompute)
     finally:
-        os.environ.pop("FUNCPIPE_P2P", None)
         os.environ.pop("FUNCPIPE_STRICT_P2P", None)
     worst = 0.0
     for b, size in enumerate(batches):

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from funcpipe.errors import CommunicationError
-from funcpipe.runtime import sockets
 from funcpipe.runtime.transport import P2P, DistTransport, Handle, LocalTransport
 
 Step = tuple[str, Any]  # ("compute", None) or ("group", [(op, kind, microbatch, peer)])
@@ -96,50 +95,33 @@ def run_steps(
             assert bool((buf == m).all()), f"rank {t.rank}: wrong data for microbatch {m}"
 
 
-def _transport(rank: int, n: int, p2p: str, strict: bool, key: str) -> DistTransport:
-    import torch.distributed as dist
-
-    channels = None
-    if p2p == "sockets":
-        store = dist.distributed_c10d._get_default_store()
-        peers = [r for r in (rank - 1, rank + 1) if 0 <= r < n]
-        channels = sockets.Channels(
-            rank,
-            peers,
-            store,
-            key=f"{key}/sockets",
-            timeout=60.0,
-            on_error=lambda e, what: CommunicationError(f"{what}: {e}"),
-        )
-    return DistTransport(
-        rank, list(range(n)), channels=channels, strict=strict, key=f"{key}/strict", timeout=60.0
-    )
+def _transport(rank: int, n: int, strict: bool, key: str) -> DistTransport:
+    return DistTransport(rank, list(range(n)), strict=strict, key=f"{key}/strict", timeout=60.0)
 
 
 def held_bytes_1f1b(
-    rank: int, microbatches: int, numel: int, p2p: str, strict: bool, key: str
+    rank: int, microbatches: int, numel: int, strict: bool, key: str
 ) -> tuple[int, int]:
     """One hand-posted 1F1B step; (this rank's peak held bytes, held bytes after finish)."""
     import torch.distributed as dist
 
     n = dist.get_world_size()
-    t = _transport(rank, n, p2p, strict, key)
+    t = _transport(rank, n, strict, key)
     gen = run_steps(t, one_f_one_b(rank, n, microbatches), numel)
     for h in gen:
         h.wait()
     t.finish()
     dist.barrier()
-    if t.channels is not None:
-        t.channels.close()
+    t.close()
     return t.last_peak_held_bytes, t.held_bytes
 
 
-def exchange(rank: int, grouped: bool, p2p: str, key: str) -> tuple[str, float]:
+def exchange(rank: int, grouped: bool, key: str) -> tuple[str, float]:
     """Both ranks send to each other first, then receive, in strict mode: ungrouped this hangs
     under NCCL (the job returns the error's text), grouped it passes ("ok")."""
     import torch.distributed as dist
 
-    t = _transport(rank, 2, p2p, True, key)
+    t = _transport(rank, 2, True, key)
     other = 1 - rank
     out = torch.full((1000,), float(rank))
     buf = torch.empty(1000)
@@ -156,9 +138,8 @@ def exchange(rank: int, grouped: bool, p2p: str, key: str) -> tuple[str, float]:
     except CommunicationError as e:
         result = str(e)
     took = time.monotonic() - start
-    dist.barrier()  # the messages themselves went through (gloo and sockets buffer)
-    if t.channels is not None:
-        t.channels.close()
+    dist.barrier()  # the messages themselves went through (gloo buffers)
+    t.close()
     return result, took
 
 
@@ -205,7 +186,7 @@ def strict_pipeline(rank: int) -> tuple[bool, float]:
     return len(made) == 1 and made[0].strict is not None, worst
 
 
-def pipeline_held_bytes(rank: int, microbatches: int, p2p: str) -> tuple[int, int, int]:
+def pipeline_held_bytes(rank: int, microbatches: int) -> tuple[int, int, int]:
     """A 1F1B training step of the toy model through Pipeline over the pool's ranks: (peak held
     bytes of the step, bytes of one boundary tensor, held bytes after the step)."""
     import torch.distributed as dist
@@ -218,12 +199,7 @@ def pipeline_held_bytes(rank: int, microbatches: int, p2p: str) -> tuple[int, in
     program = generate("1f1b", ranks=n, microbatches=microbatches)
     stages, params = toy(n)
     rows = 8
-    if p2p == "torch":
-        os.environ["FUNCPIPE_P2P"] = "torch"
-    try:
-        pipe = Pipeline(stages, program, loss_fn=mse, transport="dist")
-    finally:
-        os.environ.pop("FUNCPIPE_P2P", None)
+    pipe = Pipeline(stages, program, loss_fn=mse, transport="dist")
     x, y = data(rows * microbatches)
     pipe.step(params, x, y)
     t = pipe._world.transport  # type: ignore[union-attr]
@@ -232,7 +208,7 @@ def pipeline_held_bytes(rank: int, microbatches: int, p2p: str) -> tuple[int, in
 
 def p2p_process_groups(rank: int, names: Sequence[str]) -> dict[str, Any]:
     """A training step of each schedule in ``names`` over the pool's ranks with torch.distributed
-    point-to-point (``FUNCPIPE_P2P=torch``: gloo, no sockets), recording the process group of
+    point-to-point (gloo), recording the process group of
     every point-to-point operation at the one place every torch.distributed send and receive
     goes through (``ProcessGroup.send`` / ``recv``). Per schedule: (the largest difference to the
     reference, this rank's peers in the program, [(operation, world ranks of its group)])."""
@@ -269,7 +245,7 @@ def p2p_process_groups(rank: int, names: Sequence[str]) -> dict[str, Any]:
             program = generate(name, ranks=n, microbatches=2 * n)
             lowered = add_communication(program)
             peers = sorted({i.peer for i in lowered.ranks[rank] if i.op in COMM_OPS})
-            worst = run_pipeline_vs_reference(rank, name, n, 2 * n, [4 * n], p2p="torch")
+            worst = run_pipeline_vs_reference(rank, name, n, 2 * n, [4 * n])
             out[name] = (worst, peers, list(seen))
     finally:
         for method, original in originals.items():

@@ -7,7 +7,7 @@ store, so that its peers name it), the job's deadline. The first failure stops t
 option whose limit ran out. A rank that returns while others still run is noted: when a rank
 waiting on it fails, the error names it; and with the pool's ``_let_go`` set
 (:func:`funcpipe.launch`, one job) it is told to leave (:data:`LEAVE`: its process exits) that
-many seconds later, so that a gloo or socket wait on it breaks at once.
+many seconds later, so that a gloo wait on it breaks at once.
 """
 
 from __future__ import annotations

@@ -84,8 +84,7 @@ def death(rank: int, code: int | None) -> str:
 
 def timed_out(exc: BaseException) -> bool:
     """Whether a communication error is a wait that ran past its timeout (gloo: "Timed out
-    waiting 2000ms for recv operation", "Application timeout caused pair closure"; funcpipe's
-    sockets: a ``TimeoutError``)."""
+    waiting 2000ms for recv operation", "Application timeout caused pair closure"; or a ``TimeoutError``)."""
     text = str(exc).lower()
     return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
 
@@ -145,7 +144,7 @@ def returned_text(returned: Sequence[int], running: Sequence[int], step: int | N
 
 
 # ------------------------------------------------------------------ torch.distributed left bare
-# what gloo and the sockets say when the peer's end of a connection went away
+# what gloo says when the peer's end of a connection went away
 _GONE = ("connection closed", "connection reset", "closed by peer", "broken pipe")
 
 

@@ -14,12 +14,12 @@ program ranks that exchange messages (in each data copy and tensor coordinate), 
 so each pair has one communicator and one FIFO stream, the layout
 :data:`funcpipe.schedule.p2p.PAIR` the checker proves programs under.
 
-Between CPU processes of one host, activations and gradients go over Unix-domain sockets
-(:mod:`funcpipe.runtime.sockets`) rather than gloo; ``FUNCPIPE_P2P=torch`` in the environment
-turns that off (every process must see the same value).
+This is the one message path: between CPU processes of one host as between GPUs of many, every
+message is a torch.distributed send or receive on its pair's group (gloo on CPU, NCCL on CUDA),
+so the CPU tests run the calls a GPU run makes (docs/design.md, "One message path").
 
 ``FUNCPIPE_STRICT_P2P=1`` in the environment (every process must see the same value) makes the
-transport strict, for tests: messages still travel over gloo or sockets, but they complete only
+transport strict, for tests: messages still travel over gloo, but they complete only
 as NCCL's point-to-point rules allow (one FIFO queue per pair of ranks for both directions, groups
 posted together per peer, an ungrouped send done only when the peer's receive is at the head of
 its side;
@@ -30,7 +30,6 @@ group's store. A program that would hang on GPUs then fails within about a secon
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 import zlib
@@ -66,7 +65,7 @@ class DistWorld:
     copy: int = 0  # this process's data-parallel copy
 
     def close(self) -> None:
-        """Release the transport (sockets, waiter threads) and the process groups (collective:
+        """Release the transport (its waiter threads) and the process groups (collective:
         every process closes its worlds in the same order, so the groups are given back even
         when the transport fails to close)."""
         if self.steps is not None:
@@ -93,9 +92,7 @@ def sizes(n_ranks: int, mesh: Any) -> tuple[int, int]:
     return max(1, dist.get_world_size() // n_ranks), 1
 
 
-def join(
-    program: Program, *, mesh: Any = None, scatter_gather: bool = False, device: Any = None
-) -> DistWorld:
+def join(program: Program, *, mesh: Any = None, scatter_gather: bool = False) -> DistWorld:
     """Create this program's process groups and transport (every process calls this)."""
     import torch.distributed as dist
 
@@ -158,7 +155,6 @@ def join(
         split = (tensor_axis.group, tp, tensor_axis.coord)
     steps = Steps()
     on_error = failure_handler(steps.current)
-    channels = _channels(program, rank, pipe_ranks, me, device, on_error)
     strict: dict[str, Any] = {}
     if strict_from_env():
         n = _EXCHANGES["strict"] = _EXCHANGES.get("strict", 0) + 1
@@ -174,41 +170,11 @@ def join(
         groups=groups,
         on_error=on_error,
         split=split,
-        channels=channels,
         pairs=pairs,
         **strict,
     )
     steps.attach(transport)
     return DistWorld(rank, pipe_ranks, copies, tp, transport, claim, steps, copy)
-
-
-def _channels(
-    program: Program,
-    rank: int,
-    pipe_ranks: Sequence[int],
-    me: int,
-    device: Any,
-    on_error: Callable[[BaseException, str], BaseException],
-) -> Any:
-    """Sockets to this rank's same-host message peers (every process calls this)."""
-    import torch.distributed as dist
-
-    from funcpipe.runtime import sockets
-
-    if os.environ.get("FUNCPIPE_P2P", "auto") == "torch" or not sockets.supported():
-        return None
-    if device is not None and torch.device(device).type != "cpu":
-        return None
-    if dist.get_backend() != "gloo":
-        return None
-    store, key, host = _publish_host("p2p", me)
-    peers = {
-        pipe_ranks[i.peer]
-        for i in program.ranks[rank]
-        if i.op in (Op.SEND, Op.RECV) and i.peer is not None
-    }
-    near = [p for p in peers if store.get(f"{key}/host/{p}").decode() == host]
-    return sockets.Channels(me, near, store, key=key, timeout=_pg_timeout(), on_error=on_error)
 
 
 def transport_device(device: torch.device | None) -> torch.device:
@@ -259,25 +225,11 @@ def _on_my_clock(row: torch.Tensor, mine: torch.Tensor, n: int) -> list[float]:
     return ts.tolist()
 
 
-_EXCHANGES: dict[str, int] = {}  # host exchanges by this process, per kind (their store keys)
-
-
-def _publish_host(kind: str, me: int) -> tuple[Any, str, str]:
-    """Publish this process's host id under a fresh store key of ``kind``; every process of the
-    default group calls this at the same point, so the keys agree. Returns the group's store,
-    the key (rank ``r``'s id is at ``{key}/host/{r}``) and this host's id."""
-    import torch.distributed as dist
-
-    store = dist.distributed_c10d._get_default_store()
-    n = _EXCHANGES[kind] = _EXCHANGES.get(kind, 0) + 1
-    key = f"funcpipe/{kind}/{n}"
-    host = _host_id()
-    store.set(f"{key}/host/{me}", host)
-    return store, key, host
+_EXCHANGES: dict[str, int] = {}  # strict transports built by this process (their store keys)
 
 
 def _host_id() -> str:
-    """This machine (and boot): ranks with equal ids can talk over Unix-domain sockets."""
+    """This machine (and boot): ranks with equal ids share one ``perf_counter`` clock."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -287,7 +239,8 @@ def _host_id() -> str:
 
 
 def _pg_timeout() -> float:
-    """The default process group's timeout in seconds (socket waits give up after it too)."""
+    """The default process group's timeout in seconds (the strict transport's waits give up
+    after it too)."""
     import torch.distributed as dist
 
     try:

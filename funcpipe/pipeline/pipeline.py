@@ -102,14 +102,12 @@ class Pipeline:
             with each parameter in its own dtype (cast once per step, never per microbatch).
             Default: gradients in each parameter's dtype.
 
-    How stages talk is chosen automatically: over ``"dist"``, CPU tensors between processes of
-    one host go over Unix-domain sockets, anything else over ``torch.distributed`` send/recv
-    (``FUNCPIPE_P2P=torch`` forces the latter; see :mod:`funcpipe.distributed.world`).
-
-    Over ``"dist"``, :meth:`close` (or a ``with`` block) releases what the Pipeline holds: its
-    sockets and threads, and the process groups no other open Pipeline or mesh uses (every
-    process closes its Pipelines in the same order). A Pipeline that is only dropped frees its
-    sockets and threads, and leaves its process groups to the next Pipeline of the same layout
+    Over ``"dist"``, stages talk over ``torch.distributed`` send/recv on one process group per
+    pair of ranks (gloo on CPU, NCCL on CUDA; :mod:`funcpipe.distributed.world`): the same calls
+    on a CPU as on GPUs. :meth:`close` (or a ``with`` block) releases what the Pipeline holds: its
+    threads, and the process groups no other open Pipeline or mesh uses (every process closes
+    its Pipelines in the same order). A Pipeline that is only dropped frees its threads, and
+    leaves its process groups to the next Pipeline of the same layout
     (:mod:`funcpipe.distributed.groups`).
     """
 
@@ -198,9 +196,7 @@ class Pipeline:
         if transport == "dist":
             # before join: ranks holding different programs would create different groups
             _agreement.program_agreement(_agreement.summary(self, mesh))
-            self._world = _world.join(
-                self.program, mesh=mesh, scatter_gather=self.scatter_gather, device=self.device
-            )
+            self._world = _world.join(self.program, mesh=mesh, scatter_gather=self.scatter_gather)
             self.rank, self.pipe_ranks = self._world.rank, self._world.pipe_ranks
             self.data_size, self.tensor_size = self._world.data, self._world.tensor
             if self._world.transport.layout != self.p2p_layout:
@@ -211,7 +207,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Release this Pipeline's sockets, threads and process groups (``"dist"``; a no-op
+        """Release this Pipeline's threads and process groups (``"dist"``; a no-op
         otherwise, and when closed already). Collective: every process closes its Pipelines in
         the same order, after their last step. Stepping a closed Pipeline is an error."""
         if self.closed:

@@ -2,8 +2,8 @@
 GPU for any (tensor, pipeline, data, microbatch, interleave, recompute, sequence parallel,
 schedule, sharding) layout, and search for the best one. Pure Python: no torch, no process group.
 
-See docs/planner.md. ``funcpipe.plan(...)`` is :func:`funcpipe.planner.api.plan`; the old path
-``funcpipe.plan.X`` (``from funcpipe.plan import estimate``) is this package.
+See docs/planner.md. ``funcpipe.plan(...)`` is :func:`funcpipe.planner.api.plan`; everything else is here
+(``from funcpipe.planner import estimate``).
 """
 
 from funcpipe.planner.api import plan
@@ -11,7 +11,7 @@ from funcpipe.planner.calibration import DEFAULT as DEFAULT_CALIBRATION
 from funcpipe.planner.calibration import Calibration
 from funcpipe.planner.cluster import GPU, GPUS, Cluster, Link, cluster
 from funcpipe.planner.estimate import Estimate, estimate
-from funcpipe.planner.layout import RECOMPUTE, SCHEDULES, ZERO, ClusterLayout, Layout
+from funcpipe.planner.layout import RECOMPUTE, SCHEDULES, ZERO, ClusterLayout
 from funcpipe.planner.model import Transformer
 from funcpipe.planner.search import candidates, search
 
@@ -26,7 +26,6 @@ __all__ = [
     "Cluster",
     "ClusterLayout",
     "Estimate",
-    "Layout",
     "Link",
     "Transformer",
     "candidates",

@@ -39,7 +39,7 @@ def plan(
     :data:`~funcpipe.planner.layout.MAX_GPUS` GPUs.
     """
     if not isinstance(model, Transformer):
-        raise InvalidArgument(f"plan(model={model!r}): pass a funcpipe.plan.Transformer")
+        raise InvalidArgument(f"plan(model={model!r}): pass a funcpipe.planner.Transformer")
     for name, value in (("gpus", gpus), ("global_batch", global_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidArgument(f"plan({name}={value!r}): a positive integer")

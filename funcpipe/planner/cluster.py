@@ -105,7 +105,7 @@ def cluster(name: str | Cluster, **changes: object) -> Cluster:
         if key not in GPUS:
             raise InvalidArgument(
                 f"gpu={name!r} is not a preset; the presets are {', '.join(GPUS)} "
-                "(or pass a funcpipe.plan.Cluster)"
+                "(or pass a funcpipe.planner.Cluster)"
             )
         base = GPUS[key]
     return replace(base, **changes) if changes else base  # type: ignore[arg-type]

@@ -13,7 +13,6 @@ __all__ = [
     "SCHEDULES",
     "ZERO",
     "ClusterLayout",
-    "Layout",
     "check_gpus",
 ]
 
@@ -189,6 +188,3 @@ setattr(  # noqa: B010 (the InitVar's name, for readers of the old spelling)
         doc="Whether the optimizer state is sharded (``zero >= 1``; the old spelling).",
     ),
 )
-
-Layout = ClusterLayout
-"""The name before 2026-11-28 (``from funcpipe.plan import Layout``), kept for old code."""

@@ -322,7 +322,7 @@ class Shared:
         """``group`` has completed (``None``: every group posted so far)."""
         return not self.side.groups if group is None else group.complete
 
-    def wait(self, group: Group | None, what: str, pump: Callable[[], None] | None = None) -> None:
+    def wait(self, group: Group | None, what: str) -> None:
         """Block until ``group`` (``None``: every group) completes; raise on a deadlock."""
         self.progress()
         if self.done(group):
@@ -336,8 +336,6 @@ class Shared:
         pause = 0.0005
         try:
             while not self.done(group):
-                if pump is not None:
-                    pump()
                 self.progress()
                 now = time.monotonic()
                 if now - start > self.timeout:

@@ -5,8 +5,8 @@ Two implementations of one small interface:
 - :class:`LocalWorld` / :class:`LocalTransport`: every rank in this process. Messages go through
   per-pair FIFO mailboxes and are copied into the receiver's buffers, exactly as over a wire.
 - :class:`DistTransport`: ``torch.distributed`` point-to-point (gloo on CPU, NCCL on CUDA) and
-  collectives over named process groups; CPU messages between processes of one host can go
-  over :class:`funcpipe.runtime.sockets.Channels` instead (measured 7-18 us per message against 0.13-2 ms for gloo).
+  collectives over named process groups: the one path of every multi-process run, so a CPU test
+  sends over the same calls and groups as a GPU run (docs/design.md, "One message path").
 
 Point-to-point goes through one call, :meth:`Transport.post`: a sequence of :class:`P2P` sends and
 receives posted together, one :class:`Handle` per operation. Both transports have the

@@ -1,8 +1,8 @@
 """The ``torch.distributed`` transport: one rank per process.
 
 :class:`DistTransport` posts point-to-point groups as ``batch_isend_irecv`` on each pair's
-process group (gloo on CPU, NCCL on CUDA), or over :class:`funcpipe.runtime.sockets.Channels`
-between CPU processes of one host, and reduces over named process groups in buckets
+process group (gloo on CPU, NCCL on CUDA), the one message path of every multi-process run, and
+reduces over named process groups in buckets
 (:mod:`funcpipe.runtime.buckets`). The handles here wrap torch.distributed's works: gloo's sends
 are waited for by a thread per peer (``_Waiter``), scatter-gathered receives are all-gathered
 once complete, and in strict mode (tests) a handle is done only once its group has completed
@@ -41,7 +41,7 @@ Tensor = torch.Tensor
 
 
 class _Works:
-    """Works of torch.distributed (and socket receives): ``ready()`` polls them without
+    """Works of torch.distributed: ``ready()`` polls them without
     blocking, ``wait()`` waits for all; then rebuilds scatter-gathered buffers from their
     slices (a collective over the tensor ranks, so only in ``wait``)."""
 
@@ -95,14 +95,12 @@ class _Works:
 
 
 def _completed(work: Any) -> bool:
-    """A torch.distributed work, or a socket send or receive, is complete (never blocks)."""
-    if hasattr(work, "is_completed"):
-        return bool(work.is_completed())
-    return bool(work.ready())  # a socket handle
+    """A torch.distributed work is complete (never blocks)."""
+    return bool(work.is_completed())
 
 
 class _DistSend(_Works):
-    """A send over torch.distributed or sockets; keeps its tensors until complete."""
+    """A send over torch.distributed; keeps its tensors until complete."""
 
     def __init__(
         self,
@@ -110,12 +108,10 @@ class _DistSend(_Works):
         tensors: Sequence[Tensor],
         what: str,
         on_error: Callable[[BaseException, str], BaseException],
-        pump: Callable[[], None] | None,
     ) -> None:
         super().__init__(works, what, on_error)
         self.tensors: list[Tensor] = list(tensors)
         self.nbytes = _nbytes(self.tensors)
-        self.pump = pump
         self.settled: threading.Event | None = None  # set by a _Waiter watching this send
         self.error: BaseException | None = None
 
@@ -125,8 +121,6 @@ class _DistSend(_Works):
                 return False
             self.wait()  # at once: raises the waiter's error, if any
             return True
-        if not self.done and self.pump is not None:
-            self.pump()  # move queued socket bytes forward
         done = super().ready()
         if done:
             self.tensors = []
@@ -172,12 +166,16 @@ def _wait_loop(jobs: queue.SimpleQueue[tuple[_DistSend, threading.Event] | None]
     while (job := jobs.get()) is not None:
         send, settled = job
         try:
-            for w in send.works:
-                w.wait()
+            _wait_all(send.works)
         except BaseException as e:  # handed to the rank's thread, which raises it
             send.error = e
         settled.set()
-        del send, settled, job
+        del send, settled, job  # (a work holds its tensors: none may outlive its job here)
+
+
+def _wait_all(works: Sequence[Any]) -> None:
+    for w in works:
+        w.wait()
 
 
 class DistTransport(_Counters):
@@ -197,9 +195,6 @@ class DistTransport(_Counters):
     A group with several peers is one batch per peer. Without ``pairs`` every peer is reached
     over the default process group (one communicator for all ranks: right in a world of two
     processes, and what tests of hand-posted groups use; ``layout`` is then ``None``).
-    Sends to a peer reached over ``channels`` (:class:`funcpipe.runtime.sockets.Channels`, CPU
-    tensors) are queued at once with the group's receives: sockets buffer, they need no
-    rendezvous.
 
     ``split=(group, size, coord)`` turns on scatter-gather for tensor-parallel program ranks:
     a message's tensors are the same on every rank of ``group`` (replicated activations and
@@ -212,7 +207,7 @@ class DistTransport(_Counters):
     when it completes; a tensor alone is reduced in place.
 
     ``strict=True`` (for tests) adds NCCL's rules (:mod:`funcpipe.runtime.nccl_rules`) on top: the
-    messages still travel over gloo or sockets, but a handle is done only once its group has
+    messages still travel over gloo, but a handle is done only once its group has
     completed under the rules, each rank publishing its side of every queue in ``store`` (default:
     the process group's) under ``key`` (default: a fresh key, the same on every process that
     builds its transports in the same order). A deadlock raises :class:`CommunicationError`
@@ -227,7 +222,6 @@ class DistTransport(_Counters):
         groups: Mapping[str, Any] | None = None,
         on_error: Callable[[BaseException, str], BaseException] | None = None,
         split: tuple[Any, int, int] | None = None,
-        channels: Any = None,
         pairs: Mapping[int, Any] | None = None,
         strict: bool = False,
         store: Any = None,
@@ -239,7 +233,6 @@ class DistTransport(_Counters):
         self.dist = dist
         self.pairs = dict(pairs) if pairs is not None else None
         self.layout: str | None = PAIR if pairs is not None else None
-        self.channels = channels  # sockets.Channels to some peers (CPU tensors only), or None
         self.rank = rank
         self.ranks = list(ranks)
         self.groups = dict(groups or {})
@@ -260,22 +253,12 @@ class DistTransport(_Counters):
             keys = [f"{key}/{g}" for g in self.ranks]
             self.strict = nccl_rules.Shared(rank, store, keys, timeout=timeout)
 
-    def _pump(self) -> Callable[[], None] | None:
-        return self.channels.progress if self.channels is not None else None
-
     def _slice(self, t: Tensor) -> Tensor | None:
         """This rank's slice of ``t`` under scatter-gather (None: send it whole)."""
         if self.split is None or t.numel() % self.split[1]:
             return None
         _, size, coord = self.split
         return t.contiguous().view(-1).chunk(size)[coord]
-
-    def _socket(self, peer: int, tensors: Sequence[Tensor]) -> bool:
-        return (
-            self.channels is not None
-            and self.channels.has(peer)
-            and all(t.device.type == "cpu" for t in tensors)
-        )
 
     def post(self, ops: Sequence[P2P]) -> list[Handle]:
         self.held.reap()
@@ -308,18 +291,11 @@ class DistTransport(_Counters):
                 else:
                     moved.append(torch.empty_like(part))
                     gathers.append((moved[-1], t))
-            works: list[Any] = []
-            if self._socket(other, moved):
-                if op.op == SEND:
-                    works = [self.channels.send(t, other, self._what(op)) for t in moved]
-                else:
-                    works = [self.channels.recv(moved, other, self._what(op))]
-            else:
-                fn = dist.isend if op.op == SEND else dist.irecv
-                batch.extend((k, fn, t, other) for t in moved)
+            fn = dist.isend if op.op == SEND else dist.irecv
+            batch.extend((k, fn, t, other) for t in moved)
             if op.op == SEND:
                 self.bytes_sent += _nbytes(moved)
-            plans.append((moved, works, gathers))
+            plans.append((moved, [], gathers))
         if batch:
             # always a batch, on the pair's process group: never split across communicators
             pg = None if self.pairs is None else self.pairs[ops[0].peer]
@@ -331,14 +307,13 @@ class DistTransport(_Counters):
                 for k in {k for k, *_ in batch}:
                     plans[k][1].extend(got)
         handles: list[Handle] = []
-        pump = self._pump()
         for op, (moved, works, gathers) in zip(ops, plans, strict=True):
             what = self._what(op)
             h: _Works | _StrictDist
             if op.op == SEND:
-                h = _DistSend(works, moved, what, self.on_error, pump)
+                h = _DistSend(works, moved, what, self.on_error)
                 gloo = self.gloo and all(t.device.type == "cpu" for t in moved)
-                if works and gloo and not self._socket(self.ranks[op.peer], moved):
+                if works and gloo:
                     waiter = self.waiters.get(op.peer)
                     if waiter is None:
                         waiter = self.waiters[op.peer] = _Waiter()
@@ -353,7 +328,7 @@ class DistTransport(_Counters):
                     reap=self.held.reap,
                 )
             if self.strict is not None and group is not None:
-                h = _StrictDist(h, self.strict, group, pump)
+                h = _StrictDist(h, self.strict, group)
             if op.op == SEND:
                 self.held.add(h)
             handles.append(h)
@@ -376,7 +351,7 @@ class DistTransport(_Counters):
             works, f"rank {self.rank}: REDUCE over group {group!r}", self.on_error
         )
         if self.strict is not None:
-            done = _StrictCollective(done, works, self.strict, self._pump())
+            done = _StrictCollective(done, works, self.strict)
         if all(b.flat is b.tensors[0] for b in parts):
             return done  # reduced in place
         return _Unflatten(done, parts)
@@ -423,27 +398,23 @@ class DistTransport(_Counters):
     def _strict(self, done: Handle, works: Sequence[Any]) -> Handle:
         if self.strict is None:
             return done
-        return _StrictCollective(done, works, self.strict, self._pump())
+        return _StrictCollective(done, works, self.strict)
 
     def finish(self) -> None:
         """Wait for this step's sends (a rank's last sends may still be in flight)."""
         if self.strict is not None:
-            self.strict.wait(None, f"rank {self.rank}: the step's last messages", self._pump())
-        if self.channels is not None:
-            self.channels.flush(f"rank {self.rank}: send")
+            self.strict.wait(None, f"rank {self.rank}: the step's last messages")
         for send in self.held.sends:
             send.wait()
         self.held.reap()
         self.held.step_done()
 
     def close(self) -> None:
-        """Stop the waiter threads and close the sockets (after the last step, with nothing in
-        flight). Dropping the transport does the same, later."""
+        """Stop the waiter threads (after the last step, with nothing in flight). Dropping the
+        transport does the same, later."""
         waiters, self.waiters = list(self.waiters.values()), {}
         for w in waiters:
             w.stop()
-        if self.channels is not None:
-            self.channels.close()
         # a process group's threads and connections end with its last reference
         self.groups, self.split = {}, None
         if self.pairs is not None:
@@ -504,8 +475,8 @@ class _StrictCollective:
     the point-to-point queues moving (NCCL's streams progress while the host waits; a rank
     blocked in gloo's wait would stall its peers' groups, and so itself)."""
 
-    def __init__(self, inner: Any, works: Sequence[Any], shared: Any, pump: Any) -> None:
-        self.inner, self.works, self.shared, self.pump = inner, list(works), shared, pump
+    def __init__(self, inner: Any, works: Sequence[Any], shared: Any) -> None:
+        self.inner, self.works, self.shared = inner, list(works), shared
 
     def ready(self) -> bool:
         return all(w.is_completed() for w in self.works)
@@ -513,8 +484,6 @@ class _StrictCollective:
     def wait(self) -> None:
         pause = 0.0005
         while not self.ready():
-            if self.pump is not None:
-                self.pump()
             self.shared.progress()
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
@@ -533,20 +502,17 @@ class _StrictDist:
         inner: _Works,
         shared: nccl_rules.Shared,
         group: nccl_rules.Group,
-        pump: Callable[[], None] | None,
     ) -> None:
-        self.inner, self.shared, self.group, self.pump = inner, shared, group, pump
+        self.inner, self.shared, self.group = inner, shared, group
         self.nbytes = inner.nbytes
 
     def ready(self) -> bool:
         if not self.group.complete:
-            if self.pump is not None:
-                self.pump()
             self.shared.progress()
             if not self.group.complete:
                 return False
         return self.inner.ready()
 
     def wait(self) -> None:
-        self.shared.wait(self.group, self.inner.what, self.pump)
+        self.shared.wait(self.group, self.inner.what)
         self.inner.wait()

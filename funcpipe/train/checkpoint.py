@@ -421,13 +421,13 @@ def _open(path: Any) -> tuple[str, dict[str, Any]]:
         raise InvalidArgument(
             f"path={path!r} is not a complete funcpipe checkpoint: {why}. A save writes "
             "both before the checkpoint appears at its path, so it was damaged or written "
-            "by something else; load an earlier checkpoint (funcpipe.checkpoint.latest("
+            "by something else; load an earlier checkpoint (funcpipe.train.checkpoint.latest("
             "directory) finds the newest complete one, skipping this)."
         )
     if info is None:
         raise InvalidArgument(
             f"path={path!r} is not a complete funcpipe checkpoint (no {INFO} and "
-            ".metadata); use funcpipe.checkpoint.latest(directory) to find the newest "
+            ".metadata); use funcpipe.train.checkpoint.latest(directory) to find the newest "
             "complete one."
         )
     if info.get("version") != VERSION:

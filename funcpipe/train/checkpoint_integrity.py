@@ -198,7 +198,7 @@ def check_files(path: str, metadata: Any, wanted: dict[str, Tensor]) -> None:
         except OSError:
             raise FuncpipeError(
                 f"the checkpoint {path!r} is damaged: its data file {rel!r} is missing (the "
-                "metadata lists it). Load an earlier checkpoint (funcpipe.checkpoint.latest), "
+                "metadata lists it). Load an earlier checkpoint (funcpipe.train.checkpoint.latest), "
                 "or save again from a good state"
             ) from None
         if size < end:
@@ -206,7 +206,7 @@ def check_files(path: str, metadata: Any, wanted: dict[str, Tensor]) -> None:
                 f"the checkpoint {path!r} is damaged: its data file {rel!r} is {size:,} bytes, "
                 f"but the metadata records data up to byte {end:,}: the file was emptied or "
                 "truncated after the save (a disk that filled, a copy that stopped short). Load "
-                "an earlier checkpoint (funcpipe.checkpoint.latest), or save again from a good "
+                "an earlier checkpoint (funcpipe.train.checkpoint.latest), or save again from a good "
                 "state"
             )
 
@@ -222,7 +222,7 @@ def check_against(path: str, metadata: Any, wanted: dict[str, Tensor]) -> None:
             f"the checkpoint {path!r} has no key(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}"
             f"; it has {have[:8]}{' ...' if len(have) > 8 else ''} ({len(have)} keys). `like` "
             "must have the structure of the saved state (None or meta tensors for the parts "
-            "this rank does not load); see funcpipe.checkpoint.state_keys."
+            "this rank does not load); see funcpipe.train.checkpoint.state_keys."
         )
     for k, t in wanted.items():
         md = stored[k]

@@ -1,5 +1,5 @@
-"""A model's state as named pieces: what :func:`funcpipe.checkpoint.save_model` writes and
-:func:`~funcpipe.checkpoint.load_model` puts back together at another stage split,
+"""A model's state as named pieces: what :func:`funcpipe.train.checkpoint.save_model` writes and
+:func:`~funcpipe.train.checkpoint.load_model` puts back together at another stage split,
 tensor layout or optimizer-state sharding.
 
 **On disk.** Each held tensor leaf is stored as a plain tensor under
@@ -50,7 +50,7 @@ _SCALAR_TYPES: dict[str, type] = {t.__name__: t for t in SCALAR_DTYPES}
 
 
 class Loaded(NamedTuple):
-    """What :func:`~funcpipe.checkpoint.load_model` returns: the params per stage, the
+    """What :func:`~funcpipe.train.checkpoint.load_model` returns: the params per stage, the
     optimizer state (``None`` when none was asked for) and the saved ``step``."""
 
     params: tuple[Any, ...]
@@ -295,7 +295,7 @@ def _tables(source: str, info: dict[str, Any]) -> tuple[dict[str, Any], dict[str
         raise FuncpipeError(
             f"the checkpoint {source!r} is damaged: its funcpipe.json has no valid 'tensors' "
             "and 'scalars' tables (full shapes, dtypes, scalar types). Load an earlier "
-            "checkpoint (funcpipe.checkpoint.latest)"
+            "checkpoint (funcpipe.train.checkpoint.latest)"
         )
     return table, scalars
 

@@ -1,6 +1,6 @@
 """Which part of which model tensor each leaf of a rank's state holds (regions and naming).
 
-A checkpoint written by :func:`funcpipe.checkpoint.save_model` is keyed by the model's own
+A checkpoint written by :func:`funcpipe.train.checkpoint.save_model` is keyed by the model's own
 parameter names (``"blocks/3/attn/qkv/weight"`` for the GPT, ``"model.layers.0.weight"`` for a
 :func:`funcpipe.split_module` model), not by where a leaf sits in this run's per-stage pytrees.
 A rank holds a :class:`Region` of each full tensor:

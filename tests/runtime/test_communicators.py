@@ -1,7 +1,7 @@
 """The communicators point-to-point messages travel on are the ones the checker models (issue
 32): one process group per pair of ranks that exchange messages, every message of a pair on it.
-Recorded in real multi-process steps over gloo with torch.distributed's send and receive
-(``FUNCPIPE_P2P=torch``)."""
+Recorded in real multi-process steps over gloo with torch.distributed's send and receive, the
+one message path."""
 
 from __future__ import annotations
 

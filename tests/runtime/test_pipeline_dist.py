@@ -36,16 +36,6 @@ def test_main_schedules_on_four_gloo_ranks(pool, name: str) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("name", ["1f1b", "zbv"])
-def test_gloo_point_to_point_still_works(pool, name: str) -> None:
-    """FUNCPIPE_P2P=torch: messages over gloo's send/recv instead of the same-host sockets."""
-    worst = pool(2).run(
-        jobs_runtime.run_pipeline_vs_reference, name, 2, 5, [11, 6], tied=True, p2p="torch"
-    )
-    assert max(worst) < 1e-10
-
-
-@pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", NAMES)
 def test_every_schedule_under_nccl_rules_over_gloo(pool, name: str) -> None:
     """FUNCPIPE_STRICT_P2P=1: the transport enforces NCCL's point-to-point rules between the

@@ -270,12 +270,11 @@ def test_a_side_survives_its_snapshot() -> None:
 
 # ------------------------------------------------------------------------------ over processes
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("p2p", ["torch", "sockets"])
-def test_an_ungrouped_exchange_over_processes_raises_naming_both_ranks(pool, p2p: str) -> None:
+def test_an_ungrouped_exchange_over_processes_raises_naming_both_ranks(pool) -> None:
     p = pool(2)
     p.run(jobs_resources.ready)  # started before the clock: a pool's start is not what is timed
     start = time.monotonic()
-    results = p.run(jobs_strict.exchange, False, p2p, f"x/{uuid.uuid4().hex}")
+    results = p.run(jobs_strict.exchange, False, f"x/{uuid.uuid4().hex}")
     assert time.monotonic() - start < 10
     for rank, (text, took) in enumerate(results):
         assert took < 10
@@ -286,9 +285,8 @@ def test_an_ungrouped_exchange_over_processes_raises_naming_both_ranks(pool, p2p
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("p2p", ["torch", "sockets"])
-def test_a_grouped_exchange_over_processes_passes(pool, p2p: str) -> None:
-    results = pool(2).run(jobs_strict.exchange, True, p2p, f"x/{uuid.uuid4().hex}")
+def test_a_grouped_exchange_over_processes_passes(pool) -> None:
+    results = pool(2).run(jobs_strict.exchange, True, f"x/{uuid.uuid4().hex}")
     assert [text for text, _ in results] == ["ok", "ok"]
 
 

@@ -97,21 +97,19 @@ def test_1f1b_in_one_process_keeps_p_boundary_tensors_not_m(strict: bool) -> Non
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("strict", [False, True])
-@pytest.mark.parametrize("p2p", ["torch", "sockets"])
-def test_1f1b_over_processes_keeps_p_boundary_tensors_not_m(pool, p2p: str, strict: bool) -> None:
-    """Hand-posted 1F1B over 4 gloo processes (gloo's isend or the same-host sockets; strict:
+def test_1f1b_over_processes_keeps_p_boundary_tensors_not_m(pool, strict: bool) -> None:
+    """Hand-posted 1F1B over 4 gloo processes (gloo's isend; strict:
     sends complete only at the rendezvous, so the bound is not a buffered send's luck)."""
     key = f"held/{uuid.uuid4().hex}"
-    results = pool(P).run(jobs_strict.held_bytes_1f1b, M, NUMEL, p2p, strict, key)
+    results = pool(P).run(jobs_strict.held_bytes_1f1b, M, NUMEL, strict, key)
     for rank, (peak, after) in enumerate(results):
         assert peak <= P * A, (rank, peak / A)
         assert after == 0
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("p2p", ["torch", "sockets"])
-def test_a_1f1b_pipeline_step_over_processes_keeps_p_boundary_tensors(pool, p2p: str) -> None:
-    for peak, boundary, after in pool(P).run(jobs_strict.pipeline_held_bytes, M, p2p):
+def test_a_1f1b_pipeline_step_over_processes_keeps_p_boundary_tensors(pool) -> None:
+    for peak, boundary, after in pool(P).run(jobs_strict.pipeline_held_bytes, M):
         assert peak <= P * boundary and after == 0
 
 
