@@ -10,7 +10,7 @@ saves in bytes per rank, and what it costs in step time, on CPU gloo processes.
 
 The benchmark GPT (fp32, untied head) cut into 2 pipeline stages (1F1B), ``data`` copies of the
 program: ``2 x data`` processes. Each copy takes ``1 / data`` of the global batch (``batch``
-sequences). AdamW (``funcpipe.adamw``, float32 parameters: no master copy).
+sequences). AdamW (``funcpipe.optim.adamw``, float32 parameters: no master copy).
 
 Bytes, per rank, summed over the tensors it holds (``nbytes``), unsharded (``zero=0``) and
 sharded (``zero=1``, or ``2``), after ``--steps`` optimizer steps:

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from funcpipe import checkpoint, optim
+from funcpipe import optim
 from funcpipe.models import gpt
+from funcpipe.train import checkpoint
 from funcpipe.train.checkpoint_named import named_pieces
 from funcpipe.tree import tree_map
 from tests.jobs_gpt import GPTJob, gpt_job

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import funcpipe as fp
-from funcpipe import checkpoint, optim
+from funcpipe import optim
 from funcpipe.errors import InvalidArgument
 from funcpipe.models import gpt
 from funcpipe.parallel.mesh import Place
 from funcpipe.parallel.sharding import Sharding
+from funcpipe.train import checkpoint
 from funcpipe.tree import tree_map
 from tests.test_split_module import TinyLM, _data
 

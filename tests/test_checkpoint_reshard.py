@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from funcpipe import checkpoint
+from funcpipe.train import checkpoint
 from funcpipe.train.checkpoint_regions import Region, assemble
 from tests import jobs_reshard
 
