@@ -114,3 +114,21 @@ def closed_step(rank: int) -> str:
 def _args() -> tuple[Any, ...]:
     _, params = toy(2)
     return (params, *data(8))
+
+
+def group_timeouts(rank: int) -> dict[str, Any]:
+    """The timeout of every process group funcpipe holds after a tied 2-rank Pipeline and a
+    ``pipeline 2 x tensor 2`` mesh of 4 ranks were built, and the default group's."""
+    import torch
+    import torch.distributed as dist
+
+    def seconds(pg: Any) -> float:
+        return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    with build_mesh({"pipeline": 2, "tensor": 2}) as mesh:
+        pipe, params = _pipeline(tied=True, mesh=mesh)
+        with pipe:
+            x, y = data(8)
+            pipe.step(params, x, y)
+            held = [seconds(g) for e in groups._REGISTRY[0].entries.values() for g in e.groups]
+    return {"world": seconds(dist.group.WORLD), "groups": held}

@@ -102,9 +102,17 @@ def _start(o: DemoOptions, program: Program) -> dict[str, Any] | None:
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if world != o.world:
+            nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1)
+            per_node = (
+                f"--nproc-per-node {o.world // nodes} on each of the {nodes} nodes"
+                if nodes > 1 and o.world % nodes == 0
+                else f"--nproc-per-node {o.world}"
+                if nodes == 1
+                else f"processes per node that add up to {o.world} over the {nodes} nodes"
+            )
             raise InvalidArgument(
                 f"torchrun started {world} processes but pipeline x tensor x data = {o.world}; "
-                f"pass --nproc-per-node {o.world} (or change the sizes)"
+                f"pass {per_node} (or change the sizes)"
             )
     backend = "nccl" if o.device == "cuda" else "gloo"
     try:

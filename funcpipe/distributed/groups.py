@@ -31,6 +31,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from funcpipe.distributed.timeouts import job_timeout
+
 __all__ = ["Claim", "destroy_all", "live"]
 
 
@@ -105,7 +107,9 @@ class Claim:
         key = ("subgroups", tuple(tuple(int(r) for r in members) for members in lists))
 
         def make() -> tuple[Any, list[Any]]:
-            mine, _ = dist.new_subgroups_by_enumeration([list(m) for m in key[1]])
+            mine, _ = dist.new_subgroups_by_enumeration(
+                [list(m) for m in key[1]], timeout=job_timeout()
+            )
             return mine, [mine]
 
         return self.shared(key, make)
@@ -121,7 +125,7 @@ class Claim:
         key = ("group", use, tuple(int(r) for r in ranks), str(device_id))
 
         def make() -> tuple[Any, list[Any]]:
-            g = dist.new_group(list(key[2]), device_id=device_id)
+            g = dist.new_group(list(key[2]), device_id=device_id, timeout=job_timeout())
             return g, [g]
 
         return self.shared(key, make)

@@ -10,6 +10,7 @@ job's deadline, ``timeout=``, is the launcher's own (:mod:`funcpipe.distributed.
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 from funcpipe.errors import InvalidArgument, check_seconds
@@ -18,6 +19,7 @@ __all__ = [
     "MIN_PG_TIMEOUT",
     "PG_TIMEOUTS",
     "check_pg_timeout",
+    "job_timeout",
     "join_expired",
     "pg_expired",
     "pg_seconds",
@@ -66,3 +68,38 @@ def join_expired(seconds: float) -> str:
         "(importing, loading data), raise pg_timeout= of funcpipe.launch or funcpipe.Pool "
         "(None: torch's default)"
     )
+
+
+def job_timeout() -> datetime.timedelta | None:
+    """The default process group's timeout: the job's, which every group funcpipe creates takes
+    (``dist.new_group`` without ``timeout=`` gets the backend's default, 30 minutes on gloo,
+    whatever the world's is). ``None`` where it cannot be read."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    for kind in ("cuda", "cpu"):
+        try:
+            limit = world._get_backend(torch.device(kind)).options._timeout  # type: ignore[union-attr]
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        if isinstance(limit, datetime.timedelta):
+            return limit
+    return None
+
+
+def group_options(backend: str, limit: datetime.timedelta) -> Any:
+    """Backend options that carry ``limit`` as a new group's timeout (for ``init_device_mesh``'s
+    ``backend_override``), or ``None`` for a backend without them."""
+    import torch.distributed as dist
+
+    kind, name = {
+        "gloo": ("ProcessGroupGloo", "_Options"),
+        "nccl": ("ProcessGroupNCCL", "Options"),
+    }.get(backend, ("", ""))
+    make = getattr(getattr(dist, kind, None), name, None) if kind else None
+    if make is None:  # another backend, or a torch built without this one
+        return None
+    options = make()
+    options._timeout = limit
+    return options

@@ -241,13 +241,10 @@ def _host_id() -> str:
 def _pg_timeout() -> float:
     """The default process group's timeout in seconds (the strict transport's waits give up
     after it too)."""
-    import torch.distributed as dist
+    from funcpipe.distributed.timeouts import job_timeout
 
-    try:
-        opts = dist.group.WORLD._get_backend(torch.device("cpu")).options  # type: ignore[union-attr]
-        return float(opts._timeout.total_seconds())
-    except (AttributeError, RuntimeError):
-        return 1800.0
+    limit = job_timeout()
+    return 1800.0 if limit is None else limit.total_seconds()
 
 
 def _message_pairs(program: Program) -> list[tuple[int, int]]:

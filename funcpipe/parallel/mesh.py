@@ -395,10 +395,19 @@ def _make_mesh(
     config: ParallelConfig, device_type: str
 ) -> tuple[tuple[Any, dict[str, Axis]], list[Any]]:
     """``((device mesh, axes), the process groups created)`` for ``config``."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from funcpipe.distributed.timeouts import group_options, job_timeout
+
     names = config.mesh_dim_names
-    dm = init_device_mesh(device_type, config.mesh_shape, mesh_dim_names=names)
+    # every axis's group takes the job's timeout (torch would give it the backend's default)
+    limit, backend = job_timeout(), dist.get_backend()
+    options = group_options(backend, limit) if limit is not None else None
+    over: Any = {n: (backend, options) for n in names} if options is not None else None
+    dm = init_device_mesh(
+        device_type, config.mesh_shape, mesh_dim_names=names, backend_override=over
+    )
     axes = {
         n: Axis(n, dm.size(i), dm.get_local_rank(n), dm.get_group(n)) for i, n in enumerate(names)
     }
@@ -410,7 +419,11 @@ def _make_mesh(
     else:
         sub = dm[tuple(tensor_names)]
         if hasattr(sub, "_flatten"):
-            flat = sub._flatten("tensor")
+            flat = (
+                sub._flatten("tensor")
+                if options is None
+                else sub._flatten("tensor", backend_override=(backend, options))
+            )
         else:  # a torch without DeviceMesh._flatten: a second mesh with the tensor axes merged
             shape = (config.pipeline, config.data, config.tensor)
             whole = init_device_mesh(device_type, shape, mesh_dim_names=("pipe", "data", "tensor"))

@@ -1,0 +1,163 @@
+"""What clusters do to a job (issue 51): a torchrun restart rejoins on its own, every group
+funcpipe makes waits no longer than the job's timeout, and ranks die with their launcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import jobs_resources
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(180)
+def test_every_group_funcpipe_makes_takes_the_jobs_timeout(pool) -> None:
+    """The pool's groups time out after 120 s; torch would give a new group 1800 s on gloo
+    (a SIGSTOPped peer then held the tie REDUCE and the mesh's all-gather for 30 minutes)."""
+    for rank, got in enumerate(pool(4).run(jobs_resources.group_timeouts)):
+        assert got["world"] == 120.0, (rank, got)
+        assert len(got["groups"]) >= 3, (rank, got)  # the mesh's axes, the tie, the loss, pairs
+        assert set(got["groups"]) == {120.0}, (rank, got)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
+    return env
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+ORPHANS = """
+import os, sys, time
+import funcpipe
+
+def fn(rank, where):
+    with open(os.path.join(where, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        time.sleep(0.1)
+
+if __name__ == "__main__":  # (the ranks are spawned: they import this file)
+    funcpipe.launch(fn, 2, sys.argv[1], backend="gloo")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_ranks_die_with_their_launcher(tmp_path: Path, sig: signal.Signals) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(ORPHANS)
+    launcher = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    pids: list[int] = []
+    deadline = time.monotonic() + 60
+    while len(pids) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid") if p.read_text()]
+    assert len(pids) == 2, "the ranks did not start"
+    launcher.send_signal(sig)
+    launcher.wait(timeout=30)
+    assert launcher.stderr is not None
+    launcher.stderr.close()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if _alive(p)]
+    states = {p: Path(f"/proc/{p}/status").read_text().split("\n")[:8] for p in left}
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their launcher: {states}"
+
+
+RESTART = """
+import os, signal, sys, time
+import torch, torch.distributed as dist
+import funcpipe
+
+def fn(rank, where):
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    if attempt == 0 and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # a worker killed mid-run
+    if attempt == 0:
+        time.sleep(60)  # (stopped by torchrun when rank 1 dies)
+    dist.all_reduce(x)
+    with open(os.path.join(where, f"done{rank}"), "w") as f:
+        f.write(f"{attempt} {x.item()}")
+
+if __name__ == "__main__":
+    funcpipe.launch(fn, 2, sys.argv[1], backend="gloo", pg_timeout=60)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_torchrun_restart_rejoins_without_any_setting(tmp_path: Path) -> None:
+    """torch 2.13's shared rendezvous store keeps the dead incarnation's connection keys; the
+    restarted ranks connected to dead addresses ("Connection refused") unless the user set
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1."""
+    script = tmp_path / "job.py"
+    script.write_text(RESTART)
+    env = _env()
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            str(script),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.read_text() for p in tmp_path.glob("done*")) == ["1 4.0", "1 4.0"]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "says"),
+    [("1", "pass --nproc-per-node 4 "), ("2", "pass --nproc-per-node 2 on each of the 2 nodes")],
+)
+def test_a_wrong_process_count_under_torchrun_says_per_node(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, nodes: str, says: str
+) -> None:
+    from funcpipe.cli import demo
+    from funcpipe.errors import InvalidArgument
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "GROUP_WORLD_SIZE": nodes}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(InvalidArgument, match="torchrun started 2 processes") as info:
+        demo.main(["--pipeline", "2", "--tensor", "2", "--out", str(tmp_path / "run")])
+    assert says in str(info.value)
