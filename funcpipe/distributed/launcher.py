@@ -103,6 +103,7 @@ from funcpipe.distributed.failures import (
 from funcpipe.distributed.network import is_loopback as _is_loopback
 from funcpipe.distributed.network import listen as _listen  # (tests patch it here)
 from funcpipe.distributed.network import loopback_interface as _loopback_interface
+from funcpipe.distributed.survive import die_with_launcher, torchrun_store
 from funcpipe.distributed.timeouts import PG_TIMEOUTS as PG_TIMEOUTS
 from funcpipe.distributed.timeouts import check_pg_timeout, join_expired, pg_expired, pg_seconds
 from funcpipe.errors import (
@@ -271,36 +272,6 @@ def _init_group(
     )
 
 
-def _die_with_launcher(rank: int) -> None:
-    """Stop this rank when the process that started it is gone (a launcher killed by SIGKILL
-    or SIGTERM would otherwise leave its ranks training on, orphans): a daemon thread waits on
-    the launcher's sentinel (a rank of :class:`Pool`), or checks once a second that the parent
-    is still the one that started it (torchrun's), and ends this process."""
-    import multiprocessing as mp
-    import threading
-
-    parent = mp.parent_process()
-    first = os.getppid()
-
-    def gone() -> None:
-        if parent is not None:
-            from multiprocessing.connection import wait
-
-            wait([parent.sentinel])
-        else:
-            while os.getppid() == first:
-                time.sleep(1.0)
-        with contextlib.suppress(Exception):  # (its stderr may have gone with it)
-            sys.stderr.write(
-                f"funcpipe: rank {rank}: the launcher that started it (pid {first}) is gone; "
-                "this rank stops\n"
-            )
-            sys.stderr.flush()
-        os._exit(1)
-
-    threading.Thread(target=gone, name="funcpipe-launcher-watch", daemon=True).start()
-
-
 def _worker(
     rank: int,
     world: int,
@@ -316,7 +287,7 @@ def _worker(
         if p not in sys.path:
             sys.path.insert(0, p)
     global _JOB
-    _die_with_launcher(rank)
+    die_with_launcher(rank)
     try:
         _init_group(rank, world, host, port, backend, pg_timeout, share)
     except BaseException as e:
@@ -588,25 +559,6 @@ def _run_torchrun(
     return out
 
 
-def _torchrun_store(limit: datetime.timedelta) -> tuple[Any, int, int]:
-    """The store torchrun's environment names (as ``init_method="env://"`` makes it), its keys
-    scoped to this run and restart: ``(store, rank, world size)``.
-
-    torchrun (torch 2.13) keeps one rendezvous TCP store for every restart of the workers and
-    hands it to them (``TORCHELASTIC_USE_AGENT_STORE``); the keys a process group writes while
-    it connects (gloo's listening address of each rank, NCCL's unique id) are the same in
-    every incarnation, so after a restart the new ranks read the dead ones' addresses and their
-    connect is refused. Prefixed by ``TORCHELASTIC_RESTART_COUNT``, each incarnation has keys of
-    its own (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is then not needed)."""
-    import torch.distributed as dist
-
-    store, rank, world = next(dist.rendezvous("env://", timeout=limit))
-    store.set_timeout(limit)
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"funcpipe/{run}/attempt_{attempt}/default_pg", store), rank, world
-
-
 def _join_torchrun(backend: str | None, *, share: bool, pg_timeout: float | None) -> int:
     """Join the process group torchrun describes (unless this process already has); its rank.
 
@@ -626,7 +578,7 @@ def _join_torchrun(backend: str | None, *, share: bool, pg_timeout: float | None
         limit = datetime.timedelta(seconds=seconds)
         try:
             if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun's agent: restarts
-                store, rank, world = _torchrun_store(limit)
+                store, rank, world = torchrun_store(limit)
                 joined = {"store": store, "rank": rank, "world_size": world}
             else:  # RANK, WORLD_SIZE and MASTER_* set by hand: torch's env:// as it is
                 joined = {}
@@ -639,7 +591,7 @@ def _join_torchrun(backend: str | None, *, share: bool, pg_timeout: float | None
                 f"describes: {e!r}. {join_expired(seconds)}"
             ) from e
         _PG_TIMEOUT = seconds
-        _die_with_launcher(dist.get_rank())
+        die_with_launcher(dist.get_rank())
     _RANK = dist.get_rank()
     with contextlib.suppress(Exception):  # a group started elsewhere may have no store to share
         _STORE = dist.distributed_c10d._get_default_store()
