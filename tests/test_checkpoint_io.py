@@ -8,6 +8,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ import torch
 
 from funcpipe.cli import demo
 from funcpipe.errors import FuncpipeError, InvalidArgument
-from funcpipe.train import checkpoint
+from funcpipe.train import checkpoint, checkpoint_write
 
 
 def _state() -> dict[str, Any]:
@@ -46,11 +47,11 @@ def test_a_save_into_a_path_under_a_file_raises_the_oserror(tmp_path: Path) -> N
 def test_a_full_disk_raises_the_oserror_and_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    class FullDisk(checkpoint.FileSystemWriter):
+    class FullDisk(checkpoint_write.FileSystemWriter):
         def write_data(self, *args: Any, **kwargs: Any) -> Any:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "FileSystemWriter", FullDisk)
+    monkeypatch.setattr(checkpoint_write, "FileSystemWriter", FullDisk)
     with pytest.raises(OSError, match="No space left on device") as e:
         checkpoint.save(tmp_path / "ck", _state())
     assert e.value.errno == errno.ENOSPC
@@ -109,6 +110,34 @@ def test_demo_resume_without_a_checkpoint_is_an_error(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir())  # the write probe is gone
 
 
+def test_demo_resume_options_as_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--resume`` alone must find a checkpoint, ``--resume auto`` takes one if there is one,
+    and without the option a torchrun job resumes by itself (its restarts rerun the command)."""
+    for name in ("TORCHELASTIC_RESTART_COUNT", "RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    assert _opts("--resume").resume is True
+    assert _opts("--resume", "auto").resume == "auto"
+    assert _opts("--resume", "no").resume is False and _opts().resume is False
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert _opts().resume == "auto" and _opts("--resume", "no").resume is False
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--checkpoint-every", "-1"], "--checkpoint-every=-1: a step count >= 1"),
+        (["--keep", "0"], "--keep=0: how many checkpoints to keep"),
+    ],
+)
+def test_demo_checkpoint_options_are_checked(args: list[str], says: str, tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(says)):
+        demo.run(_opts("--out", str(tmp_path), *args))
+    assert not any(tmp_path.iterdir())
+
+
 # ------------------------------------------------------------------------------ issue 42
 def test_a_corrupt_funcpipe_json_is_named_not_called_missing(tmp_path: Path) -> None:
     """Both files were there, and the error said 'no funcpipe.json and .metadata'."""
@@ -133,7 +162,7 @@ def test_a_corrupt_funcpipe_json_is_named_not_called_missing(tmp_path: Path) -> 
         checkpoint.load(tmp_path / "nothing", _like())  # as before
 
 
-class _FillingDisk(checkpoint.FileSystemWriter):
+class _FillingDisk(checkpoint_write.FileSystemWriter):
     """A disk with ``room`` bytes left for the data files: the write that crosses it raises
     ENOSPC, as a full disk does (torch's zip writer then raised its own 'unexpected pos')."""
 
@@ -174,7 +203,7 @@ def test_a_disk_that_fills_midway_raises_enospc_and_keeps_the_last_checkpoint(
     checkpoint saved before is intact and nothing else is left."""
     path = checkpoint.save(tmp_path / "ck", _state(), step=3)
     monkeypatch.setattr(_FillingDisk, "room", room)
-    monkeypatch.setattr(checkpoint, "FileSystemWriter", _FillingDisk)
+    monkeypatch.setattr(checkpoint_write, "FileSystemWriter", _FillingDisk)
     newer = {**_state(), "step": 4}
     with pytest.raises(OSError, match="No space left on device") as e:
         checkpoint.save(path, newer, step=4)
@@ -195,7 +224,7 @@ def test_a_full_disk_at_funcpipe_json_keeps_the_last_checkpoint(
     def full(*args: Any, **kwargs: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.json, "dump", full)
+    monkeypatch.setattr(checkpoint_write.json, "dump", full)
     with pytest.raises(OSError, match="No space left on device") as e:
         checkpoint.save(path, _state(), step=4)
     if sys.version_info >= (3, 11):
@@ -240,7 +269,7 @@ def full_disk_at_funcpipe_json_on_rank_0(rank: int, path: str) -> tuple[str, boo
     def full(*args: Any, **kwargs: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    with mock.patch.object(checkpoint.json, "dump", full if rank == 0 else json.dump):
+    with mock.patch.object(checkpoint_write.json, "dump", full if rank == 0 else json.dump):
         try:
             checkpoint.save(path, {"w": state["w"] * 2}, step=2)
             error = "saved"

@@ -51,7 +51,7 @@ from funcpipe.schedule import (  # noqa: E402
     read_csv,
     send,
 )
-from funcpipe.train import checkpoint, optim  # noqa: E402
+from funcpipe.train import checkpoint, checkpoint_write, optim  # noqa: E402
 
 DOCS = ROOT / "docs" / "errors.md"
 F32 = torch.float32
@@ -260,11 +260,11 @@ def _disk_full() -> None:
     import errno
     from unittest import mock
 
-    class FullDisk(checkpoint.FileSystemWriter):
+    class FullDisk(checkpoint_write.FileSystemWriter):
         def write_data(self, *args: Any, **kwargs: Any) -> Any:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    with mock.patch.object(checkpoint, "FileSystemWriter", FullDisk):
+    with mock.patch.object(checkpoint_write, "FileSystemWriter", FullDisk):
         checkpoint.save(os.path.join(_tmp(), "ck"), {"w": torch.ones(3)})
 
 
@@ -361,7 +361,7 @@ def _disk_fills_in_torch_save() -> None:
     import errno
     from unittest import mock
 
-    class Filling(checkpoint.FileSystemWriter):
+    class Filling(checkpoint_write.FileSystemWriter):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             create, left = self.fs.create_stream, [700]
@@ -386,7 +386,7 @@ def _disk_fills_in_torch_save() -> None:
 
             self.fs.create_stream = stream  # type: ignore[method-assign]
 
-    with mock.patch.object(checkpoint, "FileSystemWriter", Filling):
+    with mock.patch.object(checkpoint_write, "FileSystemWriter", Filling):
         checkpoint.save(os.path.join(_tmp(), "ck"), {"w": torch.ones(3)})
 
 

@@ -3,7 +3,9 @@ funcpipe makes waits no longer than the job's timeout, and ranks die with their 
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from funcpipe.train import checkpoint
 from tests import jobs_resources
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,3 +164,58 @@ def test_a_wrong_process_count_under_torchrun_says_per_node(
     with pytest.raises(InvalidArgument, match="torchrun started 2 processes") as info:
         demo.main(["--pipeline", "2", "--tensor", "2", "--out", str(tmp_path / "run")])
     assert says in str(info.value)
+
+
+DRILL = ["--pipeline", "2", "--tensor", "1", "--steps", "10", "--eval-every", "0"]
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_under_torchrun_resumes_from_its_periodic_checkpoint(tmp_path: Path) -> None:
+    """One command, ``torchrun --max-restarts 1 ... funcpipe demo --checkpoint-every 2``: a rank
+    SIGKILLed once the first periodic checkpoint is complete; torchrun restarts the job, which resumes by itself
+    (``--resume auto``, the default under torchrun) and ends with the losses of a run nothing
+    interrupted, step by step."""
+    straight, drilled = tmp_path / "straight", tmp_path / "drilled"
+    env = _env()
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    a = subprocess.run(
+        [sys.executable, "-m", "funcpipe", "demo", *DRILL, "--out", str(straight)],
+        env=dict(env, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert a.returncode == 0, a.stderr[-3000:]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+    cmd += ["-m", "funcpipe", "demo", *DRILL, "--checkpoint-every", "2", "--out", str(drilled)]
+    job = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    killed_at = None
+    try:
+        deadline = time.monotonic() + 200
+        while job.poll() is None and time.monotonic() < deadline:
+            found = checkpoint.latest(drilled) if drilled.is_dir() else None
+            if found is not None and killed_at is None:
+                killed_at = json.loads((Path(found) / "funcpipe.json").read_text())["step"]
+                workers = subprocess.run(
+                    ["pgrep", "-P", str(job.pid)], capture_output=True, text=True
+                ).stdout.split()
+                os.kill(int(workers[-1]), signal.SIGKILL)
+            time.sleep(0.05)
+        out, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out[-3000:]
+    assert killed_at is not None and killed_at < 10, out[-3000:]
+    resumed = re.findall(r"resumed from step (\d+) \(", out)
+    assert len(resumed) == 1 and int(resumed[0]) >= killed_at, out[-3000:]
+    first = json.loads((straight / "history.json").read_text())["train"]
+    second = json.loads((drilled / "history.json").read_text())["train"]
+    assert second == first  # the same losses, step by step, restart and all

@@ -157,10 +157,11 @@ def _check_out(o: DemoOptions) -> None:
         ) from None
     from funcpipe.train import checkpoint
 
-    if o.resume and checkpoint.latest(o.out) is None:
+    if o.resume is True and checkpoint.latest(o.out) is None:
         raise InvalidArgument(
             f"--resume: there is no complete checkpoint in --out {o.out!r} to resume from; "
-            "point --out at the run to continue, or drop --resume to start from step 0"
+            "point --out at the run to continue, drop --resume to start from step 0, or pass "
+            "--resume auto (resume if there is one, else start)"
         )
 
 

@@ -33,7 +33,6 @@ __all__ = ["train_rank"]
 def train_rank(rank: int, o: DemoOptions, program: Program | None = None) -> dict[str, Any] | None:
     """Everything one rank does; returns the summary on the first rank. ``program`` is the one
     :func:`funcpipe.cli.demo_options.validate` built (generated from ``o`` when None)."""
-    from funcpipe.train import checkpoint
 
     torch.manual_seed(o.seed)
     r, params, state = _build(o, program)
@@ -44,18 +43,15 @@ def train_rank(rank: int, o: DemoOptions, program: Program | None = None) -> dic
         history["val"].append([0, _val_loss(r, params)])  # where it starts: about ln 256
     t_start = time.perf_counter()
     end = o.stop_after or o.steps
-    params, state, step_times, last = _train(r, params, state, history, start, end)
+    saver = _Saver(r, history)
+    params, state, step_times, last = _train(r, params, state, history, start, end, saver)
     if end < o.steps:  # interrupted on purpose: keep what a resume needs, nothing else
-        full = _full(r, params)
-        checkpoint.save_model(r.ckpt_dir, full, opt_state=state, naming=r.naming, step=end)
-        if r.first:
-            _write_history(o, history)
+        saver.final(end, params, state)
         return None
     final_val = _val_loss(r, params)
     history["val"].append([o.steps, final_val])
     traced, simulated = _traced_step(r, params)
-    full = _full(r, params)
-    checkpoint.save_model(r.ckpt_dir, full, opt_state=state, naming=r.naming, step=o.steps)
+    saver.final(o.steps, params, state)
     peak_memory = _peak_memory(r.device)  # every rank takes part (a gather)
     if not r.first:
         return None
@@ -256,6 +252,13 @@ def _resume(r: _Rank, params: Any, state: Any) -> tuple[Any, Any, int, History]:
         like = {r.tag: {"params": params, "opt": state}, "step": 0}
         loaded = checkpoint.load(found, like)
         params, state, start = loaded[r.tag]["params"], loaded[r.tag]["opt"], int(loaded["step"])
+    if r.first and o.resume:
+        print(
+            f"resumed from step {start} ({found})"
+            if found is not None
+            else f"no complete checkpoint in {o.out}: starting at step 0",
+            flush=True,
+        )
     if found is not None:
         hist_file = os.path.join(o.out, "history.json")
         if os.path.exists(hist_file):
@@ -265,12 +268,67 @@ def _resume(r: _Rank, params: Any, state: Any) -> tuple[Any, Any, int, History]:
     return params, state, start, history
 
 
+class _Saver:
+    """The demo's checkpoints: every ``--checkpoint-every`` steps one written in the background
+    (``out/checkpoint-step<N>``; the next save, or the end, waits for it), the last one at the
+    end or at ``--stop-after`` (``out/checkpoint``), each with the loss history so far; after
+    each, the first rank deletes all but the newest ``--keep`` complete ones."""
+
+    def __init__(self, r: _Rank, history: History) -> None:
+        self.r, self.history = r, history
+        self.pending: Any = None
+
+    def periodic(self, step: int, params: Any, state: Any) -> None:
+        from funcpipe.train import checkpoint
+
+        self._finish()
+        r = self.r
+        path = os.path.join(r.o.out, f"checkpoint-step{step:06d}")
+        full = _full(r, params)  # (a collective with --zero 1 or 2: on this thread)
+        self.pending = checkpoint.save_model_async(
+            path, full, opt_state=state, naming=r.naming, step=step
+        )
+        if r.first:
+            _write_history(r.o, self.history)
+
+    def final(self, step: int, params: Any, state: Any) -> None:
+        from funcpipe.train import checkpoint
+
+        self._finish()
+        r = self.r
+        full = _full(r, params)
+        checkpoint.save_model(r.ckpt_dir, full, opt_state=state, naming=r.naming, step=step)
+        self._prune()
+        if r.first:
+            _write_history(r.o, self.history)
+
+    def _finish(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.wait()
+            self._prune()
+
+    def _prune(self) -> None:
+        import torch.distributed as dist
+
+        from funcpipe.train import checkpoint
+
+        if dist.get_rank() == 0:
+            checkpoint.prune(self.r.o.out, self.r.o.keep)
+
+
 def _train(
-    r: _Rank, params: Any, state: Any, history: History, start: int, end: int
+    r: _Rank,
+    params: Any,
+    state: Any,
+    history: History,
+    start: int,
+    end: int,
+    saver: _Saver,
 ) -> tuple[Any, Any, list[float], float]:
     """Steps ``start`` to ``end``: pipeline step, clipping, AdamW, a validation loss every
-    ``--eval-every`` steps (appended to ``history``); returns the new parameters and state, each
-    step's time and the last loss. With ``zero`` 1 or 2 the parameters, gradients and state are this
+    ``--eval-every`` steps (appended to ``history``), a checkpoint every ``--checkpoint-every``
+    steps (``saver``); returns the new parameters and state, each step's time and the last loss. With ``zero`` 1 or 2 the parameters, gradients and state are this
     copy's shards: the same updates, on disjoint pieces."""
     import torch.distributed as dist
 
@@ -296,6 +354,8 @@ def _train(
         history["train"].append([step, last])
         if o.eval_every and (step + 1) % o.eval_every == 0 and step + 1 < o.steps:
             history["val"].append([step + 1, _val_loss(r, params)])
+        if o.checkpoint_every and (step + 1) % o.checkpoint_every == 0 and step + 1 < end:
+            saver.periodic(step + 1, params, state)
         if r.first:
             recent = step_times[-10:]
             tps = r.tokens_per_step * len(recent) / sum(recent)

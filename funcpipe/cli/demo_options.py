@@ -89,8 +89,12 @@ class DemoOptions:
     eval_batches: int = 4
     seed: int = 0
     out: str = "runs/demo"
-    resume: bool = False
+    # True: continue from the newest complete checkpoint in --out (an error if there is none);
+    # "auto": from it if there is one, else start at step 0 (the default under torchrun)
+    resume: bool | str = False
     stop_after: int = 0  # stop (with a checkpoint) after this many steps: 0 = run to --steps
+    checkpoint_every: int = 0  # a checkpoint every N steps, written in the background (0: none)
+    keep: int = 2  # the newest K complete checkpoints in --out are kept, older ones deleted
     timeout: float | None = None  # the job's deadline, s (None: none)
     pg_timeout: float | None = None  # the process group's timeout, s (None: torch's default)
     corpus_bytes: int = 3_000_000
@@ -197,7 +201,30 @@ def _add_training_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eval-batches", type=int, default=d.eval_batches, dest="eval_batches")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--out", default=d.out, help="where pictures, traces and checkpoints go")
-    ap.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    ap.add_argument(
+        "--resume",
+        nargs="?",
+        const="yes",
+        default=None,
+        choices=("yes", "auto", "no"),
+        help="continue from the newest complete checkpoint in --out; '--resume auto': from it "
+        "if there is one, else start at step 0 (the default under torchrun, so one command "
+        "starts a run and resumes it after a restart); '--resume no': start at step 0",
+    )
+    ap.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d.checkpoint_every,
+        dest="checkpoint_every",
+        help="save a checkpoint every N steps, written in the background while training goes "
+        "on (default 0: only at the end and at --stop-after)",
+    )
+    ap.add_argument(
+        "--keep",
+        type=int,
+        default=d.keep,
+        help=f"keep the newest K complete checkpoints in --out, delete older ones (default {d.keep})",
+    )
     ap.add_argument(
         "--stop-after",
         type=int,
@@ -239,6 +266,7 @@ def resolve(parsed: argparse.Namespace) -> DemoOptions:
             args[name] = getattr(SIZES[size], name)
     args["size"] = size
     args["device"] = device
+    args["resume"] = resume_default(args["resume"])
     args["precision"] = args["precision"] or ("bf16" if device == "cuda" else "fp32")
     opts = DemoOptions(**args)
     if chosen and device == "cuda":
@@ -251,6 +279,17 @@ def resolve(parsed: argparse.Namespace) -> DemoOptions:
         planned = planned_microbatches(opts, name)
         opts = opts if planned is None else replace(opts, microbatches=planned)
     return opts
+
+
+def resume_default(given: str | None) -> bool | str:
+    """``--resume``'s value as :class:`DemoOptions` holds it: ``"yes"`` True, ``"no"`` False,
+    ``"auto"`` as it is; not given, ``"auto"`` under torchrun (whose restarts rerun the same
+    command) and False otherwise."""
+    if given is None:
+        from funcpipe.distributed.launcher import under_torchrun
+
+        return "auto" if under_torchrun() else False
+    return {"yes": True, "no": False}.get(given, given)
 
 
 # ------------------------------------------------------------------- microbatches on a GPU
@@ -392,6 +431,14 @@ def _check_values(o: DemoOptions) -> None:
         raise InvalidArgument(f"--lr {o.lr!r}: a learning rate > 0")
     if o.stop_after < 0 or o.stop_after > o.steps:
         raise InvalidArgument(f"--stop-after={o.stop_after}: must be in 0..--steps ({o.steps})")
+    if o.resume not in (True, False, "auto"):
+        raise InvalidArgument(f"resume={o.resume!r}: True, False or 'auto'")
+    if not isinstance(o.checkpoint_every, int) or o.checkpoint_every < 0:
+        raise InvalidArgument(
+            f"--checkpoint-every={o.checkpoint_every!r}: a step count >= 1 (0: no periodic saves)"
+        )
+    if not isinstance(o.keep, int) or o.keep < 1:
+        raise InvalidArgument(f"--keep={o.keep!r}: how many checkpoints to keep, an int >= 1")
     if o.zero not in (None, 0, 1, 2):
         raise InvalidArgument(
             f"--zero {o.zero!r}: 0 (full copies), 1 (sharded params and optimizer state: "

@@ -114,18 +114,23 @@ class Claim:
 
         return self.shared(key, make)
 
-    def group(self, ranks: Sequence[int], *, use: str = "", device_id: Any = None) -> Any:
+    def group(
+        self, ranks: Sequence[int], *, use: str = "", device_id: Any = None, backend: Any = None
+    ) -> Any:
         """One group over ``ranks`` (global ranks) for ``use``; a non-member gets torch's
         non-member marker. Groups of different uses are different groups even over the same
         ranks (a pair's messages never share a communicator with the loss sum of a world of
         two). ``device_id`` (a CUDA device, NCCL only) binds the group so its communicator is
-        created now rather than by its first operation."""
+        created now rather than by its first operation. ``backend``: the group's (default: the
+        world's), e.g. ``"gloo"`` for one that carries CPU tensors in a CUDA job."""
         import torch.distributed as dist
 
-        key = ("group", use, tuple(int(r) for r in ranks), str(device_id))
+        key = ("group", use, tuple(int(r) for r in ranks), str(device_id), backend)
 
         def make() -> tuple[Any, list[Any]]:
-            g = dist.new_group(list(key[2]), device_id=device_id, timeout=job_timeout())
+            g = dist.new_group(
+                list(key[2]), device_id=device_id, timeout=job_timeout(), backend=backend
+            )
             return g, [g]
 
         return self.shared(key, make)

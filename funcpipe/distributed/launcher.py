@@ -103,7 +103,7 @@ from funcpipe.distributed.failures import (
 from funcpipe.distributed.network import is_loopback as _is_loopback
 from funcpipe.distributed.network import listen as _listen  # (tests patch it here)
 from funcpipe.distributed.network import loopback_interface as _loopback_interface
-from funcpipe.distributed.survive import die_with_launcher, torchrun_store
+from funcpipe.distributed.survive import die_with_launcher, release_at_exit, torchrun_store
 from funcpipe.distributed.timeouts import PG_TIMEOUTS as PG_TIMEOUTS
 from funcpipe.distributed.timeouts import check_pg_timeout, join_expired, pg_expired, pg_seconds
 from funcpipe.errors import (
@@ -556,6 +556,8 @@ def _run_torchrun(
             raise
         raise err from e
     record_return()
+    if _PG_TIMEOUT is not None:  # funcpipe started this process's group: it ends it
+        release_at_exit()
     return out
 
 

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["die_with_launcher", "torchrun_store"]
+__all__ = ["die_with_launcher", "release_at_exit", "torchrun_store"]
 
 
 def die_with_launcher(rank: int) -> None:
@@ -60,3 +60,29 @@ def torchrun_store(limit: datetime.timedelta) -> tuple[Any, int, int]:
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"funcpipe/{run}/attempt_{attempt}/default_pg", store), rank, world
+
+
+_RELEASING = False
+
+
+def release_at_exit() -> None:
+    """Destroy the process group funcpipe started in this process when the interpreter exits
+    (once, however many jobs ran). Left to the interpreter's end, gloo's threads were torn down
+    while still running, and a rank that had finished its work aborted (SIGABRT, "terminate
+    called without an active exception"; about one torchrun restart in five): torchrun then
+    called the whole job failed. Registered only after a job returned, so a rank that fails
+    never waits at exit on a group whose peers are gone."""
+    global _RELEASING
+    if _RELEASING:
+        return
+    _RELEASING = True
+    import atexit
+
+    import torch.distributed as dist
+
+    def release() -> None:
+        with contextlib.suppress(Exception):  # (a group destroyed by the user already)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    atexit.register(release)

@@ -38,37 +38,33 @@ chosen point.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import secrets
-import shutil
-import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from funcpipe.errors import FuncpipeError, InvalidArgument, check_int
+from funcpipe.errors import FuncpipeError, InvalidArgument
+from funcpipe.train.checkpoint_async import PendingSave, save_model_async
+from funcpipe.train.checkpoint_dirs import INFO, VERSION, latest, prune
+from funcpipe.train.checkpoint_dirs import check_path as _check_path
+from funcpipe.train.checkpoint_dirs import info_or_reason as _info_or_reason
 from funcpipe.train.checkpoint_integrity import (
     SafeReader,
     check_against,
     check_files,
-    checksums,
     failures,
-    gather_checksums,
-    note,
-    save_error,
     verify,
 )
-from funcpipe.train.checkpoint_named import NAMED, Loaded, merge_tables, named_pieces, plan_load
+from funcpipe.train.checkpoint_named import NAMED, Loaded, named_pieces, plan_load
 from funcpipe.train.checkpoint_regions import SCALAR_DTYPES, Naming, Region, state_keys
+from funcpipe.train.checkpoint_write import agree as _agree
+from funcpipe.train.checkpoint_write import dist_on as _dist_on
+from funcpipe.train.checkpoint_write import quiet_single_process as _quiet_single_process
+from funcpipe.train.checkpoint_write import save_with as _save_with
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -76,21 +72,20 @@ if TYPE_CHECKING:
 __all__ = [
     "Loaded",
     "Naming",
+    "PendingSave",
     "Region",
     "by_names",
     "latest",
     "load",
     "load_model",
+    "prune",
     "save",
     "save_model",
+    "save_model_async",
     "state_keys",
 ]
 
 Tensor = torch.Tensor
-FORMAT = "funcpipe.train.checkpoint"
-VERSION = 1
-INFO = "funcpipe.json"
-_PAUSE_ENV = "FUNCPIPE_TEST_CHECKPOINT_PAUSE"
 _SafeReader = SafeReader  # its name here before checkpoint_integrity held it (tests read with it)
 
 
@@ -109,129 +104,7 @@ def _to_tensor(key: str, value: Any) -> Tensor:
 
 
 # ----------------------------------------------------------------------- process groups
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _comm_device(group: ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _agree(
-    group: ProcessGroup | None, error: Exception | None, what: str, elsewhere: str | None = None
-) -> int:
-    """Every rank learns whether any rank of ``group`` rejected its arguments (then all raise,
-    instead of the others waiting in a collective forever); returns a random nonce drawn by the
-    group's first rank, the same on every rank. Single process: raise ``error``, draw a nonce.
-    ``elsewhere``: what the ranks without an error raise (``{n}`` the count of those with one).
-    """
-    if not _dist_on():
-        if error is not None:
-            raise error
-        return secrets.randbits(62)
-    first = dist.get_rank(group) == 0
-    flags = torch.tensor(
-        [0 if error is None else 1, secrets.randbits(62) if first else 0],
-        dtype=torch.int64,
-        device=_comm_device(group),
-    )
-    dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
-    if error is not None:
-        raise error
-    if int(flags[0]) > 0:
-        if elsewhere is not None:
-            raise FuncpipeError(elsewhere.replace("{n}", str(int(flags[0]))))
-        raise InvalidArgument(
-            f"{int(flags[0])} other rank(s) of the group rejected their arguments to {what} "
-            "(their errors name the problem); no rank wrote or read anything"
-        )
-    return int(flags[1])
-
-
-@contextlib.contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """DCP warns when it runs without a process group; that is the intended single-process use."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 # -------------------------------------------------------------------------------- saving
-def _check_path(path: Any) -> str:
-    if not isinstance(path, (str, os.PathLike)):
-        raise InvalidArgument(f"path={path!r}: a directory path (str or os.PathLike)")
-    p = os.fspath(path)
-    if not isinstance(p, str) or not p:
-        raise InvalidArgument(f"path={path!r}: a non-empty directory path")
-    return p.rstrip(os.sep) or p
-
-
-def _read_info(path: str) -> dict[str, Any] | None:
-    """The ``funcpipe.json`` of a complete checkpoint directory, else ``None``."""
-    return _info_or_reason(path)[0]
-
-
-def _info_or_reason(path: str) -> tuple[dict[str, Any] | None, str]:
-    """(the ``funcpipe.json`` of a complete checkpoint, "") or (None, why it is not one: "" when
-    neither file is there, or no directory)."""
-    if not os.path.isdir(path):
-        return None, ""
-    has_metadata = os.path.isfile(os.path.join(path, ".metadata"))
-    try:
-        with open(os.path.join(path, INFO)) as f:
-            info = json.load(f)
-    except FileNotFoundError:
-        return None, "it has a .metadata but no funcpipe.json" if has_metadata else ""
-    except ValueError as e:  # not JSON, or not UTF-8
-        return None, f"its funcpipe.json is corrupt ({e})"
-    except OSError as e:
-        return None, f"its funcpipe.json cannot be read ({e})"
-    if not isinstance(info, dict) or info.get("format") != FORMAT:
-        got = info.get("format") if isinstance(info, dict) else type(info).__name__
-        return None, f"its funcpipe.json was not written by {FORMAT} (format {got!r})"
-    if not has_metadata:
-        return None, "it has a funcpipe.json but no .metadata (DCP's index of the tensors)"
-    return info, ""
-
-
-def _pause(stage: str) -> None:
-    spec = os.environ.get(_PAUSE_ENV, "")
-    name, _, seconds = spec.partition(":")
-    if name == stage:
-        time.sleep(float(seconds or "3600"))
-
-
-def _fsync_dir(path: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _commit(tmp: str, path: str, nonce: str) -> None:
-    """Rename ``tmp`` to ``path``; an existing ``path`` is moved aside first, deleted after."""
-    parent = os.path.dirname(os.path.abspath(path))
-    old = None
-    if os.path.lexists(path):
-        old = f"{path}.old-{nonce}"
-        os.replace(path, old)
-        _fsync_dir(parent)
-        _pause("aside")
-    os.replace(tmp, path)
-    _fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    # leftovers of earlier interrupted saves of this path
-    base = os.path.basename(path)
-    for name in os.listdir(parent):
-        if name.startswith((f"{base}.tmp-", f"{base}.old-")):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-
 def save(
     path: str | os.PathLike[str],
     state: Any,
@@ -259,107 +132,6 @@ def save(
         return {k: _to_tensor(k, v) for k, v in flat.items() if _held(v)}, None
 
     return _save_with(path, prepare, step=step, group=group)
-
-
-def _save_with(
-    path: str | os.PathLike[str],
-    prepare: Callable[[], tuple[dict[str, Tensor], dict[str, Any] | None]],
-    *,
-    step: int | None,
-    group: ProcessGroup | None,
-) -> str:
-    """:func:`save` of the tensors ``prepare()`` returns (it may raise InvalidArgument), with
-    its table (merged over the ranks, or None) recorded in ``funcpipe.json``."""
-    error: Exception | None = None
-    target = ""
-    tensors: dict[str, Tensor] = {}
-    table: dict[str, Any] | None = None
-    try:
-        target = _check_path(path)
-        if step is not None:
-            check_int("step", step, 0, "the training step, an int >= 0 (or None)")
-        if os.path.lexists(target) and _read_info(target) is None:
-            raise InvalidArgument(
-                f"path={path!r} exists and is not a complete funcpipe checkpoint; refusing to "
-                "replace it. Choose another path or remove it."
-            )
-        tensors, table = prepare()
-    except InvalidArgument as e:
-        error = e
-    nonce = f"{_agree(group, error, 'checkpoint.save'):016x}"
-    on = _dist_on()
-    rank = dist.get_rank(group) if on else 0
-    if table is not None:  # the same on every rank: a conflict raises on all, before writing
-        table = merge_tables(table, group if on else None, on)
-    tmp = f"{target}.tmp-{nonce}"
-    try:
-        with _quiet_single_process():
-            dcp.save(
-                tensors,
-                storage_writer=FileSystemWriter(tmp),
-                process_group=group,
-                no_dist=not on,
-            )
-    except CheckpointException as e:  # a BaseException holding each rank's error
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise save_error(e, target) from None
-    sums, clash = gather_checksums(checksums(tensors), group, on)
-    if clash:  # every rank gathered the same table, so every rank raises here
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise FuncpipeError(
-            f"not saved: {clash} A key held by several ranks is written once, so their values "
-            "must be equal (data-parallel or tied copies that have drifted apart are a bug to "
-            f"find); give per-rank values distinct keys. {target!r} was left as it was"
-        )
-    failed: OSError | None = None
-    if rank == 0:
-        info = {
-            "format": FORMAT,
-            "version": VERSION,
-            "step": step,
-            "saved_ns": time.time_ns(),
-            "world_size": dist.get_world_size(group) if on else 1,
-            "torch": torch.__version__,
-            "checksums": sums,
-        }
-        if table is not None:
-            info["keys"] = NAMED
-            info.update(table)
-        try:
-            _write_info(tmp, info)
-        except OSError as e:  # a full disk: the previous checkpoint stays as it was
-            shutil.rmtree(tmp, ignore_errors=True)
-            note(e, f"funcpipe: rank 0 could not write the checkpoint {target!r}")
-            failed = e
-        else:
-            try:
-                _pause("written")
-                _commit(tmp, target, nonce)
-            except OSError as e:  # tmp is complete: left for latest (an .old- one is found)
-                note(e, f"funcpipe: rank 0 could not move the checkpoint {target!r} in place")
-                failed = e
-    if on:  # every rank learns whether rank 0 wrote it (a barrier that cannot hang on a failure)
-        _agree(
-            group,
-            failed,
-            "checkpoint.save",
-            elsewhere=f"rank 0 could not finish the checkpoint {target!r} (writing {INFO} or "
-            "moving it in place; its error names the cause); the previous checkpoint there, if "
-            "any, was kept",
-        )
-    elif failed is not None:
-        raise failed
-    return target
-
-
-def _write_info(tmp: str, info: dict[str, Any]) -> None:
-    with open(os.path.join(tmp, INFO), "w") as f:
-        json.dump(info, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
 
 
 def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None = None) -> Any:
@@ -558,38 +330,3 @@ def by_names(path: str | os.PathLike[str]) -> bool:
     pytree paths: :func:`load` reads it at its own layout)."""
     _, info = _open(path)
     return bool(info.get("keys") == NAMED)
-
-
-def latest(directory: str | os.PathLike[str]) -> str | None:
-    """The newest complete checkpoint directly inside ``directory``, or ``None``.
-
-    Newest means the largest ``step`` given to :func:`save` (checkpoints saved without a step
-    count as -1), then the latest save time. Directories of unfinished saves (``.tmp-``) are
-    never returned; a checkpoint moved aside (``.old-``) by a save that crashed before
-    renaming its replacement in is returned in place of its missing ``path``.
-    """
-    d = _check_path(directory)
-    try:
-        names = sorted(os.listdir(d))
-    except OSError:
-        return None
-    best: tuple[int, int, str] | None = None
-    for name in names:
-        if ".tmp-" in name:
-            continue
-        if ".old-" in name and os.path.lexists(os.path.join(d, name.split(".old-")[0])):
-            continue
-        full = os.path.join(d, name)
-        info = _read_info(full)
-        if info is None:
-            continue
-        step = info.get("step")
-        saved = info.get("saved_ns")
-        rank = (
-            step if isinstance(step, int) else -1,
-            saved if isinstance(saved, int) else 0,
-            full,
-        )
-        if best is None or rank > best:
-            best = rank
-    return None if best is None else best[2]

@@ -49,6 +49,7 @@ __all__ = [
     "gather_checksums",
     "note",
     "save_error",
+    "unseen_ranks",
     "verify",
 ]
 
@@ -209,6 +210,20 @@ def check_files(path: str, metadata: Any, wanted: dict[str, Tensor]) -> None:
                 "an earlier checkpoint (funcpipe.train.checkpoint.latest), or save again from a good "
                 "state"
             )
+
+
+def unseen_ranks(tmp: str) -> list[int]:
+    """The ranks whose data files the metadata of the save in ``tmp`` lists but that are not
+    there (DCP's file writer names a rank's files ``__<rank>_<n>.distcp``): written by ranks
+    whose ``tmp`` is another directory, on a disk of their own node."""
+    metadata = SafeReader(tmp).read_metadata()
+    missing: set[int] = set()
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        rel = os.fspath(info.relative_path)
+        if not os.path.exists(os.path.join(tmp, rel)):
+            head = rel.split("_")
+            missing.add(int(head[2]) if len(head) > 2 and head[2].isdigit() else -1)
+    return sorted(missing)
 
 
 def check_against(path: str, metadata: Any, wanted: dict[str, Tensor]) -> None:

@@ -189,6 +189,11 @@ def named_pieces(
     params: Any, opt_state: Any, naming: Naming | None
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The tensors :func:`save_model` writes, by key, and this rank's ``funcpipe.json`` table."""
+    if naming is not None and not isinstance(naming, Naming):
+        raise InvalidArgument(
+            f"naming={naming!r}: a funcpipe.train.checkpoint.Naming (or None: every leaf whole, "
+            "named by its path inside its stage)"
+        )
     walk = _Walk(params, opt_state, naming)
     tensors: dict[str, Tensor] = {}
     table: dict[str, dict[str, Any]] = {}
