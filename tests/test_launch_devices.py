@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import funcpipe as fp
-from funcpipe.distributed import launcher
+from funcpipe.distributed import launcher, records
 from funcpipe.distributed.launcher import default_backend, rank_device
 from funcpipe.errors import InvalidArgument, RankFailed
 
@@ -39,8 +39,9 @@ def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv(launcher.SHARE_ENV, raising=False)
-    monkeypatch.setattr(launcher, "_STORE", None)
-    monkeypatch.setattr(launcher, "_RANK", None)
+    monkeypatch.setattr(records, "_STORE", None)
+    monkeypatch.setattr(records, "_RANK", None)
+    monkeypatch.setattr(launcher, "heartbeat", lambda store, rank: None)  # (no thread in pytest)
     yield
     os.environ.clear()
     os.environ.update(saved)

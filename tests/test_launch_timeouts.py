@@ -22,7 +22,7 @@ from torch.distributed.constants import default_pg_timeout
 
 import funcpipe as fp
 from funcpipe.cli import demo
-from funcpipe.distributed import launcher
+from funcpipe.distributed import launcher, records
 from funcpipe.errors import CommunicationError, InvalidArgument, RankFailed
 
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -37,7 +37,9 @@ def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv(launcher.SHARE_ENV, raising=False)
     for name in ("_STORE", "_RANK", "_PG_TIMEOUT"):
-        monkeypatch.setattr(launcher, name, None)
+        monkeypatch.setattr(records, name, None)
+    monkeypatch.setattr(launcher, "heartbeat", lambda store, rank: None)  # (no thread in pytest)
+    monkeypatch.setattr(launcher, "release_at_exit", lambda: None)  # (nor an exit hook)
     yield
     os.environ.clear()
     os.environ.update(saved)
@@ -116,14 +118,14 @@ def test_under_torchrun_pg_timeout_is_the_groups_timeout(
     assert events == [
         {"backend": "nccl" if gpus else "gloo", "timeout": datetime.timedelta(seconds=seconds)}
     ]
-    assert seconds == launcher._PG_TIMEOUT
+    assert seconds == records._PG_TIMEOUT
 
 
 def group_timeout(rank: int) -> tuple[float, float | None]:
     """The process group's timeout as this rank's group has it, and as the launcher noted it."""
     from funcpipe.distributed.world import _pg_timeout
 
-    return _pg_timeout(), launcher._PG_TIMEOUT
+    return _pg_timeout(), records._PG_TIMEOUT
 
 
 @pytest.mark.timeout(150)
@@ -239,7 +241,7 @@ def test_under_torchrun_a_raw_timeout_names_pg_timeout(monkeypatch: pytest.Monke
     for name, value in {"RANK": 0, "WORLD_SIZE": 2, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 2}.items():
         monkeypatch.setenv(name, str(value))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setattr(launcher, "_POLLS", 1)
+    monkeypatch.setattr(records, "_POLLS", 1)
     with pytest.raises(CommunicationError) as e:
         fp.launch(store_timeout, 2, pg_timeout=5)
     text = str(e.value)
@@ -251,7 +253,7 @@ def test_under_torchrun_a_raw_timeout_names_pg_timeout(monkeypatch: pytest.Monke
 def test_only_torch_distributeds_own_failures_are_renamed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A user's error that merely says "timeout", or an argument torch.distributed refuses, is
     raised as it was; a store wait that ran out is told as the transport would, with its call."""
-    monkeypatch.setattr(launcher, "_POLLS", 1)  # (no store here: nothing to wait for)
+    monkeypatch.setattr(records, "_POLLS", 1)  # (no store here: nothing to wait for)
 
     def mine() -> None:
         raise RuntimeError("my data loader timed out")

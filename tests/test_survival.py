@@ -219,3 +219,107 @@ def test_a_rank_killed_under_torchrun_resumes_from_its_periodic_checkpoint(tmp_p
     first = json.loads((straight / "history.json").read_text())["train"]
     second = json.loads((drilled / "history.json").read_text())["train"]
     assert second == first  # the same losses, step by step, restart and all
+
+
+STALL = """
+import os, sys, time
+import torch, torch.distributed as dist
+import funcpipe
+
+def fn(rank, where):
+    with open(os.path.join(where, f"pid{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    x, start = torch.ones(1), time.monotonic()
+    while time.monotonic() - start < 150:  # training: a collective every 50 ms
+        dist.all_reduce(x)
+        time.sleep(0.05)
+
+if __name__ == "__main__":
+    funcpipe.launch(fn, 2, sys.argv[1], backend="gloo", pg_timeout=float(sys.argv[2]))
+"""
+
+PG = 6.0  # the job's timeout in the drills below
+# what naming the stalled rank adds to it: 3 s looking for a recorded failure, 2.5 s reading the
+# heartbeats, and under funcpipe.launch the 5 s of grace the other ranks get to stop (measured:
+# 11.5 s after the stop under torchrun, 16.7 s under funcpipe.launch, at PG 6 s)
+SLACK = 15.0
+
+
+def _stop_a_rank_and_read(cmd: list[str], where: Path) -> tuple[str, float, int]:
+    """Run ``cmd``, SIGSTOP rank 1 once both ranks run; (the output, seconds from the stop to
+    the first line that names rank 1 as stalled, the exit code)."""
+    import threading
+
+    job = subprocess.Popen(
+        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+    named: list[float] = []
+
+    def read() -> None:
+        assert job.stdout is not None
+        for line in job.stdout:
+            lines.append(line)
+            if "rank 1 stopped answering" in line and not named:
+                named.append(time.monotonic())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    pid = None
+    try:
+        deadline = time.monotonic() + 60
+        while not all((where / f"pid{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and job.poll() is None, "".join(lines)
+            time.sleep(0.05)
+        time.sleep(0.5)
+        pid = int((where / "pid1").read_text())
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        job.wait(timeout=120)
+    finally:
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        if job.poll() is None:
+            job.kill()
+            job.wait(timeout=30)
+        reader.join(timeout=10)
+        if job.stdout is not None:
+            job.stdout.close()
+    return "".join(lines), (named[0] - stopped) if named else float("inf"), job.returncode
+
+
+@pytest.mark.timeout(180)
+def test_a_stopped_rank_is_named_under_funcpipe_launch(tmp_path: Path) -> None:
+    """Before: "rank 0: ... no rank recorded an error: a hang" named the rank that waited."""
+    script = tmp_path / "job.py"
+    script.write_text(STALL)
+    out, took, code = _stop_a_rank_and_read(
+        [sys.executable, str(script), str(tmp_path), str(PG)], tmp_path
+    )
+    assert code != 0, out[-3000:]
+    assert "rank 1 stopped answering: its heartbeat" in out, out[-3000:]
+    print(f"named {took:.1f} s after the stop")
+    assert took < PG + SLACK, (took, out[-3000:])
+
+
+@pytest.mark.timeout(180)
+def test_a_stopped_rank_is_named_under_torchrun(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(STALL)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out, took, code = _stop_a_rank_and_read(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            str(tmp_path),
+            str(PG),
+        ],
+        tmp_path,
+    )
+    assert code != 0, out[-3000:]
+    assert "rank 1 stopped answering: its heartbeat" in out, out[-3000:]
+    print(f"named {took:.1f} s after the stop")
+    assert took < PG + SLACK, (took, out[-3000:])

@@ -74,6 +74,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from funcpipe.distributed import records
 from funcpipe.distributed.collect import LEAVE, collect
 from funcpipe.distributed.devices import BACKENDS as BACKENDS  # (re-exported: its old home)
 from funcpipe.distributed.devices import NCCL_ENV as NCCL_ENV
@@ -88,35 +89,32 @@ from funcpipe.distributed.devices import (
 )
 from funcpipe.distributed.failures import FAIL_KEY as FAIL_KEY
 from funcpipe.distributed.failures import (
-    call_site,
-    communication_failure,
-    current_step,
     death,
-    describe,
     first_failure,
-    parse_record,
-    parse_returns,
-    return_key,
-    returned_text,
     timed_out,
 )
 from funcpipe.distributed.network import is_loopback as _is_loopback
 from funcpipe.distributed.network import listen as _listen  # (tests patch it here)
 from funcpipe.distributed.network import loopback_interface as _loopback_interface
-from funcpipe.distributed.survive import die_with_launcher, release_at_exit, torchrun_store
+from funcpipe.distributed.survive import (
+    die_with_launcher,
+    heartbeat,
+    release_at_exit,
+    torchrun_store,
+)
 from funcpipe.distributed.timeouts import PG_TIMEOUTS as PG_TIMEOUTS
-from funcpipe.distributed.timeouts import check_pg_timeout, join_expired, pg_expired, pg_seconds
+from funcpipe.distributed.timeouts import check_pg_timeout, join_expired, pg_seconds
 from funcpipe.errors import (
     CommunicationError,
-    FuncpipeError,
     InvalidArgument,
-    RankFailed,
     check_int,
     check_seconds,
 )
 
 # the failure records' helpers under the names they had here (tests reach them so)
 _death, _first_failure = death, first_failure
+failure_handler, named = records.failure_handler, records.named
+record_failure, record_return = records.record_failure, records.record_return
 
 __all__ = [
     "PG_TIMEOUTS",
@@ -128,12 +126,6 @@ __all__ = [
     "rank_device",
     "under_torchrun",
 ]
-
-_STORE: Any = None  # this process's rendezvous store (set in ranks started by funcpipe)
-_RANK: int | None = None
-_PG_TIMEOUT: float | None = None  # this process's group timeout, where funcpipe started the group
-_JOB = 0  # the jobs this process ran (a Pool's, or launch's under torchrun): every rank alike
-_POLLS = 60  # how many times (every 0.05 s) a broken wait looks for a peer's record
 
 
 def under_torchrun() -> bool:
@@ -153,100 +145,12 @@ def _env_int(name: str) -> int | None:
         ) from None
 
 
-def record_failure(exc: BaseException) -> None:
-    """Record in the shared store that this rank failed (first failure wins)."""
-    if _STORE is None or _RANK is None:
-        return
-    text = f"{_RANK}\n{describe(exc)}"
-    with contextlib.suppress(Exception):  # the store may be gone; the launcher sees the exit
-        _STORE.compare_set(FAIL_KEY, "", text)
-
-
-def record_return() -> None:
-    """Record in the shared store that this rank's function returned (in this job)."""
-    if _STORE is None or _RANK is None:
-        return
-    with contextlib.suppress(Exception):  # (a store without append: not recorded)
-        _STORE.append(return_key(_JOB), f"{_RANK} ")
-
-
-def _read(key: str) -> str | None:
-    if _STORE is None:
-        return None
-    try:
-        if not _STORE.check([key]):
-            return None
-        return str(_STORE.get(key).decode())
-    except Exception:
-        return None
-
-
-def _read_failure() -> tuple[int, str] | None:
-    raw = _read(FAIL_KEY)
-    return None if raw is None else parse_record(raw)
-
-
-def _returned(step: int | None) -> RankFailed | None:
-    """Which ranks' functions returned in this job, told as the reason a wait broke."""
-    raw = _read(return_key(_JOB))
-    returned = [] if raw is None else [r for r in parse_returns(raw) if r != _RANK]
-    if not returned:
-        return None
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_initialized() else max(returned) + 1
-    running = sorted(set(range(world)) - set(returned))
-    text = returned_text(returned, running, step)
-    return RankFailed(text, rank=returned[0], cause=text)
-
-
-def failure_handler(
-    step: Callable[[], int | None] | None = None,
-) -> Callable[[BaseException, str], BaseException]:
-    """What a transport raises when communication breaks: name the rank that failed first, or
-    the ranks whose function returned; ``step()``: the step this process is in, if known."""
-
-    def handle(exc: BaseException, what: str) -> BaseException:
-        for k in range(_POLLS):  # the failed rank (or, for a dead one, the launcher) records it
-            found = _read_failure()
-            if found is not None:
-                rank, cause = found
-                return RankFailed(
-                    f"{what} stopped: rank {rank} failed with {cause}", rank=rank, cause=cause
-                )
-            # a failure, if there is one, is the cause; the launcher takes a second to see a death
-            gone = _returned(step() if step is not None else None) if 2 * k >= _POLLS else None
-            if gone is not None:
-                return RankFailed(f"{what} stopped: {gone}", rank=gone.rank, cause=gone.cause)
-            time.sleep(0.05)
-        if timed_out(exc):
-            return CommunicationError(f"{what} failed: {exc}. {pg_expired(_PG_TIMEOUT)}")
-        return CommunicationError(
-            f"{what} failed: {exc}. No rank recorded an error: a peer process died (killed, out "
-            "of memory) or the network failed."
-        )
-
-    return handle
-
-
-def named(exc: BaseException, rank: int | None) -> BaseException:
-    """``exc``, or for torch.distributed's own report of a wait that ran out or a connection
-    that dropped (a collective outside funcpipe's transport, or the user's), the error the
-    transport would have raised: naming the rank that failed, the rank that returned, or the
-    process group's timeout."""
-    if isinstance(exc, FuncpipeError) or not communication_failure(exc):
-        return exc
-    where = call_site(exc) or "a torch.distributed call"
-    return failure_handler(current_step)(exc, f"rank {rank}: {where}")
-
-
 def _init_group(
     rank: int, world: int, host: str, port: int, backend: str, pg_timeout: float, share: bool
 ) -> None:
     """Join the launcher's process group as ``rank`` (every rank of the launcher is on its host,
     so the rank is also the local rank that picks the device); ``pg_timeout`` seconds is the
     group's timeout (and its store's)."""
-    global _STORE, _RANK, _PG_TIMEOUT
     import torch
     import torch.distributed as dist
 
@@ -261,7 +165,8 @@ def _init_group(
             os.environ["GLOO_SOCKET_IFNAME"] = iface
     limit = datetime.timedelta(seconds=pg_timeout)
     store = dist.TCPStore(host, port, world_size=None, is_master=False, timeout=limit)
-    _STORE, _RANK, _PG_TIMEOUT = store, rank, float(pg_timeout)
+    records.joined(store, rank, float(pg_timeout))
+    heartbeat(store, rank)
     dist.init_process_group(
         backend,
         store=dist.PrefixStore("pg", store),
@@ -286,7 +191,6 @@ def _worker(
     for p in paths:
         if p not in sys.path:
             sys.path.insert(0, p)
-    global _JOB
     die_with_launcher(rank)
     try:
         _init_group(rank, world, host, port, backend, pg_timeout, share)
@@ -305,7 +209,7 @@ def _worker(
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
-        _JOB += 1
+        records.next_job()
         try:
             fn, args, kwargs = pickle.loads(job)
             out = fn(rank, *args, **kwargs)
@@ -544,9 +448,8 @@ def _run_torchrun(
 ) -> Any:
     """``fn(rank, ...)`` in this process, one rank of torchrun's job: its failure, or its
     return, is recorded in torchrun's store for the peers that wait on it."""
-    global _JOB
     rank = _join_torchrun(backend, share=share, pg_timeout=pg_timeout)
-    _JOB += 1
+    records.next_job()
     try:
         out = fn(rank, *args, **kwargs)
     except BaseException as e:
@@ -556,7 +459,7 @@ def _run_torchrun(
             raise
         raise err from e
     record_return()
-    if _PG_TIMEOUT is not None:  # funcpipe started this process's group: it ends it
+    if records.pg_timeout() is not None:  # funcpipe started this process's group: it ends it
         release_at_exit()
     return out
 
@@ -567,9 +470,9 @@ def _join_torchrun(backend: str | None, *, share: bool, pg_timeout: float | None
     The device is made current from ``LOCAL_RANK`` before the group starts, as for the local
     launcher's ranks; thread counts are left to torchrun (it sets ``OMP_NUM_THREADS``). The
     group's timeout is ``pg_timeout`` seconds (``None``: :data:`PG_TIMEOUTS`)."""
-    global _STORE, _RANK, _PG_TIMEOUT
     import torch.distributed as dist
 
+    started: float | None = None
     if not dist.is_initialized():
         local = _env_int("LOCAL_RANK")
         if local is None:
@@ -592,9 +495,12 @@ def _join_torchrun(backend: str | None, *, share: bool, pg_timeout: float | None
                 f"rank {os.environ.get('RANK')} could not join the process group torchrun "
                 f"describes: {e!r}. {join_expired(seconds)}"
             ) from e
-        _PG_TIMEOUT = seconds
+        started = seconds
         die_with_launcher(dist.get_rank())
-    _RANK = dist.get_rank()
+    rank = dist.get_rank()
+    store = None
     with contextlib.suppress(Exception):  # a group started elsewhere may have no store to share
-        _STORE = dist.distributed_c10d._get_default_store()
-    return _RANK
+        store = dist.distributed_c10d._get_default_store()
+    records.joined(store, rank, started if started is not None else records.pg_timeout())
+    heartbeat(store, rank)
+    return rank

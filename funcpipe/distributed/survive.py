@@ -1,5 +1,6 @@
 """What keeps a job alive through what clusters do to it (issue 51): torchrun restarts that rejoin,
-and ranks that stop with the launcher that started them."""
+ranks that stop with the launcher that started them, and a heartbeat that names a rank that
+stopped answering (:func:`heartbeat`, :func:`stalled`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["die_with_launcher", "release_at_exit", "torchrun_store"]
+__all__ = ["die_with_launcher", "heartbeat", "release_at_exit", "stalled", "torchrun_store"]
 
 
 def die_with_launcher(rank: int) -> None:
@@ -86,3 +87,68 @@ def release_at_exit() -> None:
                 dist.destroy_process_group()
 
     atexit.register(release)
+
+
+BEAT = 1.0  # seconds between two heartbeats of a rank
+_BEATING: list[int] = []  # the rank this process beats for (once per process)
+
+
+def _beat_key(rank: int) -> str:
+    return f"funcpipe/beat/{rank}"
+
+
+def heartbeat(store: Any, rank: int) -> None:
+    """Beat for ``rank`` in ``store`` (the job's rendezvous store) every :data:`BEAT` seconds,
+    from a daemon thread: a counter and the step this process is in. A rank whose process is
+    stopped (SIGSTOP, a debugger), frozen (swapping, native code that holds the GIL) or whose
+    host is cut off stops beating, while a rank that only waits in a collective goes on (the
+    wait releases the GIL), so :func:`stalled` can tell the one that holds a job up from those
+    waiting for it. One store write a second per rank."""
+    if _BEATING or store is None:
+        return
+    _BEATING.append(rank)
+    import threading
+
+    from funcpipe.distributed.failures import current_step
+
+    def beat() -> None:
+        n = 0
+        while True:
+            n += 1
+            with contextlib.suppress(Exception):  # (a store gone with the job: the end)
+                step = current_step()
+                store.set(_beat_key(rank), f"{n} {'' if step is None else step}")
+            time.sleep(BEAT)
+
+    threading.Thread(target=beat, name="funcpipe-heartbeat", daemon=True).start()
+
+
+def _beats(store: Any, world: int) -> dict[int, str]:
+    got: dict[int, str] = {}
+    for r in range(world):
+        with contextlib.suppress(Exception):
+            if store.check([_beat_key(r)]):
+                got[r] = store.get(_beat_key(r)).decode()
+    return got
+
+
+def stalled(store: Any, world: int, me: int | None) -> str | None:
+    """Which ranks stopped answering, said as the cause of a wait that timed out (``None``
+    when every rank that ever beat still beats): their heartbeats read twice, 2.5 beats apart.
+    Costs that long, once, on the way to the error."""
+    if store is None:
+        return None
+    before = _beats(store, world)
+    time.sleep(2.5 * BEAT)
+    after = _beats(store, world)
+    quiet = [r for r in sorted(before) if r != me and after.get(r) == before[r]]
+    if not quiet:
+        return None
+    steps = {r: before[r].partition(" ")[2] for r in quiet}
+    said = ", ".join(f"rank {r}" + (f" (at step {steps[r]})" if steps[r] else "") for r in quiet)
+    return (
+        f"{said} stopped answering: its heartbeat (every {BEAT:g} s over the job's store) has "
+        f"not moved for {2.5 * BEAT:g} s while this rank waited on it. The process is stopped "
+        "(SIGSTOP, a debugger, a suspended job), frozen (swapping, native code holding the GIL) "
+        "or its host is unreachable; the other ranks only wait"
+    )

@@ -147,7 +147,7 @@ def join(program: Program, *, mesh: Any = None, scatter_gather: bool = False) ->
         if rank in members and len(members) > 1:
             groups[name] = pg
     pairs = _pair_groups(claim, program, rank, g, everywhere, copy, coord)
-    from funcpipe.distributed.launcher import failure_handler
+    from funcpipe.distributed.records import failure_handler
 
     split = None
     if scatter_gather and tp > 1 and mesh is not None:

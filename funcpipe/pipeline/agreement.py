@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from funcpipe.distributed.launcher import named
+from funcpipe.distributed.records import named
 from funcpipe.errors import InvalidArgument
 from funcpipe.schedule.ir import Program
 from funcpipe.stages.boundaries import BoundarySpecs
