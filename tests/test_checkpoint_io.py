@@ -125,6 +125,26 @@ def test_demo_resume_options_as_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _opts().resume == "auto" and _opts("--resume", "no").resume is False
 
 
+@pytest.mark.parametrize(("option", "value"), [("--batch", "4"), ("--data", "2")])
+def test_demo_resume_at_another_batch_or_data_is_refused(
+    tmp_path: Path, option: str, value: str
+) -> None:
+    """docs: keep --data and --batch; a resume at others ran on, with other losses."""
+    checkpoint.save(tmp_path / "checkpoint", {"w": torch.ones(1)}, step=1)
+    (tmp_path / "run.json").write_text(json.dumps({k: getattr(_opts(), k) for k in demo._KEPT}))
+    with pytest.raises(InvalidArgument, match=f"was trained with {option} "):
+        demo.run(_opts("--out", str(tmp_path), "--resume", option, value))
+
+
+def test_demo_refuses_a_program_too_large_to_build(tmp_path: Path) -> None:
+    start = time.perf_counter()
+    with pytest.raises(InvalidArgument, match="1,000,000 .* pairs a step"):
+        demo.run(_opts("--out", str(tmp_path), "--microbatches", "500000", "--batch", "500000"))
+    with pytest.raises(InvalidArgument, match="--batch 8 < --microbatches 500000"):
+        demo.run(_opts("--out", str(tmp_path), "--microbatches", "500000"))
+    assert time.perf_counter() - start < 10  # (before: generating it ran to the deadline)
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [

@@ -42,6 +42,7 @@ def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(records, "_STORE", None)
     monkeypatch.setattr(records, "_RANK", None)
     monkeypatch.setattr(launcher, "heartbeat", lambda store, rank: None)  # (no thread in pytest)
+    monkeypatch.setattr(launcher, "same_threads", lambda: None)  # (a collective: no group here)
     yield
     os.environ.clear()
     os.environ.update(saved)

@@ -39,6 +39,7 @@ def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in ("_STORE", "_RANK", "_PG_TIMEOUT"):
         monkeypatch.setattr(records, name, None)
     monkeypatch.setattr(launcher, "heartbeat", lambda store, rank: None)  # (no thread in pytest)
+    monkeypatch.setattr(launcher, "same_threads", lambda: None)  # (a collective: no group here)
     monkeypatch.setattr(launcher, "release_at_exit", lambda: None)  # (nor an exit hook)
     yield
     os.environ.clear()

@@ -323,3 +323,51 @@ def test_a_stopped_rank_is_named_under_torchrun(tmp_path: Path) -> None:
     assert "rank 1 stopped answering: its heartbeat" in out, out[-3000:]
     print(f"named {took:.1f} s after the stop")
     assert took < PG + SLACK, (took, out[-3000:])
+
+
+THREADS = """
+import os, sys
+import torch
+import funcpipe
+
+def fn(rank, where):
+    with open(os.path.join(where, f"threads{rank}"), "w") as f:
+        f.write(str(torch.get_num_threads()))
+
+if __name__ == "__main__":
+    funcpipe.launch(fn, 2, sys.argv[1], backend="gloo", pg_timeout=60)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_ranks_of_two_nodes_with_different_thread_counts_get_one(tmp_path: Path) -> None:
+    """torchrun sets OMP_NUM_THREADS=1 only on a node with several processes: a node of 1
+    process kept its cores' count, and tensor-parallel copies drifted apart over the steps."""
+    import socket
+
+    script = tmp_path / "job.py"
+    script.write_text(THREADS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = Path(sys.executable).with_name("torchrun")
+
+    def node(k: int) -> list[str]:
+        where = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+        return [str(torchrun), "--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "1",
+                *where, str(script), str(tmp_path)]  # fmt: skip
+
+    nodes = [
+        subprocess.Popen(
+            node(k),
+            env=dict(_env(), OMP_NUM_THREADS=str(1 + k)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for k in (0, 1)
+    ]
+    outs = [p.communicate(timeout=150)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == ["1", "1"]
+    assert "different intra-op thread counts ([1, 2]); every rank now uses 1" in outs[0], outs

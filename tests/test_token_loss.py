@@ -84,6 +84,21 @@ def test_data_copies_with_different_counts_in_one_process(copies: int) -> None:
     assert worst(grads, ref_grads) < TOL
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_sharded_data_copies_in_one_process(zero: int) -> None:
+    """ZeRO in one process with a (sum, count) loss: copy 0's gradient pieces were scaled by the
+    count factor twice (max error 1e-1); exact at zero=0 and over processes already."""
+    program = generate("1f1b", ranks=2, microbatches=3)
+    stages, params = model(2)
+    x, labels = batch(12, seed=3)
+    labels[:5] = -100
+    pipe = fp.Pipeline(stages, program, loss_fn=fp.token_cross_entropy, data=2, zero=zero)
+    result = pipe.step(pipe.shard(params), x, labels)
+    ref_loss, ref_grads = full_batch(stages, params, x, labels)
+    assert worst(result.loss, ref_loss) < TOL
+    assert worst(pipe.gather(result.grads), ref_grads) < TOL
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", ["1f1b", "zbv", "interleaved"])
 def test_two_gloo_processes(pool, name: str) -> None:
@@ -165,6 +180,28 @@ def test_nothing_counted_and_bad_counts_are_refused() -> None:
     three = fp.Pipeline(stages, program, loss_fn=lambda o, y: (*fp.token_cross_entropy(o, y), 1))
     with pytest.raises(InvalidArgument, match=r"\(sum, count\)"):
         three.step(params, x, labels)
+
+
+@pytest.mark.parametrize("bad", [-3.0, float("inf"), float("nan")], ids=["negative", "inf", "nan"])
+@pytest.mark.parametrize("kind", ["tensor", "float"])
+def test_a_bad_count_on_one_microbatch_is_refused(bad: float, kind: str) -> None:
+    """A count tensor of -3, inf or NaN on one microbatch returned a loss (a negative count
+    offsets the others: a silently wrong mean and gradients)."""
+    program = generate("1f1b", ranks=2, microbatches=2)
+    stages, params = model(2)
+    x, labels = batch(4)
+    calls = []
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, object]:
+        total, count = fp.token_cross_entropy(out, y)
+        calls.append(1)
+        if len(calls) % 2:
+            return total, count
+        return total, (torch.tensor(bad) if kind == "tensor" else bad)
+
+    pipe = fp.Pipeline(stages, program, loss_fn=loss_fn)
+    with pytest.raises(InvalidArgument, match="negative, infinite|>= 0 and finite"):
+        pipe.step(params, x, labels)
 
 
 def test_the_gpt_loss_with_ignore_index_gives_the_full_batch() -> None:

@@ -157,11 +157,46 @@ def _check_out(o: DemoOptions) -> None:
         ) from None
     from funcpipe.train import checkpoint
 
-    if o.resume is True and checkpoint.latest(o.out) is None:
+    found = checkpoint.latest(o.out) if o.resume else None
+    if o.resume is True and found is None:
         raise InvalidArgument(
             f"--resume: there is no complete checkpoint in --out {o.out!r} to resume from; "
             "point --out at the run to continue, drop --resume to start from step 0, or pass "
             "--resume auto (resume if there is one, else start)"
+        )
+    _check_run(o, resuming=found is not None)
+
+
+# what fixes the batches each step reads (and the dtypes): a resumed run must keep them
+_KEPT = ("batch", "data", "context", "seed", "corpus_bytes", "precision")
+
+
+def _check_run(o: DemoOptions, *, resuming: bool) -> None:
+    """``out/run.json`` records the options a resume must keep (:data:`_KEPT`): written when a
+    run starts, compared when one resumes; another value is refused, naming the option."""
+    import json
+
+    path = os.path.join(o.out, "run.json")
+    mine = {k: getattr(o, k) for k in _KEPT}
+    if not resuming:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(mine, f)
+        os.replace(tmp, path)  # (every torchrun process writes the same)
+        return
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return  # (a run of a funcpipe that did not record them)
+    changed = [k for k in _KEPT if k in saved and saved[k] != mine[k]]
+    if changed:
+        said = ", ".join(f"--{k.replace('_', '-')} {saved[k]} (now {mine[k]})" for k in changed)
+        raise InvalidArgument(
+            f"--resume: the run in --out {o.out!r} was trained with {said}; a resumed run must "
+            "keep what fixes the batches each step reads and the dtypes "
+            f"({', '.join('--' + k.replace('_', '-') for k in _KEPT)}), or its losses are not "
+            "the uninterrupted run's. Pass the run's values, or start a new run in another --out"
         )
 
 

@@ -463,11 +463,23 @@ def _check_values(o: DemoOptions) -> None:
 
 def _check_model(o: DemoOptions) -> Program:
     """The options together: the layout, the schedule's program, the model against both."""
+    from funcpipe.cli.schedule import MAX_PAIRS
     from funcpipe.models.gpt import GPTConfig
     from funcpipe.parallel.mesh import ParallelConfig
     from funcpipe.schedule.generators import generate
 
     ParallelConfig.from_dict({"pipeline": o.pipeline, "tensor": o.tensor}, world_size=o.world)
+    if o.batch < o.microbatches:  # (before the program is built: a huge one takes minutes)
+        raise InvalidArgument(
+            f"--batch {o.batch} < --microbatches {o.microbatches}: every microbatch needs a sequence"
+        )
+    if o.pipeline * o.microbatches > MAX_PAIRS:
+        raise InvalidArgument(
+            f"--pipeline {o.pipeline} x --microbatches {o.microbatches} = "
+            f"{o.pipeline * o.microbatches:,} (stage, microbatch) pairs a step: more than the "
+            f"{MAX_PAIRS:,} a program builds in seconds (funcpipe schedule refuses it too); use "
+            f"fewer microbatches, e.g. --microbatches {max(1, MAX_PAIRS // o.pipeline)}"
+        )
     program = generate(o.schedule, ranks=o.pipeline, microbatches=o.microbatches)
     cfg = GPTConfig(vocab=256, context=o.context, d_model=o.d_model, heads=o.heads, layers=o.layers)
     cfg.check_tensor(o.tensor)
@@ -478,10 +490,6 @@ def _check_model(o: DemoOptions) -> Program:
         raise InvalidArgument(
             f"--schedule {o.schedule} places {n} model stages but the model has "
             f"--layers {o.layers}: use at least {n - 1} layers"
-        )
-    if o.batch < o.microbatches:
-        raise InvalidArgument(
-            f"--batch {o.batch} < --microbatches {o.microbatches}: every microbatch needs a sequence"
         )
     return program
 

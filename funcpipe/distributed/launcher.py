@@ -100,6 +100,7 @@ from funcpipe.distributed.survive import (
     die_with_launcher,
     heartbeat,
     release_at_exit,
+    same_threads,
     torchrun_store,
 )
 from funcpipe.distributed.timeouts import PG_TIMEOUTS as PG_TIMEOUTS
@@ -497,6 +498,7 @@ def _join_torchrun(backend: str | None, *, share: bool, pg_timeout: float | None
             ) from e
         started = seconds
         die_with_launcher(dist.get_rank())
+        same_threads()
     rank = dist.get_rank()
     store = None
     with contextlib.suppress(Exception):  # a group started elsewhere may have no store to share

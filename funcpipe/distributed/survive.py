@@ -11,7 +11,14 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["die_with_launcher", "heartbeat", "release_at_exit", "stalled", "torchrun_store"]
+__all__ = [
+    "die_with_launcher",
+    "heartbeat",
+    "release_at_exit",
+    "same_threads",
+    "stalled",
+    "torchrun_store",
+]
 
 
 def die_with_launcher(rank: int) -> None:
@@ -152,3 +159,28 @@ def stalled(store: Any, world: int, me: int | None) -> str | None:
         "(SIGSTOP, a debugger, a suspended job), frozen (swapping, native code holding the GIL) "
         "or its host is unreachable; the other ranks only wait"
     )
+
+
+def same_threads() -> None:
+    """Give every rank of the default group the smallest intra-op thread count any has (a
+    collective, once, as the job starts). torchrun sets ``OMP_NUM_THREADS=1`` only on a node
+    that runs several processes, so with ``--nproc-per-node 3`` on one node and 1 on the other
+    the ranks summed in different orders: the tensor-parallel copies of one parameter drifted
+    apart over the steps, and the final save refused them. With one count on every rank, the
+    same computation on the same kind of CPU gives the same bits (GPU kernels do not depend on
+    it). Said on stderr by the first rank when it changed anything."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.get_num_threads()
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    least = min(int(n) for n in every)
+    if least != mine:
+        torch.set_num_threads(least)
+    if len(set(every)) > 1 and dist.get_rank() == 0:
+        sys.stderr.write(
+            f"funcpipe: the ranks had different intra-op thread counts ({sorted(set(every))}); "
+            f"every rank now uses {least}, so that copies of one computation agree bit for bit "
+            "(set OMP_NUM_THREADS alike on every node to choose the count)\n"
+        )

@@ -414,12 +414,14 @@ class Pipeline:
         results = drive_local(gens, world=world)
         per_rank = [results[r] for r in range(n)]  # replica 0 answers
         loss, metric, factor = local_scalars(list(results.values()), m, self.data)
-        grads: Any = stage_grads(program, params, per_rank, factor)
-        if zin is not None:  # every copy's gradient shards
+        grads: Any
+        if zin is not None:  # every copy's gradient shards (each scaled once: in place)
             grads = [
                 stage_grads(program, per_copy[d], [results[d * n + r] for r in range(n)], factor)
                 for d in range(self.data)
             ]
+        else:
+            grads = stage_grads(program, params, per_rank, factor)
         out = StepResult(
             loss, grads, metric, merged_outputs(program, per_rank) if return_outputs else None
         )

@@ -121,6 +121,7 @@ def dist_scalars(
     if v[SCALARS["loss_items"]] == 0:
         return None, None, None
     counted = _counted(v[SCALARS["counted_items"]], v[SCALARS["loss_items"]], "loss_fn")
+    _check_counts(v[SCALARS["bad_counts"]] / tensor)
     mean = microbatches * copies * tensor
     factor = None
     if counted:
@@ -135,6 +136,17 @@ def dist_scalars(
         else:
             metric = buf[SCALARS["metric"]] / mean
     return (loss if has_loss else None), metric, factor
+
+
+def _check_counts(bad: float) -> None:
+    """Refuse the step when any (sum, count) loss gave a count that is negative, infinite or NaN
+    (its loss and gradients would be silently wrong: a negative count offsets the others)."""
+    if bad:
+        raise InvalidArgument(
+            f"loss_fn returned (sum, count) with {bad:g} count(s) that are negative, infinite "
+            "or NaN; a count is the number of items the sum adds up (>= 0, finite), e.g. "
+            "(labels != -100).sum(). The step's loss and gradients are refused."
+        )
 
 
 def _counted(counted: float, items: float, name: str) -> bool:
@@ -159,6 +171,8 @@ def local_scalars(
     mean = microbatches * copies
     factor = None
     count = total([res.count_sum for res in results]) if counted else None
+    bad = total([res.bad_counts for res in results]) if counted else None
+    _check_counts(0.0 if bad is None else float(bad))
     if loss is not None and count is not None:
         factor = count_factor(float(count), microbatches, copies)
         loss = loss / count.to(loss.dtype)

@@ -47,8 +47,11 @@ def _count(value: Any, where: str, device: torch.device) -> Tensor:
                 "it must be one number: the number of items the sum adds up."
             )
         return value.detach().reshape(()).to(device=device, dtype=torch.float64)
-    if value < 0:
-        raise InvalidArgument(f"{where} returned a negative count ({value}); counts are >= 0.")
+    if not value >= 0 or value == float("inf"):  # (NaN fails the first test)
+        raise InvalidArgument(
+            f"{where} returned a count of {value}; a count is the number of items the sum adds "
+            "up: >= 0 and finite."
+        )
     return torch.tensor(float(value), dtype=torch.float64, device=device)
 
 

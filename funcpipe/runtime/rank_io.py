@@ -80,6 +80,7 @@ SCALARS = {
     "counted_items": 4,  # microbatches whose loss came with a count
     "metric_count": 5,
     "metric_counted": 6,  # microbatches whose metric came as (sum, count)
+    "bad_counts": 7,  # counts that were negative, infinite or NaN (refused once read)
 }
 
 
@@ -88,6 +89,9 @@ class RankResult:
     loss_sum: Tensor | None = None  # sum over this rank's sink microbatches of the loss
     metric_sum: Tensor | None = None  # a scalar, or [sum, count] for a (sum, count) metric
     count_sum: Tensor | None = None  # float64: sum of the counts of (sum, count) losses
+    # float64: how many of those counts were negative, infinite or NaN (found on the device, no
+    # sync: the step refuses them when it reads its loss)
+    bad_counts: Tensor | None = None
     loss_items: int = 0  # sink microbatches with a loss on this rank
     counted_items: int = 0  # of those, the ones whose loss came as (sum, count)
     # owner stage -> flat grads (sharded owners: this copy's pieces of the averaged gradients)
@@ -108,6 +112,8 @@ class RankResult:
         if len(extras) - (2 if has_metric else 1) == 1:  # counted
             c = extras[1]
             self.count_sum = c if self.count_sum is None else self.count_sum + c
+            bad = ((c < 0) | ~torch.isfinite(c)).to(torch.float64)
+            self.bad_counts = bad if self.bad_counts is None else self.bad_counts + bad
             self.counted_items += 1
         if self.counted_items not in (0, self.loss_items):
             raise InvalidArgument(
@@ -134,6 +140,8 @@ class RankResult:
         if self.count_sum is not None:
             buf[SCALARS["count"]] = self.count_sum
             buf[SCALARS["counted_items"]] = self.counted_items
+            if self.bad_counts is not None:
+                buf[SCALARS["bad_counts"]] = self.bad_counts
         if self.metric_sum is not None:
             msum = self.metric_sum.detach().to(torch.float64)
             if msum.ndim:  # (sum, count)
