@@ -24,7 +24,7 @@ from tests import jobs_precision as J
 
 SPLITTING = {"aten.slice.Tensor", "aten.split.Tensor", "aten.split_with_sizes.default"}
 # the step's random seed, one int drawn from torch's CPU generator on the host (step(seed=None);
-# funcpipe.runtime.keys.draw_seed): a host value, never data on a device
+# funcpipe.stages.keys.draw_seed): a host value, never data on a device
 SPLITTING |= {"aten.randint.low"}
 
 

@@ -17,9 +17,9 @@ import torch
 
 import funcpipe as fp
 from funcpipe.models import gpt
-from funcpipe.runtime import keys
 from funcpipe.schedule import generate
 from funcpipe.schedule.generators import GENERATORS
+from funcpipe.stages import keys
 from tests import jobs_keys as J
 
 TRAINING = [g for g in GENERATORS if g != "forward"]
@@ -276,3 +276,38 @@ def test_inductor_gpt_dropout_is_keyed_and_recomputes_its_masks() -> None:
     fp.testing.assert_trees_close((a.loss, a.grads), (c.loss, c.grads), atol=0, rtol=0)
     fp.testing.assert_trees_close((a.loss, a.grads), (b.loss, b.grads), atol=1e-6, rtol=1e-5)
     assert float(plain.step(params, x, y, seed=6).loss) != float(a.loss)
+
+
+@pytest.mark.parametrize("how", ["split_module", "partition"])
+def test_an_evaluation_over_a_model_in_training_mode_draws_nothing(how: str) -> None:
+    """Before: the eval program kept dropout on (two evaluations differed, and the loss was
+    not the model's in eval mode); a training step still drops, under its key."""
+    import torch.nn as nn
+
+    from funcpipe.schedule.generators import generate
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 2)
+    ).train()
+    x, y = torch.randn(8, 8), torch.randn(8, 2)
+    if how == "split_module":
+        got = fp.split_module(model, ["2"], example=x[:2])
+    else:
+        got = fp.partition(model, 2)
+    stages, params = got.stages, got.params
+
+    def mse(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return ((o - t) ** 2).mean()
+
+    evaluate = fp.Pipeline(stages, generate("forward", ranks=2, microbatches=4), loss_fn=mse)
+    first, second = evaluate.step(params, x, y).loss, evaluate.step(params, x, y).loss
+    with torch.no_grad():
+        expected = mse(model.eval()(x), y)
+    model.train()
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, expected)
+    train = fp.Pipeline(stages, generate("1f1b", ranks=2, microbatches=4), loss_fn=mse)
+    a, b = train.step(params, x, y, seed=3).loss, train.step(params, x, y, seed=3).loss
+    assert torch.equal(a, b) and not torch.allclose(a, expected)
+    assert model.training and all(m.training for m in model.modules())  # its mode as it was

@@ -29,7 +29,7 @@ from funcpipe.errors import InvalidArgument
 from funcpipe.parallel import ops
 from funcpipe.parallel.mesh import Axis
 from funcpipe.parallel.sharding import Sharding
-from funcpipe.runtime.keys import current_key
+from funcpipe.stages.keys import current_key
 from funcpipe.stages.stage import Stage
 
 __all__ = [
@@ -57,7 +57,7 @@ class GPTConfig:
     activation is replicated over the tensor axis: every tensor rank drops the same elements);
     ``attn_dropout``: of the attention probabilities (heads are split: each tensor rank draws
     its own), default ``dropout``. Dropout draws only inside a keyed stage call (a training
-    step: :mod:`funcpipe.runtime.keys`); elsewhere (evaluation, sampling) it drops nothing.
+    step: :mod:`funcpipe.stages.keys`); elsewhere (evaluation, sampling) it drops nothing.
 
     ``mlp`` and ``attn_dropout`` are resolved when the config is made and stored as numbers, so
     ``dataclasses.replace(config, d_model=...)`` (or ``dropout=...``) keeps the old ones: pass

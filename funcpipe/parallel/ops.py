@@ -47,7 +47,7 @@ from funcpipe.parallel.ring import (
 )
 from funcpipe.parallel.sharding import OpSharding, Sharding
 from funcpipe.parallel.spec import ShardSpec, shard_spec
-from funcpipe.runtime.keys import sharded
+from funcpipe.stages.keys import sharded
 
 __all__ = [
     "attention",
@@ -345,7 +345,7 @@ def _layer_norm(x: Tensor, p: dict[str, Tensor]) -> Tensor:
 def mlp_block(x: Tensor, params: dict[str, Any], *, axis: Axis, dropout: float = 0.0) -> Tensor:
     """Pre-norm residual MLP: ``x + parallel_mlp(layer_norm(x))``; norm params replicated.
     ``dropout`` of the MLP's output before the residual add (replicated: every tensor rank
-    drops the same elements under the stage call's key, :mod:`funcpipe.runtime.keys`)."""
+    drops the same elements under the stage call's key, :mod:`funcpipe.stages.keys`)."""
     y = parallel_mlp(_layer_norm(x, params["norm"]), params, axis=axis)
     return x + (F.dropout(y, dropout) if dropout else y)
 

@@ -19,8 +19,8 @@ import torch
 from funcpipe.distributed import world as _world
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline.microbatch import _batch_size
-from funcpipe.runtime.keys import draw_seed
 from funcpipe.schedule.ir import Program
+from funcpipe.stages.keys import draw_seed
 from funcpipe.stages.stage import Stage
 from funcpipe.stages.ties import TiePath, check_ties
 from funcpipe.tree import check_tensor_tree, leaf_paths, tree_leaves
@@ -313,7 +313,7 @@ def step_loss_scale(value: float | Tensor | None) -> float | Tensor:
 
 def step_seed(seed: Any, training: bool) -> int | None:
     """A step's ``seed``: an int, or ``None`` for one drawn from torch's default CPU generator
-    (:func:`funcpipe.runtime.keys.draw_seed`); an eval program draws none (its stages run
+    (:func:`funcpipe.stages.keys.draw_seed`); an eval program draws none (its stages run
     under no key)."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise InvalidArgument(

@@ -16,8 +16,8 @@ from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline.checks import side_input_stages, step_seed
 from funcpipe.pipeline.microbatch import _batch_size, _split_named, merge
 from funcpipe.pipeline.rank_inputs import split_batch
-from funcpipe.runtime.keys import keyed, stage_key
 from funcpipe.runtime.loss_terms import count_factor, loss_and_count
+from funcpipe.stages.keys import keyed, stage_key
 from funcpipe.stages.stage import Stage, as_inputs
 from funcpipe.stages.ties import TiePath, check_ties, resolve, tie_values
 from funcpipe.tree import check_tensor_tree, leaf_paths, tree_flatten, tree_unflatten
@@ -97,7 +97,7 @@ def reference_step(
             members (what the pipeline returns). ``funcpipe.find_ties(params)`` finds them
             from shared storage.
         seed: stage ``i`` on microbatch ``j`` runs under the random key ``stage_key(seed, i,
-            j)`` (:mod:`funcpipe.runtime.keys`), as in a :class:`funcpipe.Pipeline` step with
+            j)`` (:mod:`funcpipe.stages.keys`), as in a :class:`funcpipe.Pipeline` step with
             that seed; ``None``: one drawn from torch's default CPU generator, as the pipeline
             draws it (``torch.manual_seed(s)`` before each gives both the same masks).
         side_inputs: ``{stage: ["mask", ...]}`` as ``Pipeline`` takes them: the batch is then a

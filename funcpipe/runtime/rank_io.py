@@ -59,7 +59,7 @@ class RankInputs:
     # its last instruction (every rank; never earlier: see _Rank.run); None: the caller does it
     scalars_group: str | None = None
     # the step's seed: each stage call runs under stage_key(seed, stage, microbatch_offset + m)
-    # (funcpipe.runtime.keys); None: under no key. microbatch_offset: this data copy's first
+    # (funcpipe.stages.keys); None: under no key. microbatch_offset: this data copy's first
     # microbatch in the whole batch (copy c of M microbatches each: c * M)
     seed: int | None = None
     microbatch_offset: int = 0

@@ -7,7 +7,7 @@ interpreter's copies where the pipeline keeps a leaf in another), the stage call
 rank sized its buffers from it); after a sink stage, ``loss_fn`` (and ``metric_fn``) called and
 their result checked (:mod:`funcpipe.runtime.loss_terms`): the outputs then start with the
 loss, its count when ``loss_fn`` returned ``(sum, count)``, and the metric. With a step seed the
-stage runs under its random key (:mod:`funcpipe.runtime.keys`). :func:`note` says on a user
+stage runs under its random key (:mod:`funcpipe.stages.keys`). :func:`note` says on a user
 function's exception where funcpipe called it.
 """
 
@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.runtime.keys import keyed, stage_key
 from funcpipe.runtime.loss_terms import loss_and_count, metric_terms
 from funcpipe.runtime.rank_io import RankInputs
 from funcpipe.stages.boundaries import rebuild
+from funcpipe.stages.keys import keyed, stage_key
 from funcpipe.stages.shapes import TensorSpec
 from funcpipe.stages.stage import as_inputs
 from funcpipe.tree import tree_flatten, tree_unflatten

@@ -86,6 +86,29 @@ class ModuleSplit(NamedTuple):
         )
 
 
+def _dropouts() -> dict[Any, Any]:
+    aten = torch.ops.aten
+    return {
+        aten.dropout.default: aten.dropout.default,
+        aten.feature_dropout.default: aten.feature_dropout.default,
+        aten.alpha_dropout.default: aten.alpha_dropout.default,
+        aten.feature_alpha_dropout.default: aten.feature_alpha_dropout.default,
+    }
+
+
+def keyed_dropout(x: Tensor, p: float, train: bool) -> Tensor:
+    """The traced ``aten.dropout`` of a module split in training mode, as funcpipe's own models
+    draw: inside a keyed call (a training step, each stage call under its random key) it drops,
+    outside one (an evaluation program, a stage called by hand) it drops nothing. Traced as
+    they were, an evaluation over a split in training mode kept dropout on: two evaluations
+    differed, and the logits were 0.28 off the model's in eval mode."""
+    from funcpipe.stages.keys import current_key
+
+    if not train or current_key() is None:
+        return x
+    return torch.ops.aten.dropout.default(x, p, train)
+
+
 class _GraphStage:
     """``(params, *carried, **side) -> outputs``: one slice of the traced graph.
 
@@ -301,7 +324,7 @@ def split_module(
     Args:
         module: any ``nn.Module``; it is traced, never modified. Put it in the dtype, device and
             mode it trains in first (dropout may stay on: each stage call runs under its random
-            key, :mod:`funcpipe.runtime.keys`; BatchNorm in training mode is refused).
+            key, :mod:`funcpipe.stages.keys`; BatchNorm in training mode is refused).
         points: submodule names (``["model.layers.2"]``: stage 1 begins where that block is
             first called), a callable ``(name, submodule) -> bool`` choosing them, or a number
             of stages ``n``: cut before ``n - 1`` blocks of the runs of repeated blocks (every
@@ -424,6 +447,8 @@ def _cut(
             _read_sizes(g, env, sizes, [*in_nodes, *side_nodes], label, dims)
         for n in members:
             env[n] = g.node_copy(n, env.__getitem__)
+            if env[n].target in _dropouts():  # drawn in a keyed call only (training)
+                env[n].target = keyed_dropout
         if s < n_stages - 1:
             g.output(tuple(env[v] for v in sent[s]))
             out_spec = None

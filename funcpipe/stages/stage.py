@@ -12,7 +12,8 @@ inputs; any other pytree (a tensor, a dict, a list, a named tuple) is passed as 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -89,6 +90,28 @@ class Stage:
         return f"Stage(name={self.name!r}, fn={_describe_fn(self.fn)})"
 
 
+@contextlib.contextmanager
+def _evaluating(module: nn.Module) -> Iterator[None]:
+    """Outside a keyed call (an evaluation program, a stage called by hand) a module in
+    training mode runs in eval mode, its mode restored after: evaluation draws nothing, as
+    funcpipe's own models do (before, an evaluation over a model split in training mode kept
+    its dropout on, and two evaluations differed). Inside one (a training step) it runs as
+    it is, drawing under the stage's key."""
+    from funcpipe.stages.keys import current_key
+
+    if not module.training or current_key() is not None:
+        yield
+        return
+    trained = [m for m in module.modules() if m.training]
+    for m in trained:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in trained:
+            m.training = True
+
+
 class _ModuleFn:
     """``(params, *inputs) -> module(*inputs)`` with ``params`` swapped in functionally.
 
@@ -118,6 +141,10 @@ class _ModuleFn:
                 f"{type(self.module).__name__}; missing={missing!r}, unexpected={unexpected!r}. "
                 "Use the params dict returned with this stage (from_module / partition)."
             )
+        with _evaluating(self.module):
+            return self._call(params, inputs, side)
+
+    def _call(self, params: Any, inputs: tuple[Any, ...], side: dict[str, Any]) -> Any:
         if self.slots is None:
             return torch.func.functional_call(
                 self.module, (dict(params), self.buffers), inputs, side
