@@ -18,6 +18,7 @@ from benchmarks import (
     auto_executed,
     backward_split,
     chart,
+    checkpoint_save,
     gpt,
     memory,
     overhead,
@@ -253,6 +254,17 @@ def test_zero_bytes_per_rank(pool: Pool) -> None:
     assert all(t["pairs"] == 2 and t["ratio"] > 0 for t in extras["timing"])
 
 
+def test_checkpoint_save_times_every_mode(pool: Pool) -> None:
+    """The save benchmark runs the demo's steps with no save, saves on the path and saves in
+    the background, and every mode's checkpoints were written (it leaves none behind)."""
+    argv = ["--steps", "6", "--every", "3", "--repeats", "1", "--d-model", "16", "--layers", "2"]
+    rows, extras = checkpoint_save.main(argv, pool=pool)
+    assert [r["mode"] for r in rows] == ["none", "sync", "async"]
+    assert all(len(r["times"]) == 1 and len(r["times"][0]) == 6 for r in rows)
+    assert all(r["plain_ms"] > 0 and r["save_ms"] > 0 for r in rows)
+    assert extras == {"every": 3, "world": 2}
+
+
 def test_storage_tracker_counts_each_storage_once_while_it_lives() -> None:
     """Hand-counted bytes: new storages count once (views and in-place results add nothing),
     until their last view goes; tensors from before count once tagged; labels move with tag;
@@ -338,6 +350,7 @@ def test_help_of_every_script(capsys: pytest.CaptureFixture[str]) -> None:
         auto_executed,
         zero,
         zero_peak,
+        checkpoint_save,
     ):
         with pytest.raises(SystemExit) as e:
             mod.main(["--help"])
