@@ -13,6 +13,7 @@ Regenerate the page with::
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import sys
@@ -33,6 +34,7 @@ if str(ROOT) not in sys.path:
 
 import funcpipe as fp  # noqa: E402
 from funcpipe.errors import (  # noqa: E402
+    FuncpipeError,
     InvalidArgument,
     ScheduleError,
     ShapeInferenceError,
@@ -469,6 +471,27 @@ def _masked_pair(o: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.
     """(sum, count) over the entries whose target is not 0 (0 plays ignore_index)."""
     keep = y != 0
     return ((o - y) ** 2 * keep).sum(), keep.sum()
+
+
+# --------------------------------------------------------- issue 51: what clusters and users do
+def _resume_at_another_batch() -> None:
+    out = _tmp()
+    checkpoint.save(os.path.join(out, "checkpoint"), {"w": torch.ones(1)}, step=1)
+    with open(os.path.join(out, "run.json"), "w") as f:
+        json.dump({"batch": 8, "data": 1, "context": 64, "seed": 0, "corpus_bytes": 3_000_000,
+                   "precision": "fp32"}, f)  # fmt: skip
+    _demo("--out", out, "--resume", "--batch", "4")
+
+
+def _modified_while_saved() -> None:
+    os.environ["FUNCPIPE_TEST_CHECKPOINT_PAUSE"] = "background:0.3"
+    try:
+        params = [{"w": torch.ones(4)}]
+        pending = checkpoint.save_model_async(os.path.join(_tmp(), "ck"), params, step=1)
+        params[0]["w"].mul_(2)  # an in-place update of what the save is writing
+    finally:
+        del os.environ["FUNCPIPE_TEST_CHECKPOINT_PAUSE"]
+    pending.wait()
 
 
 # ------------------------------------------ issue 44 (i44-ckpt): checkpoints keyed by model names
@@ -1777,6 +1800,56 @@ CASES: list[Case] = [
         ("points names 'body.mpl', which is not a submodule", "did you mean ['body.mlp']"),
         "funcpipe/stages/split_errors.py near_names: whole-path suggestions, a dotted suffix "
         "or a close name (matched the last part only: no suggestion here)",
+    ),
+    Case(
+        "loss-pair-negative-count",
+        "batches and microbatches",
+        "a (sum, count) loss whose count tensor is negative (or inf, NaN) on one microbatch",
+        lambda: _two_stages(loss_fn=lambda o, y: (((o - y) ** 2).sum(), torch.tensor(-3.0))).step(
+            _params((4, 4), (4, 4)), *_xy()
+        ),
+        InvalidArgument,
+        ("negative, infinite or NaN", "The step's loss and gradients are refused"),
+        "funcpipe/runtime/rank_io.py add_loss counts them on the device, pipeline/result.py "
+        "refuses them with the step's loss (issue 51: returned a loss)",
+    ),
+    Case(
+        "demo-resume-another-batch",
+        "checkpoint I/O",
+        "funcpipe demo --resume at another --batch than the run in --out was trained with",
+        _resume_at_another_batch,
+        InvalidArgument,
+        ("was trained with --batch 8 (now 4)", "another --out"),
+        "funcpipe/cli/demo.py _check_run, out/run.json (issue 51: ran on, other losses)",
+    ),
+    Case(
+        "demo-microbatches-too-many",
+        "command line",
+        "funcpipe demo --microbatches 500000 --batch 500000: a program of a million pairs",
+        lambda: _demo("--out", _tmp(), "--microbatches", "500000", "--batch", "500000"),
+        InvalidArgument,
+        ("(stage, microbatch) pairs a step", "use fewer microbatches"),
+        "funcpipe/cli/demo_options.py _check_model, before the program is built (issue 51: ran to "
+        "the deadline)",
+    ),
+    Case(
+        "demo-keep-zero",
+        "command line",
+        "funcpipe demo --keep 0: keep no checkpoint",
+        lambda: _demo("--out", _tmp(), "--keep", "0"),
+        InvalidArgument,
+        ("--keep=0", "an int >= 1"),
+        "funcpipe/cli/demo_options.py (issue 51)",
+    ),
+    Case(
+        "save-async-modified-in-place",
+        "checkpoint I/O",
+        "a tensor handed to save_model_async modified in place before the save wrote it",
+        _modified_while_saved,
+        FuncpipeError,
+        ("modified in place while the background save", "until its wait() returns"),
+        "funcpipe/train/checkpoint_async.py: the version counters, checked after the write "
+        "(issue 51)",
     ),
 ]
 

@@ -566,3 +566,19 @@ def test_shard_data_moves_tie_sums_after_the_scatters(zero: int) -> None:
     for instrs in sharded.ranks:
         last = max(t for t, i in enumerate(instrs) if i.op is Op.SCATTER)
         assert min(t for t, i in enumerate(instrs) if i.group == "tie:E") > last
+
+
+def test_shards_given_to_shard_again_are_refused() -> None:
+    """Before: pipe.shard(pipe.shard(params)) ran silently, cutting the pieces again."""
+    import funcpipe as fp
+    from funcpipe.errors import InvalidArgument
+    from funcpipe.schedule import generate
+
+    stages = [fp.Stage(lambda p, t: torch.tanh(p["E"][t])), fp.Stage(lambda p, h: h @ p["U"])]
+    params = ({"E": torch.randn(16, 8)}, {"U": torch.randn(8, 16)})
+    program = generate("1f1b", ranks=2, microbatches=2)
+    pipe = fp.Pipeline(stages, program, loss_fn=fp.token_cross_entropy, data=2, zero=1)
+    shards = pipe.shard(params)
+    pipe.shard(params)  # the full params again: fine
+    with pytest.raises(InvalidArgument, match="was given what shard\\(\\) returned"):
+        pipe.shard(shards)
