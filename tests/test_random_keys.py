@@ -278,7 +278,7 @@ def test_inductor_gpt_dropout_is_keyed_and_recomputes_its_masks() -> None:
     assert float(plain.step(params, x, y, seed=6).loss) != float(a.loss)
 
 
-@pytest.mark.parametrize("how", ["split_module", "partition"])
+@pytest.mark.parametrize("how", ["split_module", "partition", "compiled"])
 def test_an_evaluation_over_a_model_in_training_mode_draws_nothing(how: str) -> None:
     """Before: the eval program kept dropout on (two evaluations differed, and the loss was
     not the model's in eval mode); a training step still drops, under its key."""
@@ -296,6 +296,8 @@ def test_an_evaluation_over_a_model_in_training_mode_draws_nothing(how: str) -> 
     else:
         got = fp.partition(model, 2)
     stages, params = got.stages, got.params
+    if how == "compiled":  # (the mode switched outside the compiled function)
+        stages = [fp.compile_stage(s, backend="aot_eager") for s in stages]
 
     def mse(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return ((o - t) ** 2).mean()

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.stages.stage import ConstFn, Stage, _describe_fn, _HasConsts
+from funcpipe.stages.stage import ConstFn, Stage, _describe_fn, _HasConsts, evaluating, module_of
 
 __all__ = ["compile_stage"]
 
@@ -55,7 +55,8 @@ class _Compiled:
         self.compiled = torch.compile(_own_code(fn), **options)
 
     def __call__(self, params: Any, *inputs: Any, **side: Any) -> Any:
-        return self.compiled(params, *inputs, **side)
+        with evaluating(module_of(self.fn)):  # (outside a keyed call: in eval mode)
+            return self.compiled(params, *inputs, **side)
 
     def map_consts(self, f: ConstFn) -> _Compiled:
         fn = self.fn.map_consts(f) if isinstance(self.fn, _HasConsts) else self.fn

@@ -90,8 +90,17 @@ class Stage:
         return f"Stage(name={self.name!r}, fn={_describe_fn(self.fn)})"
 
 
+def module_of(fn: Any) -> nn.Module | None:
+    """The module a stage function calls (through wrappers that keep it as ``.fn``), if any."""
+    for _ in range(16):
+        if isinstance(fn, _ModuleFn):
+            return fn.module
+        fn = getattr(fn, "fn", None)
+    return None
+
+
 @contextlib.contextmanager
-def _evaluating(module: nn.Module) -> Iterator[None]:
+def evaluating(module: nn.Module | None) -> Iterator[None]:
     """Outside a keyed call (an evaluation program, a stage called by hand) a module in
     training mode runs in eval mode, its mode restored after: evaluation draws nothing, as
     funcpipe's own models do (before, an evaluation over a model split in training mode kept
@@ -99,9 +108,13 @@ def _evaluating(module: nn.Module) -> Iterator[None]:
     it is, drawing under the stage's key."""
     from funcpipe.stages.keys import current_key
 
-    if not module.training or current_key() is not None:
+    # (inside a compiled stage the switch was made outside it, by compile_stage's wrapper:
+    # dynamo then guards on the mode and traces the eval one once)
+    skip = module is None or not module.training or torch.compiler.is_compiling()
+    if skip or current_key() is not None:
         yield
         return
+    assert module is not None
     trained = [m for m in module.modules() if m.training]
     for m in trained:
         m.training = False
@@ -141,7 +154,7 @@ class _ModuleFn:
                 f"{type(self.module).__name__}; missing={missing!r}, unexpected={unexpected!r}. "
                 "Use the params dict returned with this stage (from_module / partition)."
             )
-        with _evaluating(self.module):
+        with evaluating(self.module):
             return self._call(params, inputs, side)
 
     def _call(self, params: Any, inputs: tuple[Any, ...], side: dict[str, Any]) -> Any:
