@@ -275,7 +275,10 @@ def _stop_a_rank_and_read(cmd: list[str], where: Path) -> tuple[str, float, int]
         pid = int((where / "pid1").read_text())
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
-        job.wait(timeout=120)
+        while job.poll() is None and time.monotonic() < stopped + 120:
+            if named and _alive(pid):  # named: end it now (torchrun would wait 30 s on it)
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
     finally:
         if pid is not None and _alive(pid):
             os.kill(pid, signal.SIGKILL)
