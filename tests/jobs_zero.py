@@ -272,3 +272,25 @@ def gpt_zero_vs_unsharded(rank: int, pipeline: int, zero: int = 1, atol: float =
     losses, got = gpt_run(rank, pipeline, zero)
     assert_trees_close(got, ref, atol=atol, rtol=0)
     return max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+
+
+def clip_pieces_alone(rank: int) -> tuple[str, bool]:
+    """Pool job (4 ranks: pipeline 2 x data 2, ZeRO-1): clipping this copy's gradient pieces
+    with group=None is refused; with the world group it is the whole gradient's norm."""
+    import torch.distributed as dist
+
+    from funcpipe.errors import InvalidArgument
+    from funcpipe.train import optim
+
+    pipe, params = _pipeline("1f1b", 1)
+    x, y = batches(pipe.data_size)[0]
+    share = slice(4 * _copy(pipe), 4 * (_copy(pipe) + 1))
+    grads = pipe.step(pipe.shard(params), x[share].to(F64), y[share].to(F64)).grads
+    try:
+        optim.clip_by_global_norm(grads, 1.0)
+        said = "clipped"
+    except InvalidArgument as e:
+        said = str(e)
+    _, norm = optim.clip_by_global_norm(grads, 1.0, group=dist.group.WORLD)
+    pipe.close()
+    return said, bool(torch.isfinite(norm))

@@ -582,3 +582,12 @@ def test_shards_given_to_shard_again_are_refused() -> None:
     pipe.shard(params)  # the full params again: fine
     with pytest.raises(InvalidArgument, match="was given what shard\\(\\) returned"):
         pipe.shard(shards)
+
+
+@pytest.mark.timeout(180)
+def test_clipping_a_copys_pieces_alone_is_refused(pool) -> None:
+    """Before: each copy clipped its pieces by its own norm, so the copies' updates were those
+    of other parameters, silently."""
+    for said, finite in pool(4).run(jobs_zero.clip_pieces_alone):
+        assert "this process's pieces of a ZeRO step's gradient" in said, said
+        assert finite

@@ -361,6 +361,7 @@ class Pipeline:
             has_metric=self.metric_fn is not None,
         )
         grads = stage_grads(self.program, params, [result], factor)
+        _zero.mark_pieces(grads, sharded=zin is not None)  # (this copy's pieces: zero)
         outputs = merged_outputs(program, [result]) if return_outputs else None
         step = StepResult(loss, grads, metric, outputs)
         step.peak_activations = {self.rank: result.peak_activations}
@@ -438,12 +439,7 @@ class Pipeline:
         every copy's. The pipeline keeps the full shapes, which its steps rebuild."""
         if not self.zero:
             raise InvalidArgument("shard(params) is for Pipeline(zero=1 or 2); pass params to step")
-        if self._full is not None and _looks_sharded(params, self._full):
-            raise InvalidArgument(
-                "shard(params) was given what shard() returned (1-D pieces, or a list of every "
-                "copy's); shard the full params once, and pass the shards to step and the "
-                "optimizer from then on (pipe.gather(shards) gives the full params back)"
-            )
+        _zero.check_full(params, self._full)
         params = self._check_params(params)
         self._full = _zero.full_meta(params)
         return _zero.pipe_shard(self, params)
@@ -602,16 +598,3 @@ class Pipeline:
             data_size=self.data,
             casts=casts,
         )
-
-
-def _looks_sharded(params: Any, full: Any) -> bool:
-    """Whether ``params`` is what :meth:`Pipeline.shard` returned, not full params: its tensors'
-    shapes are not those ``full`` (the first shard()'s full params, as meta) recorded, and every
-    one is a 1-D piece (a process's shards, or the list of every copy's in one process)."""
-    from funcpipe.tree import tree_leaves
-
-    def shapes(tree: Any) -> list[tuple[int, ...]]:
-        return [tuple(t.shape) for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
-
-    mine = shapes(params)
-    return bool(mine) and mine != shapes(full) and all(len(s) == 1 for s in mine)

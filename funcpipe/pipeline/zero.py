@@ -16,6 +16,7 @@ is a list of ``d`` such tuples, one per copy, and the gradients come back the sa
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,11 +28,14 @@ from funcpipe.runtime.transport_common import Transport
 from funcpipe.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
+    "check_full",
     "check_zero",
     "for_rank",
     "full_meta",
     "gather_copies",
     "gather_dist",
+    "holds_pieces",
+    "mark_pieces",
     "pipe_gather",
     "pipe_shard",
     "pipe_unshard",
@@ -40,6 +44,26 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
+
+# the gradient pieces a step over processes returned (id -> tensor, held weakly): a norm over one
+# process's pieces alone is not the gradient's (funcpipe.train.clip refuses it)
+_PIECES: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+
+
+def mark_pieces(grads: Any, *, sharded: bool) -> None:
+    """Note ``grads`` (a step's over processes) as this copy's pieces, when ``sharded``
+    (``zero`` 1 or 2)."""
+    if not sharded:
+        return
+    for t in tree_flatten(grads)[0]:
+        if isinstance(t, Tensor):
+            _PIECES[id(t)] = t
+
+
+def holds_pieces(tree: Any) -> bool:
+    """Whether ``tree`` holds gradient pieces :func:`mark_pieces` noted."""
+    return any(isinstance(t, Tensor) and _PIECES.get(id(t)) is t for t in tree_flatten(tree)[0])
+
 
 SHARDS = "pass what pipe.shard(params) returned (or an elementwise optimizer's update of it)"
 
@@ -215,3 +239,22 @@ def _held(pipe: Any) -> set[int]:
     if pipe._world is None:
         return set(owners)
     return {owners[s] for s in p.stages_on(pipe.rank)}
+
+
+def check_full(params: Any, full: Any) -> None:
+    """Refuse ``params`` that are what ``shard()`` returned rather than full params: their
+    tensors' shapes are not those ``full`` (the first shard()'s, as meta; None: no shard yet)
+    recorded, and every one is a 1-D piece (a process's shards, or every copy's in a list)."""
+    if full is None:
+        return
+
+    def shapes(tree: Any) -> list[tuple[int, ...]]:
+        return [tuple(t.shape) for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
+
+    mine = shapes(params)
+    if mine and mine != shapes(full) and all(len(s) == 1 for s in mine):
+        raise InvalidArgument(
+            "shard(params) was given what shard() returned (1-D pieces, or a list of every "
+            "copy's); shard the full params once, and pass the shards to step and the "
+            "optimizer from then on (pipe.gather(shards) gives the full params back)"
+        )

@@ -15,6 +15,7 @@ import optree
 import torch
 
 from funcpipe.errors import InvalidArgument, check_number
+from funcpipe.pipeline.zero import holds_pieces
 from funcpipe.train.common import all_reduce_sum
 
 if TYPE_CHECKING:
@@ -74,6 +75,13 @@ def global_norm(grads: Any, *, group: ProcessGroup | None = None, weights: Any =
                 f"grads leaf at {path!r} is {leaf!r}; grads must be a pytree of floating-point "
                 "tensors (None for subtrees this rank does not hold)"
             )
+    if group is None and holds_pieces(grads):
+        raise InvalidArgument(
+            "grads are this process's pieces of a ZeRO step's gradient (Pipeline(zero=1 or 2) "
+            "over processes) and group=None counts this process alone: every copy would clip "
+            "by another norm. Pass group= every pipeline x data rank (dist.group.WORLD with "
+            "tensor 1), as docs/training.md 'Clipping by the global norm' says"
+        )
     w = _leaf_weights(grads, weights, leaves)
     floats = [t.dtype for t in leaves if t.is_floating_point()]
     acc = torch.float64 if torch.float64 in floats else torch.float32
