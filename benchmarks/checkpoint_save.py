@@ -52,7 +52,7 @@ def steps_with_saves(rank: int, o: Any, mode: str, every: int, out: str) -> dict
     import torch.distributed as dist
 
     from funcpipe.cli import demo_loop as L
-    from funcpipe.train import checkpoint, optim
+    from funcpipe.train import checkpoint
 
     torch.manual_seed(o.seed)
     r, params, state = L._build(o, None)
@@ -64,14 +64,7 @@ def steps_with_saves(rank: int, o: Any, mode: str, every: int, out: str) -> dict
         x, y = r.batch("train", step)
         dist.barrier()
         t0 = time.perf_counter()
-        result = r.pipe.step(params, x, y)
-        held = tuple(
-            w if g is not None else None for w, g in zip(r.weights, result.grads, strict=True)
-        )
-        grads, _ = optim.clip_by_global_norm(
-            result.grads, 1.0, group=dist.group.WORLD, weights=held
-        )
-        params, state = r.opt.update(grads, state, params)
+        params, state, _ = L._step(r, params, state, x, y)  # the demo's own step
         if mode != "none" and (step + 1) % every == 0:
             path = os.path.join(out, f"checkpoint-step{step + 1:06d}")
             full = L._full(r, params)

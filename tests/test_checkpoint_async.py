@@ -69,10 +69,15 @@ def test_the_caller_goes_on_while_the_save_writes(
     assert returned < 0.5 and checkpoint.latest(tmp_path) == str(tmp_path / "ck")
 
 
-def test_a_bad_naming_is_refused_at_the_call(tmp_path: Path) -> None:
+def test_bad_arguments_are_refused_at_the_call(tmp_path: Path) -> None:
     params, state = _model(0)
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(InvalidArgument, match="naming='names'"):
         checkpoint.save_model_async(tmp_path / "ck", params, opt_state=state, naming="names")
+    with pytest.raises(InvalidArgument, match="step=-1"):
+        checkpoint.save_model_async(tmp_path / "ck", params, opt_state=state, step=-1)
+    with pytest.raises(InvalidArgument, match="path=3"):
+        checkpoint.save_model_async(3, params, opt_state=state)  # type: ignore[arg-type]
+    assert not any(tmp_path.iterdir())
 
 
 def test_prune_keeps_the_newest_complete_checkpoints(tmp_path: Path) -> None:

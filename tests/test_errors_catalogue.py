@@ -489,9 +489,9 @@ def _modified_while_saved() -> None:
         params = [{"w": torch.ones(4)}]
         pending = checkpoint.save_model_async(os.path.join(_tmp(), "ck"), params, step=1)
         params[0]["w"].mul_(2)  # an in-place update of what the save is writing
+        pending.wait()
     finally:
         del os.environ["FUNCPIPE_TEST_CHECKPOINT_PAUSE"]
-    pending.wait()
 
 
 # ------------------------------------------ issue 44 (i44-ckpt): checkpoints keyed by model names

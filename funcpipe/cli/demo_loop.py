@@ -330,9 +330,6 @@ def _train(
     ``--eval-every`` steps (appended to ``history``), a checkpoint every ``--checkpoint-every``
     steps (``saver``); returns the new parameters and state, each step's time and the last loss. With ``zero`` 1 or 2 the parameters, gradients and state are this
     copy's shards: the same updates, on disjoint pieces."""
-    import torch.distributed as dist
-
-    from funcpipe.train import optim
 
     o = r.o
     tty = r.first and sys.stdout.isatty()
@@ -341,16 +338,9 @@ def _train(
     for step in range(start, end):
         x, y = r.batch("train", step)
         t0 = r.now()  # on a GPU after its queued work: the step's kernels are timed, not launches
-        result = r.pipe.step(params, x, y)
-        held = tuple(
-            w if g is not None else None for w, g in zip(r.weights, result.grads, strict=True)
-        )
-        grads, _ = optim.clip_by_global_norm(
-            result.grads, 1.0, group=dist.group.WORLD, weights=held
-        )
-        params, state = r.opt.update(grads, state, params)
+        params, state, loss = _step(r, params, state, x, y)
         step_times.append(r.now() - t0)
-        last = float(result.loss)
+        last = float(loss)
         history["train"].append([step, last])
         if o.eval_every and (step + 1) % o.eval_every == 0 and step + 1 < o.steps:
             history["val"].append([step + 1, _val_loss(r, params)])
@@ -361,6 +351,20 @@ def _train(
             tps = r.tokens_per_step * len(recent) / sum(recent)
             progress(step + 1, o.steps, last, tps, tty, history["val"])
     return params, state, step_times, last
+
+
+def _step(r: _Rank, params: Any, state: Any, x: Any, y: Any) -> tuple[Any, Any, Any]:
+    """One training step: the pipeline's, clipping by the global norm over every rank, AdamW;
+    the new parameters and state, and the step's loss."""
+    import torch.distributed as dist
+
+    from funcpipe.train import optim
+
+    result = r.pipe.step(params, x, y)
+    held = tuple(w if g is not None else None for w, g in zip(r.weights, result.grads, strict=True))
+    grads, _ = optim.clip_by_global_norm(result.grads, 1.0, group=dist.group.WORLD, weights=held)
+    params, state = r.opt.update(grads, state, params)
+    return params, state, result.loss
 
 
 def _full(r: _Rank, params: Any) -> tuple[Any, ...]:

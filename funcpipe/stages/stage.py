@@ -110,11 +110,10 @@ def evaluating(module: nn.Module | None) -> Iterator[None]:
 
     # (inside a compiled stage the switch was made outside it, by compile_stage's wrapper:
     # dynamo then guards on the mode and traces the eval one once)
-    skip = module is None or not module.training or torch.compiler.is_compiling()
-    if skip or current_key() is not None:
+    busy = torch.compiler.is_compiling() or current_key() is not None
+    if module is None or not module.training or busy:
         yield
         return
-    assert module is not None
     trained = [m for m in module.modules() if m.training]
     for m in trained:
         m.training = False

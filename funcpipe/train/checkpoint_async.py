@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from funcpipe.errors import FuncpipeError
-from funcpipe.train.checkpoint_dirs import pause
+from funcpipe.errors import FuncpipeError, check_int
+from funcpipe.train.checkpoint_dirs import check_path, pause
 from funcpipe.train.checkpoint_named import named_pieces
 from funcpipe.train.checkpoint_regions import Naming
 from funcpipe.train.checkpoint_write import save_with
@@ -119,6 +119,9 @@ def save_model_async(
     the params raises here). Every rank of ``group`` calls it at the same point of its program;
     the tensors passed must not be modified in place until :meth:`PendingSave.wait` returns
     (funcpipe's optimizers never do; a modification is found and the save refused)."""
+    check_path(path)  # (bad arguments raise here, on the caller's thread, not at wait())
+    if step is not None:
+        check_int("step", step, 0, "the training step, an int >= 0 (or None)")
     tensors, table = named_pieces(params, opt_state, naming)
     versions = {k: t._version for k, t in tensors.items()}
     background = _background_group(group)
