@@ -294,3 +294,24 @@ def clip_pieces_alone(rank: int) -> tuple[str, bool]:
     _, norm = optim.clip_by_global_norm(grads, 1.0, group=dist.group.WORLD)
     pipe.close()
     return said, bool(torch.isfinite(norm))
+
+
+def another_copys_shards(rank: int) -> str:
+    """Pool job (4 ranks: pipeline 2 x data 2, ZeRO-1): a process stepping on the other copy's
+    shards (as if loaded from its file) is refused, naming both copies."""
+    import torch.distributed as dist
+
+    from funcpipe.errors import InvalidArgument
+
+    pipe, params = _pipeline("1f1b", 1)
+    x, y = batches(pipe.data_size)[0]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, pipe.shard(params))  # every process's shards
+    theirs = next(s for s in every if s.copy != _copy(pipe))
+    try:
+        pipe.step(theirs, x.to(F64), y.to(F64))
+        said = "ran"
+    except InvalidArgument as e:
+        said = str(e)
+    pipe.close()
+    return said

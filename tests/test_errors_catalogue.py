@@ -518,6 +518,31 @@ def _half_saved() -> str:
     )
 
 
+def _zero_even() -> tuple[Any, Any, Any]:
+    """ZeRO-1 over 2 copies in one process, every leaf of even size (the copies' pieces have one
+    shape), its shards and a batch."""
+    stages = [fp.Stage(lambda p, t: torch.tanh(p["E"][t])), fp.Stage(lambda p, h: h @ p["U"])]
+    pipe = fp.Pipeline(
+        stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=fp.token_cross_entropy,
+        data=2, zero=1,
+    )  # fmt: skip
+    shards = pipe.shard(({"E": torch.randn(16, 8)}, {"U": torch.randn(8, 16)}))
+    tokens = torch.randint(0, 16, (4, 5))
+    return pipe, shards, (tokens, tokens.roll(1, dims=1))
+
+
+def _zero_swapped() -> None:
+    pipe, shards, batch = _zero_even()
+    pipe.step([shards[1], shards[0]], *batch)
+
+
+def _zero_mixed_copies() -> None:
+    pipe, shards, batch = _zero_even()
+    grads = pipe.step(shards, *batch).grads
+    opt = optim.adamw(1e-2)
+    opt.update(grads[0], opt.init(shards[1]), shards[1])
+
+
 # ------------------------------------------------------------------------------------ the rows
 CASES: list[Case] = [
     # ---- schedules
@@ -1850,6 +1875,26 @@ CASES: list[Case] = [
         ("modified in place while the background save", "until its wait() returns"),
         "funcpipe/train/checkpoint_async.py: the version counters, checked after the write "
         "(issue 51)",
+    ),
+    Case(
+        "zero-shards-swapped",
+        "batches and microbatches",
+        "Pipeline(data=2, zero=1) in one process stepped on the copies' shards out of order "
+        "(every piece the same size)",
+        _zero_swapped,
+        InvalidArgument,
+        ("shards[0] are copy 1's shards and it is copy 0 of 2", "in copy order"),
+        "funcpipe/pipeline/zero.py Shards: shards carry their copy (issue 51: a permuted model, "
+        "silently; over processes the same check names this process's copy)",
+    ),
+    Case(
+        "zero-update-mixes-copies",
+        "optimizers and checkpoints",
+        "an optimizer update of copy 1's shards with copy 0's gradient shards",
+        _zero_mixed_copies,
+        InvalidArgument,
+        ("grads are copy 0's shards (of 2) and params copy 1's", "its own gradient shards"),
+        "funcpipe/pipeline/zero.py Shards: the copy is part of the pytree structure (issue 51)",
     ),
 ]
 

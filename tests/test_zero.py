@@ -352,9 +352,12 @@ def test_bad_input_is_a_clear_error() -> None:
     shards = pipe.shard(params)
     with pytest.raises(InvalidArgument, match="list of every copy's shards"):
         pipe.step(shards[0], x, y)
-    wrong = [shards[1], shards[0]]  # copy 0 given copy 1's pieces (12 elements, not 13)
-    with pytest.raises(InvalidArgument, match="copy 0 of 2 holds torch.float64\\[13\\]"):
+    wrong = [shards[1], shards[0]]
+    with pytest.raises(InvalidArgument, match="are copy 1's shards and it is copy 0 of 2"):
         pipe.step(wrong, x, y)
+    untagged = [tuple(shards[1]), tuple(shards[0])]  # plain tuples: the pieces' sizes still tell
+    with pytest.raises(InvalidArgument, match="copy 0 of 2 holds torch.float64\\[13\\]"):
+        pipe.step(untagged, x, y)
     plain, _ = jobs_zero._pipeline("1f1b", 0, data=2)
     with pytest.raises(InvalidArgument, match="Pipeline\\(zero=1 or 2\\)"):
         plain.shard(params)
@@ -591,3 +594,74 @@ def test_clipping_a_copys_pieces_alone_is_refused(pool) -> None:
     for said, finite in pool(4).run(jobs_zero.clip_pieces_alone):
         assert "this process's pieces of a ZeRO step's gradient" in said, said
         assert finite
+
+
+def _even_pipe() -> tuple[Any, tuple[Any, ...], Any, Any]:
+    """ZeRO-1 over 2 copies in one process, every leaf's size even: both copies' pieces have
+    the same shapes, so only the copy the shards carry tells them apart."""
+    g = torch.Generator().manual_seed(0)
+    stages = [fp.Stage(lambda p, t: torch.tanh(p["E"][t])), fp.Stage(lambda p, h: h @ p["U"])]
+    params = ({"E": torch.randn(16, 8, generator=g)}, {"U": torch.randn(8, 16, generator=g)})
+    program = generate("1f1b", ranks=2, microbatches=2)
+    pipe = fp.Pipeline(stages, program, loss_fn=fp.token_cross_entropy, data=2, zero=1)
+    tokens = torch.randint(0, 16, (4, 5), generator=g)
+    return pipe, params, tokens, torch.roll(tokens, 1, dims=1)
+
+
+def test_swapped_copies_are_refused_by_the_copy_the_shards_carry() -> None:
+    """Before: with every piece the same size, a list of the copies' shards out of order stepped
+    and gathered silently (a permuted model)."""
+    pipe, params, x, y = _even_pipe()
+    shards = pipe.shard(params)
+    assert [(s.copy, s.copies) for s in shards] == [(0, 2), (1, 2)]
+    swapped = [shards[1], shards[0]]
+    with pytest.raises(InvalidArgument, match="shards\\[0\\] are copy 1's shards and it is copy 0"):
+        pipe.step(swapped, x, y)
+    with pytest.raises(InvalidArgument, match="gather\\(shards\\)\\[0\\] are copy 1's"):
+        pipe.gather(swapped)
+    grads = pipe.step(shards, x, y).grads
+    assert [(g.copy, g.copies) for g in grads] == [(0, 2), (1, 2)]
+    opt = adamw(1e-2)
+    with pytest.raises(
+        InvalidArgument, match="grads are copy 0.s shards \\(of 2\\) and params copy 1.s"
+    ):
+        opt.update(grads[0], opt.init(shards[1]), shards[1])  # copy 0's grads, copy 1's shards
+
+
+def test_the_copy_survives_updates_tree_maps_pickling_and_keeps_checkpoint_keys() -> None:
+    import io
+
+    import optree
+    import torch.utils._pytree as torch_pytree
+
+    from funcpipe.pipeline.zero import Shards
+    from funcpipe.train.checkpoint_regions import state_keys
+
+    pipe, params, x, y = _even_pipe()
+    shards = pipe.shard(params)
+    opt = adamw(1e-2)
+    states = [opt.init(s) for s in shards]
+    grads = pipe.step(shards, x, y).grads
+    new, _ = opt.update(grads[1], states[1], shards[1])
+    for tree in (
+        new,
+        optree.tree_map(torch.neg, shards[1]),
+        torch_pytree.tree_map(torch.neg, shards[1]),
+    ):
+        assert isinstance(tree, Shards) and (tree.copy, tree.copies) == (1, 2)
+    buf = io.BytesIO()
+    torch.save(shards[1], buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert isinstance(back, Shards) and back.copy == 1
+    assert_trees_close(list(back), list(shards[1]))
+    assert list(state_keys(shards[1])) == list(state_keys(tuple(shards[1])))
+    assert list(state_keys(states[1])) == ["step", "mu/0/E", "mu/1/U", "nu/0/E", "nu/1/U"]
+
+
+@pytest.mark.timeout(180)
+def test_another_processs_shards_are_refused(pool) -> None:
+    for said in pool(4).run(jobs_zero.another_copys_shards):
+        assert "are copy 1's shards and this process is copy 0" in said or (
+            "are copy 0's shards and this process is copy 1" in said
+        ), said

@@ -361,7 +361,7 @@ class Pipeline:
             has_metric=self.metric_fn is not None,
         )
         grads = stage_grads(self.program, params, [result], factor)
-        _zero.mark_pieces(grads, sharded=zin is not None)  # (this copy's pieces: zero)
+        grads = grads if zin is None else _zero.mark_pieces(grads, self._world.copy, self.data_size)
         outputs = merged_outputs(program, [result]) if return_outputs else None
         step = StepResult(loss, grads, metric, outputs)
         step.peak_activations = {self.rank: result.peak_activations}
@@ -417,8 +417,9 @@ class Pipeline:
         loss, metric, factor = local_scalars(list(results.values()), m, self.data)
         grads: Any
         if zin is not None:  # every copy's gradient shards (each scaled once: in place)
+            by_copy = [[results[d * n + r] for r in range(n)] for d in range(self.data)]
             grads = [
-                stage_grads(program, per_copy[d], [results[d * n + r] for r in range(n)], factor)
+                _zero.Shards(stage_grads(program, per_copy[d], by_copy[d], factor), d, self.data)
                 for d in range(self.data)
             ]
         else:
@@ -433,10 +434,9 @@ class Pipeline:
 
     # ------------------------------------------------------------------ sharded (zero=1, 2)
     def shard(self, params: Sequence[Any]) -> Any:
-        """``params`` cut into shards for ``zero`` 1 or 2 (no communication;
-        :mod:`funcpipe.pipeline.zero`): over processes this process's, per stage a pytree of
-        1-D pieces (stages it does not hold may be meta tensors); in one process a list of
-        every copy's. The pipeline keeps the full shapes, which its steps rebuild."""
+        """``params`` cut into :class:`~funcpipe.pipeline.zero.Shards` for ``zero`` 1 or 2 (no
+        communication): over processes this process's copy's (per stage 1-D pieces; meta for
+        stages it does not hold), in one process a list of every copy's. Keeps the full shapes."""
         if not self.zero:
             raise InvalidArgument("shard(params) is for Pipeline(zero=1 or 2); pass params to step")
         _zero.check_full(params, self._full)

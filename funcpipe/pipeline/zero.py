@@ -17,10 +17,12 @@ is a list of ``d`` such tuples, one per copy, and the gradients come back the sa
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import optree
 import torch
+import torch.utils._pytree as torch_pytree
 
 from funcpipe.errors import InvalidArgument
 from funcpipe.runtime.shards import gather_pieces, piece_sizes, shard_leaf
@@ -28,8 +30,11 @@ from funcpipe.runtime.transport_common import Transport
 from funcpipe.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
+    "Shards",
+    "check_copy",
     "check_full",
     "check_zero",
+    "copies_differ",
     "for_rank",
     "full_meta",
     "gather_copies",
@@ -45,19 +50,105 @@ __all__ = [
 
 Tensor = torch.Tensor
 
+
+class Shards(tuple):
+    """One data-parallel copy's shards: per stage a pytree of 1-D pieces, as a tuple, tagged
+    with the copy they belong to (``copy`` of ``copies``).
+
+    :meth:`Pipeline.shard` returns them, and a ZeRO step's gradients come back as them. The tag
+    is part of the pytree structure (optree's and torch's): an optimizer's ``tree_map`` keeps
+    it, a tree of one copy's shards does not line up with another copy's, and a step or gather
+    given another copy's shards (swapped in the list of one process's copies, or handed to
+    another process) refuses them by name. A plain tuple of pieces is still taken, unchecked.
+    """
+
+    copy: int
+    copies: int
+
+    def __new__(cls, stages: Iterable[Any], copy: int, copies: int) -> Shards:
+        self = super().__new__(cls, stages)
+        self.copy, self.copies = copy, copies
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Shards, (tuple(self), self.copy, self.copies))
+
+    def __repr__(self) -> str:
+        return f"Shards(copy={self.copy}, copies={self.copies}, stages={tuple.__repr__(self)})"
+
+
+def _flatten(s: Any) -> tuple[tuple[Any, ...], tuple[int, int], None]:
+    return tuple(s), (s.copy, s.copies), None
+
+
+def _unflatten(tag: Any, stages: Iterable[Any]) -> Any:
+    return Shards(stages, *tag)
+
+
+def _keys(s: Any) -> tuple[list[tuple[Any, Any]], tuple[int, int]]:
+    return [(torch_pytree.SequenceKey(i), c) for i, c in enumerate(s)], (s.copy, s.copies)
+
+
+# optree's global namespace: funcpipe's optimizers and optree users flatten without one
+optree.register_pytree_node(
+    Shards,
+    _flatten,
+    _unflatten,
+    path_entry_type=optree.SequenceEntry,
+    namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),
+)
+torch_pytree.register_pytree_node(
+    Shards,
+    lambda s: (list(s), (s.copy, s.copies)),
+    lambda stages, tag: Shards(stages, *tag),
+    serialized_type_name="funcpipe.Shards",
+    flatten_with_keys_fn=_keys,
+)
+
+
+def check_copy(shards: Any, d: int, copy: int, where: str) -> None:
+    """Refuse :class:`Shards` tagged with another copy than ``copy`` of ``d``."""
+    if not isinstance(shards, Shards) or (shards.copy, shards.copies) == (copy, d):
+        return
+    if shards.copies != d:
+        raise InvalidArgument(
+            f"{where} are copy {shards.copy}'s of {shards.copies} data-parallel copies; this "
+            f"pipeline has {d}: pass the shards this pipeline's shard(params) returned"
+        )
+    here = "this process is" if where == "shards" or where.endswith("(shards)") else "it is"
+    raise InvalidArgument(
+        f"{where} are copy {shards.copy}'s shards and {here} copy {copy} of {d}: each copy "
+        "steps on its own shards (in one process the list in copy order, as pipe.shard(params) "
+        "returned it; over processes the shards this process's pipe.shard returned)"
+    )
+
+
+def copies_differ(grads: Any, tree: Any, name: str) -> str | None:
+    """Why an optimizer cannot update ``tree`` (``params`` or a state field, named ``name``)
+    with ``grads`` when the two are :class:`Shards` of different copies; else None."""
+    if not (isinstance(grads, Shards) and isinstance(tree, Shards)):
+        return None
+    if (grads.copy, grads.copies) == (tree.copy, tree.copies):
+        return None
+    return (
+        f"grads are copy {grads.copy}'s shards (of {grads.copies}) and {name} copy {tree.copy}'s "
+        f"(of {tree.copies}): update each copy's shards with its own gradient shards and state "
+        "(in one process zip the step's grads, the states and the shards in copy order)"
+    )
+
+
 # the gradient pieces a step over processes returned (id -> tensor, held weakly): a norm over one
 # process's pieces alone is not the gradient's (funcpipe.train.clip refuses it)
 _PIECES: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 
 
-def mark_pieces(grads: Any, *, sharded: bool) -> None:
-    """Note ``grads`` (a step's over processes) as this copy's pieces, when ``sharded``
-    (``zero`` 1 or 2)."""
-    if not sharded:
-        return
+def mark_pieces(grads: Any, copy: int, d: int) -> Shards:
+    """``grads`` (a ZeRO step's over processes: per stage this copy's pieces) as :class:`Shards`,
+    each piece noted (a norm over them alone is not the gradient's)."""
     for t in tree_flatten(grads)[0]:
         if isinstance(t, Tensor):
             _PIECES[id(t)] = t
+    return Shards(grads, copy, d)
 
 
 def holds_pieces(tree: Any) -> bool:
@@ -92,9 +183,9 @@ def full_meta(params: Sequence[Any]) -> tuple[Any, ...]:
     )
 
 
-def shard(params: Sequence[Any], d: int, copy: int) -> tuple[Any, ...]:
+def shard(params: Sequence[Any], d: int, copy: int) -> Shards:
     """Copy ``copy``'s shards of ``params``: per stage a pytree of its 1-D pieces."""
-    return tuple(tree_map(lambda t: shard_leaf(t, d, copy), p) for p in params)
+    return Shards((tree_map(lambda t: shard_leaf(t, d, copy), p) for p in params), copy, d)
 
 
 def placeholders(
@@ -107,6 +198,7 @@ def placeholders(
             f"{where} must be a tuple with one pytree of shards per stage ({len(full)}); got "
             f"{type(shards).__name__}; {SHARDS}"
         )
+    check_copy(shards, d, copy, where)
     params: list[Any] = []
     pieces: dict[int, list[Tensor]] = {}
     for o, (mine, whole) in enumerate(zip(shards, full, strict=True)):
@@ -181,7 +273,10 @@ def pipe_gather(pipe: Any, shards: Any) -> tuple[Any, ...]:
     """:meth:`Pipeline.gather`."""
     full, held = _need_full(pipe, "gather"), _held(pipe)
     if pipe._world is None:
-        return gather_copies(_copies(pipe, shards, "gather(shards)"), full)
+        copies = _copies(pipe, shards, "gather(shards)")
+        for k, c in enumerate(copies):
+            check_copy(c, pipe.data, k, f"gather(shards)[{k}]")
+        return gather_copies(copies, full)
     t = pipe._world.transport
     return gather_dist(t, shards, full, held, pipe.data_size, pipe._world.copy)
 

@@ -115,7 +115,7 @@ class _Walk:
             if type(value) in SCALAR_DTYPES:
                 self.scalars[kind] = value
             elif isinstance(value, (tuple, list)) and len(value) == self.n:
-                self._add(kind, tuple(value))
+                self._add(kind, value if isinstance(value, tuple) else tuple(value))  # (Shards)
             else:
                 raise InvalidArgument(
                     f"opt_state.{name} is a {type(value).__name__}: a model checkpoint stores "

@@ -29,6 +29,7 @@ import optree
 import torch
 
 from funcpipe.errors import InvalidArgument, check_number, is_real
+from funcpipe.pipeline.zero import copies_differ
 from funcpipe.train.common import low_precision
 from funcpipe.train.lr_schedules import Schedule
 
@@ -142,6 +143,9 @@ def _align(grads: Any, params: Any, states: dict[str, Any]) -> tuple[Any, list[i
         try:
             subs = spec.flatten_up_to(tree)
         except (ValueError, TypeError) as e:
+            copies = copies_differ(grads, tree, name)
+            if copies:
+                raise InvalidArgument(copies) from None
             detail = str(e).split("; dict:")[0].rstrip(". ")
             if len(detail) > 200:  # optree quotes the whole tree
                 detail = detail[:200] + "..."
