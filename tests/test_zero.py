@@ -649,6 +649,10 @@ def test_the_copy_survives_updates_tree_maps_pickling_and_keeps_checkpoint_keys(
         torch_pytree.tree_map(torch.neg, shards[1]),
     ):
         assert isinstance(tree, Shards) and (tree.copy, tree.copies) == (1, 2)
+    plain, _ = opt.update(grads[1], states[1], tuple(shards[1]))  # untagged: taken, unchecked
+    assert isinstance(plain, Shards) and plain.copy == 1
+    weights = tuple({k: 1.0 for k in p} for p in shards[1])  # a plain tree of clip weights
+    fp.optim.clip_by_global_norm(grads[1], 1.0, weights=weights)
     buf = io.BytesIO()
     torch.save(shards[1], buf)
     buf.seek(0)

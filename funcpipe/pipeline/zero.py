@@ -39,7 +39,9 @@ __all__ = [
     "full_meta",
     "gather_copies",
     "gather_dist",
+    "held_only",
     "holds_pieces",
+    "like",
     "mark_pieces",
     "pipe_gather",
     "pipe_shard",
@@ -121,6 +123,16 @@ def check_copy(shards: Any, d: int, copy: int, where: str) -> None:
         "steps on its own shards (in one process the list in copy order, as pipe.shard(params) "
         "returned it; over processes the shards this process's pipe.shard returned)"
     )
+
+
+def like(tree: Any, ref: Any) -> Any:
+    """``tree`` with ``ref``'s tag: a plain tuple or list of stages lines up with :class:`Shards`
+    (untagged shards are taken unchecked), and :class:`Shards` with a plain tuple or list."""
+    if isinstance(ref, Shards) and type(tree) in (tuple, list) and len(tree) == len(ref):
+        return Shards(tree, ref.copy, ref.copies)
+    if isinstance(tree, Shards) and type(ref) in (tuple, list) and len(tree) == len(ref):
+        return type(ref)(tree)
+    return tree
 
 
 def copies_differ(grads: Any, tree: Any, name: str) -> str | None:
@@ -326,6 +338,19 @@ def _copies(pipe: Any, shards: Any, where: str) -> list[Any]:
             f"pipe.shard(params) returns it; got {type(shards).__name__}"
         )
     return shards
+
+
+def held_only(pipe: Any, tree: Sequence[Any]) -> tuple[Any, ...]:
+    """:meth:`Pipeline.held`."""
+    n = len(pipe.stages)
+    if not isinstance(tree, tuple | list) or len(tree) != n:
+        raise InvalidArgument(
+            f"held(tree): a tuple or list with one entry per stage ({n}), such as params; got "
+            f"{type(tree).__name__}"
+            + (f" of {len(tree)}" if isinstance(tree, tuple | list) else "")
+        )
+    mine, meta = _held(pipe), lambda t: t.to("meta") if isinstance(t, Tensor) else t
+    return tuple(t if s in mine else tree_map(meta, t) for s, t in enumerate(tree))
 
 
 def _held(pipe: Any) -> set[int]:

@@ -15,7 +15,7 @@ import optree
 import torch
 
 from funcpipe.errors import InvalidArgument, check_number
-from funcpipe.pipeline.zero import holds_pieces
+from funcpipe.pipeline.zero import holds_pieces, like
 from funcpipe.train.common import all_reduce_sum
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ def _leaf_weights(grads: Any, weights: Any, leaves: list[Tensor]) -> list[float]
     else:
         spec = optree.tree_structure(grads, none_is_leaf=False)
         try:
-            values = spec.flatten_up_to(weights)
+            values = spec.flatten_up_to(like(weights, grads))
         except (ValueError, TypeError) as e:
             raise InvalidArgument(
                 f"weights does not have the structure of grads: {e}. Pass one number per "

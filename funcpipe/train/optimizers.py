@@ -29,7 +29,7 @@ import optree
 import torch
 
 from funcpipe.errors import InvalidArgument, check_number, is_real
-from funcpipe.pipeline.zero import copies_differ
+from funcpipe.pipeline.zero import copies_differ, like
 from funcpipe.train.common import low_precision
 from funcpipe.train.lr_schedules import Schedule
 
@@ -141,7 +141,7 @@ def _align(grads: Any, params: Any, states: dict[str, Any]) -> tuple[Any, list[i
     out = [g_leaves]
     for name, tree in {"params": params, **states}.items():
         try:
-            subs = spec.flatten_up_to(tree)
+            subs = spec.flatten_up_to(like(tree, grads))
         except (ValueError, TypeError) as e:
             copies = copies_differ(grads, tree, name)
             if copies:
@@ -225,7 +225,7 @@ def _masters(
         m_l: list[Any] = [None] * len(p_l)
     else:
         try:
-            m_l = spec.flatten_up_to(master)
+            m_l = spec.flatten_up_to(like(master, grads))
         except (ValueError, TypeError):
             raise InvalidArgument(
                 "state.master does not have the structure of grads; it must be the state.master "
