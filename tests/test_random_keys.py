@@ -313,3 +313,50 @@ def test_an_evaluation_over_a_model_in_training_mode_draws_nothing(how: str) -> 
     a, b = train.step(params, x, y, seed=3).loss, train.step(params, x, y, seed=3).loss
     assert torch.equal(a, b) and not torch.allclose(a, expected)
     assert model.training and all(m.training for m in model.modules())  # its mode as it was
+
+
+class _Attention(torch.nn.Module):
+    """Self-attention with dropout on its weights (transformers' sdpa with attention_dropout),
+    and an alpha dropout and a feature dropout: every dropping op split_module replaces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
+        self.alpha, self.feature = torch.nn.AlphaDropout(0.3), torch.nn.Dropout1d(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 4).unbind(2)
+        p = 0.5 if self.training else 0.0
+        att = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=p
+        )
+        h = self.out(att.transpose(1, 2).reshape(x.shape))
+        return self.feature(self.alpha(h))
+
+
+def test_attention_and_other_dropouts_draw_in_a_training_step_only() -> None:
+    """Before: the traced scaled_dot_product_attention kept its dropout_p outside a training
+    step (a Llama split in training mode with attention_dropout=0.1 evaluated 0.21 apart from
+    one run to the next), and alpha and feature dropout were replaced by plain dropout."""
+    from funcpipe.schedule.generators import generate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Attention(), _Attention()).train()
+    x, y = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
+    got = fp.split_module(model, ["1"], example=x[:1])
+
+    def mse(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return ((o - t) ** 2).mean()
+
+    evaluate = fp.Pipeline(got.stages, generate("forward", ranks=2, microbatches=4), loss_fn=mse)
+    first, second = evaluate.step(got.params, x, y).loss, evaluate.step(got.params, x, y).loss
+    with torch.no_grad():
+        expected = mse(model.eval()(x), y)
+    model.train()
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, expected)
+    train = fp.Pipeline(got.stages, generate("1f1b", ranks=2, microbatches=4), loss_fn=mse)
+    a, b = train.step(got.params, x, y, seed=3).loss, train.step(got.params, x, y, seed=3).loss
+    assert torch.equal(a, b) and not torch.allclose(a, expected)
+    ops = {getattr(n.target, "__name__", "") for s in got.stages for n in s.fn.gm.graph.nodes}
+    assert {"keyed_attention", "keyed_alpha_dropout", "keyed_feature_dropout"} <= ops, ops

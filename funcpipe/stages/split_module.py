@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from funcpipe.errors import InvalidArgument
+from funcpipe.stages.keyed_ops import keyed_ops
 from funcpipe.stages.split_balance import balanced_points, check_count, stage_count
 from funcpipe.stages.split_errors import near_names, quiet_export, untraceable, written_buffers
 from funcpipe.stages.split_inputs import (
@@ -84,29 +85,6 @@ class ModuleSplit(NamedTuple):
             f"({counts}), inputs={list(self.inputs)!r}, side_inputs={self.side_inputs!r}, "
             f"ties={self.ties!r})"
         )
-
-
-def _dropouts() -> dict[Any, Any]:
-    aten = torch.ops.aten
-    return {
-        aten.dropout.default: aten.dropout.default,
-        aten.feature_dropout.default: aten.feature_dropout.default,
-        aten.alpha_dropout.default: aten.alpha_dropout.default,
-        aten.feature_alpha_dropout.default: aten.feature_alpha_dropout.default,
-    }
-
-
-def keyed_dropout(x: Tensor, p: float, train: bool) -> Tensor:
-    """The traced ``aten.dropout`` of a module split in training mode, as funcpipe's own models
-    draw: inside a keyed call (a training step, each stage call under its random key) it drops,
-    outside one (an evaluation program, a stage called by hand) it drops nothing. Traced as
-    they were, an evaluation over a split in training mode kept dropout on: two evaluations
-    differed, and the logits were 0.28 off the model's in eval mode."""
-    from funcpipe.stages.keys import current_key
-
-    if not train or current_key() is None:
-        return x
-    return torch.ops.aten.dropout.default(x, p, train)
 
 
 class _GraphStage:
@@ -447,8 +425,9 @@ def _cut(
             _read_sizes(g, env, sizes, [*in_nodes, *side_nodes], label, dims)
         for n in members:
             env[n] = g.node_copy(n, env.__getitem__)
-            if env[n].target in _dropouts():  # drawn in a keyed call only (training)
-                env[n].target = keyed_dropout
+            keyed = keyed_ops().get(env[n].target)
+            if keyed is not None:  # drawn in a keyed call only (training)
+                env[n].target = keyed
         if s < n_stages - 1:
             g.output(tuple(env[v] for v in sent[s]))
             out_spec = None
