@@ -80,3 +80,39 @@ def vit() -> torch.nn.Module:
         depth=4, num_heads=2, num_classes=10,
     )  # fmt: skip
     return model.double().eval()
+
+
+def mixtral() -> torch.nn.Module:
+    """Mixtral, 2 blocks of 4 experts (top 2), router logits and the auxiliary load-balancing
+    loss in its output; the experts as one batched matmul (``batched_mm``: traceable, and it
+    runs in float64, which the default ``grouped_mm`` refuses)."""
+    transformers = load("transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.01, use_cache=False,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(config).double()
+    if not hasattr(model, "set_experts_implementation"):
+        pytest.skip(f"transformers {transformers.__version__} has no set_experts_implementation")
+    model.set_experts_implementation("batched_mm")
+    return model
+
+
+def qwen2_moe() -> torch.nn.Module:
+    """Qwen2-MoE, 2 blocks of 4 routed experts (top 2) and a gated shared expert, its
+    auxiliary loss in its output; batched experts as for :func:`mixtral`."""
+    transformers = load("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        use_cache=False,
+    )  # fmt: skip
+    model = transformers.Qwen2MoeForCausalLM(config).double()
+    if not hasattr(model, "set_experts_implementation"):
+        pytest.skip(f"transformers {transformers.__version__} has no set_experts_implementation")
+    model.set_experts_implementation("batched_mm")
+    return model

@@ -543,6 +543,18 @@ def _zero_mixed_copies() -> None:
     opt.update(grads[0], opt.init(shards[1]), shards[1])
 
 
+def _export_by_paths() -> None:
+    old = checkpoint.save(os.path.join(_tmp(), "ck"), {"params": ({"w": torch.ones(2)},)})
+    checkpoint.export(old, os.path.join(_tmp(), "model.safetensors"))
+
+
+def _safetensors_of_another_model() -> None:
+    ck = checkpoint.save_model(os.path.join(_tmp(), "ck"), ({"w": torch.ones(4, 3)},))
+    out = os.path.join(_tmp(), "model.safetensors")
+    checkpoint.export(ck, out)
+    checkpoint.load_safetensors(out, ({"w": torch.zeros(3, 4), "b": torch.zeros(3)},))
+
+
 # ------------------------------------------------------------------------------------ the rows
 CASES: list[Case] = [
     # ---- schedules
@@ -1895,6 +1907,25 @@ CASES: list[Case] = [
         InvalidArgument,
         ("grads are copy 0's shards (of 2) and params copy 1's", "its own gradient shards"),
         "funcpipe/pipeline/zero.py Shards: the copy is part of the pytree structure (issue 51)",
+    ),
+    Case(
+        "export-by-paths-checkpoint",
+        "checkpoint I/O",
+        "checkpoint.export of a checkpoint written by checkpoint.save (keyed by pytree paths)",
+        _export_by_paths,
+        InvalidArgument,
+        ("written by checkpoint.save", "only the latter exports", "checkpoint.save_model"),
+        "funcpipe/train/checkpoint_export.py _table (issue 52)",
+    ),
+    Case(
+        "load-safetensors-another-model",
+        "checkpoint I/O",
+        "checkpoint.load_safetensors into params of other names and shapes than the file's",
+        _safetensors_of_another_model,
+        InvalidArgument,
+        ("'w' is (4, 3) in the file", "'b' (params[0] 'b') is not in the file"),
+        "funcpipe/train/checkpoint_export.py load_safetensors: every leaf checked before any is "
+        "read (issue 52)",
     ),
 ]
 

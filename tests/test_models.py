@@ -148,6 +148,8 @@ def test_microbatch_size_other_than_the_example_is_refused_naming_it() -> None:
     with pytest.raises(fp.InvalidArgument, match=said) as e:
         pipe.step(sp.params, sp.batch(fields), y)
     assert "dynamic_shapes={'input_ids': {0: torch.export.Dim('batch')}}" in str(e.value)
+    # over processes each data-parallel process passes its own slice (issue 52: not said)
+    assert "each data-parallel process passes its own slice of the batch" in str(e.value)
 
 
 def test_gpt2_with_dynamic_batch_and_length_equals_unsplit() -> None:
@@ -185,3 +187,36 @@ def test_model_over_two_gloo_ranks(pool: Any, name: str, schedule: str) -> None:
 
     worst = pool(2).run(jobs_models.run_model_vs_unsplit, name, schedule, 2)
     assert max(worst) < 1e-10
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_mixtral_trains_with_its_router_loss_per_microbatch(name: str) -> None:
+    """Mixtral and Qwen2-MoE split with batched experts equal the unsplit model in float64,
+    the auxiliary loss included as loss_fn adds it: per microbatch (the step's is the
+    microbatches' mean), so not the auxiliary loss of the whole batch, not a mean over rows."""
+    model = getattr(zoo, name)()
+    ids = torch.randint(0, zoo.VOCAB, (4, 9), generator=torch.Generator().manual_seed(3))
+    x, y = ids[:, :-1], ids[:, 1:]
+
+    def with_aux(out: dict[str, torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+        return lm_loss(out, t) + 0.01 * out["aux_loss"]
+
+    sp = fp.split_module(model, 2, example={"input_ids": x[:2]})
+    pipe = fp.Pipeline(sp.stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=with_aux)
+    got = pipe.step(sp.params, sp.batch({"input_ids": x}), y, return_outputs=True)
+    model.zero_grad()
+    total = torch.zeros((), dtype=torch.float64)
+    for rows in (slice(0, 2), slice(2, 4)):
+        out = model(input_ids=x[rows])
+        loss = with_aux({"logits": out.logits, "aux_loss": out.aux_loss}, y[rows]) / 2
+        loss.backward()
+        total += loss.detach()
+    torch.testing.assert_close(got.loss, total, rtol=1e-13, atol=1e-13)
+    named = dict(model.named_parameters())
+    for g in got.grads:
+        for k, v in g.items():
+            torch.testing.assert_close(v, named[k].grad, rtol=1e-10, atol=1e-12, msg=k)
+    assert got.outputs["aux_loss"].shape == (2,)  # one per microbatch
+    with torch.no_grad():
+        whole = model(input_ids=x).aux_loss
+    assert abs(float(got.outputs["aux_loss"].mean()) - float(whole)) > 1e-6

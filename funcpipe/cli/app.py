@@ -22,7 +22,7 @@ __all__ = ["main"]
 
 # modules of funcpipe.cli, in the order `funcpipe --help` lists their subcommands (schedule
 # registers `schedule` and `check`)
-_COMMANDS = ("demo", "tour", "schedule", "plan")
+_COMMANDS = ("demo", "tour", "schedule", "plan", "checkpoint")
 
 
 def _build() -> tuple[argparse.ArgumentParser, Subparsers]:

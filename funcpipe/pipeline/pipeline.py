@@ -59,9 +59,9 @@ class Pipeline:
         schedule: a :class:`~funcpipe.schedule.Program`, compute-only or lowered. It runs as
             written: lowering adds only what it must (communication, recompute, reductions),
             and the trace of a step shows exactly those instructions.
-        loss_fn: ``loss_fn(outputs, targets) -> scalar`` (or ``loss_fn(outputs)`` when no targets
-            are passed), run where the last stage runs. The step's loss is the mean over
-            microbatches of this value.
+        loss_fn: ``loss_fn(outputs, targets)`` (``loss_fn(outputs)`` without targets), run with
+            the last stage: a scalar (the step's loss is its mean over microbatches) or a ``(sum,
+            count)`` pair (:func:`funcpipe.token_cross_entropy`: total sum over total count).
         metric_fn: like ``loss_fn``, not differentiated; its mean over microbatches is returned
             as ``result.metric``.
         ties: ``{"name": [(stage, path), (stage, path), ...]}``: parameters that are one and the
@@ -180,7 +180,7 @@ class Pipeline:
             recompute=recompute,
             ties=self.ties,
             data_parallel=copies > 1,
-            p2p=self._p2p_rules(),
+            p2p=p2p_rules(self.device, self.transport),
             layout=self.p2p_layout,
             zero=self.zero,
         )
@@ -229,11 +229,6 @@ class Pipeline:
         (``"nccl"`` or ``"gloo"``, on the communicators :attr:`p2p_layout`):
         ``simulate(pipe.program, costs, p2p=pipe.p2p, layout=pipe.p2p_layout)`` is the timeline
         the checker proved."""
-        return self._p2p_rules()
-
-    def _p2p_rules(self) -> str:
-        """The point-to-point rules the program must hold to on this pipeline's transport
-        (:func:`funcpipe.pipeline.lowering.p2p_rules`)."""
         return p2p_rules(self.device, self.transport)
 
     # ------------------------------------------------------------------ step
@@ -448,6 +443,11 @@ class Pipeline:
         """Full params from ``zero`` 1 or 2 shards: over processes a collective of every process
         (``None`` for the stages this one does not hold); in one process from every copy's."""
         return _zero.pipe_gather(self, shards)
+
+    def held(self, tree: Sequence[Any]) -> tuple[Any, ...]:
+        """``tree`` (one entry per stage, such as params) with meta tensors at the stages this
+        process does not hold (none in one process): what each one inits, steps and saves."""
+        return _zero.held_only(self, tree)
 
     @property
     def bytes_sent(self) -> int:

@@ -18,7 +18,7 @@ from funcpipe.runtime.loss_terms import count_factor, scale_grads
 from funcpipe.runtime.rank_io import SCALARS
 from funcpipe.schedule.ir import Program
 from funcpipe.schedule.simulate import Event, Timeline
-from funcpipe.tree import tree_flatten, tree_unflatten
+from funcpipe.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "StepResult",
@@ -89,13 +89,19 @@ def stage_grads(
 
 def merged_outputs(program: Program, results: Sequence[RankResult]) -> Any:
     """The last stage's outputs of every microbatch, merged along dim 0 (``None`` unless the
-    results hold all of them)."""
+    results hold all of them); a 0-dim output (a per-microbatch scalar, such as a transformers
+    MoE model's ``aux_loss``) comes back as one value per microbatch."""
     by_mb: dict[int, Any] = {}
     for res in results:
         by_mb.update(res.outputs)
     if len(by_mb) < program.microbatches:
         return None
-    return merge([by_mb[k] for k in range(program.microbatches)], dim=0)
+    rows = [tree_map(_one_row, by_mb[k]) for k in range(program.microbatches)]
+    return merge(rows, dim=0)
+
+
+def _one_row(t: Any) -> Any:
+    return t.unsqueeze(0) if isinstance(t, Tensor) and t.dim() == 0 else t
 
 
 def dist_scalars(

@@ -200,6 +200,12 @@ class InputCheck:
                 f"that gives the example's size; or pass dynamic_shapes= to split_module for the dims that vary (e.g. "
                 f"dynamic_shapes={{{self.entry!r}: {{0: torch.export.Dim({name!r})}}}})."
             )
+            if isinstance(traced, int) and 0 < traced < t.shape[0] and t.shape[0] % traced == 0:
+                fix += (
+                    " Over processes each data-parallel process passes its own slice of the "
+                    "batch (its rows / the data size), not the whole batch: only a Pipeline "
+                    "with data=k in one process splits the batch among copies itself."
+                )
         else:
             fix = (
                 "Give microbatches shaped like the example, split the model again with an "

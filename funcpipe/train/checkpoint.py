@@ -52,6 +52,7 @@ from funcpipe.train.checkpoint_async import PendingSave, save_model_async
 from funcpipe.train.checkpoint_dirs import INFO, VERSION, latest, prune
 from funcpipe.train.checkpoint_dirs import check_path as _check_path
 from funcpipe.train.checkpoint_dirs import info_or_reason as _info_or_reason
+from funcpipe.train.checkpoint_export import consolidate, export, load_safetensors
 from funcpipe.train.checkpoint_integrity import (
     SafeReader,
     check_against,
@@ -75,9 +76,12 @@ __all__ = [
     "PendingSave",
     "Region",
     "by_names",
+    "consolidate",
+    "export",
     "latest",
     "load",
     "load_model",
+    "load_safetensors",
     "prune",
     "save",
     "save_model",
