@@ -49,17 +49,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from funcpipe.errors import FuncpipeError, InvalidArgument
 from funcpipe.train.checkpoint_async import PendingSave, save_model_async
-from funcpipe.train.checkpoint_dirs import INFO, VERSION, latest, prune
-from funcpipe.train.checkpoint_dirs import check_path as _check_path
-from funcpipe.train.checkpoint_dirs import info_or_reason as _info_or_reason
+from funcpipe.train.checkpoint_dirs import INFO as INFO  # (tests read the name here)
+from funcpipe.train.checkpoint_dirs import latest, prune
+from funcpipe.train.checkpoint_dirs import open_checkpoint as _open
 from funcpipe.train.checkpoint_export import consolidate, export, load_safetensors
 from funcpipe.train.checkpoint_integrity import (
     SafeReader,
-    check_against,
-    check_files,
     failures,
     verify,
 )
+from funcpipe.train.checkpoint_integrity import check_stored as _check_stored
 from funcpipe.train.checkpoint_named import NAMED, Loaded, named_pieces, plan_load
 from funcpipe.train.checkpoint_regions import SCALAR_DTYPES, Naming, Region, state_keys
 from funcpipe.train.checkpoint_write import agree as _agree
@@ -187,40 +186,6 @@ def load(path: str | os.PathLike[str], like: Any, *, group: ProcessGroup | None 
         else:
             leaves.append(type(v)(wanted[k].item()))
     return optree.tree_unflatten(optree.tree_structure(like, none_is_leaf=False), leaves)
-
-
-def _open(path: Any) -> tuple[str, dict[str, Any]]:
-    """The checked path of a complete checkpoint of this format version, and its info."""
-    source = _check_path(path)
-    info, why = _info_or_reason(source)
-    if info is None and why:
-        raise InvalidArgument(
-            f"path={path!r} is not a complete funcpipe checkpoint: {why}. A save writes "
-            "both before the checkpoint appears at its path, so it was damaged or written "
-            "by something else; load an earlier checkpoint (funcpipe.train.checkpoint.latest("
-            "directory) finds the newest complete one, skipping this)."
-        )
-    if info is None:
-        raise InvalidArgument(
-            f"path={path!r} is not a complete funcpipe checkpoint (no {INFO} and "
-            ".metadata); use funcpipe.train.checkpoint.latest(directory) to find the newest "
-            "complete one."
-        )
-    if info.get("version") != VERSION:
-        raise InvalidArgument(
-            f"the checkpoint {source!r} has format version {info.get('version')!r}; this "
-            f"funcpipe reads version {VERSION}"
-        )
-    return source, info
-
-
-def _check_stored(source: str, wanted: dict[str, Tensor], metadata: Any = None) -> None:
-    """Every key of ``wanted`` is stored with its shape and dtype, in data files that are whole
-    (``metadata``: the checkpoint's, where the caller has read it already)."""
-    if metadata is None:
-        metadata = SafeReader(source).read_metadata()
-    check_against(source, metadata, wanted)
-    check_files(source, metadata, wanted)
 
 
 def _read(

@@ -18,7 +18,7 @@ from typing import Any
 
 from funcpipe.errors import InvalidArgument, check_int
 
-__all__ = ["FORMAT", "INFO", "VERSION", "commit", "complete", "latest", "prune"]
+__all__ = ["FORMAT", "INFO", "VERSION", "commit", "complete", "latest", "open_checkpoint", "prune"]
 
 FORMAT = "funcpipe.train.checkpoint"
 VERSION = 1  # of the format: what funcpipe.json says and a load requires
@@ -154,3 +154,28 @@ def prune(directory: str | os.PathLike[str], keep: int) -> list[str]:
     for path in gone:
         shutil.rmtree(path, ignore_errors=True)
     return gone
+
+
+def open_checkpoint(path: Any) -> tuple[str, dict[str, Any]]:
+    """The checked path of a complete checkpoint of this format version, and its info."""
+    source = check_path(path)
+    info, why = info_or_reason(source)
+    if info is None and why:
+        raise InvalidArgument(
+            f"path={path!r} is not a complete funcpipe checkpoint: {why}. A save writes "
+            "both before the checkpoint appears at its path, so it was damaged or written "
+            "by something else; load an earlier checkpoint (funcpipe.train.checkpoint.latest("
+            "directory) finds the newest complete one, skipping this)."
+        )
+    if info is None:
+        raise InvalidArgument(
+            f"path={path!r} is not a complete funcpipe checkpoint (no {INFO} and "
+            ".metadata); use funcpipe.train.checkpoint.latest(directory) to find the newest "
+            "complete one."
+        )
+    if info.get("version") != VERSION:
+        raise InvalidArgument(
+            f"the checkpoint {source!r} has format version {info.get('version')!r}; this "
+            f"funcpipe reads version {VERSION}"
+        )
+    return source, info

@@ -73,11 +73,11 @@ def resolve(run: str | os.PathLike[str]) -> str:
 
 def _table(path: str) -> tuple[str, dict[str, Any], Any, dict[str, dict[str, Any]]]:
     """The checkpoint's path, info, DCP metadata and ``{name: {shape, dtype}}`` of its params."""
-    from funcpipe.train import checkpoint as ck
+    from funcpipe.train.checkpoint_dirs import open_checkpoint
     from funcpipe.train.checkpoint_integrity import SafeReader
     from funcpipe.train.checkpoint_named import NAMED
 
-    source, info = ck._open(path)
+    source, info = open_checkpoint(path)
     if info.get("keys") != NAMED:
         raise InvalidArgument(
             f"the checkpoint {source!r} was written by checkpoint.save (keyed by pytree paths), "
@@ -102,8 +102,7 @@ def _dtype(dtype: Any) -> torch.dtype | None:
 
 def _read(source: str, info: dict[str, Any], metadata: Any, want: dict[str, Any]) -> Any:
     """``{name: full tensor}`` of the params ``want`` lists (one process: no collective)."""
-    from funcpipe.train import checkpoint as ck
-    from funcpipe.train.checkpoint_integrity import SafeReader, verify
+    from funcpipe.train.checkpoint_integrity import SafeReader, check_stored, verify
     from funcpipe.train.checkpoint_named import plan_load
     from funcpipe.train.checkpoint_write import quiet_single_process
 
@@ -111,7 +110,7 @@ def _read(source: str, info: dict[str, Any], metadata: Any, want: dict[str, Any]
         name: torch.empty(v["shape"], dtype=_saved_dtype(v, None)) for name, v in want.items()
     }
     plan = plan_load(source, info, metadata, (template,), None, None)
-    ck._check_stored(source, plan.wanted, metadata)
+    check_stored(source, plan.wanted, metadata)
     with quiet_single_process():
         dcp.load(plan.wanted, storage_reader=SafeReader(source), no_dist=True)
     verify(source, info, plan.wanted)

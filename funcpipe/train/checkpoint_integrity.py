@@ -43,6 +43,7 @@ __all__ = [
     "SafeReader",
     "check_against",
     "check_files",
+    "check_stored",
     "checksums",
     "crc",
     "failures",
@@ -291,3 +292,12 @@ def failures(e: CheckpointException) -> str:
         keep = lines[:1] + [ln for ln in lines[1:] if "GLOBAL" in ln]
         parts.append(f"rank {rank}: {type(exc).__name__}: {' '.join(keep)}")
     return "; ".join(parts)
+
+
+def check_stored(source: str, wanted: dict[str, Tensor], metadata: Any = None) -> None:
+    """Every key of ``wanted`` is stored with its shape and dtype, in data files that are whole
+    (``metadata``: the checkpoint's, where the caller has read it already)."""
+    if metadata is None:
+        metadata = SafeReader(source).read_metadata()
+    check_against(source, metadata, wanted)
+    check_files(source, metadata, wanted)
