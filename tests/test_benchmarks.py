@@ -18,6 +18,7 @@ from benchmarks import (
     auto_executed,
     backward_split,
     chart,
+    checkpoint_export,
     checkpoint_save,
     gpt,
     memory,
@@ -265,6 +266,15 @@ def test_checkpoint_save_times_every_mode(pool: Pool) -> None:
     assert extras == {"every": 3, "world": 2}
 
 
+def test_checkpoint_export_measures_every_way() -> None:
+    """The export benchmark exports at each batch size and consolidates, in fresh processes."""
+    rows = checkpoint_export.main(["--tensors", "3", "--mib", "0.25", "--batch-mib", "0.25", "8"])
+    assert [(r["how"], r["batch_mib"]) for r in rows] == [
+        ("export", "0.25"), ("export", "8"), ("consolidate", "all"),
+    ]  # fmt: skip
+    assert all(r["seconds"] > 0 and r["model_mib"] == 0.75 for r in rows)
+
+
 def test_storage_tracker_counts_each_storage_once_while_it_lives() -> None:
     """Hand-counted bytes: new storages count once (views and in-place results add nothing),
     until their last view goes; tensors from before count once tagged; labels move with tag;
@@ -351,6 +361,7 @@ def test_help_of_every_script(capsys: pytest.CaptureFixture[str]) -> None:
         zero,
         zero_peak,
         checkpoint_save,
+        checkpoint_export,
     ):
         with pytest.raises(SystemExit) as e:
             mod.main(["--help"])

@@ -219,15 +219,14 @@ def export(
     }
 
 
-def _raw(t: Tensor) -> bytes:
-    """The tensor's bytes, little-endian, in row-major order."""
+def _raw(t: Tensor) -> Any:
+    """The tensor's bytes, little-endian, in row-major order, as a buffer (no copy where the
+    tensor is a contiguous CPU one already)."""
     flat = t.detach().to("cpu").contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return b""
     data = flat.view(torch.uint8) if flat.dtype != torch.bool else flat.to(torch.uint8)
     if struct.pack("=H", 1) != struct.pack("<H", 1):  # a big-endian host: swap each element
         data = data.view(-1, t.element_size()).flip(1).reshape(-1)
-    return bytes(data.numpy().tobytes())
+    return data.numpy()
 
 
 # ------------------------------------------------------------------------------ the way in

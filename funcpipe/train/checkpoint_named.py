@@ -255,7 +255,10 @@ class Plan:
     def finish(self, step: Any) -> Loaded:
         values = {}
         for leaf, region, pieces in self.jobs:
-            got = assemble(region, [(r, self.wanted[k]) for r, k in pieces])
+            if len(pieces) == 1 and pieces[0][0] == region:  # stored as held: no copy
+                got = self.wanted[pieces[0][1]]
+            else:
+                got = assemble(region, [(r, self.wanted[k]) for r, k in pieces])
             values[id(leaf)] = got.to(device=leaf.value.device, dtype=leaf.value.dtype)
         scalars = {
             kind: _SCALAR_TYPES[kind_type](self.wanted[kind].item())
