@@ -42,6 +42,7 @@ from funcpipe.errors import (  # noqa: E402
 from funcpipe.models.gpt import GPTConfig  # noqa: E402
 from funcpipe.parallel import ops, summa  # noqa: E402
 from funcpipe.parallel.mesh import Axis, ParallelConfig  # noqa: E402
+from funcpipe.parallel.routing import dispatch  # noqa: E402
 from funcpipe.parallel.sharding import Sharding  # noqa: E402
 from funcpipe.schedule import (  # noqa: E402
     Program,
@@ -1926,6 +1927,16 @@ CASES: list[Case] = [
         ("'w' is (4, 3) in the file", "'b' (params[0] 'b') is not in the file"),
         "funcpipe/train/checkpoint_export.py load_safetensors: every leaf checked before any is "
         "read (issue 52)",
+    ),
+    Case(
+        "dispatch-dest-outside-the-axis",
+        "tensor-parallel shapes",
+        "routing.dispatch with a destination past the axis's coordinates (an expert index "
+        "given where the expert rank is wanted)",
+        lambda: dispatch(torch.ones(3, 2), torch.tensor([0, 5, 0]), Axis("expert", 1, 0, None)),
+        InvalidArgument,
+        ("1 destination(s) outside the coordinates of axis 'expert', 0..0",),
+        "funcpipe/parallel/routing.py dispatch: read from the counts it needs anyway (issue 53)",
     ),
 ]
 

@@ -19,6 +19,7 @@ pair                     forward                           backward
 ``broadcast``            broadcast from ``src``            reduce to ``src`` (zeros elsewhere)
 ``reduce_to``            reduce to ``dst`` (zeros elsewhere)  broadcast from ``dst``
 ``ring_shift``           send to coord+k, receive from coord-k  the reverse shift
+``all_to_all``           rows to each coord (uneven sizes)  the same, sizes swapped
 =======================  ================================  ===============================
 
 (torch's functional ``all_reduce`` differentiates to another all-reduce: right for varying
@@ -39,6 +40,7 @@ all_gather         (n-1) * nbytes  (input is one shard; output is n*nbytes)
 reduce_scatter     (n-1)/n * nbytes (input is the full tensor)
 broadcast, reduce  (n-1)/n * nbytes (a pipelined chain: n-1 of n ranks send the buffer)
 send (ring_shift)  nbytes
+all_to_all         the bytes of the rows sent to other ranks (even sizes: (n-1)/n * nbytes)
 =================  =====================
 
 ``c.total``, ``c.by_kind`` and ``c.by_phase`` sum ``volume``; ``c.payload`` sums ``nbytes``.
@@ -49,8 +51,9 @@ If the backend lacks a native reduce-scatter, it runs as all-reduce + slice and 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,9 +71,11 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_reduce_max",
+    "all_to_all",
     "broadcast",
     "copy_to_group",
     "count_bytes",
+    "exchange_sizes",
     "gather_from_group",
     "reduce_from_group",
     "reduce_scatter",
@@ -107,9 +112,11 @@ def ring_volume(kind: str, nbytes: int, n: int) -> float:
         return (n - 1) / n * nbytes
     if kind == "send":
         return float(nbytes)
+    if kind == "all_to_all":  # even split sizes (a call records the rows it really sends)
+        return (n - 1) / n * nbytes
     raise InvalidArgument(
         f"kind={kind!r}: one of 'all_reduce', 'all_gather', 'reduce_scatter', 'broadcast', "
-        "'reduce', 'send'."
+        "'reduce', 'send', 'all_to_all'."
     )
 
 
@@ -176,20 +183,20 @@ def count_bytes() -> Iterator[ByteCounter]:
 
 
 def _record(
-    kind: str, phase: str, axis: Axis, t: Tensor, *, algorithm: str = "ring", as_kind: str = ""
+    kind: str,
+    phase: str,
+    axis: Axis,
+    t: Tensor,
+    *,
+    algorithm: str = "ring",
+    as_kind: str = "",
+    volume: float | None = None,
 ) -> None:
     if not _COUNTERS:
         return
     nbytes = t.numel() * t.element_size()
-    rec = Record(
-        kind,
-        phase,
-        axis.name,
-        axis.size,
-        nbytes,
-        ring_volume(as_kind or kind, nbytes, axis.size),
-        algorithm,
-    )
+    sent = ring_volume(as_kind or kind, nbytes, axis.size) if volume is None else volume
+    rec = Record(kind, phase, axis.name, axis.size, nbytes, sent, algorithm)
     for c in _COUNTERS:
         c.records.append(rec)
 
@@ -481,3 +488,83 @@ def all_reduce_max(x: Tensor, axis: Axis) -> Tensor:
     """Elementwise max over the group (not differentiable: use it on detached values)."""
     _check_axis(axis, "all_reduce_max")
     return _raw_all_reduce(x.detach(), axis, "forward", op=dist.ReduceOp.MAX)
+
+
+# ------------------------------------------------------------------------------ all-to-all
+def _sizes(sizes: Any, axis: Axis, name: str, what: str) -> list[int]:
+    if isinstance(sizes, Tensor):
+        if sizes.dim() != 1 or sizes.is_floating_point() or sizes.is_complex():
+            raise InvalidArgument(f"{what}: {name} must be a 1-D integer tensor or a list of ints")
+        sizes = sizes.tolist()  # (a host sync where the sizes live on a device)
+    if not isinstance(sizes, list | tuple) or len(sizes) != axis.size:
+        raise InvalidArgument(
+            f"{what}: {name}={sizes!r} must give one row count per coordinate of axis "
+            f"{axis.name!r} ({axis.size})"
+        )
+    if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in sizes):
+        raise InvalidArgument(f"{what}: {name}={list(sizes)!r} must be ints >= 0")
+    return [int(k) for k in sizes]
+
+
+def exchange_sizes(send: Sequence[int], axis: Axis) -> list[int]:
+    """The row counts each coordinate of ``axis`` sends this one, given what this one sends
+    each (``send``): a small all-to-all of ints, the one host sync an uneven all-to-all needs."""
+    counts = torch.tensor(list(send), dtype=torch.int64)
+    if axis.size == 1:
+        return [int(k) for k in counts.tolist()]
+    if dist.get_backend(axis.group) == "nccl":
+        counts = counts.cuda()
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts, group=axis.group)
+    return [int(k) for k in out.tolist()]
+
+
+def _raw_all_to_all(x: Tensor, axis: Axis, send: list[int], recv: list[int], phase: str) -> Tensor:
+    src = x.contiguous()
+    out = src.new_empty((sum(recv), *src.shape[1:]))
+    if _abstract(x):
+        return out
+    row = math.prod(src.shape[1:]) * src.element_size()
+    _record("all_to_all", phase, axis, src, volume=float((sum(send) - send[axis.coord]) * row))
+    dist.all_to_all_single(out, src, recv, send, group=axis.group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, axis: Axis, send: list[int], recv: list[int]) -> Tensor:
+        ctx.axis, ctx.send, ctx.recv = axis, send, recv
+        return _raw_all_to_all(x, axis, send, recv, "forward")
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None]:
+        return _raw_all_to_all(g, ctx.axis, ctx.recv, ctx.send, "backward"), None, None, None
+
+
+def all_to_all(x: Tensor, axis: Axis, send_sizes: Any, recv_sizes: Any = None) -> Tensor:
+    """Rows to every coordinate of ``axis`` and rows from every one, in uneven sizes.
+
+    ``x``'s rows (dim 0) are grouped by destination: the first ``send_sizes[0]`` go to
+    coordinate 0, the next ``send_sizes[1]`` to coordinate 1, ... (zeros allowed); the result
+    holds the rows received, grouped by source coordinate. ``recv_sizes``: how many rows each
+    coordinate sends this one; ``None`` exchanges them first (:func:`exchange_sizes`). The
+    backward is the same exchange with the sizes swapped (its transpose). On tensors without
+    data (meta, fake: shape inference) no sizes are exchanged, and ``recv_sizes`` defaults to
+    ``send_sizes``."""
+    _check_axis(axis, "all_to_all")
+    if x.dim() == 0:
+        raise InvalidArgument("all_to_all: x must have a dim 0 of rows; got a 0-dim tensor")
+    send = _sizes(send_sizes, axis, "send_sizes", "all_to_all")
+    if sum(send) != x.shape[0]:
+        raise InvalidArgument(
+            f"all_to_all: send_sizes={send} sum to {sum(send)}, but x has {x.shape[0]} rows "
+            "(dim 0): give each coordinate's row count, in the order the rows are grouped"
+        )
+    if recv_sizes is None:
+        recv = send if _abstract(x) else exchange_sizes(send, axis)
+    else:
+        recv = _sizes(recv_sizes, axis, "recv_sizes", "all_to_all")
+    if axis.size == 1:
+        return x.clone()
+    out: Tensor = _AllToAll.apply(x, axis, send, recv)
+    return out
