@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["docs/concepts.md", "README.md", "docs/pipeline.md", "docs/precision.md"]
+DOCS = ["docs/concepts.md", "README.md", "docs/pipeline.md", "docs/precision.md", "docs/moe.md"]
 
 
 def _python_blocks(text: str) -> list[str]:

@@ -1,0 +1,206 @@
+"""A mixture-of-experts feed-forward layer as pure functions over a parameter dict (one device).
+
+``moe(params, x, config, bias=None) -> (y, stats)``: each of the ``T`` tokens of ``x[..., d]``
+is routed to ``top_k`` of ``experts`` SwiGLU experts by a linear router, and ``y`` is the sum of
+their outputs weighted by the router's scores, plus ``shared`` experts every token goes through
+(DeepSeek). Scores are a ``softmax`` over the experts (Mixtral, Switch) or a ``sigmoid`` per
+expert (DeepSeek-V3); the chosen ``top_k`` scores are normalised to sum to 1 when
+``normalize`` is set. ``bias`` (one per expert) shifts which experts are chosen, not their
+weights: DeepSeek's auxiliary-loss-free balancing, moved between steps by the pure
+:func:`update_bias` from the counts the layer returns.
+
+Dropless by default; ``capacity=c`` keeps at most ``ceil(c * T * top_k / experts)`` assignments
+per expert, the first in token order, and a dropped assignment contributes nothing (the token
+passes on the residual around the layer).
+
+``stats``: ``counts[e]`` (assignments kept per expert: the load), ``aux`` (the Switch
+auxiliary loss of these tokens, ``experts * sum_e f_e P_e``, with ``f_e`` the fraction of the
+assignments ``e`` got and ``P_e`` its mean score; scaled by nothing) and ``z`` (the router
+z-loss, the mean over tokens of ``logsumexp(logits)^2``). Both losses are those of the tokens
+given: summed over calls they are per-call (per-microbatch) quantities, not the whole batch's.
+
+The experts' weights are stacked (``w_in[E, d, 2f]``: gate and up, ``w_out[E, f, d]``) and run
+as one grouped matmul over the tokens sorted by expert (``torch.nn.functional.grouped_mm``)
+where the dtype and strides allow it, else a loop over the experts; the two are tested equal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from funcpipe.errors import InvalidArgument
+
+__all__ = ["MoEConfig", "init", "moe", "route", "update_bias"]
+
+_GROUPED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The layer's shape and routing (see the module's docstring)."""
+
+    d_model: int
+    experts: int
+    ffn: int
+    top_k: int = 2
+    shared: int = 0
+    score: str = "softmax"
+    normalize: bool = True
+    capacity: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "experts", "ffn", "top_k"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise InvalidArgument(f"MoEConfig({name}={v!r}): an int >= 1")
+        if type(self.shared) is not int or self.shared < 0:
+            raise InvalidArgument(f"MoEConfig(shared={self.shared!r}): an int >= 0")
+        if not 1 <= self.top_k <= min(8, self.experts):
+            raise InvalidArgument(
+                f"MoEConfig(top_k={self.top_k}): from 1 to min(8, experts={self.experts})"
+            )
+        if self.score not in ("softmax", "sigmoid"):
+            raise InvalidArgument(f"MoEConfig(score={self.score!r}): 'softmax' or 'sigmoid'")
+        c = self.capacity
+        if c is not None and (
+            isinstance(c, bool) or not isinstance(c, int | float) or not math.isfinite(c) or c <= 0
+        ):
+            raise InvalidArgument(
+                f"MoEConfig(capacity={c!r}): a capacity factor > 0 (1.0: each expert takes its "
+                "even share of the assignments), or None (dropless)"
+            )
+
+
+def init(
+    config: MoEConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> dict[str, Tensor]:
+    """Random parameters: ``router[E, d]``, ``w_in[E, d, 2f]``, ``w_out[E, f, d]``, and with
+    shared experts ``shared_in[d, 2 * shared * f]``, ``shared_out[shared * f, d]``."""
+    g = torch.Generator().manual_seed(seed)
+    d, e, f = config.d_model, config.experts, config.ffn
+
+    def randn(*shape: int, fan_in: int) -> Tensor:
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) / math.sqrt(fan_in)).to(dtype)
+
+    params = {
+        "router": randn(e, d, fan_in=d),
+        "w_in": randn(e, d, 2 * f, fan_in=d),
+        "w_out": randn(e, f, d, fan_in=f),
+    }
+    if config.shared:
+        s = config.shared * f
+        params["shared_in"] = randn(d, 2 * s, fan_in=d)
+        params["shared_out"] = randn(s, d, fan_in=s)
+    return params
+
+
+def route(
+    router: Tensor, x: Tensor, config: MoEConfig, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(weights[T, k], experts[T, k], scores[T, E], logits[T, E])`` of tokens ``x[T, d]``."""
+    logits = x @ router.t()
+    if config.score == "softmax":
+        wide = torch.promote_types(logits.dtype, torch.float32)  # bf16 / fp16: in float32
+        scores = torch.softmax(logits.to(wide), dim=-1).to(logits.dtype)
+    else:
+        scores = torch.sigmoid(logits)
+    pick = scores if bias is None else scores + bias.to(scores.dtype)
+    experts = torch.topk(pick.detach(), config.top_k, dim=-1).indices
+    weights = scores.gather(-1, experts)
+    if config.normalize and (config.top_k > 1 or config.score == "sigmoid"):
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, experts, scores, logits
+
+
+def _keep(experts: Tensor, config: MoEConfig) -> Tensor | None:
+    """Which assignments a capacity keeps (the first ones per expert in token order; None:
+    every one)."""
+    if config.capacity is None:
+        return None
+    tokens = experts.shape[0]
+    cap = math.ceil(config.capacity * tokens * config.top_k / config.experts)
+    flat = experts.reshape(-1)
+    onehot = F.one_hot(flat, config.experts)
+    position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # rank of each assignment in its expert
+    return (position < cap).reshape(experts.shape)
+
+
+def _swiglu(h: Tensor) -> Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _experts(w_in: Tensor, w_out: Tensor, rows: Tensor, counts: Tensor) -> Tensor:
+    """Each expert's SwiGLU over its rows (``rows`` sorted by expert, ``counts`` per expert)."""
+    aligned = all(t.dtype in _GROUPED for t in (rows, w_in, w_out)) and all(
+        (t.shape[-1] * t.element_size()) % 16 == 0 for t in (rows, w_in, w_out)
+    )
+    if aligned and rows.shape[0] > 0:
+        offs = counts.cumsum(0).to(torch.int32)
+        h = F.grouped_mm(rows, w_in, offs=offs)
+        return F.grouped_mm(_swiglu(h), w_out, offs=offs)
+    outs = []
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        part = rows[start : start + n]
+        outs.append(_swiglu(part @ w_in[e]) @ w_out[e])
+        start += n
+    return torch.cat(outs) if outs else rows.new_zeros((0, w_out.shape[-1]))
+
+
+def moe(
+    params: dict[str, Tensor], x: Tensor, config: MoEConfig, bias: Tensor | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The layer on ``x[..., d]`` (see the module's docstring): ``(y, stats)``."""
+    if x.shape[-1] != config.d_model:
+        raise InvalidArgument(
+            f"moe: x[..., {x.shape[-1]}], the config has d_model={config.d_model}"
+        )
+    if bias is not None and (
+        not isinstance(bias, Tensor) or tuple(bias.shape) != (config.experts,)
+    ):
+        got = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
+        raise InvalidArgument(
+            f"moe: bias must have one value per expert ({config.experts},); got {got}"
+        )
+    shape = x.shape
+    tokens = x.reshape(-1, config.d_model)
+    t, k, e = tokens.shape[0], config.top_k, config.experts
+    weights, experts, scores, logits = route(params["router"], tokens, config, bias)
+    keep = _keep(experts, config)
+    if keep is not None:
+        weights = weights * keep.to(weights.dtype)
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=e)
+    rows = tokens.index_select(0, order // k)
+    out = _experts(params["w_in"], params["w_out"], rows, counts)
+    out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    y = torch.zeros_like(tokens).index_add(0, order // k, out)
+    if config.shared:
+        y = y + _swiglu(tokens @ params["shared_in"]) @ params["shared_out"]
+    kept = counts if keep is None else torch.bincount(flat[keep.reshape(-1)], minlength=e)
+    fraction = counts.to(scores.dtype) / max(t * k, 1)
+    stats = {
+        "counts": kept,
+        "aux": e * (fraction * scores.mean(0)).sum() if t else scores.new_zeros(()),
+        "z": torch.logsumexp(logits, dim=-1).pow(2).mean() if t else logits.new_zeros(()),
+    }
+    return y.reshape(shape), stats
+
+
+def update_bias(bias: Tensor, counts: Tensor, *, rate: float = 1e-3) -> Tensor:
+    """DeepSeek-V3's balancing step, as a value: each expert's bias moves by ``rate`` towards
+    even load (up where it got fewer than the mean of ``counts``, down where more)."""
+    if tuple(counts.shape) != tuple(bias.shape):
+        raise InvalidArgument(
+            f"update_bias: counts {tuple(counts.shape)} and bias {tuple(bias.shape)} must both "
+            "have one value per expert (counts from this layer's stats, summed over the step)"
+        )
+    mean = counts.to(bias.dtype).mean()
+    return bias + rate * torch.sign(mean - counts.to(bias.dtype))
