@@ -34,8 +34,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from funcpipe.errors import InvalidArgument
+from funcpipe.parallel.mesh import Axis
+from funcpipe.parallel.routing import combine, dispatch
 
-__all__ = ["MoEConfig", "init", "moe", "route", "update_bias"]
+__all__ = ["MoEConfig", "expert_shard", "init", "moe", "route", "update_bias"]
 
 _GROUPED = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -154,9 +156,22 @@ def _experts(w_in: Tensor, w_out: Tensor, rows: Tensor, counts: Tensor) -> Tenso
 
 
 def moe(
-    params: dict[str, Tensor], x: Tensor, config: MoEConfig, bias: Tensor | None = None
+    params: dict[str, Tensor],
+    x: Tensor,
+    config: MoEConfig,
+    bias: Tensor | None = None,
+    *,
+    axis: Axis | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The layer on ``x[..., d]`` (see the module's docstring): ``(y, stats)``."""
+    """The layer on ``x[..., d]`` (see the module's docstring): ``(y, stats)``.
+
+    ``axis``: expert parallelism over that mesh axis. Its ``n`` ranks each hold
+    ``experts / n`` experts (``w_in``, ``w_out``: the experts ``coord * E/n`` onwards, as
+    :func:`expert_shard` cuts them) and the router and shared experts whole; each passes its own
+    tokens, which go to their experts' ranks and back (:func:`funcpipe.parallel.routing.dispatch`,
+    ``combine``). Dropless only. ``stats`` are this rank's tokens'; the router's and shared
+    experts' gradients are this rank's share (summed over the axis by the data-parallel
+    reduction, as for any replicated weight)."""
     if x.shape[-1] != config.d_model:
         raise InvalidArgument(
             f"moe: x[..., {x.shape[-1]}], the config has d_model={config.d_model}"
@@ -168,6 +183,7 @@ def moe(
         raise InvalidArgument(
             f"moe: bias must have one value per expert ({config.experts},); got {got}"
         )
+    local = _check_axis(axis, config, params)
     shape = x.shape
     tokens = x.reshape(-1, config.d_model)
     t, k, e = tokens.shape[0], config.top_k, config.experts
@@ -179,7 +195,10 @@ def moe(
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=e)
     rows = tokens.index_select(0, order // k)
-    out = _experts(params["w_in"], params["w_out"], rows, counts)
+    if axis is None or axis.size == 1:
+        out = _experts(params["w_in"], params["w_out"], rows, counts)
+    else:
+        out = _expert_parallel(params["w_in"], params["w_out"], rows, flat[order], axis, local)
     out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
     y = torch.zeros_like(tokens).index_add(0, order // k, out)
     if config.shared:
@@ -192,6 +211,60 @@ def moe(
         "z": torch.logsumexp(logits, dim=-1).pow(2).mean() if t else logits.new_zeros(()),
     }
     return y.reshape(shape), stats
+
+
+def _check_axis(axis: Axis | None, config: MoEConfig, params: dict[str, Tensor]) -> int:
+    """The experts each rank of ``axis`` holds (all of them without one), checked."""
+    if axis is None:
+        return config.experts
+    if not isinstance(axis, Axis):
+        raise InvalidArgument(f"moe: axis={axis!r} must be a funcpipe.parallel.Axis or None")
+    if config.experts % axis.size:
+        raise InvalidArgument(
+            f"moe: experts={config.experts} do not divide over axis {axis.name!r} of "
+            f"{axis.size} ranks: use a multiple of {axis.size} experts, or another axis size"
+        )
+    if config.capacity is not None and axis.size > 1:
+        raise InvalidArgument(
+            "moe: a capacity factor with expert parallelism is not built yet (each expert's "
+            "capacity would be counted over every rank's tokens); use capacity=None (dropless)"
+        )
+    local = config.experts // axis.size
+    held = params["w_in"].shape[0]
+    if held != local:
+        raise InvalidArgument(
+            f"moe: params['w_in'] holds {held} experts; over axis {axis.name!r} of {axis.size} "
+            f"ranks each holds {local} (expert_shard(params, config, axis) cuts them)"
+        )
+    return local
+
+
+def _expert_parallel(
+    w_in: Tensor, w_out: Tensor, rows: Tensor, expert: Tensor, axis: Axis, local: int
+) -> Tensor:
+    """Each row (an assignment, sorted by expert) through its expert on the rank holding it."""
+    got, routed = dispatch(rows, expert // local, axis, extras=(expert,))
+    mine = routed.extras[0] - axis.coord * local
+    order = torch.argsort(mine, stable=True)
+    out = _experts(w_in, w_out, got.index_select(0, order), torch.bincount(mine, minlength=local))
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return combine(out.index_select(0, inverse), routed)
+
+
+def expert_shard(params: dict[str, Tensor], config: MoEConfig, axis: Axis) -> dict[str, Tensor]:
+    """This rank's params for :func:`moe` over ``axis``: its experts' ``w_in`` and ``w_out``
+    (``experts / n`` of them, from ``coord * experts / n``), the rest whole."""
+    n = axis.size
+    if config.experts % n:
+        raise InvalidArgument(
+            f"expert_shard: experts={config.experts} do not divide over axis {axis.name!r} of {n}"
+        )
+    local = config.experts // n
+    lo = axis.coord * local
+    out = dict(params)
+    out["w_in"], out["w_out"] = params["w_in"][lo : lo + local], params["w_out"][lo : lo + local]
+    return out
 
 
 def update_bias(bias: Tensor, counts: Tensor, *, rate: float = 1e-3) -> Tensor:
