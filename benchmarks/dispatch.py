@@ -251,6 +251,67 @@ def block_table(precisions: tuple[str, ...] = PRECISIONS) -> list[dict[str, Any]
     return rows
 
 
+# ------------------------------------------------------------------------ mixture of experts
+MOE = {"d_model": 32, "experts": 8, "ffn": 32, "top_k": 2, "batch": 2, "seq": 16}
+"""The MoE blocks' tiny shape (float32: the grouped matmul runs, as it would in bf16 on a GPU)."""
+
+
+class PlainMoE(nn.Module):
+    """An MoE feed-forward block written here in plain PyTorch, independently of funcpipe: a
+    linear router, softmax, top-k normalised, tokens sorted by expert, one grouped matmul in and
+    one out (SwiGLU), scattered back; no auxiliary losses."""
+
+    def __init__(self, d: int, experts: int, ffn: int, top_k: int) -> None:
+        super().__init__()
+        self.k, self.experts = top_k, experts
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, d, 2 * ffn) / d**0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, ffn, d) / ffn**0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = x.reshape(-1, x.shape[-1])
+        w, idx = self.gate(t).softmax(-1).topk(self.k, -1)
+        w = w / w.sum(-1, keepdim=True)
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        tok = order // self.k
+        offs = torch.bincount(flat, minlength=self.experts).cumsum(0).to(torch.int32)
+        g, u = F.grouped_mm(t[tok], self.w_in, offs=offs).chunk(2, -1)
+        o = F.grouped_mm(F.silu(g) * u, self.w_out, offs=offs) * w.flatten()[order].unsqueeze(-1)
+        return torch.zeros_like(t).index_add(0, tok, o).reshape(x.shape)
+
+
+def count_moe_blocks() -> dict[str, Any]:
+    """ATen ops of one forward + backward of funcpipe's MoE layer (with its auxiliary and z
+    losses computed) and of :class:`PlainMoE`, float32, at :data:`MOE`."""
+    from funcpipe.models import moe
+
+    m = MOE
+    x = torch.randn(m["batch"], m["seq"], m["d_model"], requires_grad=True)
+    config = moe.MoEConfig(
+        d_model=m["d_model"], experts=m["experts"], ffn=m["ffn"], top_k=m["top_k"]
+    )
+    params = {k: v.requires_grad_(True) for k, v in moe.init(config).items()}
+    plain = PlainMoE(m["d_model"], m["experts"], m["ffn"], m["top_k"])
+
+    def funcpipe_step() -> None:
+        y = moe.moe(params, x, config)[0]
+        y.backward(torch.ones_like(y))
+
+    def plain_step() -> None:
+        y = plain(x)
+        y.backward(torch.ones_like(y))
+
+    out: dict[str, Any] = {"shape": dict(m)}
+    for name, step in (("funcpipe", funcpipe_step), ("plain", plain_step)):
+        step()
+        with OpCounter() as counter:
+            step()
+        out[name] = {"ops": counter.count.ops, "by_op": dict(counter.count.by_op.most_common())}
+    out["ratio"] = out["funcpipe"]["ops"] / out["plain"]["ops"]
+    return out
+
+
 # ------------------------------------------------------------------------ tensor parallel
 def count_block_tensor_parallel(rank: int, tensor: int, precision: str = "fp32") -> dict[str, Any]:
     """One rank's ATen ops for one block (forward + backward) at ``tensor`` ranks, in a process
@@ -372,6 +433,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{step['casts']} casts, {step['python_calls']} Python calls "
             f"({step['ops_per_block_per_microbatch']:.0f} ops per block per microbatch)"
         )
+    moe_blocks = count_moe_blocks()
+    print(
+        f"MoE block (float32, {MOE['experts']} experts, top {MOE['top_k']}): funcpipe "
+        f"{moe_blocks['funcpipe']['ops']} ATen ops (auxiliary and z losses included), plain "
+        f"PyTorch {moe_blocks['plain']['ops']}: {moe_blocks['ratio']:.2f}x"
+    )
     if o.by_op:
         for r in blocks:
             print(r["precision"], r["block"], r["by_op"])
@@ -381,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "blocks": blocks,
                     "pipeline_steps": steps,
+                    "moe_blocks": moe_blocks,
                     "shapes": [asdict(TINY), asdict(LARGE)],
                 },
                 f,

@@ -107,13 +107,18 @@ def route(
     """``(weights[T, k], experts[T, k], scores[T, E], logits[T, E])`` of tokens ``x[T, d]``."""
     logits = x @ router.t()
     if config.score == "softmax":
-        wide = torch.promote_types(logits.dtype, torch.float32)  # bf16 / fp16: in float32
-        scores = torch.softmax(logits.to(wide), dim=-1).to(logits.dtype)
+        low = logits.dtype in (torch.bfloat16, torch.float16)  # the softmax in float32 then
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32 if low else None)
+        scores = scores.to(logits.dtype) if low else scores
     else:
         scores = torch.sigmoid(logits)
-    pick = scores if bias is None else scores + bias.to(scores.dtype)
-    experts = torch.topk(pick.detach(), config.top_k, dim=-1).indices
-    weights = scores.gather(-1, experts)
+    if bias is None:  # the chosen scores are the weights
+        weights, experts = torch.topk(scores, config.top_k, dim=-1)
+    else:  # the bias chooses, the scores weigh
+        experts = torch.topk(
+            (scores + bias.to(scores.dtype)).detach(), config.top_k, dim=-1
+        ).indices
+        weights = scores.gather(-1, experts)
     if config.normalize and (config.top_k > 1 or config.score == "sigmoid"):
         weights = weights / weights.sum(-1, keepdim=True)
     return weights, experts, scores, logits
@@ -130,6 +135,12 @@ def _keep(experts: Tensor, config: MoEConfig) -> Tensor | None:
     onehot = F.one_hot(flat, config.experts)
     position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # rank of each assignment in its expert
     return (position < cap).reshape(experts.shape)
+
+
+def _counts(ids: Tensor, n: int) -> Tensor:
+    """How many of ``ids`` are each of ``0..n-1``, without reading them on the host (a CUDA
+    ``bincount`` reads the largest one: a sync)."""
+    return ids.new_zeros(n).index_add(0, ids, torch.ones_like(ids))
 
 
 def _swiglu(h: Tensor) -> Tensor:
@@ -193,7 +204,7 @@ def moe(
         weights = weights * keep.to(weights.dtype)
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=e)
+    counts = _counts(flat, e)
     rows = tokens.index_select(0, order // k)
     if axis is None or axis.size == 1:
         out = _experts(params["w_in"], params["w_out"], rows, counts)
@@ -203,7 +214,7 @@ def moe(
     y = torch.zeros_like(tokens).index_add(0, order // k, out)
     if config.shared:
         y = y + _swiglu(tokens @ params["shared_in"]) @ params["shared_out"]
-    kept = counts if keep is None else torch.bincount(flat[keep.reshape(-1)], minlength=e)
+    kept = counts if keep is None else _counts(flat[keep.reshape(-1)], e)
     fraction = counts.to(scores.dtype) / max(t * k, 1)
     stats = {
         "counts": kept,
@@ -246,7 +257,7 @@ def _expert_parallel(
     got, routed = dispatch(rows, expert // local, axis, extras=(expert,))
     mine = routed.extras[0] - axis.coord * local
     order = torch.argsort(mine, stable=True)
-    out = _experts(w_in, w_out, got.index_select(0, order), torch.bincount(mine, minlength=local))
+    out = _experts(w_in, w_out, got.index_select(0, order), _counts(mine, local))
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return combine(out.index_select(0, inverse), routed)
