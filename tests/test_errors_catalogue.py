@@ -39,6 +39,7 @@ from funcpipe.errors import (  # noqa: E402
     ScheduleError,
     ShapeInferenceError,
 )
+from funcpipe.models import moe  # noqa: E402
 from funcpipe.models.gpt import GPTConfig  # noqa: E402
 from funcpipe.parallel import ops, summa  # noqa: E402
 from funcpipe.parallel.mesh import Axis, ParallelConfig  # noqa: E402
@@ -554,6 +555,16 @@ def _safetensors_of_another_model() -> None:
     out = os.path.join(_tmp(), "model.safetensors")
     checkpoint.export(ck, out)
     checkpoint.load_safetensors(out, ({"w": torch.zeros(3, 4), "b": torch.zeros(3)},))
+
+
+def _moe_experts_not_divisible() -> None:
+    config = moe.MoEConfig(d_model=4, experts=6, ffn=3)
+    moe.moe(moe.init(config), torch.randn(2, 4), config, axis=Axis("expert", 4, 0, None))
+
+
+def _moe_bias_of_another_layer() -> None:
+    config = moe.MoEConfig(d_model=4, experts=8, ffn=3)
+    moe.moe(moe.init(config), torch.randn(2, 4), config, torch.zeros(6))
 
 
 # ------------------------------------------------------------------------------------ the rows
@@ -1937,6 +1948,42 @@ CASES: list[Case] = [
         InvalidArgument,
         ("1 destination(s) outside the coordinates of axis 'expert', 0..0",),
         "funcpipe/parallel/routing.py dispatch: read from the counts it needs anyway (issue 53)",
+    ),
+    Case(
+        "moe-top-k-above-the-experts",
+        "stages and partitions",
+        "MoEConfig(experts=4, top_k=6): more experts per token than there are",
+        lambda: moe.MoEConfig(d_model=4, experts=4, ffn=3, top_k=6),
+        InvalidArgument,
+        ("top_k=6", "from 1 to min(8, experts=4)"),
+        "funcpipe/models/moe.py MoEConfig (issue 53)",
+    ),
+    Case(
+        "moe-capacity-not-positive",
+        "stages and partitions",
+        "MoEConfig(capacity=0): a capacity factor that keeps no token",
+        lambda: moe.MoEConfig(d_model=4, experts=4, ffn=3, capacity=0),
+        InvalidArgument,
+        ("capacity=0", "a capacity factor > 0", "None (dropless)"),
+        "funcpipe/models/moe.py MoEConfig (issue 53)",
+    ),
+    Case(
+        "moe-experts-not-divisible-by-the-axis",
+        "meshes and parallel configs",
+        "6 experts split over an expert axis of 4 ranks",
+        _moe_experts_not_divisible,
+        InvalidArgument,
+        ("experts=6 do not divide over axis 'expert' of 4 ranks", "a multiple of 4"),
+        "funcpipe/models/moe.py moe(axis=) (issue 53)",
+    ),
+    Case(
+        "moe-bias-of-another-layer",
+        "tensor arguments",
+        "a routing bias of 6 values for a layer of 8 experts",
+        _moe_bias_of_another_layer,
+        InvalidArgument,
+        ("one value per expert (8,); got (6,)",),
+        "funcpipe/models/moe.py moe (issue 53)",
     ),
 ]
 
