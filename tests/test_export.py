@@ -186,3 +186,23 @@ def test_the_recipe_trains_saves_exports_and_from_pretrained_equals_it(tmp_path:
 def test_the_recipe_in_the_docs_is_the_example() -> None:
     text = (ROOT / "docs" / "models.md").read_text()
     assert "```python\n" + RECIPE.read_text() + "```" in text
+
+
+def test_pretrained_weights_load_cut_to_each_ranks_tensor_shard(tmp_path: Path) -> None:
+    """load_safetensors with a Naming of tensor shardings: each tensor rank gets its block of
+    the file's full tensor (rows of a column-parallel weight), the replicated ones whole."""
+    from funcpipe.parallel import Place
+    from funcpipe.parallel.sharding import Sharding
+
+    full = ({"w": torch.arange(12.0).reshape(4, 3), "b": torch.arange(3.0)},)
+    path = checkpoint.save_model(str(tmp_path / "ck"), full)
+    checkpoint.export(path, tmp_path / "m.safetensors")
+    shardings = ({"w": Sharding.of("tensor", None), "b": Sharding.of(None)},)
+    for coord in range(2):
+        naming = checkpoint.Naming(
+            shardings=shardings, place=Place(coord, {"tensor": coord}, {"tensor": 2})
+        )
+        template = ({"w": torch.zeros(2, 3), "b": torch.zeros(3)},)
+        got = checkpoint.load_safetensors(tmp_path / "m.safetensors", template, naming=naming)
+        assert torch.equal(got[0]["w"], full[0]["w"][2 * coord : 2 * coord + 2])
+        assert torch.equal(got[0]["b"], full[0]["b"])
