@@ -143,3 +143,33 @@ def test_a_bias_of_the_wrong_length_and_counts_of_another_layer_are_refused() ->
         M.moe(params, torch.randn(2, 4), c, torch.zeros(3))
     with pytest.raises(InvalidArgument, match="counts \\(8,\\) and bias \\(4,\\)"):
         M.update_bias(torch.zeros(4), torch.zeros(8))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "recompute"), [("gpipe", False), ("1f1b", True), ("zbv", False)]
+)
+def test_moe_stages_in_a_pipeline_equal_the_reference_step(schedule: str, recompute: bool) -> None:
+    """Residual MoE blocks as pipeline stages (the grouped matmul, float32): the step equals
+    reference_step, and shape inference runs without data (no fallback to a real microbatch,
+    which warns: warnings fail the tests)."""
+    import funcpipe as fp
+    from funcpipe.schedule import generate
+
+    c = M.MoEConfig(d_model=8, experts=4, ffn=8, top_k=2, shared=1)
+
+    def block(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        return h + 0.5 * M.moe(p, h, c)[0]
+
+    program = generate(schedule, ranks=2, microbatches=4)
+    stages = [fp.Stage(block) for _ in range(program.n_stages)]
+    params = tuple(M.init(c, seed=s) for s in range(program.n_stages))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 5, 8, generator=g), torch.randn(8, 5, 8, generator=g)
+
+    def mse(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return ((o - t) ** 2).mean()
+
+    pipe = fp.Pipeline(stages, program, loss_fn=mse, recompute=recompute)
+    got = pipe.step(params, x, y)
+    ref = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
+    fp.testing.assert_trees_close((got.loss, got.grads), ref, atol=1e-5, rtol=1e-4)

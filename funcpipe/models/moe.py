@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from funcpipe.errors import InvalidArgument
+from funcpipe.parallel.collectives import _abstract
 from funcpipe.parallel.mesh import Axis
 from funcpipe.parallel.routing import combine, dispatch
 
@@ -150,6 +151,8 @@ def _swiglu(h: Tensor) -> Tensor:
 
 def _experts(w_in: Tensor, w_out: Tensor, rows: Tensor, counts: Tensor) -> Tensor:
     """Each expert's SwiGLU over its rows (``rows`` sorted by expert, ``counts`` per expert)."""
+    if _abstract(rows):  # shape inference (meta or fake): any expert's shapes are all of them
+        return _swiglu(rows @ w_in[0]) @ w_out[0]
     aligned = all(t.dtype in _GROUPED for t in (rows, w_in, w_out)) and all(
         (t.shape[-1] * t.element_size()) % 16 == 0 for t in (rows, w_in, w_out)
     )
