@@ -98,6 +98,23 @@ def test_a_capacity_drops_the_late_assignments_and_counts_the_load() -> None:
     assert dropless["counts"].tolist() == [0, 0, 8, 0]
 
 
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=24), st.sampled_from([0.5, 1.0, 1.5]))
+def test_a_capacity_keeps_the_first_assignments_of_each_expert_in_token_order(
+    picks: list[int], capacity: float
+) -> None:
+    c = M.MoEConfig(d_model=4, experts=4, ffn=3, top_k=2, capacity=capacity)
+    experts = torch.tensor(picks + picks[:1] * (len(picks) % 2)).reshape(-1, 2)
+    cap = -(-capacity * experts.shape[0] * 2 // 4)
+    seen = [0, 0, 0, 0]
+    want = []
+    for e in experts.reshape(-1).tolist():
+        want.append(seen[e] < cap)
+        seen[e] += 1
+    got = M._keep(experts, c)
+    assert got is not None and got.reshape(-1).tolist() == want
+
+
 def test_sigmoid_scores_with_a_bias_choose_by_the_bias_and_weigh_by_the_scores() -> None:
     c = M.MoEConfig(d_model=4, experts=4, ffn=3, top_k=2, score="sigmoid")
     params = M.init(c, seed=3, dtype=F64)

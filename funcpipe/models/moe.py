@@ -133,8 +133,13 @@ def _keep(experts: Tensor, config: MoEConfig) -> Tensor | None:
     tokens = experts.shape[0]
     cap = math.ceil(config.capacity * tokens * config.top_k / config.experts)
     flat = experts.reshape(-1)
-    onehot = F.one_hot(flat, config.experts)
-    position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # rank of each assignment in its expert
+    # each assignment's rank in its expert, in token order: its place in the stable sort by
+    # expert minus where its expert starts there (no [T*k, E] one-hot, nothing read on the host)
+    order = torch.argsort(flat, stable=True)
+    counts = _counts(flat, config.experts)
+    starts = counts.cumsum(0) - counts
+    ranked = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    position = torch.empty_like(ranked).index_copy(0, order, ranked)
     return (position < cap).reshape(experts.shape)
 
 
@@ -156,7 +161,7 @@ def _experts(w_in: Tensor, w_out: Tensor, rows: Tensor, counts: Tensor) -> Tenso
     aligned = all(t.dtype in _GROUPED for t in (rows, w_in, w_out)) and all(
         (t.shape[-1] * t.element_size()) % 16 == 0 for t in (rows, w_in, w_out)
     )
-    if aligned and rows.shape[0] > 0:
+    if aligned:  # (zero rows included: the grouped matmul takes them)
         offs = counts.cumsum(0).to(torch.int32)
         h = F.grouped_mm(rows, w_in, offs=offs)
         return F.grouped_mm(_swiglu(h), w_out, offs=offs)
