@@ -75,6 +75,10 @@ def test_bad_exports_and_imports_are_clear_errors(tmp_path: Path) -> None:
     wrong = ({"a.weight": torch.zeros(3, 3), "x": torch.zeros(1)}, None)
     with pytest.raises(InvalidArgument, match="'a.weight' is \\(4, 3\\) in the file.*'x'"):
         checkpoint.load_safetensors(tmp_path / "m.safetensors", wrong)
+    header = b'{"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}'
+    (tmp_path / "odd.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(InvalidArgument, match="entry for 'x' is not .*damaged"):
+        checkpoint.load_safetensors(tmp_path / "odd.safetensors", ({"x": torch.zeros(1)},))
     (tmp_path / "bad.safetensors").write_bytes(b"\x05")
     with pytest.raises(InvalidArgument, match="not a readable safetensors file"):
         checkpoint.load_safetensors(tmp_path / "bad.safetensors", wrong)

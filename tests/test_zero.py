@@ -592,7 +592,7 @@ def test_clipping_a_copys_pieces_alone_is_refused(pool) -> None:
     """Before: each copy clipped its pieces by its own norm, so the copies' updates were those
     of other parameters, silently."""
     for said, finite in pool(4).run(jobs_zero.clip_pieces_alone):
-        assert "this process's pieces of a ZeRO step's gradient" in said, said
+        assert "some copies' pieces of a ZeRO step's gradient" in said, said
         assert finite
 
 
@@ -652,7 +652,10 @@ def test_the_copy_survives_updates_tree_maps_pickling_and_keeps_checkpoint_keys(
     plain, _ = opt.update(grads[1], states[1], tuple(shards[1]))  # untagged: taken, unchecked
     assert isinstance(plain, Shards) and plain.copy == 1
     weights = tuple({k: 1.0 for k in p} for p in shards[1])  # a plain tree of clip weights
-    fp.optim.clip_by_global_norm(grads[1], 1.0, weights=weights)
+    from funcpipe.train.clip import _leaf_weights  # (over processes: the demo's clip weights)
+
+    leaves = [t for p in grads[1] for t in p.values()]
+    assert _leaf_weights(grads[1], weights, leaves) == [1.0] * len(leaves)
     buf = io.BytesIO()
     torch.save(shards[1], buf)
     buf.seek(0)
@@ -669,3 +672,21 @@ def test_another_processs_shards_are_refused(pool) -> None:
         assert "are copy 1's shards and this process is copy 0" in said or (
             "are copy 0's shards and this process is copy 1" in said
         ), said
+
+
+def test_clipping_one_copys_pieces_alone_in_one_process_is_refused() -> None:
+    """Before: in one process, clipping copy 0's gradient pieces on their own clipped by the
+    norm of half the gradient, silently; the list of every copy's clips by the whole one."""
+    from funcpipe.train import optim
+
+    pipe, params, x, y = _even_pipe()
+    shards = pipe.shard(params)
+    grads = pipe.step(shards, x, y).grads
+    with pytest.raises(InvalidArgument, match="some copies' pieces of a ZeRO step's gradient"):
+        optim.clip_by_global_norm(grads[0], 1.0)
+    clipped, norm = optim.clip_by_global_norm(grads, 1.0)
+    whole = torch.cat([t.flatten() for g in grads for p in g for t in p.values()]).norm()
+    torch.testing.assert_close(norm, whole)
+    assert [g.copy for g in clipped] == [0, 1]
+    held = pipe.held(shards[1])
+    assert isinstance(held, type(shards[1])) and held.copy == 1

@@ -164,8 +164,14 @@ def mark_pieces(grads: Any, copy: int, d: int) -> Shards:
 
 
 def holds_pieces(tree: Any) -> bool:
-    """Whether ``tree`` holds gradient pieces :func:`mark_pieces` noted."""
-    return any(isinstance(t, Tensor) and _PIECES.get(id(t)) is t for t in tree_flatten(tree)[0])
+    """Whether ``tree`` holds ZeRO gradient pieces without every copy's: pieces
+    :func:`mark_pieces` noted (a step's over processes, or part of them), or :class:`Shards` of
+    some copies but not all (one copy's of a step in one process)."""
+    if any(isinstance(t, Tensor) and _PIECES.get(id(t)) is t for t in tree_flatten(tree)[0]):
+        return True
+    found = [tree] if isinstance(tree, Shards) else list(tree) if isinstance(tree, list) else []
+    tags = {(s.copy, s.copies) for s in found if isinstance(s, Shards)}
+    return bool(tags) and tags != {(c, n) for _, n in tags for c in range(n)}
 
 
 SHARDS = "pass what pipe.shard(params) returned (or an elementwise optimizer's update of it)"
@@ -350,7 +356,8 @@ def held_only(pipe: Any, tree: Sequence[Any]) -> tuple[Any, ...]:
             + (f" of {len(tree)}" if isinstance(tree, tuple | list) else "")
         )
     mine, meta = _held(pipe), lambda t: t.to("meta") if isinstance(t, Tensor) else t
-    return tuple(t if s in mine else tree_map(meta, t) for s, t in enumerate(tree))
+    out = tuple(t if s in mine else tree_map(meta, t) for s, t in enumerate(tree))
+    return Shards(out, tree.copy, tree.copies) if isinstance(tree, Shards) else out
 
 
 def _held(pipe: Any) -> set[int]:

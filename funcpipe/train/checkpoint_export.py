@@ -246,8 +246,30 @@ def read_header(file: str | os.PathLike[str]) -> tuple[int, dict[str, Any]]:
         raise InvalidArgument(
             f"{os.fspath(file)!r} is not a readable safetensors file ({e})"
         ) from None
+    if not isinstance(header, dict):
+        raise InvalidArgument(f"{os.fspath(file)!r}: its safetensors header is not a JSON object")
     header.pop("__metadata__", None)
+    for name, entry in header.items():
+        ok = _entry_ok(entry)
+        if not ok:
+            raise InvalidArgument(
+                f"{os.fspath(file)!r}: the safetensors header's entry for {name!r} is not "
+                f"{{dtype, shape, data_offsets}} ({entry!r:.200}); the file is damaged"
+            )
     return 8 + n, header
+
+
+def _entry_ok(entry: Any) -> bool:
+    """Whether a safetensors header entry is ``{dtype: str, shape: [int >= 0], data_offsets:
+    [a, b]}`` with ``0 <= a <= b``."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+        return False
+    shape, span = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(type(k) is int and k >= 0 for k in shape):
+        return False
+    if not isinstance(span, list) or len(span) != 2 or not all(type(k) is int for k in span):
+        return False
+    return bool(0 <= span[0] <= span[1])
 
 
 def _tensor(f: Any, start: int, name: str, entry: dict[str, Any], file: str) -> Tensor:

@@ -77,10 +77,11 @@ def global_norm(grads: Any, *, group: ProcessGroup | None = None, weights: Any =
             )
     if group is None and holds_pieces(grads):
         raise InvalidArgument(
-            "grads are this process's pieces of a ZeRO step's gradient (Pipeline(zero=1 or 2) "
-            "over processes) and group=None counts this process alone: every copy would clip "
-            "by another norm. Pass group= every pipeline x data rank (dist.group.WORLD with "
-            "tensor 1), as docs/training.md 'Clipping by the global norm' says"
+            "grads are some copies' pieces of a ZeRO step's gradient (Pipeline(zero=1 or 2)) "
+            "and group=None counts those alone: every copy would clip by another norm. Over "
+            "processes pass group= every pipeline x data rank (dist.group.WORLD with tensor "
+            "1); in one process clip the list of every copy's grads at once, as "
+            "docs/training.md 'Clipping by the global norm' says"
         )
     w = _leaf_weights(grads, weights, leaves)
     floats = [t.dtype for t in leaves if t.is_floating_point()]
