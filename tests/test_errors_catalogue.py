@@ -562,6 +562,33 @@ def _moe_experts_not_divisible() -> None:
     moe.moe(moe.init(config), torch.randn(2, 4), config, axis=Axis("expert", 4, 0, None))
 
 
+def _expert_mesh() -> Any:
+    from types import SimpleNamespace
+
+    config = ParallelConfig.from_dict({"pipeline": 2, "expert": 2}, world_size=4)
+    return SimpleNamespace(config=config)
+
+
+def _experts_not_named() -> None:
+    from funcpipe.pipeline.experts import check_experts
+
+    check_experts(None, 2, mesh=_expert_mesh(), transport="dist", data=2, zero=0, ties={})
+
+
+def _experts_with_zero() -> None:
+    from funcpipe.pipeline.experts import check_experts
+
+    experts = [(0, "w_in")]
+    check_experts(experts, 2, mesh=_expert_mesh(), transport="dist", data=2, zero=1, ties={})
+
+
+def _experts_as_paths_alone() -> None:
+    from funcpipe.schedule import generate
+
+    stages = [fp.Stage(_tanh_layer), fp.Stage(_tanh_layer)]
+    fp.Pipeline(stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=_mse, experts=["w"])
+
+
 def _moe_bias_of_another_layer() -> None:
     config = moe.MoEConfig(d_model=4, experts=8, ffn=3)
     moe.moe(moe.init(config), torch.randn(2, 4), config, torch.zeros(6))
@@ -1984,6 +2011,44 @@ CASES: list[Case] = [
         InvalidArgument,
         ("one value per expert (8,); got (6,)",),
         "funcpipe/models/moe.py moe (issue 53)",
+    ),
+    Case(
+        "expert-axis-does-not-divide-the-copies",
+        "meshes and parallel configs",
+        "ParallelConfig(pipeline=2, expert=3) on 8 processes: 4 data-parallel copies, which an "
+        "expert axis of 3 cannot span",
+        lambda: ParallelConfig.from_dict({"pipeline": 2, "expert": 3}, world_size=8),
+        InvalidArgument,
+        ("expert=3 does not divide the data-parallel copies (4", "use expert in [1, 2, 4]"),
+        "funcpipe/parallel/mesh.py ParallelConfig.from_dict (issue 53)",
+    ),
+    Case(
+        "pipeline-experts-not-named",
+        "pipeline construction",
+        "a Pipeline over a mesh with expert=2 but no experts=: the data REDUCE would average "
+        "different experts' weights together",
+        _experts_not_named,
+        InvalidArgument,
+        ("experts= names no parameter leaves", "gpt.expert_paths"),
+        "funcpipe/pipeline/experts.py check_experts (issue 53)",
+    ),
+    Case(
+        "pipeline-experts-with-zero",
+        "pipeline construction",
+        "Pipeline(zero=1) with experts split over the mesh (not supported yet)",
+        _experts_with_zero,
+        InvalidArgument,
+        ("zero=1 with experts split over the mesh (expert=2) is not supported yet", "zero=0"),
+        "funcpipe/pipeline/experts.py check_experts (issue 53)",
+    ),
+    Case(
+        "pipeline-experts-as-paths-alone",
+        "pipeline construction",
+        "experts=['w']: a path without its stage",
+        _experts_as_paths_alone,
+        InvalidArgument,
+        ("experts[0]='w'", "(stage, path) pair"),
+        "funcpipe/pipeline/experts.py check_experts (issue 53)",
     ),
 ]
 

@@ -42,6 +42,7 @@ import torch
 from funcpipe.distributed.failures import Steps, forget_steps
 from funcpipe.distributed.groups import Claim
 from funcpipe.errors import InvalidArgument
+from funcpipe.runtime.rank_io import EXPERT_DATA
 from funcpipe.runtime.transport import DistTransport, strict_from_env
 from funcpipe.schedule.check import in_program
 from funcpipe.schedule.ir import COLLECTIVE_OPS, Op, Program
@@ -146,6 +147,17 @@ def join(program: Program, *, mesh: Any = None, scatter_gather: bool = False) ->
         pg = subgroups([[g(r, d, c) for r in members] for d, c in everywhere])
         if rank in members and len(members) > 1:
             groups[name] = pg
+    ep = 1 if mesh is None else mesh.config.expert
+    if ep > 1 and copies > ep and "data" in names:
+        # expert leaves sum over the copies that hold the same experts (copy % ep: the mesh's
+        # expert coordinate; funcpipe.parallel.mesh), dense ones over all of them
+        lists = [
+            [g(r, d, c) for d in range(e, copies, ep)]
+            for r in range(n)
+            for c in range(tp)
+            for e in range(ep)
+        ]
+        groups[EXPERT_DATA] = subgroups(lists)
     pairs = _pair_groups(claim, program, rank, g, everywhere, copy, coord)
     from funcpipe.distributed.records import failure_handler
 

@@ -10,6 +10,14 @@ ranks)::
 
     pipe, data, <tensor axes of the mode>
 
+With ``expert=ep`` (mixture-of-experts layers, :mod:`funcpipe.models.moe`) the expert axis spans
+``ep`` of the data-parallel copies, as in DeepSeek-V3: the data dim splits into
+``expert_data`` (``data / ep``: the copies holding the same experts) and ``expert`` (``ep``,
+inner), and ``data`` names their flattening (all copies, coordinate ``expert_data * ep +
+expert``: the dense layers' data parallelism, as without experts)::
+
+    pipe, expert_data, expert, <tensor axes of the mode>
+
 =========== ============================================ =========================
 mode        tensor axes (sizes)                          rule on ``size``
 =========== ============================================ =========================
@@ -42,7 +50,7 @@ from funcpipe.errors import InvalidArgument, check_int
 __all__ = ["MODES", "Axis", "Mesh", "ParallelConfig", "Place", "build_mesh"]
 
 MODES = ("1d", "2d", "2.5d", "3d", "sequence")
-_TOP_KEYS = ("pipeline", "tensor", "data")
+_TOP_KEYS = ("pipeline", "tensor", "data", "expert")
 _TENSOR_KEYS = ("size", "mode", "depth")
 _POSITIVE = "must be a positive int (1 means 'no parallelism on this axis')."
 
@@ -92,7 +100,9 @@ class Place:
 class ParallelConfig:
     """A validated parallel layout: ``world_size = pipeline * data * tensor``.
 
-    Build it with :meth:`from_dict`; ``depth`` is the 2.5D depth (1 for every other mode).
+    Build it with :meth:`from_dict`; ``depth`` is the 2.5D depth (1 for every other mode);
+    ``expert`` the expert-parallel size, which divides ``data`` (its ranks are data-parallel
+    copies that hold different experts).
     """
 
     world_size: int
@@ -101,6 +111,7 @@ class ParallelConfig:
     tensor: int
     mode: str
     depth: int = 1
+    expert: int = 1
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], *, world_size: int) -> ParallelConfig:
@@ -108,6 +119,8 @@ class ParallelConfig:
 
         ``tensor`` is an int (1D) or a dict with ``size``, ``mode`` (default ``'1d'``) and, for
         ``mode='2.5d'``, ``depth``. ``data`` defaults to ``world_size // (pipeline * tensor)``.
+        ``expert`` (default 1) divides ``data``: the copies among which each MoE layer's experts
+        are split.
         """
         world = check_int("world_size", world_size, 1, _POSITIVE)
         if not isinstance(config, Mapping):
@@ -137,7 +150,16 @@ class ParallelConfig:
                 f"({data}) = {pipeline * size * data} != world_size={world}; leave 'data' out "
                 f"to infer it ({inferred})."
             )
-        return cls(world, pipeline, data, size, mode, depth)
+        expert = check_int("expert", config.get("expert", 1), 1, _POSITIVE)
+        if data % expert:
+            fits = [e for e in range(1, data + 1) if data % e == 0]
+            raise InvalidArgument(
+                f"expert={expert} does not divide the data-parallel copies ({data} = world_size "
+                f"{world} / (pipeline {pipeline} x tensor {size})): the expert axis spans "
+                f"{expert} copies, each holding 1/{expert} of the experts; use expert in "
+                f"{fits}, or a world size with data a multiple of {expert}."
+            )
+        return cls(world, pipeline, data, size, mode, depth, expert)
 
     # --------------------------------------------------------------------------- geometry
     @property
@@ -158,18 +180,30 @@ class ParallelConfig:
         return (("tensor_in", c), ("tensor_wt", c), ("tensor_out", c))
 
     @property
+    def data_axes(self) -> tuple[tuple[str, int], ...]:
+        """The data dim's axes as ``(name, size)``: ``data``, or with experts ``expert_data``
+        and ``expert``."""
+        if self.expert == 1:
+            return (("data", self.data),)
+        return (("expert_data", self.data // self.expert), ("expert", self.expert))
+
+    @property
     def mesh_shape(self) -> tuple[int, ...]:
-        return (self.pipeline, self.data, *(s for _, s in self.tensor_axes))
+        data = (s for _, s in self.data_axes)
+        return (self.pipeline, *data, *(s for _, s in self.tensor_axes))
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        return ("pipe", "data", *(n for n, _ in self.tensor_axes))
+        data = (n for n, _ in self.data_axes)
+        return ("pipe", *data, *(n for n, _ in self.tensor_axes))
 
     @property
     def axis_sizes(self) -> dict[str, int]:
-        """Every axis name (mesh dims plus the ``tensor`` alias or flattening) -> size."""
+        """Every axis name (mesh dims plus the ``tensor`` and ``data`` aliases or
+        flattenings) -> size."""
         sizes = dict(zip(self.mesh_dim_names, self.mesh_shape, strict=True))
         sizes["tensor"] = self.tensor
+        sizes["data"] = self.data
         return sizes
 
     def place(self, rank: int) -> Place:
@@ -183,8 +217,11 @@ class ParallelConfig:
             rest //= size
         coords = {n: coords[n] for n in self.mesh_dim_names}
         coords["tensor"] = rank % self.tensor  # tensor axes are innermost and contiguous
+        coords["data"] = (rank // self.tensor) % self.data  # and the data axes next to them
         names = tuple(n for n, _ in self.tensor_axes)
         derived = {} if names == ("tensor",) else {"tensor": names}
+        if self.expert > 1:
+            derived["data"] = tuple(n for n, _ in self.data_axes)
         return Place(rank, coords, self.axis_sizes, derived)
 
     def places(self) -> list[Place]:
@@ -430,5 +467,13 @@ def _make_mesh(
             extra += whole.get_all_groups()
             flat = whole["tensor"]
         axes["tensor"] = Axis("tensor", flat.size(), flat.get_local_rank(), flat.get_group())
+    if config.expert > 1:  # the data axis: expert_data and expert flattened (all the copies)
+        sub = dm[tuple(n for n, _ in config.data_axes)]
+        flat = (
+            sub._flatten("data")
+            if options is None
+            else sub._flatten("data", backend_override=(backend, options))
+        )
+        axes["data"] = Axis("data", flat.size(), flat.get_local_rank(), flat.get_group())
     # the default group among these is left out when they are destroyed (funcpipe.distributed.groups)
     return (dm, axes), [*dm.get_all_groups(), *extra, *(a.group for a in axes.values())]

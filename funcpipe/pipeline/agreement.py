@@ -356,12 +356,16 @@ def tie_copies(
 def summary(pipe: Any, mesh: Any) -> str:
     """What every process of a Pipeline must agree on (:func:`program_agreement`): the options
     that shape the step, then the lowered program's text."""
-    sizes = None if mesh is None else (mesh.config.pipeline, mesh.config.data, mesh.config.tensor)
+    sizes: tuple[int, ...] | None = None
+    if mesh is not None:
+        c = mesh.config
+        sizes = (c.pipeline, c.data, c.tensor) + ((c.expert,) if c.expert > 1 else ())
     head = [
         f"stages {len(pipe.stages)}",  # not their names: a rank may hold only its own
         f"loss_fn {pipe.loss_fn is not None} metric_fn {pipe.metric_fn is not None}",
         f"ties {sorted((k, repr(v)) for k, v in pipe.ties.items())}",
         f"side_inputs {sorted(pipe.side_inputs.items())}",
+        f"experts {sorted((s, repr(p)) for s, p in pipe.experts)}",
         f"recompute {sorted(pipe.recompute)} grad_dtype {pipe.grad_dtype}",
         f"mesh {sizes} scatter_gather {pipe.scatter_gather} dim {pipe.dim!r}",
     ]

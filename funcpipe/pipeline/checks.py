@@ -507,3 +507,13 @@ def shared_storage(params: Sequence[Any], tied: Mapping[tuple[int, int], str]) -
                         "be one parameter"
                     )
             seen.setdefault(ptr, []).append((k, lo, hi, accessor, tie))
+
+
+def finite_default(check_finite: bool | None) -> bool:
+    """``Pipeline(check_finite=)``: as given, else on when the environment sets
+    ``FUNCPIPE_DEBUG`` to anything but ``0``."""
+    if check_finite is None:
+        import os
+
+        return os.environ.get("FUNCPIPE_DEBUG", "") not in ("", "0")
+    return bool(check_finite)

@@ -20,10 +20,11 @@ from funcpipe.distributed import world as _world
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline import agreement as _agreement
 from funcpipe.pipeline import checks as _validate
+from funcpipe.pipeline import experts as _experts
 from funcpipe.pipeline import zero as _zero
 from funcpipe.pipeline.lowering import local_groups, lower_program, p2p_rules
 from funcpipe.pipeline.microbatch import split, split_targets
-from funcpipe.pipeline.rank_inputs import param_leaves, split_batch, to_device
+from funcpipe.pipeline.rank_inputs import param_leaves, place, split_batch, to_device
 from funcpipe.pipeline.result import (
     StepResult,
     dist_scalars,
@@ -38,7 +39,6 @@ from funcpipe.runtime.transport import LocalWorld
 from funcpipe.schedule.ir import Op, Program
 from funcpipe.schedule.p2p import PAIR
 from funcpipe.stages.boundaries import BoundarySpecs, infer_boundaries, signature
-from funcpipe.stages.shapes import stage_device
 from funcpipe.stages.stage import Stage
 from funcpipe.stages.ties import TiePath, resolve, tie_values
 from funcpipe.tree import tree_flatten
@@ -82,7 +82,9 @@ class Pipeline:
         mesh: a :class:`funcpipe.parallel.Mesh` (``"dist"`` only) whose ``pipe`` size equals the
             program's ranks: then each program rank is a tensor-parallel group of processes,
             world rank ``(rank * data + copy) * tensor + coord``; stage functions use the mesh's
-            tensor axes for their collectives.
+            tensor (and expert) axes for their collectives.
+        experts: ``[(stage, path), ...]``: the leaves split over the mesh's ``expert`` axis
+            (:mod:`funcpipe.pipeline.experts`): summed over the copies holding the same experts.
         scatter_gather: with ``mesh`` (tensor size ``t`` > 1): each tensor-parallel rank sends
             only its ``1/t`` slice of a stage boundary's activation (and gradient) and the
             receivers all-gather it, cutting point-to-point bytes by ``t``. Only valid when what
@@ -136,6 +138,7 @@ class Pipeline:
         device: torch.device | str | None = None,
         grad_dtype: torch.dtype | None = None,
         zero: int = 0,
+        experts: Sequence[TiePath] | None = None,
     ) -> None:
         checked = _validate.arguments(
             stages,
@@ -167,13 +170,14 @@ class Pipeline:
         self.grad_dtype = grad_dtype
         self.mesh = mesh
         self.scatter_gather = bool(scatter_gather)
-        if check_finite is None:
-            import os
-
-            check_finite = os.environ.get("FUNCPIPE_DEBUG", "") not in ("", "0")
-        self.check_finite = bool(check_finite)
+        self.check_finite = _validate.finite_default(check_finite)
         copies = _world.sizes(schedule.n_ranks, mesh)[0] if transport == "dist" else data
         self.zero = _zero.check_zero(zero, copies)
+        self.experts = _experts.check_experts(
+            experts, len(self.stages), mesh=mesh, transport=transport, data=copies,
+            zero=self.zero, ties=self.ties,
+        )  # fmt: skip
+        self._expert_leaves: dict[int, frozenset[int]] | None = None
         self._full: tuple[Any, ...] | None = None  # the full params' shapes (zero: shard())
         self.program = lower_program(
             schedule,
@@ -225,10 +229,8 @@ class Pipeline:
     # ------------------------------------------------------------------ program
     @property
     def p2p(self) -> str:
-        """The point-to-point rules this pipeline's program is checked and simulated under
-        (``"nccl"`` or ``"gloo"``, on the communicators :attr:`p2p_layout`):
-        ``simulate(pipe.program, costs, p2p=pipe.p2p, layout=pipe.p2p_layout)`` is the timeline
-        the checker proved."""
+        """The point-to-point rules (``"nccl"`` or ``"gloo"``, on the communicators
+        :attr:`p2p_layout`) the program is checked and simulated under."""
         return p2p_rules(self.device, self.transport)
 
     # ------------------------------------------------------------------ step
@@ -529,15 +531,8 @@ class Pipeline:
         return self.device is not None and self.device.type == "meta"
 
     def _place(self, params: tuple[Any, ...], local: Sequence[int] | None = None) -> torch.device:
-        """Where a rank's tensors live (received activations and gradients, the batch, the
-        loss): ``device=``, else where its stages' parameters are (``local``: the owner stages
-        it runs; default all), else, for a rank whose stages have no parameters, the device of
-        the process group's backend (CUDA under NCCL), else the CPU."""
-        if self.device is not None:
-            return self.device
-        held = params if local is None else [params[o] for o in local]
-        backend = _world.transport_device(None) if self._world is not None else None
-        return stage_device(held, backend)
+        """Where a rank's tensors live (:func:`funcpipe.pipeline.rank_inputs.place`)."""
+        return place(self.device, params, local, self._world is not None)
 
     def _full_stages(self) -> list[Stage]:
         return [self.stages[o] for o in (self.program.replica_of or range(self.program.n_stages))]
@@ -579,6 +574,8 @@ class Pipeline:
         ties: dict[str, list[tuple[int, int]]] = {}
         for name, members in self.ties.items():
             ties[name] = [(s, resolve(params[s], path, f"ties[{name!r}]")) for s, path in members]
+        if self._expert_leaves is None:
+            self._expert_leaves = _experts.expert_leaves(params, self.experts)
         return RankInputs(
             program=p,
             rank=rank,
@@ -597,4 +594,5 @@ class Pipeline:
             ties=ties,
             data_size=self.data,
             casts=casts,
+            experts=self._expert_leaves,
         )

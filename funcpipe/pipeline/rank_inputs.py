@@ -13,12 +13,14 @@ from typing import Any
 
 import torch
 
+from funcpipe.distributed.world import transport_device
 from funcpipe.errors import InvalidArgument
 from funcpipe.pipeline.microbatch import split
+from funcpipe.stages.shapes import stage_device
 from funcpipe.stages.stage import as_inputs
 from funcpipe.tree import tree_map
 
-__all__ = ["INPUTS", "kept_dtype", "param_leaves", "split_batch", "to_device"]
+__all__ = ["INPUTS", "kept_dtype", "param_leaves", "place", "split_batch", "to_device"]
 
 INPUTS = "inputs"  # with side_inputs: the batch field the entry stage takes
 
@@ -91,3 +93,19 @@ def split_batch(
     entry = [as_inputs(pc[INPUTS]) for pc in pieces]
     side = [{s: {k: pc[k] for k in names} for s, names in side_inputs.items()} for pc in pieces]
     return entry, side, batch
+
+
+def place(
+    device: torch.device | None,
+    params: Sequence[Any],
+    local: Sequence[int] | None,
+    dist: bool,
+) -> torch.device:
+    """Where a rank's tensors live (received activations and gradients, the batch, the
+    loss): ``device``, else where its stages' parameters are (``local``: the owner stages
+    it runs; default all), else, for a rank whose stages have no parameters, the device of
+    the process group's backend (CUDA under NCCL; ``dist``: over processes), else the CPU."""
+    if device is not None:
+        return device
+    held = params if local is None else [params[o] for o in local]
+    return stage_device(held, transport_device(None) if dist else None)

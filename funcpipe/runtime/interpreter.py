@@ -32,7 +32,7 @@ from funcpipe.runtime import autodiff
 from funcpipe.runtime.clock import step_clock
 from funcpipe.runtime.pending import Pending as _Pending
 from funcpipe.runtime.pending import wait_for
-from funcpipe.runtime.rank_io import RankInputs, RankResult
+from funcpipe.runtime.rank_io import EXPERT_DATA, RankInputs, RankResult
 from funcpipe.runtime.shards import gather_pieces, own_pieces, scatter_grads
 from funcpipe.runtime.stage_call import stage_fn
 from funcpipe.runtime.transport_common import P2P, RECV, SEND, Handle, Transport
@@ -403,20 +403,25 @@ class _Rank:
             for k in range(len(self.leaves[owner]))
             if not (group.startswith("replica:") and (owner, k) in self.tied)
         ]
-        leaves = [self._grad_leaf((owner, k)) for k in keys]
-        # last leaf first (the last layer's, as a backward produces them and DDP reduces them):
-        # the transport buckets them in this order
-        diff = [t for t in reversed(leaves) if t.is_floating_point() or t.is_complex()]
-        if in_program(group) or x.data_size == 1:
-            self._reduce(self.t.all_reduce(diff, group), lambda: None, {owner})
-            return
-        scale = 1.0 / x.data_size
+        experts = x.experts.get(owner, frozenset()) if not in_program(group) else frozenset()
+        over = [(group, [k for k in keys if k not in experts])]
+        if experts:  # mixture-of-experts weights: over the copies holding the same experts
+            over.append((EXPERT_DATA, [k for k in keys if k in experts]))
+        for name, part in over:
+            leaves = [self._grad_leaf((owner, k)) for k in part]
+            # last leaf first (the last layer's, as a backward produces them and DDP reduces
+            # them): the transport buckets them in this order
+            diff = [t for t in reversed(leaves) if t.is_floating_point() or t.is_complex()]
+            if in_program(group) or x.data_size == 1:
+                self._reduce(self.t.all_reduce(diff, name), lambda: None, {owner})
+                continue
+            scale = 1.0 / x.data_size  # (experts too: each copy's loss is 1/data of the step's)
 
-        def average(diff: list[Tensor] = diff) -> None:
-            for t in diff:
-                t.mul_(scale)
+            def average(diff: list[Tensor] = diff, scale: float = scale) -> None:
+                for t in diff:
+                    t.mul_(scale)
 
-        self._reduce(self.t.all_reduce(diff, group), average, {owner})
+            self._reduce(self.t.all_reduce(diff, name), average, {owner})
 
     def _grad_leaf(self, key: tuple[int, int], full: bool = False) -> Tensor:
         """The gradient sum of leaf ``k`` of ``o``, contiguous and its own (reductions write

@@ -69,6 +69,13 @@ class RankInputs:
     # position in its data group (the piece it holds)
     shards: Mapping[int, Sequence[Tensor]] = field(default_factory=dict)
     copy: int = 0
+    # owner stage -> its leaves split over the expert axis (mixture-of-experts weights): the
+    # data REDUCE sums them over the transport group EXPERT_DATA (the copies holding the same
+    # experts), not over every copy
+    experts: Mapping[int, frozenset[int]] = field(default_factory=dict)
+
+
+EXPERT_DATA = "expert_data"  # the transport group of the copies that hold the same experts
 
 
 # where each scalar of a step's one float64 reduction sits (summed over every rank)

@@ -26,6 +26,29 @@ def test_colossal_style_config() -> None:
     assert cfg.axis_sizes["tensor"] == 4
 
 
+def test_the_expert_axis_spans_data_parallel_copies() -> None:
+    cfg = ParallelConfig.from_dict({"pipeline": 2, "expert": 2, "tensor": 2}, world_size=16)
+    assert (cfg.data, cfg.expert) == (4, 2)
+    assert cfg.mesh_dim_names == ("pipe", "expert_data", "expert", "tensor")
+    assert cfg.mesh_shape == (2, 2, 2, 2)
+    assert cfg.axis_sizes["data"] == 4
+    for place in cfg.places():  # data: all copies, expert_data * expert + expert
+        c = place.coords
+        assert c["data"] == c["expert_data"] * 2 + c["expert"] == (place.rank // 2) % 4
+        assert place.derived["data"] == ("expert_data", "expert")
+    plain = ParallelConfig.from_dict({"pipeline": 2}, world_size=4)
+    assert plain.expert == 1 and plain.mesh_dim_names == ("pipe", "data", "tensor")
+
+
+def test_an_expert_axis_that_does_not_divide_the_copies_is_refused() -> None:
+    with pytest.raises(
+        InvalidArgument, match=r"expert=3 does not divide .* use expert in \[1, 2, 4\]"
+    ):
+        ParallelConfig.from_dict({"pipeline": 2, "expert": 3}, world_size=8)
+    with pytest.raises(InvalidArgument, match="expert"):
+        ParallelConfig.from_dict({"expert": 0}, world_size=8)
+
+
 @pytest.mark.parametrize(
     ("tensor", "names", "shape"),
     [
@@ -176,12 +199,15 @@ def test_device_mesh_matches_the_config(pool: Any, world: int) -> None:
         {"pipeline": 2, "tensor": {"size": world // 2, "mode": "sequence"}},
         {"tensor": {"size": 4, "mode": "2d"}},
         {"tensor": {"size": 4, "mode": "2.5d", "depth": 4}},
+        {"pipeline": 2, "expert": 2},
     ]
     if world == 8:
         configs_ += [
             {"tensor": {"size": 8, "mode": "3d"}},
             {"tensor": {"size": 8, "mode": "2.5d", "depth": 2}},
             {"pipeline": 2, "tensor": {"size": 4, "mode": "2d"}},
+            {"expert": 2, "tensor": 2},
+            {"pipeline": 2, "expert": 2},
         ]
     infos = pool(world).run(J.mesh_info, configs_)
     _check_mesh_info(world, configs_, infos)

@@ -1,0 +1,52 @@
+"""Expert parallelism in the Pipeline: the experts of residual MoE stages split over the
+data-parallel copies (``ParallelConfig(expert=2)``), expert gradients summed over the copies
+holding the same experts and dense ones over all, under every schedule generator at pipeline 2
+x expert 2 (4 processes) and pipeline 2 x expert 2 x 2 copies of each expert (8 processes),
+under the strict (NCCL-rules) transport: loss and every gradient equal the same stages with
+every expert on one device, in float64."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests import jobs_experts as J
+
+EVERY = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2", "zbv", "dualpipev",
+         "chimera")  # fmt: skip
+TOL = 1e-12  # float64, relative to the largest value compared
+
+
+def _check(results: list[list[dict[str, Any]]], names: tuple[str, ...]) -> None:
+    for rank, rows in enumerate(results):
+        assert [r["name"] for r in rows] == list(names)
+        for row in rows:
+            assert row["held"], f"process {rank} held no stage under {row['name']}"
+            for kind, diff in row["worst"].items():
+                assert diff < TOL, f"{row['name']}: process {rank}'s {kind} differ by {diff}"
+
+
+@pytest.mark.timeout(300)
+def test_every_schedule_at_pipeline_2_expert_2_equals_one_device(pool: Any) -> None:
+    _check(pool(4).run(J.expert_pipelines_vs_one_device, EVERY), EVERY)
+
+
+@pytest.mark.timeout(300)
+def test_recomputation_with_experts_split_equals_one_device(pool: Any) -> None:
+    names = ("1f1b", "zbv")
+    _check(pool(4).run(J.expert_pipelines_vs_one_device, names, recompute=True), names)
+
+
+@pytest.mark.timeout(300)
+def test_two_copies_of_each_expert_over_eight_processes_equal_one_device(pool: Any) -> None:
+    """pipeline 2 x expert 2 x 2 copies of each expert: the expert gradients are summed over
+    the copies holding the same experts (a group of their own), the dense ones over all 4."""
+    names = ("1f1b", "zbv")
+    _check(pool(8).run(J.expert_pipelines_vs_one_device, names), names)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_every_schedule_over_eight_processes_equals_one_device(pool: Any) -> None:
+    _check(pool(8).run(J.expert_pipelines_vs_one_device, EVERY), EVERY)
