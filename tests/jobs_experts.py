@@ -104,3 +104,56 @@ def expert_pipelines_vs_one_device(
                 worst[kind] = max(worst[kind], float((value - want).abs().max() / size))
         out.append({"name": name, "worst": worst, "held": held, "loss": float(ref_loss)})
     return out
+
+
+def gpt_with_experts_vs_one_device(rank: int, names: Sequence[str]) -> list[dict[str, Any]]:
+    """The GPT with MoE blocks (aux loss included) at pipeline 2 x expert 2: each schedule's
+    step against the one-device step over the whole batch; worst relative differences."""
+    import funcpipe as fp
+    from funcpipe.models import gpt
+    from funcpipe.parallel.sharding import shard_tree
+    from funcpipe.schedule import generate
+    from funcpipe.tree import tree_leaves
+    from tests.jobs_parallel import mesh_for
+
+    mesh = mesh_for({"pipeline": 2, "expert": 2})
+    copy, copies = mesh.place.coords["data"], mesh.config.data
+    cfg = gpt.GPTConfig(
+        vocab=32, context=6, d_model=8, heads=2, layers=3, experts=4, top_k=2, shared_experts=1
+    )
+    one = gpt.single_axis()
+    out = []
+    for k, name in enumerate(names):
+        program = generate(name, ranks=2, microbatches=2)
+        n = len(set(program.replica_of or range(program.n_stages)))
+        full = gpt.split(gpt.init(cfg, seed=k, dtype=F64), cfg, n)
+        mine = tuple(
+            shard_tree(p, lay, mesh.place)
+            for p, lay in zip(full, gpt.shardings(cfg, n), strict=True)
+        )
+        g = torch.Generator().manual_seed(k)
+        x = torch.randint(0, 32, (2 * copies, 6), generator=g)
+        y = torch.randint(0, 32, (2 * copies, 6), generator=g)
+        share = slice(2 * copy, 2 * copy + 2)
+        with fp.Pipeline(
+            gpt.stages(cfg, n, axis=one, expert=mesh["expert"]), program,
+            loss_fn=gpt.loss_fn(axis=one), ties=gpt.tie_spec(n), mesh=mesh,
+            experts=gpt.expert_paths(cfg, n),
+        ) as pipe:  # fmt: skip
+            got = pipe.step(mine, x[share], y[share])
+        ref = fp.reference_step(
+            gpt.stages(cfg, n, axis=one), full, x, gpt.loss_fn(axis=one), targets=y,
+            microbatches=2 * copies, ties=gpt.tie_spec(n),
+        )  # fmt: skip
+        want = tuple(
+            None if gs is None else shard_tree(r, lay, mesh.place)
+            for gs, r, lay in zip(got.grads, ref[1], gpt.shardings(cfg, n), strict=True)
+        )
+        worst = float((got.loss - ref[0]).abs())
+        for gs, ws in zip(got.grads, want, strict=True):
+            if gs is None:
+                continue
+            for a, b in zip(tree_leaves(gs), tree_leaves(ws), strict=True):
+                worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp(min=1)))
+        out.append({"name": name, "worst": {"all": worst}, "held": [1], "loss": float(ref[0])})
+    return out

@@ -50,3 +50,11 @@ def test_two_copies_of_each_expert_over_eight_processes_equal_one_device(pool: A
 @pytest.mark.timeout(600)
 def test_every_schedule_over_eight_processes_equals_one_device(pool: Any) -> None:
     _check(pool(8).run(J.expert_pipelines_vs_one_device, EVERY), EVERY)
+
+
+@pytest.mark.timeout(300)
+def test_the_gpt_with_experts_split_equals_one_device(pool: Any) -> None:
+    """GPTConfig(experts=4): the MoE blocks' experts over the expert axis, the auxiliary loss
+    in the loss, ties, the embedding and the head: every gradient leaf as on one device."""
+    names = ("1f1b", "zbv", "interleaved")
+    _check(pool(4).run(J.gpt_with_experts_vs_one_device, names), names)

@@ -12,6 +12,15 @@ and the head, and the blocks are spread as evenly as possible. Parameters are pl
 :func:`shardings` says how each leaf is sharded over the tensor axis
 (:meth:`funcpipe.parallel.Sharding.shard` / ``gather``). With a size-1 tensor axis the same
 functions are the single-device reference.
+
+With ``GPTConfig(experts=E)`` the MLP of every ``moe_every``-th block is a mixture of ``E``
+experts (:mod:`funcpipe.models.moe`: a top-k router, SwiGLU experts of width ``expert_ffn``,
+``shared_experts`` always on), split over the mesh's expert axis when :func:`stages` gets one.
+Each stage then passes ``(h, aux)``: ``aux`` the sum of its MoE layers' Switch auxiliary losses
+over this microbatch added to what it received, so :func:`loss_fn` adds ``aux_weight * aux``
+to the cross-entropy and the auxiliary loss's gradient reaches every router through the
+pipeline's own backward, under any schedule. :func:`expert_paths` names the expert leaves for
+``Pipeline(experts=...)``; :func:`expert_load` counts each expert's tokens on one device.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from funcpipe.errors import InvalidArgument
+from funcpipe.models import moe
 from funcpipe.parallel import ops
 from funcpipe.parallel.mesh import Axis
 from funcpipe.parallel.sharding import Sharding
@@ -35,6 +45,8 @@ from funcpipe.stages.stage import Stage
 __all__ = [
     "GPTConfig",
     "blocks_per_stage",
+    "expert_load",
+    "expert_paths",
     "flops_per_token",
     "full_forward",
     "init",
@@ -61,7 +73,12 @@ class GPTConfig:
 
     ``mlp`` and ``attn_dropout`` are resolved when the config is made and stored as numbers, so
     ``dataclasses.replace(config, d_model=...)`` (or ``dropout=...``) keeps the old ones: pass
-    ``mlp=0`` (``attn_dropout=None``) again to have them follow."""
+    ``mlp=0`` (``attn_dropout=None``) again to have them follow.
+
+    ``experts``: 0 for dense MLPs, else the experts of each MoE layer; ``top_k`` experts per
+    token; ``moe_every``: block ``i`` is an MoE block when ``(i + 1) % moe_every == 0`` (1:
+    every block); ``shared_experts`` every token goes through; ``expert_ffn``: each expert's
+    hidden width (default ``mlp``, as Mixtral's experts are its dense MLP's width)."""
 
     vocab: int = 256
     context: int = 64
@@ -71,6 +88,11 @@ class GPTConfig:
     mlp: int = 0
     dropout: float = 0.0
     attn_dropout: float | None = None
+    experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1
+    shared_experts: int = 0
+    expert_ffn: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab", "context", "d_model", "heads", "layers"):
@@ -89,6 +111,35 @@ class GPTConfig:
             )
         if self.mlp == 0:
             object.__setattr__(self, "mlp", 4 * self.d_model)
+        for name in ("experts", "top_k", "moe_every", "shared_experts", "expert_ffn"):
+            value = getattr(self, name)
+            if type(value) is not int or value < (1 if name in ("top_k", "moe_every") else 0):
+                raise InvalidArgument(f"GPTConfig({name}={value!r}): an int >= 0 (top_k, "
+                                      "moe_every: >= 1)")  # fmt: skip
+        if self.experts:
+            if self.expert_ffn == 0:
+                object.__setattr__(self, "expert_ffn", self.mlp)
+            if not self.moe_blocks:
+                raise InvalidArgument(
+                    f"GPTConfig(experts={self.experts}, moe_every={self.moe_every}): no block "
+                    f"of the {self.layers} is an MoE block; use moe_every <= layers"
+                )
+            _ = self.moe_config  # (validates top_k against the experts)
+
+    @property
+    def moe_blocks(self) -> tuple[int, ...]:
+        """The blocks whose MLP is a mixture of experts (none for a dense model)."""
+        if not self.experts:
+            return ()
+        return tuple(i for i in range(self.layers) if (i + 1) % self.moe_every == 0)
+
+    @property
+    def moe_config(self) -> moe.MoEConfig:
+        """The MoE layers' :class:`~funcpipe.models.moe.MoEConfig`."""
+        return moe.MoEConfig(
+            d_model=self.d_model, experts=self.experts, ffn=self.expert_ffn, top_k=self.top_k,
+            shared=self.shared_experts,
+        )  # fmt: skip
 
     def check_tensor(self, t: int) -> None:
         """The sizes a tensor-parallel degree ``t`` needs, checked up front."""
@@ -134,6 +185,19 @@ class _Draw:
     def norm(self, d: int) -> dict[str, Tensor]:
         return {"weight": self.const(1.0, d), "bias": self.const(0.0, d)}
 
+    def experts(self, c: moe.MoEConfig, resid: float) -> dict[str, Tensor]:
+        """An MoE layer's parameters (the layout of :func:`funcpipe.models.moe.init`)."""
+        d, e, f = c.d_model, c.experts, c.ffn
+        out = {
+            "router": self.normal(e, d, std=1 / math.sqrt(d)),
+            "w_in": self.normal(e, d, 2 * f, std=1 / math.sqrt(d)),
+            "w_out": self.normal(e, f, d, std=resid / math.sqrt(f)),
+        }
+        if c.shared:
+            out["shared_in"] = self.normal(d, 2 * c.shared * f, std=1 / math.sqrt(d))
+            out["shared_out"] = self.normal(c.shared * f, d, std=resid / math.sqrt(c.shared * f))
+        return out
+
 
 def init(
     config: GPTConfig,
@@ -160,13 +224,17 @@ def init(
     d, c = config.d_model, config
     resid = 1.0 / math.sqrt(2 * c.layers)  # keep the residual stream's scale with depth
     blocks = []
-    for _ in range(c.layers):
+    for i in range(c.layers):
         q, k, v = (draw.linear(d, d) for _ in range(3))
         attn = {
             "qkv": {n: ops.fuse_qkv(q[n], k[n], v[n], num_heads=c.heads) for n in q},
             "o": draw.linear(d, d, resid),
             "norm": draw.norm(d),
         }
+        if i in c.moe_blocks:
+            blocks.append({"attn": attn, "moe": {**draw.experts(c.moe_config, resid),
+                                                 "norm": draw.norm(d)}})  # fmt: skip
+            continue
         mlp = {
             "fc1": draw.linear(c.mlp, d),
             "fc2": draw.linear(d, c.mlp, resid),
@@ -184,11 +252,15 @@ def init(
 def matmul_params(config: GPTConfig) -> int:
     """``N`` of :func:`flops_per_token`: every parameter but the position embedding (a lookup,
     nothing multiplies it); the token embedding counts once, as the tied LM head's weight.
-    Biases and norms are included (about 0.1% of ``N`` at d_model 1024)."""
+    Biases and norms are included (about 0.1% of ``N`` at d_model 1024). With experts, an MoE
+    block counts the parameters a token meets: the router, ``top_k`` experts and the shared
+    ones."""
     d, c = config.d_model, config
     attn = 4 * (d * d + d) + 2 * d
     mlp = (c.mlp * d + c.mlp) + (d * c.mlp + d) + 2 * d
-    return c.layers * (attn + mlp) + c.vocab * d + 2 * d
+    n_moe = len(c.moe_blocks)
+    active = c.experts * d + (c.top_k + c.shared_experts) * 3 * d * c.expert_ffn + 2 * d
+    return c.layers * attn + (c.layers - n_moe) * mlp + n_moe * active + c.vocab * d + 2 * d
 
 
 def flops_per_token(config: GPTConfig, *, training: bool = True) -> float:
@@ -279,14 +351,20 @@ def shardings(
     blocks: Sequence[int] | None = None,
 ) -> tuple[dict[str, Any], ...]:
     """How every leaf of :func:`split`'s params is sharded over ``axis`` (1D tensor parallel)."""
-    block = {
-        "attn": ops.attention_block_sharding(axis=axis, fused_qkv=True).params,
-        "mlp": ops.mlp_block_sharding(axis=axis).params,
-    }
+    attn = ops.attention_block_sharding(axis=axis, fused_qkv=True).params
+    block = {"attn": attn, "mlp": ops.mlp_block_sharding(axis=axis).params}
     rep1, rep2 = Sharding.of(None), Sharding.of(None, None)
+    by_expert = Sharding.of("expert", None, None)  # the mesh's expert axis: E/ep per copy
+    experts = {"router": rep2, "w_in": by_expert, "w_out": by_expert, "norm": {"weight": rep1,
+               "bias": rep1}}  # fmt: skip
+    if config.shared_experts:
+        experts |= {"shared_in": rep2, "shared_out": rep2}
+    moe_block = {"attn": attn, "moe": experts}
     out = []
     for s, blocks_s in enumerate(blocks_per_stage(config, n_stages, blocks)):
-        lay: dict[str, Any] = {"blocks": {str(i): block for i in blocks_s}}
+        lay: dict[str, Any] = {
+            "blocks": {str(i): moe_block if i in config.moe_blocks else block for i in blocks_s}
+        }
         if s == 0:
             lay["wte"], lay["wpe"] = Sharding.of(axis, None), rep2
         if s == n_stages - 1:
@@ -301,11 +379,25 @@ layouts = shardings  # the old name (a tensor's layout over the mesh is now its 
 
 # ------------------------------------------------------------------------------ stage functions
 def stages(
-    config: GPTConfig, n_stages: int, *, axis: Axis, blocks: Sequence[int] | None = None
+    config: GPTConfig,
+    n_stages: int,
+    *,
+    axis: Axis,
+    blocks: Sequence[int] | None = None,
+    expert: Axis | None = None,
 ) -> list[Stage]:
     """The stage functions; ``axis`` is this rank's tensor axis (``single_axis()`` for one
-    device); ``blocks`` as for :func:`split`."""
+    device); ``blocks`` as for :func:`split`; ``expert``: the mesh's expert axis, over which
+    the MoE layers' experts are split (``None``: every expert here). With experts a stage takes
+    and returns ``(h, aux)`` (the first takes the tokens, the last returns the logits)."""
     config.check_tensor(axis.size)
+    if config.experts and axis.size > 1:
+        raise InvalidArgument(
+            f"GPTConfig(experts={config.experts}) with a tensor axis of {axis.size}: MoE "
+            "blocks are not split over tensor ranks yet; use tensor=1 (experts split over the "
+            "expert axis)"
+        )
+    mixed = bool(config.experts)
     heads = config.heads
     drop, attn_drop = float(config.dropout), float(config.attn_dropout or 0.0)
     out = []
@@ -316,16 +408,19 @@ def stages(
         def fn(
             p: dict[str, Any],
             x: Tensor,
+            aux: Tensor | None = None,
             *,
             _first: bool = first,
             _last: bool = last,
             _keys: list[str] = keys,
-        ) -> Tensor:
+            _loads: list[Tensor] | None = None,
+        ) -> Any:
             keyed = (drop or attn_drop) and current_key() is not None
             if _first:
                 h = ops.vocab_parallel_embedding(x, {"weight": p["wte"]}, axis=axis)
                 h = h + p["wpe"][: x.shape[-1]]
                 h = F.dropout(h, drop) if keyed and drop else h
+                aux = h.new_zeros((), dtype=torch.float32) if mixed else None
             else:
                 h = x
             d, ad = (drop, attn_drop) if keyed else (0.0, 0.0)  # (no key: nothing drawn)
@@ -335,7 +430,13 @@ def stages(
                     h, blk["attn"], axis=axis, num_heads=heads, causal=True, dropout=d,
                     attn_dropout=ad,
                 )  # fmt: skip
-                h = ops.mlp_block(h, blk["mlp"], axis=axis, dropout=d)
+                if "moe" not in blk:
+                    h = ops.mlp_block(h, blk["mlp"], axis=axis, dropout=d)
+                    continue
+                h, stats = _moe_block(h, blk["moe"], config.moe_config, expert, d)
+                aux = stats["aux"].float() if aux is None else aux + stats["aux"].float()
+                if _loads is not None:
+                    _loads.append(stats["counts"])
             if _last:
                 h = F.layer_norm(
                     h, h.shape[-1:], p["norm"]["weight"], p["norm"]["bias"], ops.LN_EPS
@@ -343,7 +444,7 @@ def stages(
                 h = ops.column_parallel_linear(
                     h, {"weight": p["wte"]}, axis=axis
                 )  # logits [b, s, V/t]
-            return h
+            return (h, aux) if mixed else h
 
         name = (
             f"gpt stage {s}: "
@@ -355,28 +456,50 @@ def stages(
     return out
 
 
-def loss_fn(*, axis: Axis, ignore_index: int | None = None) -> Callable[[Tensor, Tensor], Any]:
+def _moe_block(
+    h: Tensor, p: dict[str, Any], config: moe.MoEConfig, expert: Axis | None, dropout: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The pre-norm MoE sublayer: ``h + moe(layer_norm(h))`` (its output dropped like the
+    MLP's), and the layer's stats."""
+    x = F.layer_norm(h, h.shape[-1:], p["norm"]["weight"], p["norm"]["bias"], ops.LN_EPS)
+    y, stats = moe.moe(p, x, config, axis=expert)
+    return h + (F.dropout(y, dropout) if dropout else y), stats
+
+
+def loss_fn(
+    *, axis: Axis, ignore_index: int | None = None, aux_weight: float = 0.01
+) -> Callable[[Any, Tensor], Any]:
     """Mean next-token cross-entropy from vocabulary-parallel logits ``[b, s, V/t]``; in float32
     for bf16 logits too (the cross-entropy computes in float32 without a float32 copy of the
-    logits).
+    logits). With experts the outputs are ``(logits, aux)`` and the loss adds
+    ``aux_weight * aux`` (the MoE layers' Switch losses of this microbatch; 0: the
+    cross-entropy alone, e.g. to evaluate).
 
     With ``ignore_index`` (e.g. -100 on padding) the loss is ``(sum, count)`` over the tokens
     whose target is not ``ignore_index``, so a step's loss is the mean over every counted token
     of the batch, however they fall into microbatches and data-parallel copies
     (:mod:`funcpipe.runtime.loss_terms`)."""
 
-    def loss(logits: Tensor, targets: Tensor) -> Tensor:
-        return ops.vocab_parallel_cross_entropy(logits, targets, axis=axis).mean()
+    weight = float(aux_weight)
+
+    def loss(out: Any, targets: Tensor) -> Tensor:
+        logits, aux = out if isinstance(out, tuple) else (out, None)
+        ce = ops.vocab_parallel_cross_entropy(logits, targets, axis=axis).mean()
+        return ce if aux is None or not weight else ce + weight * aux
 
     if ignore_index is None:
         return loss
     ignored = int(ignore_index)
 
-    def counted(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    def counted(out: Any, targets: Tensor) -> tuple[Tensor, Tensor]:
+        logits, aux = out if isinstance(out, tuple) else (out, None)
         keep = targets.ne(ignored)
         ids = targets.masked_fill(~keep, 0)
         per_token = ops.vocab_parallel_cross_entropy(logits, ids, axis=axis)
-        return per_token.masked_fill(~keep, 0).sum(), keep.sum()
+        total, count = per_token.masked_fill(~keep, 0).sum(), keep.sum()
+        if aux is not None and weight:  # the microbatch's aux, weighted by its tokens
+            total = total + weight * aux * count
+        return total, count
 
     return counted
 
@@ -384,7 +507,34 @@ def loss_fn(*, axis: Axis, ignore_index: int | None = None) -> Callable[[Tensor,
 def full_forward(params: dict[str, Any], config: GPTConfig, tokens: Tensor) -> Tensor:
     """Logits ``[b, s, V]`` of the whole model on one device (sampling, reference checks)."""
     fns = stages(config, 1, axis=single_axis())
-    return fns[0](split(params, config, 1)[0], tokens)
+    out = fns[0](split(params, config, 1)[0], tokens)
+    return out[0] if config.experts else out
+
+
+def expert_load(params: dict[str, Any], config: GPTConfig, tokens: Tensor) -> Tensor:
+    """``[MoE blocks, experts]``: the tokens each expert of each MoE block takes (its top-k
+    assignments) for ``tokens``, on one device with the full params."""
+    if not config.experts:
+        raise InvalidArgument("expert_load: the GPTConfig has no experts (experts=0)")
+    loads: list[Tensor] = []
+    fn = stages(config, 1, axis=single_axis())[0].fn
+    with torch.no_grad():
+        fn(split(params, config, 1)[0], tokens, _loads=loads)
+    return torch.stack(loads)
+
+
+def expert_paths(
+    config: GPTConfig, n_stages: int, *, blocks: Sequence[int] | None = None
+) -> list[tuple[int, str]]:
+    """``Pipeline(experts=...)`` for :func:`split`'s params: each MoE block's ``w_in`` and
+    ``w_out``, as ``(stage, "blocks.<i>.moe.w_in")``."""
+    return [
+        (s, f"blocks.{i}.moe.{leaf}")
+        for s, held in enumerate(blocks_per_stage(config, n_stages, blocks))
+        for i in held
+        if i in config.moe_blocks
+        for leaf in ("w_in", "w_out")
+    ]
 
 
 def tie_spec(n_stages: int) -> dict[str, list[tuple[int, str]]] | None:

@@ -1,0 +1,104 @@
+"""The GPT with mixture-of-experts blocks (GPTConfig(experts=...)) on one process: its pipeline
+step equals reference_step under every kind of schedule, the auxiliary loss reaches the
+routers, the expert load counts every assignment, and bad configurations are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import funcpipe as fp
+from funcpipe.errors import InvalidArgument
+from funcpipe.models import gpt
+from funcpipe.schedule import generate
+
+F64 = torch.float64
+CFG = gpt.GPTConfig(
+    vocab=32, context=8, d_model=16, heads=2, layers=3, experts=4, top_k=2, shared_experts=1
+)
+ONE = gpt.single_axis()
+
+
+def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 32, (8, 8), generator=g), torch.randint(0, 32, (8, 8), generator=g)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zbv", "dualpipev", "chimera"])
+def test_the_pipeline_step_equals_the_reference_step(name: str) -> None:
+    program = generate(name, ranks=2, microbatches=4)
+    n = len(set(program.replica_of or range(program.n_stages)))
+    params = gpt.split(gpt.init(CFG, seed=1, dtype=F64), CFG, n)
+    stages, loss = gpt.stages(CFG, n, axis=ONE), gpt.loss_fn(axis=ONE)
+    x, y = _batch()
+    pipe = fp.Pipeline(stages, program, loss_fn=loss, ties=gpt.tie_spec(n), recompute=True)
+    got = pipe.step(params, x, y)
+    ref = fp.reference_step(
+        stages, params, x, loss, targets=y, microbatches=4, ties=gpt.tie_spec(n)
+    )
+    fp.testing.assert_trees_close((got.loss, got.grads), ref, atol=1e-12, rtol=1e-10)
+
+
+def test_the_auxiliary_loss_is_in_the_loss_and_reaches_the_routers() -> None:
+    program = generate("1f1b", ranks=2, microbatches=2)
+    params = gpt.split(gpt.init(CFG, seed=2, dtype=F64), CFG, 2)
+    stages = gpt.stages(CFG, 2, axis=ONE)
+    x, y = _batch(1)
+    steps = {
+        w: fp.Pipeline(stages, program, loss_fn=gpt.loss_fn(axis=ONE, aux_weight=w),
+                       ties=gpt.tie_spec(2)).step(params, x, y)
+        for w in (0.0, 0.01)
+    }  # fmt: skip
+    # each of the 3 MoE layers' Switch loss is >= 1 (1 exactly under even load and scores)
+    extra = float(steps[0.01].loss - steps[0.0].loss)
+    assert 0.01 * 3 * 0.99 < extra < 0.01 * 3 * 4
+    for s, i in ((0, "0"), (1, "2")):
+        with_aux = steps[0.01].grads[s]["blocks"][i]["moe"]["router"]
+        without = steps[0.0].grads[s]["blocks"][i]["moe"]["router"]
+        assert not torch.allclose(with_aux, without)
+
+
+def test_the_expert_load_counts_every_assignment() -> None:
+    full = gpt.init(CFG, seed=0)
+    x, _ = _batch()
+    load = gpt.expert_load(full, CFG, x)
+    assert load.shape == (3, 4)
+    assert load.sum(1).tolist() == [8 * 8 * 2] * 3
+
+
+def test_moe_every_and_the_expert_paths() -> None:
+    c = gpt.GPTConfig(layers=4, experts=8, moe_every=2, d_model=16, heads=2)
+    assert c.moe_blocks == (1, 3) and c.expert_ffn == c.mlp
+    assert gpt.expert_paths(c, 2) == [
+        (0, "blocks.1.moe.w_in"), (0, "blocks.1.moe.w_out"),
+        (1, "blocks.3.moe.w_in"), (1, "blocks.3.moe.w_out"),
+    ]  # fmt: skip
+    full = gpt.init(c)
+    assert "mlp" in full["blocks"][0] and full["blocks"][1]["moe"]["w_in"].shape == (8, 16, 128)
+    # a token meets the router, 2 of the 8 experts: fewer parameters than the dense model
+    dense = gpt.GPTConfig(layers=4, d_model=16, heads=2)
+    per_expert = 3 * 16 * 64
+    assert gpt.matmul_params(c) - gpt.matmul_params(dense) == 2 * (
+        8 * 16 + 2 * per_expert - (64 * 16 + 64 + 16 * 64 + 16)
+    )
+
+
+@pytest.mark.parametrize(
+    ("kw", "said"),
+    [
+        ({"experts": 4, "top_k": 5}, "top_k=5"),
+        ({"experts": 4, "moe_every": 9}, "no block of the 4 is an MoE block"),
+        ({"experts": -1}, "experts=-1"),
+        ({"experts": 4, "top_k": 0}, "top_k=0"),
+    ],
+)
+def test_bad_expert_configurations_are_refused(kw: dict[str, int], said: str) -> None:
+    with pytest.raises(InvalidArgument, match=said):
+        gpt.GPTConfig(layers=4, **kw)
+
+
+def test_experts_with_a_tensor_axis_are_refused() -> None:
+    from funcpipe.parallel import Axis
+
+    with pytest.raises(InvalidArgument, match="not split over tensor ranks yet"):
+        gpt.stages(gpt.GPTConfig(experts=4), 1, axis=Axis("tensor", 2, 0, None))
