@@ -157,3 +157,46 @@ def gpt_with_experts_vs_one_device(rank: int, names: Sequence[str]) -> list[dict
                 worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp(min=1)))
         out.append({"name": name, "worst": {"all": worst}, "held": [1], "loss": float(ref[0])})
     return out
+
+
+def reshard_experts(
+    rank: int, path: str, save: dict[str, int], loads: Sequence[dict[str, int]]
+) -> list[float]:
+    """The MoE GPT's params and AdamW state saved by ``save_model`` at the layout ``save``
+    (``{"pipeline": p, "expert": e}``), then loaded at each layout of ``loads`` into params of
+    another seed: per load, the largest difference from the saved model's block this process
+    should hold there (0.0: every expert where it belongs)."""
+    from funcpipe import optim
+    from funcpipe.models import gpt
+    from funcpipe.parallel.sharding import shard_tree
+    from funcpipe.train import checkpoint
+    from funcpipe.tree import tree_leaves, tree_map
+    from tests.jobs_parallel import mesh_for
+
+    cfg = gpt.GPTConfig(vocab=32, context=6, d_model=8, heads=2, layers=3, experts=4)
+    opt = optim.adamw(1e-2)
+
+    def held(layout: dict[str, int], seed: int) -> tuple[Any, checkpoint.Naming]:
+        mesh = mesh_for(layout)
+        n = layout["pipeline"]
+        lays = gpt.shardings(cfg, n)
+        full = gpt.split(gpt.init(cfg, seed=seed, dtype=F64), cfg, n)
+        mine = tuple(shard_tree(p, lay, mesh.place) for p, lay in zip(full, lays, strict=True))
+        return mine, checkpoint.Naming(shardings=lays, place=mesh.place)
+
+    params, naming = held(save, 3)
+    state = opt.init(params)
+    state = state._replace(mu=tree_map(lambda t: t + 1.0, state.mu))  # (a state to find again)
+    checkpoint.save_model(path, params, opt_state=state, naming=naming, step=7)
+    worst = []
+    for layout in loads:
+        want, naming = held(layout, 3)
+        like, _ = held(layout, 4)
+        got = checkpoint.load_model(path, like, opt_state=opt.init(like), naming=naming)
+        diff = max(
+            float((a - b).abs().max())
+            for a, b in zip(tree_leaves(got.params), tree_leaves(want), strict=True)
+        )
+        mu = max(float((a - 1.0).abs().max()) for a in tree_leaves(got.opt_state.mu))
+        worst.append(max(diff, mu, float(got.step != 7)))
+    return worst

@@ -58,3 +58,17 @@ def test_the_gpt_with_experts_split_equals_one_device(pool: Any) -> None:
     in the loss, ties, the embedding and the head: every gradient leaf as on one device."""
     names = ("1f1b", "zbv", "interleaved")
     _check(pool(4).run(J.gpt_with_experts_vs_one_device, names), names)
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_reshard_the_experts(pool: Any, tmp_path: Any) -> None:
+    """Saved at pipeline 2 x expert 2 (each process 2 of the 4 experts of its stage's
+    blocks), loaded at expert 1 (every expert), at expert 4 (one each: a data axis of 4) and
+    at pipeline 2 x expert 1: each process gets exactly its block of every saved tensor, and
+    the optimizer state with it."""
+    loads = [{"pipeline": 1, "expert": 1}, {"pipeline": 1, "expert": 4},
+             {"pipeline": 2, "expert": 1}, {"pipeline": 2, "expert": 2}]  # fmt: skip
+    got = pool(4).run(
+        J.reshard_experts, str(tmp_path / "ckpt"), {"pipeline": 2, "expert": 2}, loads
+    )
+    assert all(d == 0.0 for per in got for d in per), got

@@ -168,7 +168,8 @@ def _check_out(o: DemoOptions) -> None:
 
 
 # what fixes the batches each step reads (and the dtypes): a resumed run must keep them
-_KEPT = ("batch", "data", "context", "seed", "corpus_bytes", "precision")
+_KEPT = ("batch", "data", "context", "seed", "corpus_bytes", "precision", "experts", "top_k",
+         "moe_every", "shared_experts")  # fmt: skip
 
 
 def _check_run(o: DemoOptions, *, resuming: bool) -> None:

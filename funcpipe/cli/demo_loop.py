@@ -124,7 +124,7 @@ def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, .
     """This rank's :class:`_Rank`, its shard of the model's parameters and the optimizer state."""
     import torch.distributed as dist
 
-    from funcpipe.cli.demo_options import zero_level
+    from funcpipe.cli.demo_options import gpt_config, zero_level
     from funcpipe.models import gpt
     from funcpipe.parallel.mesh import build_mesh
     from funcpipe.pipeline.zero import full_meta
@@ -134,12 +134,10 @@ def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, .
 
     device = _rank_device(o)
     now = timer(device)
-    mesh = build_mesh({"pipeline": o.pipeline, "tensor": o.tensor})
+    mesh = build_mesh({"pipeline": o.pipeline, "tensor": o.tensor, "expert": o.expert})
     place = mesh.place
     axis = mesh["tensor"]
-    cfg = gpt.GPTConfig(
-        vocab=256, context=o.context, d_model=o.d_model, heads=o.heads, layers=o.layers
-    )
+    cfg = gpt_config(o)
     if program is None:
         program = generate(o.schedule, ranks=o.pipeline, microbatches=o.microbatches)
     owners = _owners(program)  # Chimera: program stages are replicas of fewer model stages
@@ -153,7 +151,8 @@ def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, .
         _shard(full[s], shardings[s], place, device if s in mine else None, low) for s in range(n)
     )
     del full
-    stages = _transform(gpt.stages(cfg, n, axis=axis), o)
+    expert = mesh["expert"] if o.expert > 1 else None
+    stages = _transform(gpt.stages(cfg, n, axis=axis, expert=expert), o)
     zero, note = zero_level(o, program)
     pipe, evaluate = _pipelines(o, cfg, stages, program, mesh, device, low, zero)
     template = full_meta(params)
@@ -207,8 +206,9 @@ def _pipelines(
     from funcpipe.pipeline.pipeline import Pipeline
     from funcpipe.schedule.generators import to_eval
 
-    loss = gpt.loss_fn(axis=mesh["tensor"])
+    loss = gpt.loss_fn(axis=mesh["tensor"])  # (with experts: plus 0.01 x the aux losses)
     on_gpu = device if device.type == "cuda" else None  # CPU: where the params are
+    experts = gpt.expert_paths(cfg, len(stages))
     pipe = Pipeline(
         stages,
         program,
@@ -220,10 +220,11 @@ def _pipelines(
         device=on_gpu,
         grad_dtype=torch.float32 if low is not None else None,
         zero=zero,
+        experts=experts,
     )
-    evaluate = Pipeline(
-        stages, to_eval(program), loss_fn=loss, transport="dist", mesh=mesh, device=on_gpu,
-        zero=zero,
+    evaluate = Pipeline(  # the validation loss: the cross-entropy alone
+        stages, to_eval(program), loss_fn=gpt.loss_fn(axis=mesh["tensor"], aux_weight=0.0),
+        transport="dist", mesh=mesh, device=on_gpu, zero=zero, experts=experts,
     )  # fmt: skip
     return pipe, evaluate
 
@@ -464,11 +465,34 @@ def _summarise(
         bytes_sent=r.pipe.bytes_sent,
     )
     result["zero"] = r.zero
+    if cfg.experts:
+        for key, loads in zip(("expert_load", "expert_load_init"), _expert_load(r), strict=True):
+            result[key] = {str(b): v for b, v in zip(cfg.moe_blocks, loads, strict=True)}
     if r.zero_note:
         result["zero_note"] = r.zero_note
     with open(os.path.join(o.out, "summary.json"), "w") as f:
         json.dump(result, f, indent=2)
     return result
+
+
+def _expert_load(r: _Rank) -> tuple[list[list[int]], list[list[int]]]:
+    """Per MoE block, each expert's tokens (top-k assignments) on validation batch 0, by the
+    final model read whole from its checkpoint, and by the model at initialisation (``--seed``),
+    on this process."""
+    from funcpipe.models import gpt
+    from funcpipe.train import checkpoint
+    from funcpipe.train.checkpoint_regions import tree_paths
+    from funcpipe.tree import tree_flatten, tree_unflatten
+
+    cfg = r.cfg
+    saved = checkpoint.consolidate(r.ckpt_dir, dtype=torch.float32)
+    like = gpt.split(gpt.init(cfg, device="meta"), cfg, 1)[0]
+    tree = tree_unflatten(tree_flatten(like)[1], [saved[k] for k in tree_paths(like)])
+    full = {**tree, "blocks": [tree["blocks"][str(i)] for i in range(cfg.layers)]}
+    x, _ = r.batch("val", 0)
+    first = gpt.init(cfg, seed=r.o.seed)
+    now, then = (gpt.expert_load(p, cfg, x.cpu()).tolist() for p in (full, first))
+    return now, then
 
 
 # ------------------------------------------------------------------------------ pieces
@@ -512,6 +536,8 @@ def _clip_weights(shardings: Any, holders: list[int], o: DemoOptions, zero: int)
     from funcpipe.tree import tree_map
 
     def weight(lay: Sharding, holders: int) -> float:
+        if "expert" in lay.axes:  # held by the data / expert copies holding these experts
+            return o.expert / o.data / o.tensor / holders
         sharded = any(lay.dims)
         return (1.0 if sharded else 1.0 / o.tensor) / (1 if zero else o.data) / holders
 

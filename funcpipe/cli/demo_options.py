@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from funcpipe.errors import FuncpipeError, InvalidArgument
 
 if TYPE_CHECKING:
+    from funcpipe.models.gpt import GPTConfig
     from funcpipe.schedule.ir import Program
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "DemoOptions",
     "Size",
     "add_options",
+    "gpt_config",
     "parse",
     "resolve",
     "resolve_device",
@@ -109,6 +111,14 @@ class DemoOptions:
     # microbatch's gradient is reduce-scattered at once (ZeRO-2); None: 1 when --data > 1 and
     # the schedule allows it, else 0 (:func:`zero_level`)
     zero: int | None = None
+    # a mixture of experts: the experts of each MoE block (0: dense MLPs), the experts per
+    # token, every moe_every-th block an MoE one, shared experts, and the expert axis: the
+    # experts split over that many of the data copies (GPTConfig, ParallelConfig(expert=))
+    experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1
+    shared_experts: int = 0
+    expert: int = 1
 
     @property
     def world(self) -> int:
@@ -129,10 +139,32 @@ def _add_layout_options(ap: argparse.ArgumentParser) -> None:
         "--pipeline", type=int, default=d.pipeline, help=f"pipeline ranks (default {d.pipeline})"
     )
     ap.add_argument(
-        "--tensor", type=int, default=d.tensor, help=f"tensor-parallel size (default {d.tensor})"
+        "--tensor",
+        type=int,
+        default=None,
+        help=f"tensor-parallel size (default {d.tensor}; 1 with --experts)",
     )
     ap.add_argument(
-        "--data", type=int, default=d.data, help=f"data-parallel copies (default {d.data})"
+        "--data",
+        type=int,
+        default=None,
+        help=f"data-parallel copies (default {d.data}; --expert with it)",
+    )
+    ap.add_argument(
+        "--experts",
+        type=int,
+        default=d.experts,
+        help="a mixture of experts: this many experts in each MoE block (default 0: dense)",
+    )
+    ap.add_argument("--top-k", type=int, default=d.top_k, dest="top_k", help="experts per token")
+    ap.add_argument("--moe-every", type=int, default=d.moe_every, dest="moe_every",
+                    help="every k-th block is an MoE block (default 1: all)")  # fmt: skip
+    ap.add_argument("--shared-experts", type=int, default=d.shared_experts, dest="shared_experts")
+    ap.add_argument(
+        "--expert",
+        type=int,
+        default=d.expert,
+        help="expert parallelism: the experts split over this many data copies (default 1)",
     )
     ap.add_argument("--schedule", default=d.schedule, help=f"schedule name (default {d.schedule})")
     ap.add_argument(
@@ -256,6 +288,10 @@ def resolve(parsed: argparse.Namespace) -> DemoOptions:
     and the model's fields filled from ``--size`` (default: ``small`` on CPU, ``large`` on CUDA)
     where they are not given, each given one overriding the size's. Not yet validated."""
     args = {f.name: getattr(parsed, f.name) for f in fields(DemoOptions)}
+    if args["tensor"] is None:  # (MoE blocks are not split over tensor ranks)
+        args["tensor"] = 1 if args["experts"] else DemoOptions.tensor
+    if args["data"] is None:  # the expert axis spans data copies: as many as it needs
+        args["data"] = max(DemoOptions.data, args["expert"])
     device = resolve_device(
         args["device"], args["pipeline"] * args["tensor"] * args["data"], announce=True
     )
@@ -413,6 +449,9 @@ def _check_values(o: DemoOptions) -> None:
         "pipeline",
         "tensor",
         "data",
+        "top_k",
+        "moe_every",
+        "expert",
         "microbatches",
         "steps",
         "batch",
@@ -449,6 +488,30 @@ def _check_values(o: DemoOptions) -> None:
             f"--zero {o.zero} shards over the data-parallel copies and --data is {o.data}: use "
             "--data >= 2, or --zero 0"
         )
+    if not isinstance(o.experts, int) or o.experts < 0 or o.shared_experts < 0:
+        raise InvalidArgument(
+            f"--experts={o.experts!r} --shared-experts={o.shared_experts!r}: ints >= 0"
+        )
+    if o.expert > 1 and not o.experts:
+        raise InvalidArgument(
+            f"--expert {o.expert} splits the experts over {o.expert} data copies, but the model "
+            "has none: add --experts E (a multiple of --expert), or drop --expert"
+        )
+    if o.experts and o.experts % o.expert:
+        raise InvalidArgument(
+            f"--experts {o.experts} do not divide over --expert {o.expert}: each expert rank "
+            f"holds experts / expert of them; use a multiple of {o.expert}"
+        )
+    if o.experts and o.tensor > 1:
+        raise InvalidArgument(
+            f"--experts with --tensor {o.tensor}: MoE blocks are not split over tensor ranks "
+            "yet; use --tensor 1 (the experts split over --expert data copies)"
+        )
+    if o.zero and o.expert > 1:
+        raise InvalidArgument(
+            f"--zero {o.zero} with --expert {o.expert}: ZeRO does not shard experts split over "
+            "the copies yet; use --zero 0"
+        )
     if o.eval_every < 0:
         raise InvalidArgument(f"--eval-every={o.eval_every}: must be >= 0 (0: only at the end)")
     for name in ("timeout", "pg_timeout"):
@@ -464,11 +527,12 @@ def _check_values(o: DemoOptions) -> None:
 def _check_model(o: DemoOptions) -> Program:
     """The options together: the layout, the schedule's program, the model against both."""
     from funcpipe.cli.schedule import MAX_PAIRS
-    from funcpipe.models.gpt import GPTConfig
     from funcpipe.parallel.mesh import ParallelConfig
     from funcpipe.schedule.generators import generate
 
-    ParallelConfig.from_dict({"pipeline": o.pipeline, "tensor": o.tensor}, world_size=o.world)
+    ParallelConfig.from_dict(
+        {"pipeline": o.pipeline, "tensor": o.tensor, "expert": o.expert}, world_size=o.world
+    )
     if o.batch < o.microbatches:  # (before the program is built: a huge one takes minutes)
         raise InvalidArgument(
             f"--batch {o.batch} < --microbatches {o.microbatches}: every microbatch needs a sequence"
@@ -481,8 +545,7 @@ def _check_model(o: DemoOptions) -> Program:
             f"fewer microbatches, e.g. --microbatches {max(1, MAX_PAIRS // o.pipeline)}"
         )
     program = generate(o.schedule, ranks=o.pipeline, microbatches=o.microbatches)
-    cfg = GPTConfig(vocab=256, context=o.context, d_model=o.d_model, heads=o.heads, layers=o.layers)
-    cfg.check_tensor(o.tensor)
+    gpt_config(o).check_tensor(o.tensor)
     if o.zero and (why := _unshardable(program)):
         raise InvalidArgument(f"--zero {o.zero}: {why}")
     n = len(set(program.replica_of or range(program.n_stages)))  # model stages (Chimera: fewer)
@@ -513,6 +576,19 @@ def zero_level(o: DemoOptions, program: Program) -> tuple[int, str]:
         return o.zero, ""
     if o.data < 2:
         return 0, ""
+    if o.expert > 1:
+        return 0, "zero 0: experts split over the copies are not sharded by ZeRO yet"
     if why := _unshardable(program):
         return 0, f"zero 0: {why}"
     return 1, ""
+
+
+def gpt_config(o: DemoOptions) -> GPTConfig:
+    """The demo's model: a byte-level GPT of ``o``'s shape, with ``o``'s experts."""
+    from funcpipe.models.gpt import GPTConfig
+
+    return GPTConfig(
+        vocab=256, context=o.context, d_model=o.d_model, heads=o.heads, layers=o.layers,
+        experts=o.experts, top_k=o.top_k, moe_every=o.moe_every,
+        shared_experts=o.shared_experts,
+    )  # fmt: skip

@@ -142,7 +142,9 @@ def print_summary(s: dict[str, Any]) -> None:
     o = s["options"]
     print()
     print(
-        f"pipeline {o['pipeline']} x tensor {o['tensor']} x data {o['data']}, schedule {o['schedule']}, "
+        f"pipeline {o['pipeline']} x tensor {o['tensor']} x data {o['data']}"
+        + (f" (expert {o['expert']})" if o.get("expert", 1) > 1 else "")
+        + f", schedule {o['schedule']}, "
         f"{s['steps']} steps ({s['wall_s']:.0f} s)"
     )
     print(f"  train loss (last 10 steps)  {s['final_train_loss']:.3f}")
@@ -180,6 +182,12 @@ def print_summary(s: dict[str, Any]) -> None:
         how = f"sharded over the data copies (ZeRO-{level})" if level else "a full copy each"
         note = f" ({s['zero_note']})" if s.get("zero_note") else ""
         print(f"  params and optimizer state  {how}{note}")
+    for k, (block, load) in enumerate(s.get("expert_load", {}).items()):
+        if k == 0:
+            print("  expert load, validation batch 0  tokens per expert (max / mean; at init)")
+        was = s["expert_load_init"][block]
+        ratio = f"{max(load) * len(load) / sum(load):.2f}; {max(was) * len(was) / sum(was):.2f}"
+        print(f"    block {block:<22}{' '.join(map(str, load))} ({ratio})")
     for name, path in s["files"].items():
         print(f"  {name:<28}{path}")
 

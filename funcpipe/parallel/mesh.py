@@ -92,7 +92,9 @@ class Place:
     derived: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{a}={self.coords[a]}/{self.sizes[a]}" for a in self.coords)
+        alone = self.sizes.get("expert", 1) == 1  # (its aliases then say nothing)
+        shown = [a for a in self.coords if not (alone and a in ("expert", "expert_data"))]
+        inner = ", ".join(f"{a}={self.coords[a]}/{self.sizes[a]}" for a in shown)
         return f"Place(rank={self.rank}, {inner})"
 
 
@@ -218,11 +220,16 @@ class ParallelConfig:
         coords = {n: coords[n] for n in self.mesh_dim_names}
         coords["tensor"] = rank % self.tensor  # tensor axes are innermost and contiguous
         coords["data"] = (rank // self.tensor) % self.data  # and the data axes next to them
+        coords["expert"], coords["expert_data"] = divmod(coords["data"], self.expert)[::-1]
         names = tuple(n for n, _ in self.tensor_axes)
         derived = {} if names == ("tensor",) else {"tensor": names}
         if self.expert > 1:
             derived["data"] = tuple(n for n, _ in self.data_axes)
-        return Place(rank, coords, self.axis_sizes, derived)
+        else:  # one expert rank: expert_data renames data, expert spans no mesh dim
+            derived |= {"expert_data": ("data",), "expert": ()}
+        # (without experts too, in a Place: a sharding over the expert axis is then whole)
+        sizes = {**self.axis_sizes, "expert": self.expert, "expert_data": self.data // self.expert}
+        return Place(rank, coords, sizes, derived)
 
     def places(self) -> list[Place]:
         """:meth:`place` of every rank, in rank order."""
