@@ -200,3 +200,48 @@ def reshard_experts(
         mu = max(float((a - 1.0).abs().max()) for a in tree_leaves(got.opt_state.mu))
         worst.append(max(diff, mu, float(got.step != 7)))
     return worst
+
+
+def gpt_tallies_over_processes(rank: int) -> dict[str, list[int]]:
+    """The MoE GPT at pipeline 2 x expert 2 with a routing bias: the step's tallies on this
+    process (the counts of its stage's blocks, summed over microbatches and both copies)."""
+    import funcpipe as fp
+    from funcpipe.models import gpt
+    from funcpipe.parallel.sharding import shard_tree
+    from funcpipe.schedule import generate
+    from tests.jobs_parallel import mesh_for
+
+    mesh = mesh_for({"pipeline": 2, "expert": 2})
+    copy = mesh.place.coords["data"]
+    cfg, one = TALLY_CFG, gpt.single_axis()
+    full = gpt.split(gpt.init(cfg, seed=5, dtype=F64), cfg, 2)
+    lays = gpt.shardings(cfg, 2)
+    mine = tuple(shard_tree(p, lay, mesh.place) for p, lay in zip(full, lays, strict=True))
+    x, y, bias = tally_batch()
+    share = slice(4 * copy, 4 * copy + 4)
+    with fp.Pipeline(
+        gpt.stages(cfg, 2, axis=one, expert=mesh["expert"]), generate("1f1b", ranks=2,
+        microbatches=2), loss_fn=gpt.loss_fn(axis=one), ties=gpt.tie_spec(2), mesh=mesh,
+        experts=gpt.expert_paths(cfg, 2), side_inputs=gpt.side_inputs(cfg, 2),
+        dim={"inputs": 0, "route_bias": "whole"},
+    ) as pipe:  # fmt: skip
+        got = pipe.step(mine, {"inputs": x[share], "route_bias": bias}, y[share])
+    return {k: v.tolist() for k, v in got.tallies.items()}
+
+
+def _tally_cfg() -> Any:
+    from funcpipe.models import gpt
+
+    return gpt.GPTConfig(vocab=32, context=6, d_model=8, heads=2, layers=3, experts=4)
+
+
+TALLY_CFG = _tally_cfg()
+
+
+def tally_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole batch (8 sequences, 4 a copy) and a routing bias favouring expert 3."""
+    g = torch.Generator().manual_seed(9)
+    x, y = (torch.randint(0, 32, (8, 6), generator=g) for _ in range(2))
+    bias = torch.zeros(3, 4, dtype=F64)
+    bias[:, 3] = 0.3
+    return x, y, bias

@@ -72,3 +72,24 @@ def test_checkpoints_reshard_the_experts(pool: Any, tmp_path: Any) -> None:
         J.reshard_experts, str(tmp_path / "ckpt"), {"pipeline": 2, "expert": 2}, loads
     )
     assert all(d == 0.0 for per in got for d in per), got
+
+
+@pytest.mark.timeout(300)
+def test_the_step_returns_each_blocks_counts_summed_over_copies(pool: Any) -> None:
+    """With the experts split over 2 copies and a routing bias: each process's tallies are the
+    counts of its stage's blocks over the whole batch (both copies, every microbatch), as the
+    same model counts them on one device."""
+    from funcpipe.models import gpt
+
+    got = pool(4).run(J.gpt_tallies_over_processes)
+    cfg = J.TALLY_CFG
+    x, _, bias = J.tally_batch()
+    full = gpt.init(cfg, seed=5, dtype=J.F64)
+    fn = gpt.stages(cfg, 1, axis=gpt.single_axis())[0].fn
+    loads: list[Any] = []
+    fn(gpt.split(full, cfg, 1)[0], x, route_bias=bias, _loads=loads)
+    want = {f"blocks.{i}.moe.counts": loads[i].tolist() for i in range(3)}
+    held = [["blocks.0.moe.counts", "blocks.1.moe.counts"], ["blocks.2.moe.counts"]]
+    for rank, tallies in enumerate(got):  # world rank: (pipe rank * 2 + copy)
+        assert sorted(tallies) == held[rank // 2]
+        assert tallies == {k: want[k] for k in tallies}

@@ -102,3 +102,50 @@ def test_experts_with_a_tensor_axis_are_refused() -> None:
 
     with pytest.raises(InvalidArgument, match="not split over tensor ranks yet"):
         gpt.stages(gpt.GPTConfig(experts=4), 1, axis=Axis("tensor", 2, 0, None))
+
+
+def test_the_routing_bias_goes_in_and_the_step_returns_the_counts() -> None:
+    """DeepSeek-V3's balancing as values: the bias is a batch field every microbatch gets
+    whole (dim "whole"), it changes which experts are chosen, the step returns each block's
+    counts summed over microbatches and in-process copies (a forward's, not a
+    recomputation's), equal to the counts of the whole batch on one device; update_route_bias
+    moves the bias from them."""
+    program = generate("zbv", ranks=2, microbatches=2)
+    n = program.n_stages
+    full = gpt.init(CFG, seed=3, dtype=F64)
+    params = gpt.split(full, CFG, n)
+    stages, loss = gpt.stages(CFG, n, axis=ONE), gpt.loss_fn(axis=ONE)
+    x, y = _batch(2)
+    bias = gpt.route_bias(CFG, dtype=F64)
+    bias[:, 0] = 5.0  # every token's first choice: expert 0
+    batch, dim = {"inputs": x, "route_bias": bias}, {"inputs": 0, "route_bias": "whole"}
+    side = gpt.side_inputs(CFG, n)
+    pipe = fp.Pipeline(
+        stages, program, loss_fn=loss, ties=gpt.tie_spec(n), side_inputs=side, dim=dim, data=2,
+        recompute=True,
+    )  # fmt: skip
+    got = pipe.step(params, batch, y)
+    ref = fp.reference_step(
+        stages, params, batch, loss, targets=y, microbatches=4, ties=gpt.tie_spec(n),
+        side_inputs=side, dim=dim,
+    )  # fmt: skip
+    fp.testing.assert_trees_close((got.loss, got.grads), ref, atol=1e-12, rtol=1e-10)
+    assert sorted(got.tallies) == [f"blocks.{i}.moe.counts" for i in (0, 1, 2)]
+    plain = gpt.expert_load(full, CFG, x)  # without the bias
+    for j, i in enumerate((0, 1, 2)):
+        counts = got.tallies[f"blocks.{i}.moe.counts"]
+        assert counts.sum() == 8 * 8 * 2 and counts[0] == 8 * 8  # every token chose expert 0
+        assert counts.tolist() != plain[j].tolist()
+    moved = gpt.update_route_bias(bias, got.tallies, CFG, rate=0.5)
+    assert (moved[:, 0] == 4.5).all()  # the overloaded expert's bias goes down
+
+
+def test_whole_leaves_reach_every_microbatch_and_a_batch_must_have_a_split_one() -> None:
+    bias = torch.arange(3.0)
+    pieces = fp.split({"x": torch.arange(6.0), "b": bias}, 3, dim={"x": 0, "b": "whole"})
+    assert [p["x"].tolist() for p in pieces] == [[0, 1], [2, 3], [4, 5]]
+    assert all(p["b"] is bias for p in pieces)
+    with pytest.raises(InvalidArgument, match="at least one leaf must carry the batch"):
+        fp.split({"b": bias}, 2, dim={"b": "whole"})
+    with pytest.raises(InvalidArgument, match="or 'whole'"):
+        fp.split({"b": bias}, 2, dim={"b": "all"})

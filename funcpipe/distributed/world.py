@@ -136,6 +136,8 @@ def join(program: Program, *, mesh: Any = None, scatter_gather: bool = False) ->
     # posts it after its last instruction, whatever else is still in flight)
     groups: dict[str, Any] = {SCALARS: claim.group(range(world), use="scalars")}
     names = sorted({i.group for r in program.ranks for i in r if i.op in COLLECTIVE_OPS})
+    if copies > 1 and "data" not in names:  # (an evaluation's tallies sum over it too)
+        names.append("data")
     for name in names:
         if not in_program(name):  # over the data-parallel copies of this rank and coord
             lists = [[g(r, d, c) for d in range(copies)] for r in range(n) for c in range(tp)]

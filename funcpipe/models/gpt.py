@@ -41,6 +41,7 @@ from funcpipe.parallel.mesh import Axis
 from funcpipe.parallel.sharding import Sharding
 from funcpipe.stages.keys import current_key
 from funcpipe.stages.stage import Stage
+from funcpipe.stages.tally import tally
 
 __all__ = [
     "GPTConfig",
@@ -52,11 +53,14 @@ __all__ = [
     "init",
     "loss_fn",
     "matmul_params",
+    "route_bias",
     "shardings",
+    "side_inputs",
     "single_axis",
     "split",
     "stages",
     "tie_spec",
+    "update_route_bias",
 ]
 
 
@@ -410,6 +414,7 @@ def stages(
             x: Tensor,
             aux: Tensor | None = None,
             *,
+            route_bias: Tensor | None = None,
             _first: bool = first,
             _last: bool = last,
             _keys: list[str] = keys,
@@ -433,8 +438,10 @@ def stages(
                 if "moe" not in blk:
                     h = ops.mlp_block(h, blk["mlp"], axis=axis, dropout=d)
                     continue
-                h, stats = _moe_block(h, blk["moe"], config.moe_config, expert, d)
+                bias = None if route_bias is None else route_bias[config.moe_blocks.index(int(k))]
+                h, stats = _moe_block(h, blk["moe"], config.moe_config, expert, d, bias)
                 aux = stats["aux"].float() if aux is None else aux + stats["aux"].float()
+                tally(f"blocks.{k}.moe.counts", stats["counts"])  # (summed by the step)
                 if _loads is not None:
                     _loads.append(stats["counts"])
             if _last:
@@ -457,12 +464,17 @@ def stages(
 
 
 def _moe_block(
-    h: Tensor, p: dict[str, Any], config: moe.MoEConfig, expert: Axis | None, dropout: float
+    h: Tensor,
+    p: dict[str, Any],
+    config: moe.MoEConfig,
+    expert: Axis | None,
+    dropout: float,
+    bias: Tensor | None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The pre-norm MoE sublayer: ``h + moe(layer_norm(h))`` (its output dropped like the
     MLP's), and the layer's stats."""
     x = F.layer_norm(h, h.shape[-1:], p["norm"]["weight"], p["norm"]["bias"], ops.LN_EPS)
-    y, stats = moe.moe(p, x, config, axis=expert)
+    y, stats = moe.moe(p, x, config, bias, axis=expert)
     return h + (F.dropout(y, dropout) if dropout else y), stats
 
 
@@ -521,6 +533,42 @@ def expert_load(params: dict[str, Any], config: GPTConfig, tokens: Tensor) -> Te
     with torch.no_grad():
         fn(split(params, config, 1)[0], tokens, _loads=loads)
     return torch.stack(loads)
+
+
+def route_bias(config: GPTConfig, *, dtype: torch.dtype = torch.float32) -> Tensor:
+    """DeepSeek-V3's routing bias of every MoE block, zero: ``[MoE blocks, experts]``, passed
+    to the stages as the batch field ``"route_bias"`` (:func:`side_inputs`, not split:
+    ``dim={"inputs": 0, "route_bias": "whole"}``) and moved by :func:`update_route_bias`."""
+    if not config.experts:
+        raise InvalidArgument("route_bias: the GPTConfig has no experts (experts=0)")
+    return torch.zeros(len(config.moe_blocks), config.experts, dtype=dtype)
+
+
+def update_route_bias(
+    bias: Tensor, tallies: dict[str, Tensor], config: GPTConfig, *, rate: float = 1e-3
+) -> Tensor:
+    """The next step's routing bias: each block's row moved by
+    :func:`funcpipe.models.moe.update_bias` from the step's token counts (``result.tallies``,
+    ``"blocks.<i>.moe.counts"``: summed over microbatches and copies). Over processes a step
+    returns the counts of this process's blocks only: the other rows stay (no stage of this
+    process reads them)."""
+    rows = list(bias.unbind(0))
+    for j, i in enumerate(config.moe_blocks):
+        counts = tallies.get(f"blocks.{i}.moe.counts")
+        if counts is not None:
+            rows[j] = moe.update_bias(bias[j], counts.to(bias.device), rate=rate)
+    return torch.stack(rows)
+
+
+def side_inputs(
+    config: GPTConfig, n_stages: int, *, blocks: Sequence[int] | None = None
+) -> dict[int, list[str]]:
+    """``Pipeline(side_inputs=...)`` passing ``"route_bias"`` to the stages with MoE blocks."""
+    return {
+        s: ["route_bias"]
+        for s, held in enumerate(blocks_per_stage(config, n_stages, blocks))
+        if any(i in config.moe_blocks for i in held)
+    }
 
 
 def expert_paths(

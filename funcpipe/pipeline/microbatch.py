@@ -22,10 +22,13 @@ from funcpipe.tree import (
     tree_unflatten,
 )
 
-__all__ = ["merge", "microbatch_sizes", "split"]
+__all__ = ["WHOLE", "merge", "microbatch_sizes", "split"]
 
 # ``dim`` is an int for every leaf, or a pytree of ints with the batch's structure.
 Dim = Any
+# a leaf's dim that says "not split: every microbatch (and data copy) gets all of it", for a
+# value the whole step shares (a routing bias, a temperature) passed beside the batch
+WHOLE = "whole"
 
 
 def _check_count(microbatches: Any) -> int:
@@ -51,12 +54,16 @@ def _leaf_dims(
                 f"batch {spec}; got {dim_name}={dim!r} ({e})."
             ) from None
         for path, d in zip(paths, dims, strict=True):
-            if isinstance(d, bool) or not isinstance(d, int):
+            if d != WHOLE and (isinstance(d, bool) or not isinstance(d, int)):
                 raise InvalidArgument(
-                    f"{dim_name} leaves must be ints; got {d!r} for {path} in {dim_name}={dim!r}."
+                    f"{dim_name} leaves must be ints (or {WHOLE!r}: not split); got {d!r} for "
+                    f"{path} in {dim_name}={dim!r}."
                 )
-    out = []
+    out: list[Any] = []
     for path, t, d in zip(paths, tensors, dims, strict=True):
+        if d == WHOLE:
+            out.append(None)
+            continue
         if not -t.ndim <= d < t.ndim:
             raise InvalidArgument(
                 f"{dim_name}={d} is out of range for {path} with shape {tuple(t.shape)} "
@@ -93,12 +100,18 @@ def _flatten_batch(
 
 
 def _common_size(
-    tensors: list[torch.Tensor], paths: list[str], dims: list[int], *, name: str
+    tensors: list[torch.Tensor], paths: list[str], dims: list[Any], *, name: str
 ) -> int:
-    sizes = [t.shape[d] for t, d in zip(tensors, dims, strict=True)]
+    split = [(t, p, d) for t, p, d in zip(tensors, paths, dims, strict=True) if d is not None]
+    if not split:
+        raise InvalidArgument(
+            f"every leaf of {name} has dim {WHOLE!r} (not split): at least one leaf must carry "
+            "the batch (an int dim) for it to be cut into microbatches."
+        )
+    sizes = [t.shape[d] for t, _, d in split]
     if len(set(sizes)) > 1:
         listing = ", ".join(
-            f"{p}: {s} (dim {d})" for p, s, d in zip(paths, sizes, dims, strict=True)
+            f"{p}: {s} (dim {d})" for (_, p, d), s in zip(split, sizes, strict=True)
         )
         raise InvalidArgument(
             f"the leaves of {name} disagree on the batch size: {listing}. Every leaf must have "
@@ -139,7 +152,10 @@ def _split_named(batch: Any, microbatches: int, *, dim: Dim = 0, name: str = "ba
             f"{name} has {size} samples along {dim_text} but microbatches={m}; use "
             f"microbatches <= {size} (every microbatch needs at least one sample)."
         )
-    pieces = [torch.tensor_split(t, m, dim=d) for t, d in zip(tensors, dims, strict=True)]
+    pieces = [
+        (t,) * m if d is None else torch.tensor_split(t, m, dim=d)
+        for t, d in zip(tensors, dims, strict=True)
+    ]
     return [tree_unflatten(spec, [p[j] for p in pieces]) for j in range(m)]
 
 

@@ -31,6 +31,7 @@ from funcpipe.pipeline.result import (
     executed_timeline,
     local_scalars,
     merged_outputs,
+    merged_tallies,
     stage_grads,
 )
 from funcpipe.runtime.drive import drive, drive_local
@@ -341,10 +342,9 @@ class Pipeline:
         x = self._rank_inputs(self.rank, params, entry, side, tgt, layouts, return_outputs)
         if zin is not None:
             x.shards, x.copy = zin[1][0], self._world.copy
-        x.data_size = self.data_size
+        x.data_size, x.tally_group = self.data_size, ("data" if self.data_size > 1 else None)
         x.seed, x.microbatch_offset = seed, self._world.copy * m
-        x.trace = trace
-        x.loss_scale = scale
+        x.trace, x.loss_scale = trace, scale
         if self.loss_fn is not None or self.metric_fn is not None:
             x.scalars_group = _world.SCALARS
         result = drive(run_rank(x, self._world.transport))
@@ -361,7 +361,7 @@ class Pipeline:
         grads = grads if zin is None else _zero.mark_pieces(grads, self._world.copy, self.data_size)
         outputs = merged_outputs(program, [result]) if return_outputs else None
         step = StepResult(loss, grads, metric, outputs)
-        step.peak_activations = {self.rank: result.peak_activations}
+        step.peak_activations, step.tallies = {self.rank: result.peak_activations}, result.tallies
         if trace:
             times = _world.gather_times(program, self._world, result.times)
             step.timeline = executed_timeline(program, times)
@@ -403,8 +403,7 @@ class Pipeline:
                 x = self._rank_inputs(r, mine, entry, side, tgt, layouts, return_outputs)
                 if zin is not None:
                     x.shards, x.copy = zin[1][d], d
-                x.trace = trace
-                x.loss_scale = scale
+                x.trace, x.loss_scale = trace, scale
                 x.seed, x.microbatch_offset = seed, d * m
                 if scalars:
                     x.scalars_group = _world.SCALARS
@@ -425,6 +424,7 @@ class Pipeline:
             loss, grads, metric, merged_outputs(program, per_rank) if return_outputs else None
         )
         out.peak_activations = {r: res.peak_activations for r, res in enumerate(per_rank)}
+        out.tallies = merged_tallies(results.values())  # (every rank and copy: all of them)
         if trace:
             out.timeline = executed_timeline(program, [res.times for res in per_rank])
         return out

@@ -6,7 +6,7 @@ whole batch, and with ``trace=True`` the executed :class:`~funcpipe.schedule.Tim
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ __all__ = [
     "executed_timeline",
     "local_scalars",
     "merged_outputs",
+    "merged_tallies",
     "stage_grads",
     "total",
 ]
@@ -42,6 +43,9 @@ class StepResult(tuple[Any, Any]):
     outputs: Any
     peak_activations: dict[int, int]  # program rank -> most activations it kept at once
     timeline: Any  # with trace=True: the executed funcpipe.schedule.Timeline
+    # name -> what the stages tallied (funcpipe.stages.tally), summed over microbatches and
+    # data copies; over processes, the tallies of this process's stages
+    tallies: dict[str, Tensor]
 
     def __new__(
         cls,
@@ -54,6 +58,7 @@ class StepResult(tuple[Any, Any]):
         self.loss, self.grads, self.metric, self.outputs = loss, grads, metric, outputs
         self.peak_activations = {}
         self.timeline = None
+        self.tallies = {}
         return self
 
     def __repr__(self) -> str:
@@ -217,3 +222,13 @@ def total(values: Sequence[Tensor | None]) -> Tensor | None:
     for v in got[1:]:
         total = total + v
     return total
+
+
+def merged_tallies(results: Iterable[RankResult]) -> dict[str, Tensor]:
+    """Every rank's tallies summed by name (one process: all ranks of all copies)."""
+    out: dict[str, Tensor] = {}
+    for res in results:
+        for name, value in res.tallies.items():
+            got = out.get(name)
+            out[name] = value if got is None else got + value.to(got.device)
+    return dict(sorted(out.items()))

@@ -39,6 +39,7 @@ from funcpipe.runtime.transport_common import P2P, RECV, SEND, Handle, Transport
 from funcpipe.schedule.check import in_program
 from funcpipe.schedule.ir import ACT, COMPUTE_OPS, GRAD, Instr, Op, groups
 from funcpipe.stages.boundaries import OutputSpec, rebuild
+from funcpipe.stages.tally import collecting
 from funcpipe.tree import tree_flatten
 
 __all__ = ["RankInputs", "RankResult", "run_rank"]
@@ -228,7 +229,8 @@ class _Rank:
             if not needs:
                 leaves = [t.detach() for t in leaves]  # the batch needs no gradient
             keep = s not in self.x.recompute
-            out, saved = autodiff.forward(fn, self._params(s), leaves, keep=keep)
+            with collecting(self.result.tallies):  # (a recomputation tallies nothing)
+                out, saved = autodiff.forward(fn, self._params(s), leaves, keep=keep)
             if keep:
                 self._alive(+1)
             if not needs:
@@ -236,7 +238,7 @@ class _Rank:
                     t.requires_grad_(False)
             self.saved[(s, m)] = (saved, fn)
         else:
-            with torch.no_grad():
+            with torch.no_grad(), collecting(self.result.tallies):
                 out = fn(self._params(s), leaves)
         if self.x.check_finite:
             sink = not self.p.consumers(s) and len(out) > len(self.spec(s, m).leaves)
@@ -550,6 +552,10 @@ class _Rank:
             # host before it posts the sends the last rank needs: a hang.
             buf = self.result.scalar_buffer(x.device)
             self.result.scalars = (buf, self.t.all_reduce([buf], x.scalars_group))
+        if x.tally_group is not None and self.result.tallies:  # (every copy: the same names)
+            tallies = [self.result.tallies[k] for k in sorted(self.result.tallies)]
+            summed = self.t.all_reduce(tallies, x.tally_group)
+            self.reductions.append(_Pending(summed, lambda: None))
         for h, then in self.incoming.values():  # (none in a checked program: read by now)
             yield from wait_for(h)
             if then is not None:

@@ -58,6 +58,9 @@ class RankInputs:
     # reduce (loss sum, metric sum, has loss) over this transport group once this rank has run
     # its last instruction (every rank; never earlier: see _Rank.run); None: the caller does it
     scalars_group: str | None = None
+    # sum this rank's tallies (funcpipe.stages.tally) over this transport group (its data copies)
+    # once it has run its last instruction; None: the caller does it (or there is one copy)
+    tally_group: str | None = None
     # the step's seed: each stage call runs under stage_key(seed, stage, microbatch_offset + m)
     # (funcpipe.stages.keys); None: under no key. microbatch_offset: this data copy's first
     # microbatch in the whole batch (copy c of M microbatches each: c * M)
@@ -109,6 +112,9 @@ class RankResult:
     times: list[float] = field(default_factory=list)
     # with RankInputs.scalars_group: (float64 buffer laid out as SCALARS, its reduction)
     scalars: tuple[Tensor, Handle] | None = None
+    # name -> the sum of what this rank's forwards tallied (funcpipe.stages.tally); with
+    # RankInputs.tally_group, summed over its data copies once the step's reductions finished
+    tallies: dict[str, Tensor] = field(default_factory=dict)
 
     def add_loss(self, extras: Sequence[Tensor], has_metric: bool, rank: int) -> None:
         """Add one sink microbatch's loss (``[loss, count?, metric?]``, as
