@@ -110,7 +110,7 @@ def gpt_with_experts_vs_one_device(rank: int, names: Sequence[str]) -> list[dict
     """The GPT with MoE blocks (aux loss included) at pipeline 2 x expert 2: each schedule's
     step against the one-device step over the whole batch; worst relative differences."""
     import funcpipe as fp
-    from funcpipe.models import gpt
+    from funcpipe.models import gpt, gpt_balance
     from funcpipe.parallel.sharding import shard_tree
     from funcpipe.schedule import generate
     from funcpipe.tree import tree_leaves
@@ -167,7 +167,7 @@ def reshard_experts(
     another seed: per load, the largest difference from the saved model's block this process
     should hold there (0.0: every expert where it belongs)."""
     from funcpipe import optim
-    from funcpipe.models import gpt
+    from funcpipe.models import gpt, gpt_balance
     from funcpipe.parallel.sharding import shard_tree
     from funcpipe.train import checkpoint
     from funcpipe.tree import tree_leaves, tree_map
@@ -206,7 +206,7 @@ def gpt_tallies_over_processes(rank: int) -> dict[str, list[int]]:
     """The MoE GPT at pipeline 2 x expert 2 with a routing bias: the step's tallies on this
     process (the counts of its stage's blocks, summed over microbatches and both copies)."""
     import funcpipe as fp
-    from funcpipe.models import gpt
+    from funcpipe.models import gpt, gpt_balance
     from funcpipe.parallel.sharding import shard_tree
     from funcpipe.schedule import generate
     from tests.jobs_parallel import mesh_for
@@ -222,7 +222,7 @@ def gpt_tallies_over_processes(rank: int) -> dict[str, list[int]]:
     with fp.Pipeline(
         gpt.stages(cfg, 2, axis=one, expert=mesh["expert"]), generate("1f1b", ranks=2,
         microbatches=2), loss_fn=gpt.loss_fn(axis=one), ties=gpt.tie_spec(2), mesh=mesh,
-        experts=gpt.expert_paths(cfg, 2), side_inputs=gpt.side_inputs(cfg, 2),
+        experts=gpt.expert_paths(cfg, 2), side_inputs=gpt_balance.side_inputs(cfg, 2),
         dim={"inputs": 0, "route_bias": "whole"},
     ) as pipe:  # fmt: skip
         got = pipe.step(mine, {"inputs": x[share], "route_bias": bias}, y[share])
@@ -230,7 +230,7 @@ def gpt_tallies_over_processes(rank: int) -> dict[str, list[int]]:
 
 
 def _tally_cfg() -> Any:
-    from funcpipe.models import gpt
+    from funcpipe.models import gpt, gpt_balance
 
     return gpt.GPTConfig(vocab=32, context=6, d_model=8, heads=2, layers=3, experts=4)
 
@@ -245,3 +245,58 @@ def tally_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     bias = torch.zeros(3, 4, dtype=F64)
     bias[:, 3] = 0.3
     return x, y, bias
+
+
+def gpt_batch_aux_over_processes(rank: int, names: Sequence[str]) -> list[dict[str, Any]]:
+    """The batch's Switch loss at pipeline 2 x expert 2: a counting pass (an evaluation
+    Pipeline over the processes: its tallies summed over both copies), then the step with that
+    load; against the one-device step on the batch as one piece."""
+    import funcpipe as fp
+    from funcpipe.models import gpt, gpt_balance
+    from funcpipe.parallel.sharding import shard_tree
+    from funcpipe.schedule import generate
+    from funcpipe.schedule.generators import to_eval
+    from funcpipe.tree import tree_leaves
+    from tests.jobs_parallel import mesh_for
+
+    mesh = mesh_for({"pipeline": 2, "expert": 2})
+    copy, cfg, one = mesh.place.coords["data"], TALLY_CFG, gpt.single_axis()
+    out = []
+    for k, name in enumerate(names):
+        program = generate(name, ranks=2, microbatches=2)
+        n = len(set(program.replica_of or range(program.n_stages)))
+        full = gpt.split(gpt.init(cfg, seed=k, dtype=F64), cfg, n)
+        lays = gpt.shardings(cfg, n)
+        mine = tuple(shard_tree(p, lay, mesh.place) for p, lay in zip(full, lays, strict=True))
+        x, y, _ = tally_batch()
+        share = slice(4 * copy, 4 * copy + 4)
+        side = gpt_balance.side_inputs(cfg, n, fields=("route_load",))
+        dim = {"inputs": 0, "route_load": "whole"}
+        kw = {"loss_fn": gpt.loss_fn(axis=one), "ties": gpt.tie_spec(n), "mesh": mesh,
+              "experts": gpt.expert_paths(cfg, n), "side_inputs": side, "dim": dim}  # fmt: skip
+        stages = gpt.stages(cfg, n, axis=one, expert=mesh["expert"])
+        even = torch.full((3, 4), 0.25, dtype=F64)
+        with fp.Pipeline(stages, to_eval(program), **kw) as counting:
+            tallies = counting.step(
+                mine, {"inputs": x[share], "route_load": even}, y[share]
+            ).tallies
+        load = gpt_balance.batch_load(tallies, cfg, dtype=F64)
+        with fp.Pipeline(stages, program, **kw) as pipe:
+            got = pipe.step(mine, {"inputs": x[share], "route_load": load}, y[share])
+        ref_load = gpt_balance.batch_load(  # every block's load of the whole batch, one device
+            {f"blocks.{i}.moe.counts": c for i, c in zip(cfg.moe_blocks, gpt.expert_load(
+                gpt.init(cfg, seed=k, dtype=F64), cfg, x), strict=True)}, cfg, dtype=F64,
+        )  # fmt: skip
+        ref = fp.reference_step(
+            gpt.stages(cfg, n, axis=one), full, {"inputs": x, "route_load": ref_load},
+            gpt.loss_fn(axis=one), targets=y, microbatches=1, ties=gpt.tie_spec(n),
+            side_inputs=side, dim=dim,
+        )  # fmt: skip
+        want = [None if g is None else shard_tree(r, lay, mesh.place)
+                for g, r, lay in zip(got.grads, ref[1], lays, strict=True)]  # fmt: skip
+        worst = float((got.loss - ref[0]).abs())
+        for gs, ws in zip(got.grads, want, strict=True):
+            for a, b in zip(tree_leaves(gs), tree_leaves(ws), strict=True):
+                worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp(min=1)))
+        out.append({"name": name, "worst": {"all": worst}, "held": [1]})
+    return out

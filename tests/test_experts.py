@@ -93,3 +93,13 @@ def test_the_step_returns_each_blocks_counts_summed_over_copies(pool: Any) -> No
     for rank, tallies in enumerate(got):  # world rank: (pipe rank * 2 + copy)
         assert sorted(tallies) == held[rank // 2]
         assert tallies == {k: want[k] for k in tallies}
+
+
+@pytest.mark.timeout(300)
+def test_the_batch_switch_loss_over_processes_equals_one_device(pool: Any) -> None:
+    """The auxiliary loss of the whole batch (both copies' tokens) at pipeline 2 x expert 2:
+    a counting pass over the processes, then the step; loss and every gradient as the one
+    device's cross-entropy + 0.01 x the batch's Switch loss, under 1F1B, ZB-V and DualPipeV
+    (whose backwards run before later forwards)."""
+    names = ("1f1b", "zbv", "dualpipev")
+    _check(pool(4).run(J.gpt_batch_aux_over_processes, names), names)

@@ -9,7 +9,7 @@ import torch
 
 import funcpipe as fp
 from funcpipe.errors import InvalidArgument
-from funcpipe.models import gpt
+from funcpipe.models import gpt, gpt_balance
 from funcpipe.schedule import generate
 
 F64 = torch.float64
@@ -116,10 +116,10 @@ def test_the_routing_bias_goes_in_and_the_step_returns_the_counts() -> None:
     params = gpt.split(full, CFG, n)
     stages, loss = gpt.stages(CFG, n, axis=ONE), gpt.loss_fn(axis=ONE)
     x, y = _batch(2)
-    bias = gpt.route_bias(CFG, dtype=F64)
+    bias = gpt_balance.route_bias(CFG, dtype=F64)
     bias[:, 0] = 5.0  # every token's first choice: expert 0
     batch, dim = {"inputs": x, "route_bias": bias}, {"inputs": 0, "route_bias": "whole"}
-    side = gpt.side_inputs(CFG, n)
+    side = gpt_balance.side_inputs(CFG, n)
     pipe = fp.Pipeline(
         stages, program, loss_fn=loss, ties=gpt.tie_spec(n), side_inputs=side, dim=dim, data=2,
         recompute=True,
@@ -136,7 +136,7 @@ def test_the_routing_bias_goes_in_and_the_step_returns_the_counts() -> None:
         counts = got.tallies[f"blocks.{i}.moe.counts"]
         assert counts.sum() == 8 * 8 * 2 and counts[0] == 8 * 8  # every token chose expert 0
         assert counts.tolist() != plain[j].tolist()
-    moved = gpt.update_route_bias(bias, got.tallies, CFG, rate=0.5)
+    moved = gpt_balance.update_route_bias(bias, got.tallies, CFG, rate=0.5)
     assert (moved[:, 0] == 4.5).all()  # the overloaded expert's bias goes down
 
 
@@ -149,3 +149,38 @@ def test_whole_leaves_reach_every_microbatch_and_a_batch_must_have_a_split_one()
         fp.split({"b": bias}, 2, dim={"b": "whole"})
     with pytest.raises(InvalidArgument, match="or 'whole'"):
         fp.split({"b": bias}, 2, dim={"b": "all"})
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zbv", "dualpipev", "chimera"])
+def test_the_batch_switch_loss_is_exact_under_every_schedule(name: str) -> None:
+    """The auxiliary loss over the whole batch (every microbatch and both in-process copies):
+    a counting pass (an evaluation step) gives each block's load, the training step takes it
+    as "route_load", and its loss and every gradient equal the one-device model's
+    cross-entropy + 0.01 x the batch's Switch loss, computed on the batch as one piece, in
+    float64. Without the load (each microbatch's own), they differ."""
+    from funcpipe.schedule.generators import to_eval
+
+    program = generate(name, ranks=2, microbatches=2)
+    n = len(set(program.replica_of or range(program.n_stages)))
+    params = gpt.split(gpt.init(CFG, seed=4, dtype=F64), CFG, n)
+    stages, loss = gpt.stages(CFG, n, axis=ONE), gpt.loss_fn(axis=ONE)
+    x, y = _batch(3)
+    side = gpt_balance.side_inputs(CFG, n, fields=("route_load",))
+    dim = {"inputs": 0, "route_load": "whole"}
+    even = torch.full((3, 4), 0.25, dtype=F64)  # (the counting pass reads no load)
+    kw = {"loss_fn": loss, "side_inputs": side, "dim": dim, "data": 2, "ties": gpt.tie_spec(n)}
+    counted = fp.Pipeline(stages, to_eval(program), **kw).step(
+        params, {"inputs": x, "route_load": even}, y
+    )
+    load = gpt_balance.batch_load(counted.tallies, CFG, dtype=F64)
+    got = fp.Pipeline(stages, program, **kw).step(params, {"inputs": x, "route_load": load}, y)
+    whole = {"inputs": x, "route_load": load}
+    ref = fp.reference_step(
+        stages, params, whole, loss, targets=y, microbatches=1, side_inputs=side, dim=dim,
+        ties=gpt.tie_spec(n),
+    )  # fmt: skip
+    fp.testing.assert_trees_close((got.loss, got.grads), ref, atol=1e-12, rtol=1e-10)
+    # the reference's load is its own batch's: the one-piece forward counts the same
+    assert torch.equal(gpt.expert_load(gpt.init(CFG, seed=4, dtype=F64), CFG, x).to(F64) / 128, load)
+    own = fp.Pipeline(stages, program, loss_fn=loss, data=2, ties=gpt.tie_spec(n)).step(params, x, y)
+    assert not torch.allclose(own.loss, got.loss, atol=1e-9, rtol=0)

@@ -20,7 +20,9 @@ Each stage then passes ``(h, aux)``: ``aux`` the sum of its MoE layers' Switch a
 over this microbatch added to what it received, so :func:`loss_fn` adds ``aux_weight * aux``
 to the cross-entropy and the auxiliary loss's gradient reaches every router through the
 pipeline's own backward, under any schedule. :func:`expert_paths` names the expert leaves for
-``Pipeline(experts=...)``; :func:`expert_load` counts each expert's tokens on one device.
+``Pipeline(experts=...)``; :func:`expert_load` counts each expert's tokens on one device;
+:mod:`funcpipe.models.gpt_balance` balances the experts (DeepSeek's bias, the batch's Switch
+loss) with values the stages take as side inputs.
 """
 
 from __future__ import annotations
@@ -53,14 +55,11 @@ __all__ = [
     "init",
     "loss_fn",
     "matmul_params",
-    "route_bias",
     "shardings",
-    "side_inputs",
     "single_axis",
     "split",
     "stages",
     "tie_spec",
-    "update_route_bias",
 ]
 
 
@@ -415,6 +414,7 @@ def stages(
             aux: Tensor | None = None,
             *,
             route_bias: Tensor | None = None,
+            route_load: Tensor | None = None,
             _first: bool = first,
             _last: bool = last,
             _keys: list[str] = keys,
@@ -425,7 +425,9 @@ def stages(
                 h = ops.vocab_parallel_embedding(x, {"weight": p["wte"]}, axis=axis)
                 h = h + p["wpe"][: x.shape[-1]]
                 h = F.dropout(h, drop) if keyed and drop else h
-                aux = h.new_zeros((), dtype=torch.float32) if mixed else None
+                # (float32 at least: bf16 sums of small losses lose them; float64 stays)
+                wide = torch.promote_types(h.dtype, torch.float32)
+                aux = h.new_zeros((), dtype=wide) if mixed else None
             else:
                 h = x
             d, ad = (drop, attn_drop) if keyed else (0.0, 0.0)  # (no key: nothing drawn)
@@ -438,9 +440,12 @@ def stages(
                 if "moe" not in blk:
                     h = ops.mlp_block(h, blk["mlp"], axis=axis, dropout=d)
                     continue
-                bias = None if route_bias is None else route_bias[config.moe_blocks.index(int(k))]
-                h, stats = _moe_block(h, blk["moe"], config.moe_config, expert, d, bias)
-                aux = stats["aux"].float() if aux is None else aux + stats["aux"].float()
+                j = config.moe_blocks.index(int(k))
+                bias = None if route_bias is None else route_bias[j]
+                load = None if route_load is None else route_load[j]
+                h, stats = _moe_block(h, blk["moe"], config.moe_config, expert, d, bias, load)
+                a = stats["aux"].to(torch.promote_types(stats["aux"].dtype, torch.float32))
+                aux = a if aux is None else aux + a.to(aux.dtype)
                 tally(f"blocks.{k}.moe.counts", stats["counts"])  # (summed by the step)
                 if _loads is not None:
                     _loads.append(stats["counts"])
@@ -470,11 +475,12 @@ def _moe_block(
     expert: Axis | None,
     dropout: float,
     bias: Tensor | None,
+    load: Tensor | None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The pre-norm MoE sublayer: ``h + moe(layer_norm(h))`` (its output dropped like the
     MLP's), and the layer's stats."""
     x = F.layer_norm(h, h.shape[-1:], p["norm"]["weight"], p["norm"]["bias"], ops.LN_EPS)
-    y, stats = moe.moe(p, x, config, bias, axis=expert)
+    y, stats = moe.moe(p, x, config, bias, axis=expert, load=load)
     return h + (F.dropout(y, dropout) if dropout else y), stats
 
 
@@ -533,42 +539,6 @@ def expert_load(params: dict[str, Any], config: GPTConfig, tokens: Tensor) -> Te
     with torch.no_grad():
         fn(split(params, config, 1)[0], tokens, _loads=loads)
     return torch.stack(loads)
-
-
-def route_bias(config: GPTConfig, *, dtype: torch.dtype = torch.float32) -> Tensor:
-    """DeepSeek-V3's routing bias of every MoE block, zero: ``[MoE blocks, experts]``, passed
-    to the stages as the batch field ``"route_bias"`` (:func:`side_inputs`, not split:
-    ``dim={"inputs": 0, "route_bias": "whole"}``) and moved by :func:`update_route_bias`."""
-    if not config.experts:
-        raise InvalidArgument("route_bias: the GPTConfig has no experts (experts=0)")
-    return torch.zeros(len(config.moe_blocks), config.experts, dtype=dtype)
-
-
-def update_route_bias(
-    bias: Tensor, tallies: dict[str, Tensor], config: GPTConfig, *, rate: float = 1e-3
-) -> Tensor:
-    """The next step's routing bias: each block's row moved by
-    :func:`funcpipe.models.moe.update_bias` from the step's token counts (``result.tallies``,
-    ``"blocks.<i>.moe.counts"``: summed over microbatches and copies). Over processes a step
-    returns the counts of this process's blocks only: the other rows stay (no stage of this
-    process reads them)."""
-    rows = list(bias.unbind(0))
-    for j, i in enumerate(config.moe_blocks):
-        counts = tallies.get(f"blocks.{i}.moe.counts")
-        if counts is not None:
-            rows[j] = moe.update_bias(bias[j], counts.to(bias.device), rate=rate)
-    return torch.stack(rows)
-
-
-def side_inputs(
-    config: GPTConfig, n_stages: int, *, blocks: Sequence[int] | None = None
-) -> dict[int, list[str]]:
-    """``Pipeline(side_inputs=...)`` passing ``"route_bias"`` to the stages with MoE blocks."""
-    return {
-        s: ["route_bias"]
-        for s, held in enumerate(blocks_per_stage(config, n_stages, blocks))
-        if any(i in config.moe_blocks for i in held)
-    }
 
 
 def expert_paths(

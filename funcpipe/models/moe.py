@@ -181,6 +181,7 @@ def moe(
     bias: Tensor | None = None,
     *,
     axis: Axis | None = None,
+    load: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The layer on ``x[..., d]`` (see the module's docstring): ``(y, stats)``.
 
@@ -190,7 +191,13 @@ def moe(
     tokens, which go to their experts' ranks and back (:func:`funcpipe.parallel.routing.dispatch`,
     ``combine``). Dropless only. ``stats`` are this rank's tokens'; the router's and shared
     experts' gradients are this rank's share (summed over the axis by the data-parallel
-    reduction, as for any replicated weight)."""
+    reduction, as for any replicated weight).
+
+    ``load``: each expert's fraction of the assignments over the *whole batch* (``[E]``, from
+    a counting pass: ``counts / counts.sum()``); ``stats["aux"]`` is then ``E * sum_e load_e *
+    P_e`` with ``P_e`` these tokens' mean score, whose mean over equal microbatches and copies
+    is exactly the batch's Switch loss, and whose gradient each microbatch's backward gives
+    in full, under any schedule (without it: this call's own fractions)."""
     if x.shape[-1] != config.d_model:
         raise InvalidArgument(
             f"moe: x[..., {x.shape[-1]}], the config has d_model={config.d_model}"
@@ -203,6 +210,14 @@ def moe(
             f"moe: bias must have one value per expert ({config.experts},); got {got}"
         )
     local = _check_axis(axis, config, params)
+    if load is not None and (
+        not isinstance(load, Tensor) or tuple(load.shape) != (config.experts,)
+    ):
+        got = tuple(load.shape) if isinstance(load, Tensor) else type(load).__name__
+        raise InvalidArgument(
+            f"moe: load must be each expert's fraction of the batch's assignments "
+            f"({config.experts},); got {got}"
+        )
     shape = x.shape
     tokens = x.reshape(-1, config.d_model)
     t, k, e = tokens.shape[0], config.top_k, config.experts
@@ -223,7 +238,7 @@ def moe(
     if config.shared:
         y = y + _swiglu(tokens @ params["shared_in"]) @ params["shared_out"]
     kept = counts if keep is None else _counts(flat[keep.reshape(-1)], e)
-    fraction = counts.to(scores.dtype) / max(t * k, 1)
+    fraction = counts.to(scores.dtype) / max(t * k, 1) if load is None else load.to(scores.dtype)
     stats = {
         "counts": kept,
         "aux": e * (fraction * scores.mean(0)).sum() if t else scores.new_zeros(()),
