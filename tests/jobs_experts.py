@@ -110,7 +110,7 @@ def gpt_with_experts_vs_one_device(rank: int, names: Sequence[str]) -> list[dict
     """The GPT with MoE blocks (aux loss included) at pipeline 2 x expert 2: each schedule's
     step against the one-device step over the whole batch; worst relative differences."""
     import funcpipe as fp
-    from funcpipe.models import gpt, gpt_balance
+    from funcpipe.models import gpt
     from funcpipe.parallel.sharding import shard_tree
     from funcpipe.schedule import generate
     from funcpipe.tree import tree_leaves
@@ -167,7 +167,7 @@ def reshard_experts(
     another seed: per load, the largest difference from the saved model's block this process
     should hold there (0.0: every expert where it belongs)."""
     from funcpipe import optim
-    from funcpipe.models import gpt, gpt_balance
+    from funcpipe.models import gpt
     from funcpipe.parallel.sharding import shard_tree
     from funcpipe.train import checkpoint
     from funcpipe.tree import tree_leaves, tree_map
@@ -230,7 +230,7 @@ def gpt_tallies_over_processes(rank: int) -> dict[str, list[int]]:
 
 
 def _tally_cfg() -> Any:
-    from funcpipe.models import gpt, gpt_balance
+    from funcpipe.models import gpt
 
     return gpt.GPTConfig(vocab=32, context=6, d_model=8, heads=2, layers=3, experts=4)
 
