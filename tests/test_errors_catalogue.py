@@ -589,6 +589,30 @@ def _experts_as_paths_alone() -> None:
     fp.Pipeline(stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=_mse, experts=["w"])
 
 
+def _gpt_experts_over_tensor_ranks() -> None:
+    from funcpipe.models import gpt
+
+    gpt.stages(gpt.GPTConfig(experts=4), 1, axis=Axis("tensor", 2, 0, None))
+
+
+def _moe_load_of_another_layer() -> None:
+    config = moe.MoEConfig(d_model=4, experts=8, ffn=3)
+    moe.moe(moe.init(config), torch.randn(2, 4), config, load=torch.full((4,), 0.25))
+
+
+def _tally_changes_shape() -> None:
+    from funcpipe.schedule import generate
+    from funcpipe.stages.tally import tally
+
+    def stage(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        tally("rows", torch.ones(x.shape[0]))  # a tally whose shape follows the microbatch
+        return x * p["w"]
+
+    pipe = fp.Pipeline([fp.Stage(stage)], generate("gpipe", ranks=1, microbatches=2),
+                       loss_fn=lambda o: o.sum())  # fmt: skip
+    pipe.step(({"w": torch.ones(2)},), torch.ones(3, 2))
+
+
 def _moe_bias_of_another_layer() -> None:
     config = moe.MoEConfig(d_model=4, experts=8, ffn=3)
     moe.moe(moe.init(config), torch.randn(2, 4), config, torch.zeros(6))
@@ -2049,6 +2073,69 @@ CASES: list[Case] = [
         InvalidArgument,
         ("experts[0]='w'", "(stage, path) pair"),
         "funcpipe/pipeline/experts.py check_experts (issue 53)",
+    ),
+    Case(
+        "gpt-experts-over-tensor-ranks",
+        "stages and partitions",
+        "GPTConfig(experts=4) with a tensor axis of 2 (MoE blocks are not split over tensor ranks)",
+        _gpt_experts_over_tensor_ranks,
+        InvalidArgument,
+        ("not split over tensor ranks yet", "use tensor=1"),
+        "funcpipe/models/gpt.py stages (issue 53)",
+    ),
+    Case(
+        "gpt-moe-every-past-the-layers",
+        "stages and partitions",
+        "GPTConfig(layers=4, experts=4, moe_every=9): no block would be an MoE block",
+        lambda: GPTConfig(layers=4, experts=4, moe_every=9),
+        InvalidArgument,
+        ("no block of the 4 is an MoE block", "moe_every <= layers"),
+        "funcpipe/models/gpt.py GPTConfig (issue 53)",
+    ),
+    Case(
+        "moe-load-of-another-layer",
+        "tensor arguments",
+        "a batch load of 4 fractions for a layer of 8 experts",
+        _moe_load_of_another_layer,
+        InvalidArgument,
+        ("load must be each expert's fraction", "(8,); got (4,)"),
+        "funcpipe/models/moe.py moe (issue 53)",
+    ),
+    Case(
+        "tally-changes-shape",
+        "stages and partitions",
+        "a stage tallies a value whose shape follows the microbatch (2 rows, then 1)",
+        _tally_changes_shape,
+        InvalidArgument,
+        ("tally('rows')", "a tally keeps one shape and dtype"),
+        "funcpipe/stages/tally.py (issue 53)",
+    ),
+    Case(
+        "split-every-leaf-whole",
+        "batches and microbatches",
+        "split a batch whose every leaf has dim 'whole' (nothing carries the batch)",
+        lambda: fp.split({"bias": torch.zeros(3)}, 2, dim={"bias": "whole"}),
+        InvalidArgument,
+        ("every leaf of batch has dim 'whole'", "at least one leaf must carry the batch"),
+        "funcpipe/pipeline/microbatch.py (issue 53)",
+    ),
+    Case(
+        "demo-expert-without-experts",
+        "command line",
+        "funcpipe demo --expert 2 on a model without experts",
+        lambda: _demo("--out", _tmp(), "--expert", "2"),
+        InvalidArgument,
+        ("--expert 2 splits the experts over 2 data copies", "add --experts E"),
+        "funcpipe/cli/demo_options.py (issue 53)",
+    ),
+    Case(
+        "demo-zero-with-expert",
+        "command line",
+        "funcpipe demo --experts 4 --expert 2 --zero 1: ZeRO does not shard split experts yet",
+        lambda: _demo("--out", _tmp(), "--experts", "4", "--expert", "2", "--zero", "1"),
+        InvalidArgument,
+        ("--zero 1 with --expert 2", "use --zero 0"),
+        "funcpipe/cli/demo_options.py (issue 53)",
     ),
 ]
 

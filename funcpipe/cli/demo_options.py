@@ -129,6 +129,7 @@ class DemoOptions:
 def add_options(ap: argparse.ArgumentParser) -> None:
     """Put the demo's options on ``ap`` (their help lists them in this order)."""
     _add_layout_options(ap)
+    _add_expert_options(ap)
     _add_training_options(ap)
 
 
@@ -149,22 +150,6 @@ def _add_layout_options(ap: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help=f"data-parallel copies (default {d.data}; --expert with it)",
-    )
-    ap.add_argument(
-        "--experts",
-        type=int,
-        default=d.experts,
-        help="a mixture of experts: this many experts in each MoE block (default 0: dense)",
-    )
-    ap.add_argument("--top-k", type=int, default=d.top_k, dest="top_k", help="experts per token")
-    ap.add_argument("--moe-every", type=int, default=d.moe_every, dest="moe_every",
-                    help="every k-th block is an MoE block (default 1: all)")  # fmt: skip
-    ap.add_argument("--shared-experts", type=int, default=d.shared_experts, dest="shared_experts")
-    ap.add_argument(
-        "--expert",
-        type=int,
-        default=d.expert,
-        help="expert parallelism: the experts split over this many data copies (default 1)",
     )
     ap.add_argument("--schedule", default=d.schedule, help=f"schedule name (default {d.schedule})")
     ap.add_argument(
@@ -213,6 +198,27 @@ def _add_layout_options(ap: argparse.ArgumentParser) -> None:
         default=d.compile_backend,
         dest="compile_backend",
         help=argparse.SUPPRESS,  # tests: aot_eager compiles in a fraction of inductor's time
+    )
+
+
+def _add_expert_options(ap: argparse.ArgumentParser) -> None:
+    """A mixture of experts: the MoE blocks and the expert axis."""
+    d = DemoOptions()
+    ap.add_argument(
+        "--experts",
+        type=int,
+        default=d.experts,
+        help="a mixture of experts: this many experts in each MoE block (default 0: dense)",
+    )
+    ap.add_argument("--top-k", type=int, default=d.top_k, dest="top_k", help="experts per token")
+    ap.add_argument("--moe-every", type=int, default=d.moe_every, dest="moe_every",
+                    help="every k-th block is an MoE block (default 1: all)")  # fmt: skip
+    ap.add_argument("--shared-experts", type=int, default=d.shared_experts, dest="shared_experts")
+    ap.add_argument(
+        "--expert",
+        type=int,
+        default=d.expert,
+        help="expert parallelism: the experts split over this many data copies (default 1)",
     )
 
 
