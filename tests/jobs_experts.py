@@ -48,6 +48,7 @@ def expert_pipelines_vs_one_device(
     microbatches: int = 4,
     recompute: bool = False,
     strict: bool = True,
+    zero: int = 0,
 ) -> list[dict[str, Any]]:
     """For each schedule of ``names``: one step at pipeline 2 with the experts split over
     ``expert`` copies; returns this process's worst differences from the one-device step
@@ -73,14 +74,19 @@ def expert_pipelines_vs_one_device(
         try:
             pipe = fp.Pipeline(
                 _stages(n, config, axis), program, loss_fn=_mse, mesh=mesh,
-                experts=experts, recompute=recompute,
+                experts=experts, recompute=recompute, zero=zero,
             )  # fmt: skip
         finally:
             os.environ.pop("FUNCPIPE_STRICT_P2P", None)
         x, y = _batch(k, microbatches * copies)
         share = slice(microbatches * copy, microbatches * (copy + 1))
         with pipe:
-            got = pipe.step(mine, x[share], y[share])
+            if zero:  # each copy's pieces in, pieces out: gathered back to compare
+                shards = pipe.shard(mine)
+                got = pipe.step(shards, x[share], y[share])
+                got.grads = _gathered_grads(pipe, got.grads, mine, shards)
+            else:
+                got = pipe.step(mine, x[share], y[share])
         ref_loss, ref_grads = fp.reference_step(
             _stages(n, config, None), full, x, _mse, targets=y,
             microbatches=microbatches * copies,
@@ -300,3 +306,11 @@ def gpt_batch_aux_over_processes(rank: int, names: Sequence[str]) -> list[dict[s
                 worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp(min=1)))
         out.append({"name": name, "worst": {"all": worst}, "held": [1]})
     return out
+
+
+def _gathered_grads(pipe: Any, pieces: Any, params: Any, shards: Any) -> tuple[Any, ...]:
+    """A ZeRO step's gradient pieces as full gradients (pipe.gather of the pieces, as the
+    params' shards are gathered: the same layout)."""
+    from funcpipe.pipeline.zero import Shards
+
+    return pipe.gather(Shards(pieces, shards.copy, shards.copies))

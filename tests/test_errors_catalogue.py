@@ -575,13 +575,6 @@ def _experts_not_named() -> None:
     check_experts(None, 2, mesh=_expert_mesh(), transport="dist", data=2, zero=0, ties={})
 
 
-def _experts_with_zero() -> None:
-    from funcpipe.pipeline.experts import check_experts
-
-    experts = [(0, "w_in")]
-    check_experts(experts, 2, mesh=_expert_mesh(), transport="dist", data=2, zero=1, ties={})
-
-
 def _experts_as_paths_alone() -> None:
     from funcpipe.schedule import generate
 
@@ -2057,15 +2050,6 @@ CASES: list[Case] = [
         "funcpipe/pipeline/experts.py check_experts (issue 53)",
     ),
     Case(
-        "pipeline-experts-with-zero",
-        "pipeline construction",
-        "Pipeline(zero=1) with experts split over the mesh (not supported yet)",
-        _experts_with_zero,
-        InvalidArgument,
-        ("zero=1 with experts split over the mesh (expert=2) is not supported yet", "zero=0"),
-        "funcpipe/pipeline/experts.py check_experts (issue 53)",
-    ),
-    Case(
         "pipeline-experts-as-paths-alone",
         "pipeline construction",
         "experts=['w']: a path without its stage",
@@ -2126,15 +2110,6 @@ CASES: list[Case] = [
         lambda: _demo("--out", _tmp(), "--expert", "2"),
         InvalidArgument,
         ("--expert 2 splits the experts over 2 data copies", "add --experts E"),
-        "funcpipe/cli/demo_options.py (issue 53)",
-    ),
-    Case(
-        "demo-zero-with-expert",
-        "command line",
-        "funcpipe demo --experts 4 --expert 2 --zero 1: ZeRO does not shard split experts yet",
-        lambda: _demo("--out", _tmp(), "--experts", "4", "--expert", "2", "--zero", "1"),
-        InvalidArgument,
-        ("--zero 1 with --expert 2", "use --zero 0"),
         "funcpipe/cli/demo_options.py (issue 53)",
     ),
 ]

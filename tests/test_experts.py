@@ -103,3 +103,20 @@ def test_the_batch_switch_loss_over_processes_equals_one_device(pool: Any) -> No
     (whose backwards run before later forwards)."""
     names = ("1f1b", "zbv", "dualpipev")
     _check(pool(4).run(J.gpt_batch_aux_over_processes, names), names)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_with_experts_split_equals_one_device(pool: Any, zero: int) -> None:
+    """ZeRO-1 and -2 with the experts split over 2 of 4 copies (8 processes): the dense leaves
+    cut over the 4 copies, the expert leaves over the 2 copies holding the same experts;
+    the gathered gradients equal one device's."""
+    names = ("1f1b", "zbv")
+    _check(pool(8).run(J.expert_pipelines_vs_one_device, names, zero=zero), names)
+
+
+@pytest.mark.timeout(300)
+def test_zero_with_each_expert_on_one_copy_equals_one_device(pool: Any) -> None:
+    """expert = data = 2: an expert leaf is held whole by one copy (a piece of one)."""
+    names = ("1f1b",)
+    _check(pool(4).run(J.expert_pipelines_vs_one_device, names, zero=1), names)

@@ -181,6 +181,10 @@ def test_the_batch_switch_loss_is_exact_under_every_schedule(name: str) -> None:
     )  # fmt: skip
     fp.testing.assert_trees_close((got.loss, got.grads), ref, atol=1e-12, rtol=1e-10)
     # the reference's load is its own batch's: the one-piece forward counts the same
-    assert torch.equal(gpt.expert_load(gpt.init(CFG, seed=4, dtype=F64), CFG, x).to(F64) / 128, load)
-    own = fp.Pipeline(stages, program, loss_fn=loss, data=2, ties=gpt.tie_spec(n)).step(params, x, y)
+    assert torch.equal(
+        gpt.expert_load(gpt.init(CFG, seed=4, dtype=F64), CFG, x).to(F64) / 128, load
+    )
+    own = fp.Pipeline(stages, program, loss_fn=loss, data=2, ties=gpt.tie_spec(n)).step(
+        params, x, y
+    )
     assert not torch.allclose(own.loss, got.loss, atol=1e-9, rtol=0)

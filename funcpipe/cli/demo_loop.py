@@ -537,7 +537,7 @@ def _clip_weights(shardings: Any, holders: list[int], o: DemoOptions, zero: int)
 
     def weight(lay: Sharding, holders: int) -> float:
         if "expert" in lay.axes:  # held by the data / expert copies holding these experts
-            return o.expert / o.data / o.tensor / holders
+            return (1.0 if zero else o.expert / o.data) / o.tensor / holders  # (zero: pieces)
         sharded = any(lay.dims)
         return (1.0 if sharded else 1.0 / o.tensor) / (1 if zero else o.data) / holders
 

@@ -513,11 +513,6 @@ def _check_values(o: DemoOptions) -> None:
             f"--experts with --tensor {o.tensor}: MoE blocks are not split over tensor ranks "
             "yet; use --tensor 1 (the experts split over --expert data copies)"
         )
-    if o.zero and o.expert > 1:
-        raise InvalidArgument(
-            f"--zero {o.zero} with --expert {o.expert}: ZeRO does not shard experts split over "
-            "the copies yet; use --zero 0"
-        )
     if o.eval_every < 0:
         raise InvalidArgument(f"--eval-every={o.eval_every}: must be >= 0 (0: only at the end)")
     for name in ("timeout", "pg_timeout"):
@@ -582,8 +577,6 @@ def zero_level(o: DemoOptions, program: Program) -> tuple[int, str]:
         return o.zero, ""
     if o.data < 2:
         return 0, ""
-    if o.expert > 1:
-        return 0, "zero 0: experts split over the copies are not sharded by ZeRO yet"
     if why := _unshardable(program):
         return 0, f"zero 0: {why}"
     return 1, ""

@@ -66,12 +66,6 @@ def check_experts(
         )
     if ep > 1 and transport != "dist":
         raise InvalidArgument("expert parallelism needs transport='dist' (one rank a process)")
-    if ep > 1 and zero:
-        raise InvalidArgument(
-            f"zero={zero} with experts split over the mesh (expert={ep}) is not supported yet: "
-            "ZeRO would cut expert leaves over every copy, not over the copies holding them; "
-            "use zero=0"
-        )
     tied = {(s, str(p)) for members in (ties or {}).values() for s, p in members}
     for s, p in out:
         if (s, str(p)) in tied:

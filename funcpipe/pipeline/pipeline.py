@@ -595,4 +595,5 @@ class Pipeline:
             data_size=self.data,
             casts=casts,
             experts=self._expert_leaves,
+            expert_size=_experts.expert_size(self.mesh),
         )

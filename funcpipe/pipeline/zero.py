@@ -25,7 +25,8 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.runtime.shards import gather_pieces, piece_sizes, shard_leaf
+from funcpipe.pipeline import experts as _experts
+from funcpipe.runtime.shards import gather_stage, leaf_layout, piece_sizes, shard_leaf
 from funcpipe.runtime.transport_common import Transport
 from funcpipe.tree import tree_flatten, tree_map, tree_unflatten
 
@@ -51,6 +52,7 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
+Experts = dict[int, frozenset[int]]  # stage -> its leaves split over the expert axis
 
 
 class Shards(tuple):
@@ -201,13 +203,30 @@ def full_meta(params: Sequence[Any]) -> tuple[Any, ...]:
     )
 
 
-def shard(params: Sequence[Any], d: int, copy: int) -> Shards:
-    """Copy ``copy``'s shards of ``params``: per stage a pytree of its 1-D pieces."""
-    return Shards((tree_map(lambda t: shard_leaf(t, d, copy), p) for p in params), copy, d)
+def shard(
+    params: Sequence[Any], d: int, copy: int, experts: Experts | None = None, ep: int = 1
+) -> Shards:
+    """Copy ``copy``'s shards of ``params``: per stage a pytree of its 1-D pieces (of the
+    leaves split over the expert axis, piece ``copy // ep`` of ``d // ep``)."""
+    out = []
+    for o, p in enumerate(params):
+        leaves, tree = tree_flatten(p)
+        at = leaf_layout(len(leaves), (experts or {}).get(o, frozenset()), d, copy, ep)
+        out.append(
+            tree_unflatten(tree, [shard_leaf(t, *dc) for t, dc in zip(leaves, at, strict=True)])
+        )
+    return Shards(out, copy, d)
 
 
 def placeholders(
-    shards: Any, full: tuple[Any, ...], held: set[int], d: int, copy: int, where: str
+    shards: Any,
+    full: tuple[Any, ...],
+    held: set[int],
+    d: int,
+    copy: int,
+    where: str,
+    experts: Experts | None = None,
+    ep: int = 1,
 ) -> tuple[tuple[Any, ...], dict[int, list[Tensor]]]:
     """Full parameters for a step to gather into (uninitialised, where each held stage's
     pieces are; meta elsewhere) and each held stage's pieces, checked against ``full``."""
@@ -229,14 +248,15 @@ def placeholders(
             raise InvalidArgument(
                 f"{where}[{o}] has the structure {tree}, the parameters {want}; {SHARDS}"
             )
+        at = leaf_layout(len(wholes), (experts or {}).get(o, frozenset()), d, copy, ep)
         for k, (t, w) in enumerate(zip(leaves, wholes, strict=True)):
-            n = piece_sizes(w.numel(), d)[copy]
+            n = piece_sizes(w.numel(), at[k][0])[at[k][1]]
             if not isinstance(t, Tensor) or t.shape != (n,) or t.dtype != w.dtype:
                 got = repr(t) if not isinstance(t, Tensor) else f"{t.dtype}{list(t.shape)}"
                 raise InvalidArgument(
                     f"{where}[{o}] leaf #{k} is {got}; copy {copy} of {d} holds {w.dtype}[{n}] "
                     f"of that {w.dtype}{list(w.shape)} parameter; {SHARDS}"
-                )
+                )  # (an expert leaf: piece copy // ep of data // ep)
         pieces[o] = leaves
         dev = leaves[0].device if leaves else torch.device("cpu")
         params.append(
@@ -263,15 +283,19 @@ def gather_dist(
     held: set[int],
     d: int,
     copy: int,
+    experts: Experts | None = None,
+    ep: int = 1,
 ) -> tuple[Any, ...]:
     """Full parameters of the stages this process holds (``None`` for the others) from the
-    copies' shards: one all-gather per bucket over the data group (collective)."""
-    params, pieces = placeholders(shards, full, held, d, copy, "gather(shards)")
+    copies' shards: one all-gather per bucket over the data group (the expert leaves' over the
+    copies holding the same experts; collective)."""
+    params, pieces = placeholders(shards, full, held, d, copy, "gather(shards)", experts, ep)
     out: list[Any] = [None] * len(full)
     posted = []  # every stage's all-gathers at once, in stage order, then the waits
     for o in sorted(held):
         leaves = tree_flatten(params[o])[0]  # (uninitialised: the all-gather fills them)
-        posted.append((o, gather_pieces(transport, pieces[o], leaves, d, copy, "data")))
+        ex = (experts or {}).get(o, frozenset())
+        posted.append((o, gather_stage(transport, pieces[o], leaves, d, copy, "data", ex, ep)))
     for o, (handle, done) in posted:
         handle.wait()
         done()
@@ -284,7 +308,7 @@ def pipe_shard(pipe: Any, params: tuple[Any, ...]) -> Any:
     """:meth:`Pipeline.shard` of checked ``params``: this process's shards, or every copy's."""
     if pipe._world is None:
         return [shard(params, pipe.data, c) for c in range(pipe.data)]
-    return shard(params, pipe.data_size, pipe._world.copy)
+    return shard(params, pipe.data_size, pipe._world.copy, *_expert_layout(pipe, params))
 
 
 def pipe_gather(pipe: Any, shards: Any) -> tuple[Any, ...]:
@@ -295,8 +319,8 @@ def pipe_gather(pipe: Any, shards: Any) -> tuple[Any, ...]:
         for k, c in enumerate(copies):
             check_copy(c, pipe.data, k, f"gather(shards)[{k}]")
         return gather_copies(copies, full)
-    t = pipe._world.transport
-    return gather_dist(t, shards, full, held, pipe.data_size, pipe._world.copy)
+    t, ex = pipe._world.transport, _expert_layout(pipe, full)
+    return gather_dist(t, shards, full, held, pipe.data_size, pipe._world.copy, *ex)
 
 
 def pipe_unshard(pipe: Any, shards: Any) -> tuple[list[tuple[Any, ...]], list[dict[int, Any]]]:
@@ -310,7 +334,7 @@ def pipe_unshard(pipe: Any, shards: Any) -> tuple[list[tuple[Any, ...]], list[di
         ]
     else:
         d, c = pipe.data_size, pipe._world.copy
-        got = [placeholders(shards, full, held, d, c, "shards")]
+        got = [placeholders(shards, full, held, d, c, "shards", *_expert_layout(pipe, full))]
     return [g[0] for g in got], [g[1] for g in got]
 
 
@@ -325,6 +349,12 @@ def for_rank(pipe: Any, params: tuple[Any, ...], rank: int) -> tuple[Any, ...]:
     return tuple(
         tree_map(torch.empty_like, prm) if o in mine else prm for o, prm in enumerate(params)
     )
+
+
+def _expert_layout(pipe: Any, params: Sequence[Any]) -> tuple[Experts, int]:
+    """The leaves each stage splits over the expert axis, and its size (1: none)."""
+    ep = _experts.expert_size(pipe.mesh)
+    return (_experts.expert_leaves(params, pipe.experts) if ep > 1 else {}), ep
 
 
 def _need_full(pipe: Any, what: str) -> tuple[Any, ...]:

@@ -9,15 +9,13 @@ Instructions run exactly in program order. A communication group (a SEND or RECV
 ``joined`` to it) is posted as one; a RECV only posts, and the compute instruction that reads
 the received data waits for it.
 
-State lives only for one step: activations are freed as soon as their last backward use is done,
-weight gradients are returned as a fresh pytree, nothing is accumulated across steps. Within a
-step, autograd sums each microbatch's parameter gradients in place into the ``.grad`` of the
-parameter leaves :class:`funcpipe.Pipeline` created for this rank and this step (no per-microbatch
-gradient tensors to allocate, add and free); the rank hands those sums back as values.
+State lives only for one step: activations are freed after their last backward use, weight
+gradients are returned as a fresh pytree, nothing is kept across steps. Within a step autograd
+sums each microbatch's parameter gradients in place into the ``.grad`` of the leaves
+:class:`funcpipe.Pipeline` created for this rank and step; the rank hands the sums back.
 
 What a rank's step takes and gives back (:class:`RankInputs`, :class:`RankResult`) is in
-:mod:`funcpipe.runtime.rank_io`, and the function one forward runs (the stage and ``loss_fn``
-called and checked) in :mod:`funcpipe.runtime.stage_call`; this module names both types.
+:mod:`funcpipe.runtime.rank_io`, the function one forward runs in :mod:`~.stage_call`.
 """
 
 from __future__ import annotations
@@ -31,9 +29,10 @@ from funcpipe.errors import InvalidArgument, NonFiniteError
 from funcpipe.runtime import autodiff
 from funcpipe.runtime.clock import step_clock
 from funcpipe.runtime.pending import Pending as _Pending
+from funcpipe.runtime.pending import nothing as _no
 from funcpipe.runtime.pending import wait_for
 from funcpipe.runtime.rank_io import EXPERT_DATA, RankInputs, RankResult
-from funcpipe.runtime.shards import gather_pieces, own_pieces, scatter_grads
+from funcpipe.runtime.shards import gather_stage, leaf_layout, own_pieces, scatter_stage
 from funcpipe.runtime.stage_call import stage_fn
 from funcpipe.runtime.transport_common import P2P, RECV, SEND, Handle, Transport
 from funcpipe.schedule.check import in_program
@@ -445,7 +444,8 @@ class _Rank:
     def gather(self, i: Instr) -> None:
         """Start GATHER ``i`` (pieces to full leaves); the stage's first F or R waits for it."""
         x, o = self.x, self.owner[i.stage]
-        h, done = gather_pieces(self.t, x.shards[o], self.leaves[o], x.data_size, x.copy, i.group)
+        ex, (d, c, ep) = x.experts.get(o, frozenset()), x.layout
+        h, done = gather_stage(self.t, x.shards[o], self.leaves[o], d, c, i.group, ex, ep)
         pending = _Pending(h, done)
         self.reductions.append(pending)
         self.gathering[o] = pending
@@ -466,7 +466,8 @@ class _Rank:
         leaves = self.leaves[o]
         grads = [self._grad_leaf((o, k), full=True) for k in range(len(leaves))]
         into = self.pieces.get(o)
-        h, done, self.pieces[o] = scatter_grads(self.t, grads, x.data_size, x.copy, i.group, into)
+        ex, (d, c, ep) = x.experts.get(o, frozenset()), x.layout
+        h, done, self.pieces[o] = scatter_stage(self.t, grads, d, c, i.group, into, ex, ep)
         for t in leaves:
             t.grad = None
         pending = _Pending(h, done)
@@ -546,16 +547,14 @@ class _Rank:
         if x.scalars_group is not None:
             # A collective is enqueued only once its data exists on every rank: after the last
             # instruction, where every rank's sums are final. Posted earlier (at the start on a
-            # rank without the loss, as it was), its kernel would wait on the device for the
-            # last rank's loss, and a device-wide synchronisation meanwhile (autotuning, the
-            # allocator's retry on out-of-memory, a user's synchronize) would hold this rank's
-            # host before it posts the sends the last rank needs: a hang.
+            # rank without the loss, as it was), its kernel would wait on the device for the last
+            # rank's loss, and a device-wide sync meanwhile (autotuning, the allocator's retry,
+            # a user's synchronize) would hold this rank's host before the sends it owes: a hang.
             buf = self.result.scalar_buffer(x.device)
             self.result.scalars = (buf, self.t.all_reduce([buf], x.scalars_group))
         if x.tally_group is not None and self.result.tallies:  # (every copy: the same names)
             tallies = [self.result.tallies[k] for k in sorted(self.result.tallies)]
-            summed = self.t.all_reduce(tallies, x.tally_group)
-            self.reductions.append(_Pending(summed, lambda: None))
+            self.reductions.append(_Pending(self.t.all_reduce(tallies, x.tally_group), _no))
         for h, then in self.incoming.values():  # (none in a checked program: read by now)
             yield from wait_for(h)
             if then is not None:
@@ -570,7 +569,8 @@ class _Rank:
             self.result.times = clock.resolve(trace)
         for o, leaves in self.leaves.items():
             if o in x.shards:  # sharded: this copy's pieces (zeros where none were SCATTERed)
-                self.result.grads[o] = own_pieces(self.pieces.get(o), leaves, x.data_size, x.copy)
+                at = leaf_layout(len(leaves), x.experts.get(o, frozenset()), *x.layout)
+                self.result.grads[o] = own_pieces(self.pieces.get(o), leaves, 0, 0, at)
             else:
                 self.result.grads[o] = [_take_grad(t) for t in leaves]
         return self.result

@@ -76,6 +76,12 @@ class RankInputs:
     # data REDUCE sums them over the transport group EXPERT_DATA (the copies holding the same
     # experts), not over every copy
     experts: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    expert_size: int = 1  # the mesh's expert axis: the copies among which experts are split
+
+    @property
+    def layout(self) -> tuple[int, int, int]:
+        """``(data_size, copy, expert_size)``: how this rank's sharded leaves are cut."""
+        return self.data_size, self.copy, self.expert_size
 
 
 EXPERT_DATA = "expert_data"  # the transport group of the copies that hold the same experts

@@ -132,6 +132,9 @@ def scatter_grads(
     c: int,
     group: str,
     into: list[Tensor | None] | None = None,
+    *,
+    keys: Sequence[int] | None = None,
+    scale: float | None = None,
 ) -> tuple[Handle, Callable[[], None], list[Tensor | None]]:
     """Start the reduce-scatter of a SCATTER: the full gradient sums ``grads`` of one stage
     (packed into one buffer per bucket, last leaf first as a backward produces them), summed
@@ -139,7 +142,9 @@ def scatter_grads(
     callback that averages them once it is done, and the list of pieces it fills: ``into``
     where an earlier SCATTER of the stage made one (ZeRO-2: the callback adds into its pieces,
     in whatever order the callbacks run), else a new one (zeros, for a leaf that is not
-    floating, from the start)."""
+    floating, from the start). ``keys``: only these leaves (the others' pieces are left as they
+    are: expert leaves shard over another group); ``scale``: what the sums are multiplied by
+    (default ``1 / d``: the average over the group)."""
     floating = [g.is_floating_point() or g.is_complex() for g in grads]
     out_pieces: list[Tensor | None] = (
         into
@@ -149,7 +154,8 @@ def scatter_grads(
             for g, f in zip(grads, floating, strict=True)
         ]
     )
-    keys = [k for k in reversed(range(len(grads))) if floating[k]]
+    chosen = range(len(grads)) if keys is None else sorted(keys)
+    keys = [k for k in reversed(chosen) if floating[k]]
     ins, outs, jobs = [], [], []
     for idx in bucket_indices([grads[k] for k in keys]):
         ks = [keys[j] for j in idx]
@@ -157,11 +163,11 @@ def scatter_grads(
         ins.append(b.pack_full([grads[k] for k in ks]))
         outs.append(grads[ks[0]].new_empty(b.width))
         jobs.append((b, ks))
-    scale = 1.0 / d
+    factor = 1.0 / d if scale is None else scale
 
     def done() -> None:
         for (b, ks), out in zip(jobs, outs, strict=True):
-            out.mul_(scale)
+            out.mul_(factor)
             for k, piece in zip(ks, b.pieces(out, c), strict=True):
                 held = out_pieces[k]
                 if held is None:
@@ -175,14 +181,21 @@ def scatter_grads(
 
 
 def own_pieces(
-    pieces: Sequence[Tensor | None] | None, leaves: Sequence[Tensor], d: int, c: int
+    pieces: Sequence[Tensor | None] | None,
+    leaves: Sequence[Tensor],
+    d: int,
+    c: int,
+    layout: Sequence[tuple[int, int]] | None = None,
 ) -> list[Tensor]:
     """A sharded owner's gradients as a step returns them: its SCATTERed ``pieces``, and
-    where there is none (no SCATTER ran: a stage no microbatch visits) piece ``c`` of the
-    leaf's gradient sum (zeros if it has none). The leaves let go of their sums."""
+    where there is none (no SCATTER ran: a stage no microbatch visits) piece ``c`` of ``d``
+    (per leaf ``layout[k]`` when given) of the leaf's gradient sum (zeros if it has none). The
+    leaves let go of their sums."""
     out = []
     for k, leaf in enumerate(leaves):
         p = None if pieces is None else pieces[k]
+        if layout is not None:
+            d, c = layout[k]
         if p is None:
             g = leaf.grad
             p = (
@@ -193,3 +206,99 @@ def own_pieces(
         leaf.grad = None
         out.append(p)
     return out
+
+
+# ------------------------------------------------------------------ experts shard apart
+EXPERT_GROUP = "expert_data"  # (funcpipe.runtime.rank_io.EXPERT_DATA: the same name)
+
+
+def leaf_layout(n: int, experts: frozenset[int], d: int, c: int, ep: int) -> list[tuple[int, int]]:
+    """Per leaf of a stage, ``(pieces, this copy's piece)``: ``(d, c)``, but for the leaves
+    split over the expert axis ``(d // ep, c // ep)``: those shard over the ``d // ep`` copies
+    holding the same experts (the mesh's ``expert_data`` axis), where this copy is ``c // ep``."""
+    return [(d // ep, c // ep) if k in experts else (d, c) for k in range(n)]
+
+
+class _Joined:
+    """Handles in flight together: ready when all are, waited in order."""
+
+    def __init__(self, handles: Sequence[Handle]) -> None:
+        self.handles = list(handles)
+
+    def ready(self) -> bool:
+        return all(h.ready() for h in self.handles)
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
+
+
+def _parts(
+    n: int, experts: frozenset[int], d: int, c: int, ep: int, group: str
+) -> list[tuple[list[int], int, int, str]]:
+    """The leaves of a stage by how they shard: ``(indices, d, c, group)``."""
+    dense = [k for k in range(n) if k not in experts]
+    if not experts or ep == 1:
+        return [(list(range(n)), d, c, group)]
+    return [(dense, d, c, group), (sorted(experts), d // ep, c // ep, EXPERT_GROUP)]
+
+
+def gather_stage(
+    transport: Transport,
+    pieces: Sequence[Tensor],
+    full: Sequence[Tensor],
+    d: int,
+    c: int,
+    group: str,
+    experts: frozenset[int] = frozenset(),
+    ep: int = 1,
+) -> tuple[Handle, Callable[[], None]]:
+    """:func:`gather_pieces` of one stage's leaves, its expert leaves over their own group."""
+    started = [
+        gather_pieces(transport, [pieces[k] for k in ks], [full[k] for k in ks], pd, pc, pg)
+        for ks, pd, pc, pg in _parts(len(full), experts, d, c, ep, group)
+        if ks
+    ]
+    if len(started) == 1:
+        return started[0]
+
+    def done() -> None:
+        for _, then in started:
+            then()
+
+    return _Joined([h for h, _ in started]), done
+
+
+def scatter_stage(
+    transport: Transport,
+    grads: Sequence[Tensor],
+    d: int,
+    c: int,
+    group: str,
+    into: list[Tensor | None] | None = None,
+    experts: frozenset[int] = frozenset(),
+    ep: int = 1,
+) -> tuple[Handle, Callable[[], None], list[Tensor | None]]:
+    """:func:`scatter_grads` of one stage's gradients, its expert leaves reduce-scattered over
+    the copies holding the same experts; every piece averaged over all ``d`` copies."""
+    parts = _parts(len(grads), experts, d, c, ep, group)
+    if len(parts) == 1:
+        return scatter_grads(transport, grads, d, c, group, into)
+    if into is None:  # one list for both parts (a floating leaf's piece: set by its callback)
+        into = [
+            None if (g.is_floating_point() or g.is_complex()) else g.new_zeros(piece_sizes(
+                g.numel(), pd)[pc])
+            for g, (pd, pc) in zip(grads, leaf_layout(len(grads), experts, d, c, ep), strict=True)
+        ]  # fmt: skip
+    handles, dones = [], []
+    for ks, pd, pc, pg in parts:
+        if ks:
+            h, then, into = scatter_grads(transport, grads, pd, pc, pg, into, keys=ks, scale=1 / d)
+            handles.append(h)
+            dones.append(then)
+
+    def done() -> None:
+        for then in dones:
+            then()
+
+    return _Joined(handles), done, into

@@ -313,7 +313,9 @@ class Naming:
     own name for :func:`gpt.split` (``"blocks/3/mlp/fc1/weight"``) and for
     :func:`funcpipe.split_module` (the ``state_dict`` names). ``opt_shard``: ``(d, c)`` when the
     optimizer state's tensors are flat shards ``torch.tensor_split(leaf.flatten(), d)[c]`` of
-    the params' leaves (ZeRO-1); ``None``: they are shaped like the params.
+    the params' leaves (ZeRO-1; a leaf sharded over the mesh's ``expert`` axis: piece
+    ``expert_data`` of ``d // expert``, as the copies holding its experts cut it); ``None``: they
+    are shaped like the params.
     """
 
     shardings: Sequence[Any] | None = None
@@ -365,5 +367,10 @@ class Naming:
         else:
             block = Region.of(sharding, shape, self.place)
         if opt and self.opt_shard is not None:
-            return block.flat_shard(*self.opt_shard)
+            d, c = self.opt_shard
+            ep = 1 if self.place is None else self.place.sizes.get("expert", 1)
+            if sharding is not None and "expert" in sharding.axes and ep > 1:
+                # an expert leaf's state is cut over the copies holding the same experts
+                return block.flat_shard(d // ep, self.place.coords["expert_data"])  # type: ignore[union-attr]
+            return block.flat_shard(d, c)
         return block
