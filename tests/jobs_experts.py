@@ -4,6 +4,7 @@ with every expert on one device."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +28,20 @@ def _stages(n: int, config: Any, axis: Any) -> list[Any]:
         return h + moe.moe(p, h, config, axis=axis)[0]
 
     return [fp.Stage(block, name=f"moe {s}") for s in range(n)]
+
+
+def _strictly(job: Any) -> Any:
+    """``job`` with its Pipelines under the strict transport (NCCL's point-to-point rules)."""
+
+    @functools.wraps(job)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        os.environ["FUNCPIPE_STRICT_P2P"] = "1"
+        try:
+            return job(*args, **kwargs)
+        finally:
+            os.environ.pop("FUNCPIPE_STRICT_P2P", None)
+
+    return run
 
 
 def _mse(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -112,6 +127,7 @@ def expert_pipelines_vs_one_device(
     return out
 
 
+@_strictly
 def gpt_with_experts_vs_one_device(rank: int, names: Sequence[str]) -> list[dict[str, Any]]:
     """The GPT with MoE blocks (aux loss included) at pipeline 2 x expert 2: each schedule's
     step against the one-device step over the whole batch; worst relative differences."""
@@ -253,6 +269,7 @@ def tally_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, y, bias
 
 
+@_strictly
 def gpt_batch_aux_over_processes(rank: int, names: Sequence[str]) -> list[dict[str, Any]]:
     """The batch's Switch loss at pipeline 2 x expert 2: a counting pass (an evaluation
     Pipeline over the processes: its tallies summed over both copies), then the step with that

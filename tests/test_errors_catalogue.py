@@ -606,6 +606,13 @@ def _tally_changes_shape() -> None:
     pipe.step(({"w": torch.ones(2)},), torch.ones(3, 2))
 
 
+def _counts_of_another_layout() -> None:
+    from funcpipe.models import gpt_balance
+
+    config = GPTConfig(layers=2, experts=4)
+    gpt_balance.batch_load({"blocks.1.moe.counts": torch.ones(8)}, config)
+
+
 def _moe_bias_of_another_layer() -> None:
     config = moe.MoEConfig(d_model=4, experts=8, ffn=3)
     moe.moe(moe.init(config), torch.randn(2, 4), config, torch.zeros(6))
@@ -2093,6 +2100,15 @@ CASES: list[Case] = [
         InvalidArgument,
         ("tally('rows')", "a tally keeps one shape and dtype"),
         "funcpipe/stages/tally.py (issue 53)",
+    ),
+    Case(
+        "moe-counts-of-another-layout",
+        "tensor arguments",
+        "a batch load from the tallies of a model with 8 experts, for one with 4",
+        _counts_of_another_layout,
+        InvalidArgument,
+        ("blocks.1.moe.counts has shape (8,), the model 4 experts", "another model or layout"),
+        "funcpipe/models/gpt_balance.py batch_load (issue 53)",
     ),
     Case(
         "split-every-leaf-whole",

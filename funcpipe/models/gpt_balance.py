@@ -70,6 +70,12 @@ def batch_load(
         counts = tallies.get(f"blocks.{i}.moe.counts")
         if counts is None:
             rows.append(torch.full((config.experts,), 1.0 / config.experts, dtype=dtype))
+        elif tuple(counts.shape) != (config.experts,):
+            raise InvalidArgument(
+                f"batch_load: the tally blocks.{i}.moe.counts has shape {tuple(counts.shape)}, "
+                f"the model {config.experts} experts: counts from another model or layout "
+                "(pass the tallies of a step of this model)"
+            )
         else:
             rows.append(counts.to(dtype) / counts.sum().clamp(min=1).to(dtype))
     return torch.stack([r.cpu() for r in rows])
