@@ -312,6 +312,63 @@ def count_moe_blocks() -> dict[str, Any]:
     return out
 
 
+class PlainMoEBlock(nn.Module):
+    """A pre-norm transformer block with :class:`PlainMoE` in the MLP's place: the attention
+    half of :class:`NanoBlock`, written here in plain PyTorch (no auxiliary losses)."""
+
+    def __init__(self, d: int, heads: int, experts: int, ffn: int, top_k: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.moe = PlainMoE(d, experts, ffn, top_k)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, s, d))
+        return x + self.moe(self.ln_2(x))
+
+
+def count_gpt_moe_blocks() -> dict[str, Any]:
+    """ATen ops of one forward + backward of the GPT's MoE block (attention, then the pre-norm
+    MoE layer with its auxiliary loss, its counts tallied as in a step) and of
+    :class:`PlainMoEBlock`, float32, at :data:`MOE` with 4 heads."""
+    from funcpipe.stages.tally import collecting
+
+    m = MOE
+    cfg = gpt.GPTConfig(
+        vocab=256, context=m["seq"], d_model=m["d_model"], heads=4, layers=1,
+        experts=m["experts"], top_k=m["top_k"], expert_ffn=m["ffn"],
+    )  # fmt: skip
+    block = fp.tree.tree_map(lambda t: t.requires_grad_(), gpt.init(cfg, seed=0)["blocks"][0])
+    plain = PlainMoEBlock(m["d_model"], 4, m["experts"], m["ffn"], m["top_k"])
+    x = torch.randn(m["batch"], m["seq"], m["d_model"], requires_grad=True)
+    axis = gpt.single_axis()
+
+    def funcpipe_step() -> None:
+        with collecting({}):
+            h = ops.attention_block(x, block["attn"], axis=axis, num_heads=4, causal=True)
+            y, stats = gpt._moe_block(h, block["moe"], cfg.moe_config, None, 0.0, None, None)
+            fp.stages.tally.tally("counts", stats["counts"])
+        (y.sum() + 0.01 * stats["aux"]).backward()
+
+    def plain_step() -> None:
+        y = plain(x)
+        y.backward(torch.ones_like(y))
+
+    out: dict[str, Any] = {"shape": {**m, "heads": 4}}
+    for name, step in (("funcpipe", funcpipe_step), ("plain", plain_step)):
+        step()
+        with OpCounter() as counter:
+            step()
+        out[name] = {"ops": counter.count.ops, "by_op": dict(counter.count.by_op.most_common())}
+    out["ratio"] = out["funcpipe"]["ops"] / out["plain"]["ops"]
+    return out
+
+
 # ------------------------------------------------------------------------ tensor parallel
 def count_block_tensor_parallel(rank: int, tensor: int, precision: str = "fp32") -> dict[str, Any]:
     """One rank's ATen ops for one block (forward + backward) at ``tensor`` ranks, in a process

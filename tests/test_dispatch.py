@@ -147,3 +147,13 @@ def test_an_moe_block_is_within_a_fifth_of_a_plain_pytorch_one(
     assert got["funcpipe"]["by_op"].get("_grouped_mm") == got["plain"]["by_op"]["_grouped_mm"]
     assert "_local_scalar_dense" not in got["funcpipe"]["by_op"]
     assert reads == []
+
+
+def test_the_gpt_moe_block_is_within_a_fifth_of_a_plain_pytorch_one() -> None:
+    """The GPT's MoE block (attention, then the pre-norm MoE layer with its auxiliary loss and
+    its counts tallied as in a step) against the same block in plain PyTorch (the attention of
+    a nanoGPT block and the plain MoE): at most 1.2x the ATen ops, no host read."""
+    got = dispatch.count_gpt_moe_blocks()
+    assert got["ratio"] <= 1.2, (got["funcpipe"]["by_op"], got["plain"]["by_op"])
+    assert got["funcpipe"]["by_op"].get("_grouped_mm") == got["plain"]["by_op"]["_grouped_mm"]
+    assert "_local_scalar_dense" not in got["funcpipe"]["by_op"]
