@@ -151,8 +151,13 @@ def test_whole_leaves_reach_every_microbatch_and_a_batch_must_have_a_split_one()
         fp.split({"b": bias}, 2, dim={"b": "all"})
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zbv", "dualpipev", "chimera"])
-def test_the_batch_switch_loss_is_exact_under_every_schedule(name: str) -> None:
+EVERY = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2", "zbv", "dualpipev",
+         "chimera")  # fmt: skip
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("name", EVERY)
+def test_the_batch_switch_loss_is_exact_under_every_schedule(name: str, recompute: bool) -> None:
     """The auxiliary loss over the whole batch (every microbatch and both in-process copies):
     a counting pass (an evaluation step) gives each block's load, the training step takes it
     as "route_load", and its loss and every gradient equal the one-device model's
@@ -173,7 +178,8 @@ def test_the_batch_switch_loss_is_exact_under_every_schedule(name: str) -> None:
         params, {"inputs": x, "route_load": even}, y
     )
     load = gpt_balance.batch_load(counted.tallies, CFG, dtype=F64)
-    got = fp.Pipeline(stages, program, **kw).step(params, {"inputs": x, "route_load": load}, y)
+    train = fp.Pipeline(stages, program, recompute=recompute, **kw)
+    got = train.step(params, {"inputs": x, "route_load": load}, y)
     whole = {"inputs": x, "route_load": load}
     ref = fp.reference_step(
         stages, params, whole, loss, targets=y, microbatches=1, side_inputs=side, dim=dim,
