@@ -426,8 +426,7 @@ def stages(
                 h = h + p["wpe"][: x.shape[-1]]
                 h = F.dropout(h, drop) if keyed and drop else h
                 # (float32 at least: bf16 sums of small losses lose them; float64 stays)
-                wide = torch.promote_types(h.dtype, torch.float32)
-                aux = h.new_zeros((), dtype=wide) if mixed else None
+                aux = h.new_zeros((), dtype=_wide(h.dtype)) if mixed else None
             else:
                 h = x
             d, ad = (drop, attn_drop) if keyed else (0.0, 0.0)  # (no key: nothing drawn)
@@ -444,7 +443,7 @@ def stages(
                 bias = None if route_bias is None else route_bias[j]
                 load = None if route_load is None else route_load[j]
                 h, stats = _moe_block(h, blk["moe"], config.moe_config, expert, d, bias, load)
-                a = stats["aux"].to(torch.promote_types(stats["aux"].dtype, torch.float32))
+                a = stats["aux"].to(_wide(stats["aux"].dtype))
                 aux = a if aux is None else aux + a.to(aux.dtype)
                 tally(f"blocks.{k}.moe.counts", stats["counts"])  # (summed by the step)
                 if _loads is not None:
@@ -466,6 +465,11 @@ def stages(
         )
         out.append(Stage(fn, name=name))
     return out
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """float64 as it is, anything narrower as float32 (not torch.promote_types: an ATen op)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _moe_block(
