@@ -1,6 +1,8 @@
 """What a GPU cluster is to the planner: chips, nodes and the links between them.
 
-All figures are editable dataclasses; the presets hold datasheet numbers (dense, no sparsity):
+All figures are editable dataclasses; the presets hold datasheet numbers (dense, no sparsity;
+the H100s and the H200 also have an ``fp8`` peak, twice their bf16 one: 1,979 TF/s SXM,
+1,513 PCIe; the A100 has none):
 
 =============  ==========  ========  ===========  ==============  =====================
 preset         bf16 peak   memory    HBM          NVLink per GPU  inter-node per GPU
@@ -28,7 +30,8 @@ __all__ = ["GPU", "GPUS", "Cluster", "Link", "cluster"]
 @dataclass(frozen=True)
 class GPU:
     """One chip: ``flops`` dense peak FLOP/s per dtype (``"bf16"``, ``"fp16"``, ``"fp32"``,
-    ``"tf32"``), ``memory`` bytes, ``bandwidth`` bytes/s of its memory."""
+    ``"tf32"``, ``"fp8"`` where the chip has FP8 tensor cores), ``memory`` bytes, ``bandwidth``
+    bytes/s of its memory."""
 
     name: str
     flops: dict[str, float]
@@ -70,8 +73,8 @@ class Cluster:
 
 
 _A100 = {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}
-_H100_SXM = {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12}
-_H100_PCIE = {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}
+_H100_SXM = {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494e12, "fp32": 67e12}
+_H100_PCIE = {"bf16": 756e12, "fp16": 756e12, "fp8": 1513e12, "tf32": 378e12, "fp32": 51e12}
 GB = 1e9
 
 GPUS: dict[str, Cluster] = {

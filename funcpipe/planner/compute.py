@@ -18,7 +18,17 @@ from funcpipe.planner.cluster import Cluster
 from funcpipe.planner.layout import ClusterLayout
 from funcpipe.planner.model import Transformer
 
-__all__ = ["OpCosts", "head_costs", "layer_costs"]
+__all__ = [
+    "FP8_CAST_BYTES",
+    "OpCosts",
+    "attention_core",
+    "attention_linear",
+    "cast_seconds",
+    "gemm",
+    "head_costs",
+    "layer_costs",
+    "matmul_peak",
+]
 
 
 @dataclass(frozen=True)
@@ -35,47 +45,101 @@ class OpCosts:
     working: float = 0.0
 
 
-def _gemm(m: float, n: float, k: float, peak: float, cal: Calibration) -> float:
+FP8_CAST_BYTES = 6
+"""HBM bytes per element of quantizing a bf16 tensor to FP8 with current scaling, as Transformer
+Engine does it for each FP8 matrix product's input (forward) and output gradient (backward): an
+amax pass reads it (2), the cast reads it again (2) and writes it and its transpose (1 + 1)."""
+
+
+def gemm(m: float, n: float, k: float, peak: float, cal: Calibration) -> float:
+    """Seconds of an ``m x k`` by ``k x n`` matrix product at ``peak`` (the calibrated share,
+    plus the per-product overhead)."""
     return 2.0 * m * n * k / (peak * cal.matmul) + cal.matmul_overhead
 
 
-def layer_costs(
+def matmul_peak(model: Transformer, cluster: Cluster) -> float:
+    """The peak the model's matrix products run at: FP8's with ``fp8=True``, else its dtype's."""
+    return cluster.gpu.peak("fp8" if model.fp8 else model.dtype)
+
+
+def attention_linear(
     model: Transformer, layout: ClusterLayout, cluster: Cluster, cal: Calibration
+) -> float:
+    """Seconds of a block's QKV and output projections for one microbatch (each once)."""
+    peak = matmul_peak(model, cluster)
+    t, h, tokens = layout.tensor, model.hidden, layout.microbatch * model.seq
+    q, kvd = model.q_size, model.kv_size
+    return gemm(tokens, (q + 2 * kvd) / t, h, peak, cal) + gemm(tokens, h, q / t, peak, cal)
+
+
+def attention_core(
+    model: Transformer, layout: ClusterLayout, cluster: Cluster, cal: Calibration, windowed: bool
+) -> tuple[float, float, float]:
+    """(forward, backward, selective-recompute) seconds of the attention core of one block and
+    microbatch: fused (FLOPs at the attention shares; a window shortens each query's keys) or
+    unfused (the score products, softmax and dropout as separate ops, the window only masks)."""
+    peak = cluster.gpu.peak(model.dtype)  # softmax(QK^T)V stays in bf16 under fp8 too
+    bw = cluster.gpu.bandwidth
+    t, b, s = layout.tensor, layout.microbatch, model.seq
+    nb = model.bytes
+    heads = model.heads / t
+    scores = b * heads * s * s  # elements of the score matrices on this GPU
+    if model.flash:
+        if windowed:
+            attn_flops = 4.0 * b * heads * s * model.context(True) * model.head_size
+        else:
+            attn_flops = 4.0 * b * heads * s * s * model.head_size / 2  # causal: half the square
+        core_f = attn_flops / (peak * cal.attention_fwd)
+        core_b = 2.5 * attn_flops / (peak * cal.attention_bwd)
+        return core_f, core_b, 0.0  # the fused kernel's backward already recomputes the scores
+    product = 2 * gemm(s, s, model.head_size, peak, cal) * b * heads
+    product -= 2 * cal.matmul_overhead * (b * heads - 1)  # batched: one launch each
+    # softmax: read and write the scores; dropout: read, write and a 1-byte mask
+    soft = 2 * scores * nb / (bw * cal.softmax) + (2 * nb + 1) * scores / (bw * cal.elementwise)
+    core_f = product + soft
+    back = 3 * scores * nb / (bw * cal.softmax) + (2 * nb + 1) * scores / (bw * cal.elementwise)
+    return core_f, 2 * product + back, core_f
+
+
+def cast_seconds(elements: float, model: Transformer, cluster: Cluster, cal: Calibration) -> float:
+    """Seconds of quantizing ``elements`` to FP8 (:data:`FP8_CAST_BYTES` each); 0 without fp8."""
+    if not model.fp8:
+        return 0.0
+    return elements * FP8_CAST_BYTES / (cluster.gpu.bandwidth * cal.elementwise)
+
+
+def layer_costs(
+    model: Transformer,
+    layout: ClusterLayout,
+    cluster: Cluster,
+    cal: Calibration,
+    *,
+    windowed: bool = False,
 ) -> OpCosts:
-    """One transformer block on one GPU of its tensor group, for one microbatch."""
-    peak = cluster.gpu.peak(model.dtype)
+    """One dense transformer block on one GPU of its tensor group, for one microbatch
+    (``windowed``: its attention through the model's sliding window)."""
+    peak = matmul_peak(model, cluster)
     bw = cluster.gpu.bandwidth
     t, b, s, h = layout.tensor, layout.microbatch, model.seq, model.hidden
     nb = model.bytes
     tokens = b * s
-    kvd = model.kv * model.head_dim
-    heads = model.heads / t
+    up = (model.matrices - 1) * model.ff  # the gate and up matrices' width
     linear = (
-        _gemm(tokens, (h + 2 * kvd) / t, h, peak, cal)
-        + _gemm(tokens, h, h / t, peak, cal)
-        + _gemm(tokens, model.ff / t, h, peak, cal)
-        + _gemm(tokens, h, model.ff / t, peak, cal)
+        attention_linear(model, layout, cluster, cal)
+        + gemm(tokens, up / t, h, peak, cal)
+        + gemm(tokens, h, model.ff / t, peak, cal)
     )
-    # memory-bound ops: 2 norms, GeLU, 2 (bias + dropout + residual); SP shards them
+    # memory-bound ops: 2 norms, the activation, 2 (bias + dropout + residual); SP shards them
     x = tokens * h / (t if layout.sequence_parallel else 1)
     norm_f = 2 * (2 * x * nb) / (bw * cal.norm)
-    elem_f = (2 * tokens * model.ff / t * nb + 2 * (3 * x * nb + x)) / (bw * cal.elementwise)
+    act = model.matrices * tokens * model.ff / t * nb  # read the up (and gate), write one
+    elem_f = (act + 2 * (3 * x * nb + x)) / (bw * cal.elementwise)
     mem_f, mem_b = norm_f + elem_f, 2 * (norm_f + elem_f)
-    scores = b * heads * s * s  # elements of the score matrices on this GPU
-    if model.flash:
-        attn_flops = 4.0 * b * heads * s * s * model.head_dim / 2  # causal: half the square
-        core_f = attn_flops / (peak * cal.attention_fwd)
-        core_b = 2.5 * attn_flops / (peak * cal.attention_bwd)
-        selective = 0.0  # the fused kernel's backward already recomputes the scores
-    else:
-        product = 2 * _gemm(s, s, model.head_dim, peak, cal) * b * heads
-        product -= 2 * cal.matmul_overhead * (b * heads - 1)  # batched: one launch each
-        # softmax: read and write the scores; dropout: read, write and a 1-byte mask
-        soft = 2 * scores * nb / (bw * cal.softmax) + (2 * nb + 1) * scores / (bw * cal.elementwise)
-        core_f = product + soft
-        back = 3 * scores * nb / (bw * cal.softmax) + (2 * nb + 1) * scores / (bw * cal.elementwise)
-        core_b = 2 * product + back
-        selective = core_f
+    if model.fp8:  # each product's input in F, its output gradient in I
+        q, kvd = model.q_size, model.kv_size
+        mem_f += cast_seconds(2 * x + tokens * (q + model.ff) / t, model, cluster, cal)
+        mem_b += cast_seconds(2 * x + tokens * (q + 2 * kvd + up) / t, model, cluster, cal)
+    core_f, core_b, selective = attention_core(model, layout, cluster, cal, windowed)
     f = linear + core_f + mem_f
     # activations kept per block (Korthikanti et al. 2022, bytes for 2-byte dtypes)
     sbh = s * b * h * nb / 2
@@ -83,13 +147,13 @@ def layer_costs(
     kept = 34 / t if layout.sequence_parallel else 10 + 24 / t
     full_act = sbh * (kept + score_bytes)
     if layout.recompute == "full":
-        extra, act, working = f, 2 * sbh / (t if layout.sequence_parallel else 1), full_act
+        extra, act_kept, working = f, 2 * sbh / (t if layout.sequence_parallel else 1), full_act
     elif layout.recompute == "selective":
-        extra, act, working = selective, sbh * kept, 0.0
+        extra, act_kept, working = selective, sbh * kept, 0.0
     else:
-        extra, act, working = 0.0, full_act, 0.0
+        extra, act_kept, working = 0.0, full_act, 0.0
     i = linear + core_b + mem_b + extra
-    return OpCosts(f=f, i=i, w=linear, recompute=extra, activation=act, working=working)
+    return OpCosts(f=f, i=i, w=linear, recompute=extra, activation=act_kept, working=working)
 
 
 def head_costs(
@@ -100,7 +164,7 @@ def head_costs(
     bw = cluster.gpu.bandwidth
     tokens = layout.microbatch * model.seq
     v = model.vocab / layout.tensor
-    logits = _gemm(tokens, v, model.hidden, peak, cal)
+    logits = gemm(tokens, v, model.hidden, peak, cal)
     ce_f = 12 * tokens * v / (bw * cal.elementwise)  # float32 softmax over the logits
     ce_b = 8 * tokens * v / (bw * cal.elementwise)
     kept = tokens * v * (model.bytes + 4)  # the logits and their float32 softmax

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 from funcpipe.errors import InvalidArgument
 from funcpipe.planner import comm
+from funcpipe.planner.blocks import Block, Kind, block_table, stage_kinds
 from funcpipe.planner.calibration import DEFAULT, Calibration
 from funcpipe.planner.cluster import Cluster
-from funcpipe.planner.compute import OpCosts, head_costs, layer_costs
+from funcpipe.planner.compute import FP8_CAST_BYTES, head_costs
 from funcpipe.planner.layout import MAX_STAGES, ClusterLayout, check_gpus
 from funcpipe.planner.model import Transformer
 from funcpipe.planner.pipeline import (
@@ -58,10 +59,23 @@ class Estimate:
     the activations, the rest as here; the memory itself when simulated, or where nothing is
     simulated: one pipeline rank): what the search drops layouts by before pricing them. Not
     in the JSON."""
+    tokens_per_step: int = 0
+    """Tokens a step trains on: global batch x sequence."""
 
     @property
     def memory_gib_per_gpu(self) -> float:
         return self.memory_bytes_per_gpu / GiB
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        """Training throughput per GPU, as Megatron-Bridge's tables quote it."""
+        return self.tokens_per_step / self.step_time_s / self.layout.gpus
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Model TFLOP/s per GPU (the published count: ``Transformer.model_flops_per_token``),
+        what Megatron-Bridge's tables call "Model TFLOP / sec / GPU"; ``model_tflops_per_gpu``."""
+        return self.model_tflops_per_gpu
 
     def as_dict(self) -> dict[str, object]:
         """The JSON the CLI prints."""
@@ -77,6 +91,8 @@ class Estimate:
             "layout": self.layout.as_dict(),
             "breakdown_s": dict(self.breakdown),
             "memory_gib": {k: v / GiB for k, v in self.memory.items()},
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "tflops_per_gpu": self.tflops_per_gpu,
         }
 
 
@@ -161,6 +177,7 @@ def check_layout(model: Transformer, layout: ClusterLayout, gpus: int, global_ba
             f"layout tensor={t}: heads={model.heads} and kv_heads={model.kv} must be multiples "
             "of tensor"
         )
+    _check_experts(model, layout)
     if layout.stage_layers is not None:
         if sum(layout.stage_layers) != model.layers:
             raise InvalidArgument(
@@ -178,6 +195,29 @@ def check_layout(model: Transformer, layout: ClusterLayout, gpus: int, global_ba
             "pick a microbatch (and data) that divide it"
         )
     return global_batch // (d * b)
+
+
+def _check_experts(model: Transformer, layout: ClusterLayout) -> None:
+    """Refuse an expert axis the model cannot use: a dense model's, one that does not divide
+    the experts, or a mixture of experts under tensor parallelism without sequence parallelism."""
+    ep, t = layout.expert, layout.tensor
+    if ep > 1 and not model.experts:
+        raise InvalidArgument(
+            f"layout expert={ep}: the model has no experts (experts=0, a dense model); pass "
+            "expert=1, or give the Transformer experts="
+        )
+    if model.experts % ep:
+        raise InvalidArgument(
+            f"layout expert={ep}: experts={model.experts} must split evenly over the expert "
+            f"axis (each rank holds experts / expert of them); pick an expert size that "
+            f"divides {model.experts}"
+        )
+    if model.experts and t > 1 and not layout.sequence_parallel:
+        raise InvalidArgument(
+            f"layout tensor={t} without sequence_parallel: a mixture of experts under tensor "
+            "parallelism routes each rank's share of the tokens (Megatron-Core requires "
+            "sequence parallelism there); pass sequence_parallel=True or tensor=1"
+        )
 
 
 def estimate(
@@ -201,20 +241,30 @@ def estimate(
     """
     cal = calibration
     m = check_layout(model, layout, layout.gpus, global_batch)
+    if model.fp8 and "fp8" not in cluster.gpu.flops:
+        raise InvalidArgument(
+            f"Transformer(fp8=True) on {cluster.gpu.name}: this GPU has no FP8 peak (no FP8 "
+            "tensor cores, or none given); use an H100 or H200 preset, add flops['fp8'] to "
+            "the GPU, or pass fp8=False"
+        )
     t, p, d, v = layout.tensor, layout.pipeline, layout.data, layout.interleave
     nb = model.bytes
-    lay = layer_costs(model, layout, cluster, cal)
+    table = block_table(model, layout, cluster, cal)
     stages = p * v
     counts = layout.stage_layers or (model.layers // stages,) * stages  # blocks per stage
-    f, i, w, act, tp, msg, act_bytes = _stage_costs(model, cluster, layout, counts, lay, cal)
+    kinds = stage_kinds(model, counts)
+    f, i, w, act, msg, act_bytes = _stage_costs(model, cluster, layout, kinds, table, cal)
     place = placement(layout.schedule, p, v)
-    rank_f, rank_i, rank_w = [0.0] * p, [0.0] * p, [0.0] * p
+    rank_f, rank_i, rank_w = _per_rank(place, f), _per_rank(place, i), _per_rank(place, w)
     rank_layers = [0] * p
+    rank_kinds: list[dict[Kind, int]] = [{} for _ in range(p)]  # blocks of each kind per rank
     for s, r in enumerate(place):
         rank_layers[r] += counts[s]
-        rank_f[r] += f[s]
-        rank_i[r] += i[s]
-        rank_w[r] += w[s]
+        for k, n in kinds[s]:
+            rank_kinds[r][k] = rank_kinds[r].get(k, 0) + n
+    rank_comm = [[(n, table[k]) for k, n in rk.items()] for rk in rank_kinds]
+    rank_tp = [sum(n * (b.tp_f + b.tp_i) for n, b in rc) for rc in rank_comm]
+    rank_a2a = [sum(n * (b.a2a_f + b.a2a_i) for n, b in rc) for rc in rank_comm]
     compute = [rank_f[r] + rank_i[r] + rank_w[r] for r in range(p)]
     worst = max(range(p), key=lambda r: compute[r])
     bf, bi, bw_ = rank_f[worst], rank_i[worst], rank_w[worst]
@@ -234,36 +284,28 @@ def estimate(
         if p > 1:  # the program's peaks where it is small enough to read; else one chunk alive
             small = simulable(p, m, v)
             floor = activation_floor(layout.schedule, p, m, v, act) if small else tuple(chunk_act)
-    stage_params, params = _parameters(model, t, counts, place)
-    zero, top = layout.zero, max(params)
+    held = _parameters(model, layout, kinds, table, place)
+    totals_p = [held.dense[r] + held.expert[r] for r in range(p)]
+    top = max(range(p), key=lambda r: totals_p[r])  # the rank holding the most parameters
+    zero, de = layout.zero, d // layout.expert  # de: the copies of each expert
     backward = (bi + bw_, max(rank_layers[worst], 1))  # the last microbatch's, and buckets
     dp_exposed, dp_total = _data_parallel(
-        layout, m, nb, params, stage_params, place, compute, backward, cluster, overlap_grad_reduce
+        layout, m, nb, held, place, compute, backward, cluster, overlap_grad_reduce, top
     )
     emb = 0.0
     if p > 1 and model.tied:
         emb = comm.all_reduce(model.vocab * model.hidden / t * nb, 2, cluster.inter)
-    opt_params = top / (d if zero else 1)
+    opt_params = held.dense[top] / (d if zero else 1) + held.expert[top] / (de if zero else 1)
     optimizer = opt_params * 30 / (cluster.gpu.bandwidth * cal.elementwise)
-    step = pipe + dp_exposed + emb + optimizer
+    cast = 0.0  # FP8: the weights quantized once a step (the first microbatch), every rank
+    if model.fp8:
+        cast = totals_p[top] * FP8_CAST_BYTES / (cluster.gpu.bandwidth * cal.elementwise)
+    step = pipe + dp_exposed + emb + optimizer + cast
     model_flops, hw_flops = _flops(model, layout, global_batch)
     n_gpus = layout.gpus
     mfu = model_flops / (step * n_gpus * cluster.gpu.peak(model.dtype))
     # memory of the fullest rank, and a floor of the simulated one
-    chunk = [0.0] * p  # the largest chunk's parameters per rank (zero 2's whole gradient)
-    for s, r in enumerate(place):
-        chunk[r] = max(chunk[r], stage_params[s])
-    opt_bytes = optimizer_bytes_per_param(model.dtype) / (d if zero else 1)
-    parts = [
-        {
-            "parameters": params[r] * nb,
-            "gradients": gradient_bytes(zero, d, params[r], chunk[r]),
-            "optimizer": params[r] * opt_bytes,
-            "activations": peaks[r] + lay.working,
-            "buffers": 4 * act_bytes / t + cal.workspace_bytes,
-        }
-        for r in range(p)
-    ]
+    parts = _memory(model, layout, held, place, peaks, table, act_bytes, cal)
     totals = [sum(part.values()) for part in parts]
     full = max(range(p), key=lambda r: totals[r])
     floor_bytes = max(totals[r] - peaks[r] + floor[r] for r in range(p))
@@ -281,74 +323,148 @@ def estimate(
         breakdown={
             "pipeline": pipe,
             "compute_per_microbatch": bf + bi + bw_,
-            "tensor_comm_per_microbatch": max(rank_layers) * tp,
+            "tensor_comm_per_microbatch": max(rank_tp, default=0.0),
             "p2p_per_microbatch": 2 * v * msg,
             "data_parallel_exposed": dp_exposed,
             "data_parallel_total": dp_total,
             "embedding_sync": emb,
             "optimizer": optimizer,
+            "expert_all_to_all_per_microbatch": max(rank_a2a, default=0.0),
+            "fp8_weight_cast": cast,
         },
         memory=parts[full],
         simulated=simulate and p > 1,
-        bound_s=bound + dp_exposed + emb + optimizer,
+        bound_s=bound + dp_exposed + emb + optimizer + cast,
         memory_floor_bytes=floor_bytes,
+        tokens_per_step=global_batch * model.seq,
     )
 
 
-def _parameters(
-    model: Transformer, t: int, counts: Sequence[int], place: Sequence[int]
-) -> tuple[list[float], list[float]]:
-    """(per stage, per rank) parameters over ``t``: blocks, the embedding on the first stage,
-    the output layer and final norm on the last (a tied output layer on the embedding's rank
-    is that one copy)."""
-    table = model.vocab * model.hidden / t
-    stage_params = [n * model.layer_params() / t for n in counts]
-    stage_params[0] += table
-    stage_params[-1] += table + 2 * model.hidden
-    one = len(stage_params) == 1
-    if model.tied and one:  # one stage holds the one table (it was counted as two)
-        stage_params[0] -= table
-    params = [0.0] * (max(place) + 1)
+def _per_rank(place: Sequence[int], per_stage: Sequence[float]) -> list[float]:
+    """Per rank, the sum of its stages' values (in stage order)."""
+    out = [0.0] * (max(place) + 1)
     for s, r in enumerate(place):
-        params[r] += stage_params[s]
+        out[r] += per_stage[s]
+    return out
+
+
+@dataclass(frozen=True)
+class _Held:
+    """Parameters per stage and per rank, dense (over ``tensor``) and expert (over ``tensor x
+    expert``)."""
+
+    stage_dense: list[float]
+    dense: list[float]
+    stage_expert: list[float]
+    expert: list[float]
+
+
+def _parameters(
+    model: Transformer,
+    layout: ClusterLayout,
+    kinds: Sequence[tuple[tuple[Kind, int], ...]],
+    table: dict[Kind, Block],
+    place: Sequence[int],
+) -> _Held:
+    """Parameters per stage and per rank: blocks, the embedding on the first stage, the output
+    layer and final norm on the last (a tied output layer on the embedding's rank is that one
+    copy); experts split over ``tensor x expert``, the rest over ``tensor``."""
+    t = layout.tensor
+    emb = model.vocab * model.hidden / t
+    stage_dense = [sum(n * table[k].dense for k, n in ks) / t for ks in kinds]
+    split = t * layout.expert
+    stage_expert = [sum(n * table[k].expert for k, n in ks) / split for ks in kinds]
+    stage_dense[0] += emb
+    stage_dense[-1] += emb + 2 * model.hidden
+    one = len(stage_dense) == 1
+    if model.tied and one:  # one stage holds the one table (it was counted as two)
+        stage_dense[0] -= emb
+    ranks = max(place) + 1
+    dense, expert = [0.0] * ranks, [0.0] * ranks
+    for s, r in enumerate(place):
+        dense[r] += stage_dense[s]
+        expert[r] += stage_expert[s]
     if model.tied and place[-1] == place[0] and not one:
-        params[place[0]] -= table
-    return stage_params, params
+        dense[place[0]] -= emb
+    return _Held(stage_dense, dense, stage_expert, expert)
+
+
+def _memory(
+    model: Transformer,
+    layout: ClusterLayout,
+    held: _Held,
+    place: Sequence[int],
+    peaks: Sequence[float],
+    table: dict[Kind, Block],
+    act_bytes: float,
+    cal: Calibration,
+) -> list[dict[str, float]]:
+    """Bytes per rank by kind: weights, gradients (:func:`gradient_bytes`: the dense ones over
+    ``data``, the experts over the ``data / expert`` copies of each), optimizer state (sharded
+    over the same groups with ZeRO), activations (the schedule's peak plus a recomputed block's
+    working set), point-to-point buffers and workspace."""
+    p, d, zero, nb = layout.pipeline, layout.data, layout.zero, model.bytes
+    de = d // layout.expert
+    chunk, echunk = [0.0] * p, [0.0] * p  # the largest chunk's parameters per rank (zero 2)
+    for s, r in enumerate(place):
+        chunk[r] = max(chunk[r], held.stage_dense[s])
+        echunk[r] = max(echunk[r], held.stage_expert[s])
+    per_param = optimizer_bytes_per_param(model.dtype)
+    opt_bytes, eopt_bytes = per_param / (d if zero else 1), per_param / (de if zero else 1)
+    working = max(b.costs.working for b in table.values())
+    return [
+        {
+            "parameters": (held.dense[r] + held.expert[r]) * nb,
+            "gradients": gradient_bytes(zero, d, held.dense[r], chunk[r])
+            + gradient_bytes(zero, de, held.expert[r], echunk[r]),
+            "optimizer": held.dense[r] * opt_bytes + held.expert[r] * eopt_bytes,
+            "activations": peaks[r] + working,
+            "buffers": 4 * act_bytes / layout.tensor + cal.workspace_bytes,
+        }
+        for r in range(p)
+    ]
 
 
 def _data_parallel(
     layout: ClusterLayout,
     m: int,
     nb: int,
-    params: Sequence[float],
-    stage_params: Sequence[float],
+    held: _Held,
     place: Sequence[int],
     compute: Sequence[float],
     backward: tuple[float, int],
     cluster: Cluster,
     overlap: bool,
+    top: int,
 ) -> tuple[float, float]:
     """(exposed, total) seconds of the data-parallel reduction and ZeRO's parameter gather:
-    the fullest rank's (:func:`data_parallel_seconds`), or with ``zero`` 2 the most of any
-    rank's (its per-microbatch reduce-scatters weigh against its own compute). ``backward``:
-    the busiest rank's last backward and its buckets (blocks)."""
-    d, zero = layout.data, layout.zero
-    dlink = cluster.link(stride=layout.tensor, size=d)
+    the fullest rank's (``top``; :func:`data_parallel_seconds`), or with ``zero`` 2 the most of
+    any rank's (its per-microbatch reduce-scatters weigh against its own compute). The dense
+    gradients are reduced over the ``data`` copies, the experts' over the ``data / expert``
+    copies of each (``tensor x expert`` ranks apart); the two add up. ``backward``: the busiest
+    rank's last backward and its buckets (blocks)."""
+    d, zero, ep, t = layout.data, layout.zero, layout.expert, layout.tensor
+    groups = [(d, cluster.link(stride=t, size=d), held.dense, held.stage_dense)]
+    if any(held.expert):
+        groups.append(
+            (d // ep, cluster.link(stride=t * ep, size=d // ep), held.expert, held.stage_expert)
+        )
     window, buckets = backward
-    top = max(params)
-    gather = comm.all_gather(top * nb, d, dlink) if zero else 0.0
+    gather = (
+        sum(comm.all_gather(max(ps) * nb, n, link) for n, link, ps, _ in groups) if zero else 0.0
+    )
     once = comm.reduce_scatter if zero else comm.all_reduce
     exposed = total = 0.0
-    for r in range(len(params)) if zero == 2 else (params.index(top),):
+    for r in range(len(held.dense)) if zero == 2 else (top,):
         mine = [
-            comm.reduce_scatter(x * nb, d, dlink)
-            for x, q in zip(stage_params, place, strict=True)
+            sum(comm.reduce_scatter(sp[s] * nb, n, link) for n, link, _, sp in groups)
+            for s, q in enumerate(place)
             if q == r
         ]
         e, a = data_parallel_seconds(
             zero,
             m,
-            once(params[r] * nb, d, dlink),
+            sum(once(ps[r] * nb, n, link) for n, link, ps, _ in groups),
             mine,
             gather,
             compute[r],
@@ -361,12 +477,20 @@ def _data_parallel(
 
 
 def _flops(model: Transformer, layout: ClusterLayout, global_batch: int) -> tuple[float, float]:
-    """(model, hardware) FLOPs of a step: the hardware's adds what recompute repeats."""
+    """(model, hardware) FLOPs of a step: the hardware's adds what recompute repeats (and for a
+    mixture of experts counts what runs: :meth:`Transformer.forward_flops_per_token`)."""
     all_tokens = global_batch * model.seq
     model_flops = model.model_flops_per_token() * all_tokens
-    h, kvd = model.hidden, model.kv * model.head_dim
-    fwd_block = 2 * (2 * h * h + 2 * h * kvd + 2 * h * model.ff) + 4 * h * model.seq
-    selective = 0.0 if model.flash else 4.0 * h * model.seq  # the scores, recomputed
+    if model.experts:
+        fwd = [model.forward_flops_per_token(n) for n in range(model.layers)]
+        head = 2.0 * model.hidden * model.vocab
+        again = sum(fwd) if layout.recompute == "full" else 0.0
+        if layout.recompute == "selective" and not model.flash:  # the scores, recomputed
+            again = 4.0 * model.q_size * model.seq * model.layers
+        return model_flops, (3 * (sum(fwd) + head) + again) * all_tokens
+    h, q, kvd = model.hidden, model.q_size, model.kv_size
+    fwd_block = 2 * (2 * h * q + 2 * h * kvd + model.matrices * h * model.ff) + 4 * q * model.seq
+    selective = 0.0 if model.flash else 4.0 * q * model.seq  # the scores, recomputed
     recompute = {"none": 0.0, "selective": selective, "full": float(fwd_block)}
     return model_flops, model_flops + recompute[layout.recompute] * model.layers * all_tokens
 
@@ -375,34 +499,28 @@ def _stage_costs(
     model: Transformer,
     cluster: Cluster,
     layout: ClusterLayout,
-    counts: Sequence[int],
-    lay: OpCosts,
+    kinds: Sequence[tuple[tuple[Kind, int], ...]],
+    table: dict[Kind, Block],
     cal: Calibration,
-) -> tuple[list[float], list[float], list[float], list[float], float, float, float]:
+) -> tuple[list[float], list[float], list[float], list[float], float, float]:
     """Per stage F, I, W seconds and activation bytes of a microbatch, with the tensor-parallel
-    collectives and point-to-point messages in them; then a block's tensor-parallel seconds,
-    a message's, and a microbatch's activation bytes at a block boundary."""
+    collectives, the expert all-to-alls and the point-to-point messages in them; then a
+    message's seconds and a microbatch's activation bytes at a block boundary."""
     t, p, d = layout.tensor, layout.pipeline, layout.data
     head = head_costs(model, layout, cluster, cal)
     nb = model.bytes
     tokens = layout.microbatch * model.seq
-    # tensor-parallel collectives per block: 2 in F, 2 in I (+2 in a full recompute)
     tlink = cluster.link(stride=1, size=t)
     act_bytes = tokens * model.hidden * nb
-    if layout.sequence_parallel:  # all-gather before, reduce-scatter after each block half
-        tp_f = 2 * (comm.all_gather(act_bytes, t, tlink) + comm.reduce_scatter(act_bytes, t, tlink))
-    else:  # one all-reduce after attention, one after the MLP
-        tp_f = 2 * comm.all_reduce(act_bytes, t, tlink)
-    tp_i = tp_f * (2 if layout.recompute == "full" else 1)
     # point-to-point: one activation per F, one gradient per I; scatter/gather over tensor
     plink = cluster.link(stride=t * d, size=p)
     msg = comm.p2p(act_bytes / t, plink) if p > 1 else 0.0
-    f = [n * (lay.f + tp_f) + msg for n in counts]
-    i = [n * (lay.i + tp_i) + msg for n in counts]
-    w = [n * lay.w for n in counts]
-    act = [n * lay.activation for n in counts]
+    f = [sum((n * table[k].f for k, n in ks), 0.0) + msg for ks in kinds]
+    i = [sum((n * table[k].i for k, n in ks), 0.0) + msg for ks in kinds]
+    w = [sum((n * table[k].costs.w for k, n in ks), 0.0) for ks in kinds]
+    act = [sum((n * table[k].costs.activation for k, n in ks), 0.0) for ks in kinds]
     f[-1] += head.f + comm.all_reduce(act_bytes, t, tlink)
     i[-1] += head.i + comm.all_reduce(act_bytes, t, tlink)
     w[-1] += head.w
     act[-1] += head.activation
-    return f, i, w, act, tp_f + tp_i, msg, act_bytes
+    return f, i, w, act, msg, act_bytes

@@ -59,7 +59,12 @@ class ClusterLayout:
     whether the optimizer state is sharded, ``zero >= 1``);
     ``stage_layers`` the blocks of each of the ``pipeline x interleave`` stages in order (default
     an even split), e.g. one block fewer on the first and last stage for the embedding and the
-    output layer, as Megatron-LM's ``--decoder-first/last-pipeline-num-layers`` do."""
+    output layer, as Megatron-LM's ``--decoder-first/last-pipeline-num-layers`` do;
+    ``expert`` the expert-parallel size: a mixture of experts' experts split over ``expert`` of
+    the ``data`` copies (Megatron-Core folds expert parallelism into data parallelism: the GPUs
+    are still tensor x pipeline x data, ``expert`` divides ``data``; dense gradients are reduced
+    over all ``data`` copies, expert gradients over the ``data / expert`` holding the same
+    experts)."""
 
     tensor: int = 1
     pipeline: int = 1
@@ -72,13 +77,21 @@ class ClusterLayout:
     zero1: InitVar[bool] = False  # (read back as the property below)
     stage_layers: tuple[int, ...] | None = None
     zero: int = -1  # -1: not given (0, or 1 with zero1=True); always 0, 1 or 2 once made
+    expert: int = 1
 
     def __post_init__(self, zero1: bool) -> None:
-        for name in ("tensor", "pipeline", "data", "microbatch", "interleave"):
+        for name in ("tensor", "pipeline", "data", "microbatch", "interleave", "expert"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"ClusterLayout({name}={value!r}): a positive integer")
         self._check_zero(zero1)
+        if self.data % self.expert:
+            raise InvalidArgument(
+                f"ClusterLayout(expert={self.expert}, data={self.data}): the expert axis spans "
+                "expert of the data-parallel copies (expert parallelism folded into data "
+                "parallelism, as Megatron-Core does), so expert must divide data; pick an expert "
+                f"size out of the divisors of {self.data}, or more data copies"
+            )
         if self.recompute not in RECOMPUTE:
             raise InvalidArgument(
                 f"ClusterLayout(recompute={self.recompute!r}): one of {', '.join(RECOMPUTE)}"
@@ -157,14 +170,21 @@ class ClusterLayout:
         return self.tensor * self.pipeline * self.data
 
     def as_dict(self) -> dict[str, object]:
-        return {**asdict(self), "zero1": self.zero >= 1}
+        """The fields (and ``zero1``); ``expert`` only where the layout has an expert axis, so
+        a dense layout's JSON is what it was before the axis came in."""
+        out = {**asdict(self), "zero1": self.zero >= 1}
+        if self.expert == 1:
+            del out["expert"]
+        return out
 
     def short(self) -> str:
-        """``t8 p8 d24 b1 v2 full sp interleaved``-style text."""
+        """``t8 p8 d24 b1 v2 full sp interleaved``-style text (``e8`` after ``d`` for an expert
+        axis)."""
         bits = [
             f"t{self.tensor}",
             f"p{self.pipeline}",
             f"d{self.data}",
+            *([f"e{self.expert}"] if self.expert > 1 else []),
             f"b{self.microbatch}",
             f"v{self.interleave}",
             self.recompute,

@@ -7,6 +7,11 @@ full activation recompute, microbatch 1 (the paper's weak-scaling runs). Rows: (
 parameters, layers, hidden, heads, tensor, pipeline, GPUs, global batch, published TFLOP/s per
 GPU). Where each number comes from is in docs/planner.md; the 145.6B row ran the interleaved
 schedule with 2 chunks per rank (as the issue states), the others plain 1F1B.
+
+``MEGATRON_BRIDGE_MOE``: mixtures of experts on DGX-H100 (8 GPUs per node, one 400 Gb/s NIC per
+GPU) from NVIDIA-NeMo/Megatron-Bridge ``docs/performance-summary-archive.md`` (force-balanced
+routing, dropless), with each model's shape from its Hugging Face ``config.json``
+(``MEGATRON_BRIDGE_MODELS``); how each is priced is in docs/planner.md.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from funcpipe.planner.model import Transformer
 
 __all__ = [
     "MEGATRON_2021",
+    "MEGATRON_BRIDGE_MODELS",
+    "MEGATRON_BRIDGE_MOE",
     "ZERO_BUBBLE_2024_BUBBLE",
     "ZERO_BUBBLE_2024_MEMORY_GB",
     "ZERO_BUBBLE_2024_MODELS",
@@ -24,6 +31,7 @@ __all__ = [
     "ZERO_BUBBLE_2024_SYNCHRONIZED",
     "ZERO_BUBBLE_2024_THROUGHPUT",
     "ZERO_BUBBLE_2024_VOCAB",
+    "megatron_bridge_run",
     "zero_bubble_run",
 ]
 
@@ -39,6 +47,45 @@ MEGATRON_2021: tuple[tuple[float, int, int, int, int, int, int, int, float], ...
     (529.6, 105, 20480, 128, 8, 35, 2520, 2520, 163),
     (1008.0, 128, 25600, 160, 8, 64, 3072, 3072, 163),
 )
+
+
+MEGATRON_BRIDGE_MODELS: dict[str, Transformer] = {
+    # openai/gpt-oss-120b config.json: 36 layers, hidden 2880, 64 query heads of 64, 8 KV heads,
+    # 128 experts of intermediate size 2880 (a clamped GLU: gate, up, down), top-4, no shared
+    # expert, vocabulary 201,088, untied, sliding window 128 on every other block (the first
+    # windowed). Sequence 4,096 as the benchmark row states.
+    "GPT-OSS 120B": Transformer(
+        layers=36, hidden=2880, heads=64, kv_heads=8, head_dim=64, vocab=201088, seq=4096,
+        ffn=2880, mlp="geglu", tied=False, experts=128, top_k=4, moe_ffn=2880, window=128,
+        full_every=2,
+    ),
+    # Qwen/Qwen3-30B-A3B config.json: 48 layers, hidden 2048, 32 query heads of 128, 4 KV heads,
+    # 128 experts of moe_intermediate_size 768 (SwiGLU), top-8, no shared expert, every block
+    # MoE, vocabulary 151,936, untied. Sequence 4,096 as the row states; FP8 matrix products.
+    "Qwen3-30B-A3B": Transformer(
+        layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, vocab=151936, seq=4096,
+        ffn=6144, mlp="swiglu", tied=False, experts=128, top_k=8, moe_ffn=768, fp8=True,
+    ),
+}  # fmt: skip
+
+MEGATRON_BRIDGE_MOE: dict[str, tuple[str, int, str, int, int, int, int, int, int, float, float]] = {
+    # container, GPUs, precision, global batch, microbatch, tensor, pipeline, expert, recompute
+    # modules (1: layernorm and moe_act, Megatron-Bridge's H100 GPT-OSS recipe; 0: none),
+    # published tokens/s/GPU, published model TFLOP/s/GPU
+    "GPT-OSS 120B": ("26.04.01", 64, "bf16", 1280, 1, 1, 4, 8, 1, 5824, 158),
+    "Qwen3-30B-A3B": ("26.06", 16, "fp8", 1024, 1, 1, 1, 16, 0, 8826, 203),
+}
+
+
+def megatron_bridge_run(name: str) -> tuple[Transformer, ClusterLayout, int, int]:
+    """(Transformer, ClusterLayout, GPUs, global batch) of one :data:`MEGATRON_BRIDGE_MOE` row in
+    planner terms: Megatron-Core's distributed optimizer (``zero=1``), 1F1B, data = GPUs /
+    (tensor x pipeline) with the expert axis inside it, the recipe's recompute of the norms and
+    the expert activation as ``selective``."""
+    _, gpus, _, batch, b, t, p, ep, rc, _, _ = MEGATRON_BRIDGE_MOE[name]
+    layout = ClusterLayout(tensor=t, pipeline=p, data=gpus // (t * p), microbatch=b, expert=ep,
+                    zero=1, recompute="selective" if rc else "none")  # fmt: skip
+    return MEGATRON_BRIDGE_MODELS[name], layout, gpus, batch
 
 
 # Qi, Wan, Huang and Lin, "Zero Bubble (Almost) Pipeline Parallelism" (ICLR 2024, OpenReview

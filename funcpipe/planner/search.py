@@ -73,27 +73,51 @@ def candidates(
     sequence_parallel: Sequence[bool] = (False, True),
     zero: Sequence[int] | None = None,
     zero1: Sequence[bool] | None = None,
+    expert: Sequence[int] | None = None,
 ) -> Iterator[ClusterLayout]:
     """Every valid layout: ``tensor`` within a node and dividing the heads, ``pipeline`` and
     ``interleave`` splitting the layers evenly, ``data`` the rest, ``microbatch`` dividing the
     batch of one data rank; at most :data:`~funcpipe.planner.layout.MAX_STAGES` stages; every
     sharding level of ``zero`` (default :data:`~funcpipe.planner.layout.ZERO`, all three) where
     ``data > 1``, none where ``data`` is 1. ``zero1=(False, True)``, the old spelling, is
-    ``zero=(0, 1)``."""
+    ``zero=(0, 1)``. A mixture of experts also gets every expert size dividing both ``data``
+    and the experts (``expert``: only those of these sizes), and under ``tensor > 1`` only
+    sequence parallelism (Megatron-Core's rule for MoE); a dense model keeps ``expert=1``."""
     levels = _zero_levels(zero, zero1)
+    wanted = _expert_sizes(expert)
     for t, p in _splits(model, gpus, gpus_per_node):
         d = gpus // (t * p)
         if global_batch % d:
             continue
+        eps = [e for e in _divisors(d) if model.experts % e == 0] if model.experts else [1]
+        eps = [e for e in eps if wanted is None or e in wanted]
+        sps = [sp for sp in sequence_parallel if sp] if model.experts else sequence_parallel
         for b in microbatches:
             if (global_batch // d) % b:
                 continue
             for sched in schedules if p > 1 else ("1f1b",):
                 for v in _chunks(model, sched, p, interleaves):
                     for rc in recompute:
-                        for sp in sequence_parallel if t > 1 else (False,):
+                        for sp in sps if t > 1 else (False,):
                             for z in levels if d > 1 else (0,):
-                                yield ClusterLayout(t, p, d, b, v, rc, sp, sched, zero=z)
+                                for e in eps:
+                                    yield ClusterLayout(
+                                        t, p, d, b, v, rc, sp, sched, zero=z, expert=e
+                                    )
+
+
+def _expert_sizes(expert: Sequence[int] | None) -> tuple[int, ...] | None:
+    """The expert sizes to search (``None``: every one that fits)."""
+    if expert is None:
+        return None
+    if _not_a_sequence(expert) or any(
+        isinstance(e, bool) or not isinstance(e, int) or e < 1 for e in expert
+    ):
+        raise InvalidArgument(
+            f"search(expert={expert!r}): a sequence of expert-parallel sizes (positive "
+            "integers), e.g. (1, 8)"
+        )
+    return tuple(expert)
 
 
 def _zero_levels(zero: Sequence[int] | None, zero1: Sequence[bool] | None) -> tuple[int, ...]:
@@ -177,8 +201,8 @@ def search(
     """The ``top`` fastest layouts that fit, best first (see the module docstring).
 
     ``space`` narrows :func:`candidates` (``schedules=``, ``recompute=``, ``microbatches=``,
-    ``interleaves=``, ``sequence_parallel=``, ``zero=``; ``zero1=`` the old spelling of
-    ``zero=``). Candidates whose programs would be
+    ``interleaves=``, ``sequence_parallel=``, ``zero=``, ``expert=``; ``zero1=`` the old
+    spelling of ``zero=``). Candidates whose programs would be
     longer than ``max_simulated_microbatches`` (ranks x microbatches x chunks) keep their
     closed-form price.
     """

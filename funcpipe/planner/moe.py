@@ -1,0 +1,196 @@
+"""A mixture-of-experts block on one GPU: its router, experts and token dispatch, and the
+all-to-alls of expert parallelism.
+
+The block is priced as Megatron-Core's all-to-all dispatcher runs it (dropless, tokens balanced
+over the experts as the published benchmarks force them):
+
+- attention as in a dense block (:func:`funcpipe.planner.compute.attention_linear`,
+  :func:`~funcpipe.planner.compute.attention_core`);
+- the router, a ``hidden x experts`` product on the rank's tokens (not sharded over ``tensor``;
+  with ``tensor > 1`` sequence parallelism gives each rank ``1/t`` of the tokens to route, as
+  Megatron-Core requires of MoE under tensor parallelism), a softmax and top-k over its logits;
+- dispatch: each token copied ``top_k`` times (permute), an all-to-all over the ``expert`` axis
+  that sends each copy to its expert's rank (``(ep - 1) / ep`` of them leave the rank), with
+  ``tensor > 1`` an all-gather over ``tensor`` (each expert's MLP is tensor-parallel like the
+  dense one), and a sort of the received rows by local expert;
+- the ``experts / ep`` local experts, each its own pair (or triple) of products on its
+  ``top_k x tokens x ep / experts`` rows (a grouped GEMM launches one product per expert: each
+  pays the calibrated per-product overhead), the activation between them;
+- combine: the same in reverse (unsort, reduce-scatter over ``tensor``, all-to-all back, the
+  ``top_k`` copies summed with their router weights);
+- the shared experts, one dense MLP of ``shared_experts x moe_ffn`` every token goes through.
+
+Backward mirrors it: the two all-to-alls again (the gradients of dispatch and combine), every
+memory-bound op twice over, each product once more for I and once for W.
+"""
+
+from __future__ import annotations
+
+from funcpipe.planner import comm
+from funcpipe.planner.calibration import Calibration
+from funcpipe.planner.cluster import Cluster
+from funcpipe.planner.compute import (
+    OpCosts,
+    attention_core,
+    attention_linear,
+    cast_seconds,
+    gemm,
+    matmul_peak,
+)
+from funcpipe.planner.layout import ClusterLayout
+from funcpipe.planner.model import Transformer
+
+__all__ = [
+    "ALL_TO_ALLS",
+    "dispatch_bytes",
+    "dispatch_seconds",
+    "moe_comm",
+    "moe_layer_costs",
+    "routed_rows",
+]
+
+ALL_TO_ALLS = 4
+"""All-to-alls of one MoE block and microbatch: dispatch and combine in F, their gradients in
+I (a full recompute runs the forward pair again)."""
+
+_PROBS_BYTES = 4  # the router's softmax and top-k in float32
+
+
+def routed_rows(model: Transformer, layout: ClusterLayout) -> tuple[float, float]:
+    """(tokens the rank routes, expert rows it computes) for one microbatch: ``b s / t`` tokens
+    (sequence parallel under ``tensor > 1``), and ``top_k b s`` rows (balanced routing: each
+    rank receives as many copies as it sends, then gathers its tensor group's)."""
+    t = layout.tensor
+    tokens = layout.microbatch * model.seq / t
+    return tokens, tokens * model.top_k * t
+
+
+def dispatch_bytes(model: Transformer, layout: ClusterLayout) -> float:
+    """Bytes of one all-to-all's buffer on one rank: every token it routes, ``top_k`` copies of
+    its hidden vector (in the compute dtype: the dispatch runs in bf16 under fp8 too);
+    ``(ep - 1) / ep`` of it leaves the rank."""
+    tokens, _ = routed_rows(model, layout)
+    return tokens * model.top_k * model.hidden * model.bytes
+
+
+def dispatch_seconds(model: Transformer, layout: ClusterLayout, cluster: Cluster) -> float:
+    """Seconds of one all-to-all over the ``expert`` axis (:func:`~funcpipe.planner.comm.
+    all_to_all_nodes`): its members are ``tensor`` ranks apart (tensor innermost, then expert),
+    so ``gpus_per_node / tensor`` of them share a node; on NVLink when the group fits in one."""
+    ep, t = layout.expert, layout.tensor
+    per_node = max(1, cluster.gpus_per_node // t)
+    nbytes = dispatch_bytes(model, layout)
+    return comm.all_to_all_nodes(nbytes, ep, per_node, cluster.intra, cluster.inter)
+
+
+def moe_comm(model: Transformer, layout: ClusterLayout, cluster: Cluster) -> tuple[float, float]:
+    """(tensor-parallel, all-to-all) seconds of one MoE block in F (I repeats both): the
+    attention's all-gather and reduce-scatter (sequence parallel), the routed rows' gather and
+    scatter over ``tensor``, the shared experts' pair; dispatch and combine."""
+    t = layout.tensor
+    a2a = 2 * dispatch_seconds(model, layout, cluster)
+    if t == 1:
+        return 0.0, a2a
+    tlink = cluster.link(stride=1, size=t)
+    act = layout.microbatch * model.seq * model.hidden * model.bytes
+    pair = comm.all_gather(act, t, tlink) + comm.reduce_scatter(act, t, tlink)
+    routed = model.top_k * act
+    tp = pair + comm.all_gather(routed, t, tlink) + comm.reduce_scatter(routed, t, tlink)
+    if model.shared_experts:
+        tp += pair
+    return tp, a2a
+
+
+def moe_layer_costs(
+    model: Transformer,
+    layout: ClusterLayout,
+    cluster: Cluster,
+    cal: Calibration,
+    *,
+    windowed: bool = False,
+) -> OpCosts:
+    """One MoE block on one GPU for one microbatch, without its communication (:func:`moe_comm`)."""
+    peak, bf16 = matmul_peak(model, cluster), cluster.gpu.peak(model.dtype)
+    bw, nb = cluster.gpu.bandwidth, model.bytes
+    t, ep, h = layout.tensor, layout.expert, model.hidden
+    tokens, rows = routed_rows(model, layout)  # per rank: routed tokens, expert rows
+    all_tokens = layout.microbatch * model.seq
+    m, f_ = model.matrices, model.expert_ffn / t
+    local = model.experts / ep
+    per_expert = rows / local
+    shared = model.shared_experts * f_
+    linear = attention_linear(model, layout, cluster, cal) + gemm(
+        tokens, model.experts, h, bf16, cal
+    )  # the router: not an FP8 module
+    linear += local * (
+        gemm(per_expert, (m - 1) * f_, h, peak, cal) + gemm(per_expert, h, f_, peak, cal)
+    )
+    if shared:
+        linear += gemm(all_tokens, (m - 1) * shared, h, peak, cal)
+        linear += gemm(all_tokens, h, shared, peak, cal)
+    x = tokens * h  # elements of the block's input on this rank
+    norm_f = 2 * (2 * x * nb) / (bw * cal.norm)
+    act_f = (rows * f_ + all_tokens * shared) * m * nb / (bw * cal.elementwise)
+    moved = 2 * (3 * x * nb + x)  # the two residual adds
+    moved += 3 * tokens * model.experts * _PROBS_BYTES  # softmax and top-k of the logits
+    moved += 2 * (1 + model.top_k) * x * nb  # permute and unpermute (with the router weights)
+    if ep > 1 and local > 1:
+        moved += 2 * 2 * rows * h * nb  # sort the received rows by expert, and back
+    if shared:
+        moved += 3 * x * nb  # add the shared experts' output
+    mem_f = norm_f + act_f + moved / (bw * cal.elementwise)
+    mem_b = 2 * mem_f
+    if model.fp8:  # each product's input in F, its output gradient in I
+        q, kvd = model.q_size, model.kv_size
+        mem_f += cast_seconds(
+            x + all_tokens * q / t + rows * (h + f_) + (x + all_tokens * shared) * bool(shared),
+            model,
+            cluster,
+            cal,
+        )
+        mem_b += cast_seconds(
+            all_tokens * (q + 2 * kvd) / t
+            + x
+            + rows * ((m - 1) * f_ + h)
+            + (all_tokens * (m - 1) * shared + x) * bool(shared),
+            model,
+            cluster,
+            cal,
+        )
+    core_f, core_b, selective = attention_core(model, layout, cluster, cal, windowed)
+    f = linear + core_f + mem_f
+    kept, saved_by_selective = _activations(model, layout, tokens, rows)
+    full = kept
+    if layout.recompute == "full":
+        extra, act, working = f, x * nb, full
+    elif layout.recompute == "selective":  # the norms and the experts' activation (Megatron's
+        # --recompute-modules layernorm moe_act), and unfused attention's scores as for dense
+        extra = selective + norm_f + act_f
+        act, working = full - saved_by_selective, 0.0
+    else:
+        extra, act, working = 0.0, full, 0.0
+    i = linear + core_b + mem_b + extra
+    return OpCosts(f=f, i=i, w=linear, recompute=extra, activation=act, working=working)
+
+
+def _activations(
+    model: Transformer, layout: ClusterLayout, tokens: float, rows: float
+) -> tuple[float, float]:
+    """(bytes an MoE block keeps for backward on one rank, the part selective recompute does
+    not keep): per routed token its two norm inputs and outputs (the second norm's output is
+    the router's input), the router's float32 probabilities; per head-sharded token Q, K, V
+    and the attention output (and unfused attention's scores); per expert row its input, the
+    up (and gate) output, the activation and the down output (the combine's weights need it);
+    the shared experts' up output and activation. No dropout masks (MoE models train without
+    dropout)."""
+    t, h, nb = layout.tensor, model.hidden, model.bytes
+    all_tokens = layout.microbatch * model.seq
+    m, f_ = model.matrices, model.expert_ffn / t
+    shared = model.shared_experts * f_
+    norms = 4 * tokens * h  # inputs and outputs of the two norms
+    heads = all_tokens * (2 * model.q_size + 2 * model.kv_size) / t
+    scores = 0.0 if model.flash else 5 * model.heads * model.seq / t * all_tokens / nb
+    experts = rows * (h + m * f_ + h) + all_tokens * m * shared
+    kept = (norms + heads + scores + experts) * nb + tokens * model.experts * _PROBS_BYTES
+    selective = (2 * tokens * h + rows * f_ + all_tokens * shared + scores) * nb
+    return kept, selective
