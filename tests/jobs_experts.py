@@ -14,10 +14,12 @@ import torch
 F64 = torch.float64
 
 
-def _config(experts: int) -> Any:
+def _config(experts: int, **kw: Any) -> Any:
     from funcpipe.models import moe
 
-    return moe.MoEConfig(d_model=4, experts=experts, ffn=3, top_k=2, shared=1)
+    return moe.MoEConfig(
+        **{"d_model": 4, "experts": experts, "ffn": 3, "top_k": 2, "shared": 1, **kw}
+    )
 
 
 def _stages(n: int, config: Any, axis: Any) -> list[Any]:
@@ -64,6 +66,7 @@ def expert_pipelines_vs_one_device(
     recompute: bool = False,
     strict: bool = True,
     zero: int = 0,
+    routing: Sequence[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """For each schedule of ``names``: one step at pipeline 2 with the experts split over
     ``expert`` copies; returns this process's worst differences from the one-device step
@@ -80,8 +83,10 @@ def expert_pipelines_vs_one_device(
     for k, name in enumerate(names):
         program = generate(name, ranks=2, microbatches=microbatches)
         n = len(set(program.replica_of or range(program.n_stages)))
-        config = _config(2 * expert)
-        full = tuple(moe.init(config, seed=10 * k + s, dtype=F64) for s in range(n))
+        kw = dict(routing[k]) if routing else {}  # (hypothesis: top_k, shared, score, seed)
+        seed = kw.pop("seed", 10 * k)
+        config = _config(2 * expert, **kw)
+        full = tuple(moe.init(config, seed=seed + s, dtype=F64) for s in range(n))
         mine = tuple(moe.expert_shard(p, config, axis) for p in full)
         experts = [(s, leaf) for s in range(n) for leaf in ("w_in", "w_out")]
         if strict:  # NCCL's point-to-point rules enforced by the transport
@@ -93,7 +98,7 @@ def expert_pipelines_vs_one_device(
             )  # fmt: skip
         finally:
             os.environ.pop("FUNCPIPE_STRICT_P2P", None)
-        x, y = _batch(k, microbatches * copies)
+        x, y = _batch(seed, microbatches * copies)
         share = slice(microbatches * copy, microbatches * (copy + 1))
         with pipe:
             if zero:  # each copy's pieces in, pieces out: gathered back to compare

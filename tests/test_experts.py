@@ -10,8 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests import jobs_experts as J
+from tests.parallel.strategies import scaled
 
 EVERY = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2", "zbv", "dualpipev",
          "chimera")  # fmt: skip
@@ -120,3 +123,27 @@ def test_zero_with_each_expert_on_one_copy_equals_one_device(pool: Any) -> None:
     """expert = data = 2: an expert leaf is held whole by one copy (a piece of one)."""
     names = ("1f1b",)
     _check(pool(4).run(J.expert_pipelines_vs_one_device, names, zero=1), names)
+
+
+@st.composite
+def _routings(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    return draw(st.sampled_from(EVERY)), {
+        "top_k": draw(st.integers(1, 4)),
+        "shared": draw(st.integers(0, 1)),
+        "score": draw(st.sampled_from(["softmax", "sigmoid"])),
+        "seed": draw(st.integers(0, 10**6)),
+    }
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=scaled(3), deadline=None)
+@given(st.lists(_routings(), min_size=2, max_size=3))
+def test_drawn_routings_at_pipeline_2_expert_2_equal_one_device(
+    pool: Any, drawn: list[tuple[str, dict[str, Any]]]
+) -> None:
+    """Routings hypothesis draws (top-k 1 to 4 of 4 experts, shared experts, softmax or sigmoid
+    scores, weights and tokens from a drawn seed: experts left empty or overfull), each under a
+    drawn schedule, at pipeline 2 x expert 2 under the strict transport."""
+    names = tuple(name for name, _ in drawn)
+    got = pool(4).run(J.expert_pipelines_vs_one_device, names, routing=[r for _, r in drawn])
+    _check(got, names)
