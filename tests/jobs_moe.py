@@ -16,7 +16,7 @@ def config_of(case: dict[str, Any]) -> Any:
 
     return moe.MoEConfig(
         d_model=4, experts=case["world"] * case["per"], ffn=3, top_k=case["k"],
-        shared=case["shared"], score=case["score"],
+        shared=case["shared"], score=case["score"], capacity=case.get("capacity"),
     )  # fmt: skip
 
 

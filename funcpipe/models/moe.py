@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.parallel.collectives import _abstract
+from funcpipe.parallel.collectives import _abstract, all_gather
 from funcpipe.parallel.mesh import Axis
 from funcpipe.parallel.routing import combine, dispatch
 
@@ -125,21 +126,30 @@ def route(
     return weights, experts, scores, logits
 
 
-def _keep(experts: Tensor, config: MoEConfig) -> Tensor | None:
+def _keep(experts: Tensor, config: MoEConfig, axis: Axis | None = None) -> Tensor | None:
     """Which assignments a capacity keeps (the first ones per expert in token order; None:
-    every one)."""
+    every one). Over an expert axis the order is the ranks' tokens one rank after another, and
+    the capacity counts every rank's tokens: each rank learns the others' per-expert counts
+    (one all-gather of ``E`` ints, no host read) and places its assignments after those of
+    the ranks before it."""
     if config.capacity is None:
         return None
     tokens = experts.shape[0]
-    cap = math.ceil(config.capacity * tokens * config.top_k / config.experts)
+    cap: Any = math.ceil(config.capacity * tokens * config.top_k / config.experts)
     flat = experts.reshape(-1)
+    before: Any = 0
+    if axis is not None and axis.size > 1 and not _abstract(experts):
+        with torch.no_grad():
+            every = all_gather(_counts(flat, config.experts).unsqueeze(0), axis, dim=0)
+        before = every[: axis.coord].sum(0)[flat]  # each assignment: its expert's earlier ones
+        cap = torch.ceil(config.capacity * every.sum() / config.experts)
     # each assignment's rank in its expert, in token order: its place in the stable sort by
     # expert minus where its expert starts there (no [T*k, E] one-hot, nothing read on the host)
     order = torch.argsort(flat, stable=True)
     counts = _counts(flat, config.experts)
     starts = counts.cumsum(0) - counts
     ranked = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
-    position = torch.empty_like(ranked).index_copy(0, order, ranked)
+    position = torch.empty_like(ranked).index_copy(0, order, ranked) + before
     return (position < cap).reshape(experts.shape)
 
 
@@ -222,7 +232,7 @@ def moe(
     tokens = x.reshape(-1, config.d_model)
     t, k, e = tokens.shape[0], config.top_k, config.experts
     weights, experts, scores, logits = route(params["router"], tokens, config, bias)
-    keep = _keep(experts, config)
+    keep = _keep(experts, config, axis)
     if keep is not None:
         weights = weights * keep.to(weights.dtype)
     flat = experts.reshape(-1)
@@ -257,11 +267,6 @@ def _check_axis(axis: Axis | None, config: MoEConfig, params: dict[str, Tensor])
         raise InvalidArgument(
             f"moe: experts={config.experts} do not divide over axis {axis.name!r} of "
             f"{axis.size} ranks: use a multiple of {axis.size} experts, or another axis size"
-        )
-    if config.capacity is not None and axis.size > 1:
-        raise InvalidArgument(
-            "moe: a capacity factor with expert parallelism is not built yet (each expert's "
-            "capacity would be counted over every rank's tokens); use capacity=None (dropless)"
         )
     local = config.experts // axis.size
     held = params["w_in"].shape[0]
