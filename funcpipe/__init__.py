@@ -34,6 +34,7 @@ from funcpipe.stages.precision import autocast_stage
 from funcpipe.stages.shapes import StageSpec, TensorSpec, infer_specs
 from funcpipe.stages.split_module import ModuleSplit, split_module
 from funcpipe.stages.stage import Stage, as_inputs, compose, from_module
+from funcpipe.stages.tally import tally
 from funcpipe.stages.ties import describe_ties, find_ties
 from funcpipe.train import data, loss_scale, optim
 from funcpipe.train.losses import token_cross_entropy
@@ -87,6 +88,7 @@ __all__ = [
     "shard_spec",
     "split",
     "split_module",
+    "tally",
     "testing",
     "token_cross_entropy",
     "tune",
