@@ -336,3 +336,36 @@ def _gathered_grads(pipe: Any, pieces: Any, params: Any, shards: Any) -> tuple[A
     from funcpipe.pipeline.zero import Shards
 
     return pipe.gather(Shards(pieces, shards.copy, shards.copies))
+
+
+def _rows_tallied(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    from funcpipe.stages.tally import tally
+
+    tally("rows", torch.tensor([x.shape[0], 1]))  # rows, and calls
+    tally("sum", x.detach().sum().reshape(1))
+    return torch.tanh(x @ p["w"])
+
+
+def tallies_of_programs(rank: int, names: Sequence[str]) -> list[dict[str, list[float]]]:
+    """Each program's step (and its evaluation's) over the pool's processes: this process's
+    tallies (every stage a toy that tallies its rows, calls and input sum)."""
+    import funcpipe as fp
+    from funcpipe.schedule import generate
+    from funcpipe.schedule.generators import to_eval
+
+    out = []
+    for name in names:
+        program = generate(name, ranks=2, microbatches=4)
+        n = len(set(program.replica_of or range(program.n_stages)))
+        stages = [fp.Stage(_rows_tallied) for _ in range(n)]
+        params = tuple({"w": torch.eye(3, dtype=F64) * (1 + s)} for s in range(n))
+        x = torch.randn(16, 3, dtype=F64, generator=torch.Generator().manual_seed(3))
+        import torch.distributed as dist
+
+        copies = dist.get_world_size() // 2
+        share = x[8 * (rank % copies) : 8 * (rank % copies) + 8] if copies > 1 else x
+        for prog in (program, to_eval(program)):
+            with fp.Pipeline(stages, prog, loss_fn=lambda o: o.sum()) as pipe:
+                got = pipe.step(params, share)
+            out.append({k: v.tolist() for k, v in got.tallies.items()})
+    return out

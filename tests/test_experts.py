@@ -147,3 +147,35 @@ def test_drawn_routings_at_pipeline_2_expert_2_equal_one_device(
     names = tuple(name for name, _ in drawn)
     got = pool(4).run(J.expert_pipelines_vs_one_device, names, routing=[r for _, r in drawn])
     _check(got, names)
+
+
+@pytest.mark.timeout(300)
+def test_tallies_sum_over_copies_and_chimeras_replicas(pool: Any) -> None:
+    """A step's tallies over 2 ranks x 2 copies equal the in-process step's over the whole
+    batch: summed over the copies, and under Chimera over the two replica ranks of each model
+    stage too (training and evaluation programs)."""
+    import torch
+
+    import funcpipe as fp
+    from funcpipe.schedule import generate
+    from funcpipe.schedule.generators import to_eval
+
+    names = ("1f1b", "chimera")
+    got = pool(4).run(J.tallies_of_programs, names)
+    x = torch.randn(16, 3, dtype=J.F64, generator=torch.Generator().manual_seed(3))
+    for k, name in enumerate(names):
+        program = generate(name, ranks=2, microbatches=4)
+        n = len(set(program.replica_of or range(program.n_stages)))
+        stages = [fp.Stage(J._rows_tallied) for _ in range(n)]
+        params = tuple({"w": torch.eye(3, dtype=J.F64) * (1 + s)} for s in range(n))
+        for j, prog in enumerate((program, to_eval(program))):
+            pipe = fp.Pipeline(stages, prog, loss_fn=lambda o: o.sum(), data=2)
+            want = {t: v.tolist() for t, v in pipe.step(params, x).tallies.items()}
+            assert want["rows"] == [16 * n, 8 * n]  # (2 copies x 4 microbatches x n stages)
+            for rank in range(4):  # every process: each of its stages' sums, n stages here
+                mine = got[rank][2 * k + j]
+                stages_here = 1 if name == "1f1b" else 2  # (Chimera: each rank holds both)
+                assert mine["rows"] == [16 * stages_here, 8 * stages_here], (name, rank, mine)
+                if name == "chimera":  # each process: both model stages, every microbatch
+                    assert mine["rows"] == want["rows"], (name, rank)
+                    assert mine["sum"] == pytest.approx(want["sum"], rel=1e-12), (name, rank)

@@ -138,6 +138,12 @@ def join(program: Program, *, mesh: Any = None, scatter_gather: bool = False) ->
     names = sorted({i.group for r in program.ranks for i in r if i.op in COLLECTIVE_OPS})
     if copies > 1 and "data" not in names:  # (an evaluation's tallies sum over it too)
         names.append("data")
+    holders: dict[str, set[int]] = {}  # Chimera: replica:<o> over the ranks holding o's replicas
+    replica_of = program.replica_of or ()
+    for r in range(n):
+        for s in program.stages_on(r) if replica_of else ():
+            holders.setdefault(f"replica:{replica_of[s]}", set()).add(r)
+    names += sorted(k for k, v in holders.items() if len(v) > 1 and k not in names)
     for name in names:
         if not in_program(name):  # over the data-parallel copies of this rank and coord
             lists = [[g(r, d, c) for d in range(copies)] for r in range(n) for c in range(tp)]
@@ -145,6 +151,7 @@ def join(program: Program, *, mesh: Any = None, scatter_gather: bool = False) ->
             continue
         members = sorted(
             {r for r, instrs in enumerate(program.ranks) for i in instrs if i.group == name}
+            | holders.get(name, set())
         )
         pg = subgroups([[g(r, d, c) for r in members] for d, c in everywhere])
         if rank in members and len(members) > 1:

@@ -29,11 +29,11 @@ from funcpipe.errors import InvalidArgument, NonFiniteError
 from funcpipe.runtime import autodiff
 from funcpipe.runtime.clock import step_clock
 from funcpipe.runtime.pending import Pending as _Pending
-from funcpipe.runtime.pending import nothing as _no
 from funcpipe.runtime.pending import wait_for
 from funcpipe.runtime.rank_io import EXPERT_DATA, RankInputs, RankResult
 from funcpipe.runtime.shards import gather_stage, leaf_layout, own_pieces, scatter_stage
 from funcpipe.runtime.stage_call import stage_fn
+from funcpipe.runtime.tallies import reduce_tallies
 from funcpipe.runtime.transport_common import P2P, RECV, SEND, Handle, Transport
 from funcpipe.schedule.check import in_program
 from funcpipe.schedule.ir import ACT, COMPUTE_OPS, GRAD, Instr, Op, groups
@@ -63,6 +63,7 @@ class _Rank:
         self.saved: dict[tuple[int, int], tuple[autodiff.Saved, Callable[..., Any]]] = {}
         self.result = RankResult()
         self.reductions: list[_Pending] = []
+        self.tallied: dict[int, dict[str, Tensor]] = {}  # owner -> funcpipe.stages.tally sums
         self.inflight: dict[int, list[_Pending]] = {}
         self.tied = {key for keys in x.ties.values() for key in keys}
         self.live = 0  # activations kept for a backward (as the simulator counts them)
@@ -228,7 +229,7 @@ class _Rank:
             if not needs:
                 leaves = [t.detach() for t in leaves]  # the batch needs no gradient
             keep = s not in self.x.recompute
-            with collecting(self.result.tallies):  # (a recomputation tallies nothing)
+            with collecting(self.tallied.setdefault(self.owner[s], {})):  # (not an R)
                 out, saved = autodiff.forward(fn, self._params(s), leaves, keep=keep)
             if keep:
                 self._alive(+1)
@@ -237,7 +238,7 @@ class _Rank:
                     t.requires_grad_(False)
             self.saved[(s, m)] = (saved, fn)
         else:
-            with torch.no_grad(), collecting(self.result.tallies):
+            with torch.no_grad(), collecting(self.tallied.setdefault(self.owner[s], {})):
                 out = fn(self._params(s), leaves)
         if self.x.check_finite:
             sink = not self.p.consumers(s) and len(out) > len(self.spec(s, m).leaves)
@@ -552,9 +553,6 @@ class _Rank:
             # a user's synchronize) would hold this rank's host before the sends it owes: a hang.
             buf = self.result.scalar_buffer(x.device)
             self.result.scalars = (buf, self.t.all_reduce([buf], x.scalars_group))
-        if x.tally_group is not None and self.result.tallies:  # (every copy: the same names)
-            tallies = [self.result.tallies[k] for k in sorted(self.result.tallies)]
-            self.reductions.append(_Pending(self.t.all_reduce(tallies, x.tally_group), _no))
         for h, then in self.incoming.values():  # (none in a checked program: read by now)
             yield from wait_for(h)
             if then is not None:
@@ -562,6 +560,7 @@ class _Rank:
         self.incoming = {}
         for pending in self.reductions:
             yield from pending.finish()
+        yield from reduce_tallies(self.t, self.tallied, x, self.result)  # (copies, replicas)
         # their callbacks are done: let them go
         self.reductions, self.inflight, self.scattering = [], {}, {}
         self.t.finish()
