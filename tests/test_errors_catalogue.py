@@ -572,7 +572,7 @@ def _expert_mesh() -> Any:
 def _experts_not_named() -> None:
     from funcpipe.pipeline.experts import check_experts
 
-    check_experts(None, 2, mesh=_expert_mesh(), transport="dist", data=2, zero=0, ties={})
+    check_experts(None, 2, mesh=_expert_mesh(), transport="dist", ties={})
 
 
 def _experts_as_paths_alone() -> None:

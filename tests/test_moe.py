@@ -190,3 +190,31 @@ def test_moe_stages_in_a_pipeline_equal_the_reference_step(schedule: str, recomp
     got = pipe.step(params, x, y)
     ref = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
     fp.testing.assert_trees_close((got.loss, got.grads), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_experts_named_without_an_expert_axis_reduce_like_dense_leaves() -> None:
+    """Pipeline(experts=...) with no expert axis (one expert rank, 2 in-process copies): every
+    copy holds every expert, so the expert leaves are averaged over both copies like the others
+    (they were left unreduced before: 0.88 off)."""
+    import funcpipe as fp
+    from funcpipe.schedule import generate
+
+    c = M.MoEConfig(d_model=4, experts=4, ffn=3, top_k=2)
+
+    def block(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        return h + M.moe(p, h, c)[0]
+
+    def mse(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return ((o - t) ** 2).mean()
+
+    stages = [fp.Stage(block), fp.Stage(block)]
+    params = tuple(M.init(c, seed=s, dtype=F64) for s in range(2))
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(8, 3, 4, dtype=F64, generator=g) for _ in range(2))
+    experts = [(s, leaf) for s in range(2) for leaf in ("w_in", "w_out")]
+    pipe = fp.Pipeline(
+        stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=mse, data=2, experts=experts
+    )
+    got = pipe.step(params, x, y)
+    ref = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
+    fp.testing.assert_trees_close((got.loss, got.grads), ref, atol=1e-12, rtol=1e-10)

@@ -157,7 +157,7 @@ def join(program: Program, *, mesh: Any = None, scatter_gather: bool = False) ->
         if rank in members and len(members) > 1:
             groups[name] = pg
     ep = 1 if mesh is None else mesh.config.expert
-    if ep > 1 and copies > ep and "data" in names:
+    if ep > 1 and copies > ep:
         # expert leaves sum over the copies that hold the same experts (copy % ep: the mesh's
         # expert coordinate; funcpipe.parallel.mesh), dense ones over all of them
         lists = [

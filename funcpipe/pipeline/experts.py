@@ -5,8 +5,7 @@ A mixture-of-experts layer split over the mesh's ``expert`` axis (:mod:`funcpipe
 data-parallel REDUCE must then sum those leaves over the copies that hold the *same* experts
 (the mesh's ``expert_data`` axis), while the dense leaves (attention, norms, the router, shared
 experts) sum over every copy as before. ``Pipeline(experts=[(stage, path), ...])`` names them,
-in the form ``ties`` uses; :func:`funcpipe.models.moe.expert_paths` and
-:func:`funcpipe.models.gpt.expert_paths` list them for funcpipe's own layers.
+in the form ``ties`` uses; :func:`funcpipe.models.gpt.expert_paths` lists a GPT's.
 """
 
 from __future__ import annotations
@@ -31,8 +30,6 @@ def check_experts(
     *,
     mesh: Any,
     transport: str,
-    data: int,
-    zero: int,
     ties: Any,
 ) -> tuple[TiePath, ...]:
     """``experts`` as a tuple of ``(stage, path)``, refused where it cannot be honoured."""
@@ -76,9 +73,13 @@ def check_experts(
     return tuple(out)
 
 
-def expert_leaves(params: Sequence[Any], experts: Sequence[TiePath]) -> dict[int, frozenset[int]]:
-    """Per stage, the indices (among its flattened leaves) of the leaves ``experts`` names."""
+def expert_leaves(
+    params: Sequence[Any], experts: Sequence[TiePath], ep: int
+) -> dict[int, frozenset[int]]:
+    """Per stage, the indices (among its flattened leaves) of the leaves ``experts`` names,
+    checked against ``params``; none at ``ep == 1`` (one expert rank: every copy holds every
+    expert, and the leaves reduce and shard over every copy like the dense ones)."""
     found: dict[int, set[int]] = {}
     for k, (s, path) in enumerate(experts):
         found.setdefault(s, set()).add(resolve(params[s], path, f"experts[{k}]"))
-    return {s: frozenset(v) for s, v in found.items()}
+    return {s: frozenset(v) for s, v in found.items()} if ep > 1 else {}

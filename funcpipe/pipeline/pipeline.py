@@ -175,9 +175,8 @@ class Pipeline:
         copies = _world.sizes(schedule.n_ranks, mesh)[0] if transport == "dist" else data
         self.zero = _zero.check_zero(zero, copies)
         self.experts = _experts.check_experts(
-            experts, len(self.stages), mesh=mesh, transport=transport, data=copies,
-            zero=self.zero, ties=self.ties,
-        )  # fmt: skip
+            experts, len(self.stages), mesh=mesh, transport=transport, ties=self.ties
+        )
         self._expert_leaves: dict[int, frozenset[int]] | None = None
         self._full: tuple[Any, ...] | None = None  # the full params' shapes (zero: shard())
         self.program = lower_program(
@@ -575,7 +574,8 @@ class Pipeline:
         for name, members in self.ties.items():
             ties[name] = [(s, resolve(params[s], path, f"ties[{name!r}]")) for s, path in members]
         if self._expert_leaves is None:
-            self._expert_leaves = _experts.expert_leaves(params, self.experts)
+            ep = _experts.expert_size(self.mesh)
+            self._expert_leaves = _experts.expert_leaves(params, self.experts, ep)
         return RankInputs(
             program=p,
             rank=rank,

@@ -354,7 +354,7 @@ def for_rank(pipe: Any, params: tuple[Any, ...], rank: int) -> tuple[Any, ...]:
 def _expert_layout(pipe: Any, params: Sequence[Any]) -> tuple[Experts, int]:
     """The leaves each stage splits over the expert axis, and its size (1: none)."""
     ep = _experts.expert_size(pipe.mesh)
-    return (_experts.expert_leaves(params, pipe.experts) if ep > 1 else {}), ep
+    return _experts.expert_leaves(params, pipe.experts, ep), ep
 
 
 def _need_full(pipe: Any, what: str) -> tuple[Any, ...]:
