@@ -150,6 +150,16 @@ def test_drawn_routings_at_pipeline_2_expert_2_equal_one_device(
 
 
 @pytest.mark.timeout(300)
+def test_tallies_sum_over_chimeras_replicas_with_one_copy(pool: Any) -> None:
+    """Chimera over 2 processes, one copy: each process's tallies are both model stages' over
+    every microbatch (its own replica's and the other's)."""
+    got = pool(2).run(J.tallies_of_programs, ("chimera",))
+    for rank in range(2):
+        for j in range(2):  # the step and the evaluation
+            assert got[rank][j]["rows"] == [16 * 2, 4 * 2], (rank, j, got[rank][j])
+
+
+@pytest.mark.timeout(300)
 def test_tallies_sum_over_copies_and_chimeras_replicas(pool: Any) -> None:
     """A step's tallies over 2 ranks x 2 copies equal the in-process step's over the whole
     batch: summed over the copies, and under Chimera over the two replica ranks of each model

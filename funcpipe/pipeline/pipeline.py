@@ -341,7 +341,7 @@ class Pipeline:
         x = self._rank_inputs(self.rank, params, entry, side, tgt, layouts, return_outputs)
         if zin is not None:
             x.shards, x.copy = zin[1][0], self._world.copy
-        x.data_size, x.tally_group = self.data_size, ("data" if self.data_size > 1 else None)
+        x.data_size, x.tally_group = self.data_size, "data"  # (one copy: no such group, a no-op)
         x.seed, x.microbatch_offset = seed, self._world.copy * m
         x.trace, x.loss_scale = trace, scale
         if self.loss_fn is not None or self.metric_fn is not None:

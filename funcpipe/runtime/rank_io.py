@@ -58,8 +58,9 @@ class RankInputs:
     # reduce (loss sum, metric sum, has loss) over this transport group once this rank has run
     # its last instruction (every rank; never earlier: see _Rank.run); None: the caller does it
     scalars_group: str | None = None
-    # sum this rank's tallies (funcpipe.stages.tally) over this transport group (its data copies)
-    # once it has run its last instruction; None: the caller does it (or there is one copy)
+    # over processes: sum this rank's tallies (funcpipe.stages.tally) over this transport group
+    # (its data copies), then over Chimera's replica ranks (funcpipe.runtime.tallies), once its
+    # reductions are done; None: in one process, where the caller sums every rank's
     tally_group: str | None = None
     # the step's seed: each stage call runs under stage_key(seed, stage, microbatch_offset + m)
     # (funcpipe.stages.keys); None: under no key. microbatch_offset: this data copy's first
@@ -119,7 +120,7 @@ class RankResult:
     # with RankInputs.scalars_group: (float64 buffer laid out as SCALARS, its reduction)
     scalars: tuple[Tensor, Handle] | None = None
     # name -> the sum of what this rank's forwards tallied (funcpipe.stages.tally); with
-    # RankInputs.tally_group, summed over its data copies once the step's reductions finished
+    # RankInputs.tally_group, over its data copies and replica ranks too
     tallies: dict[str, Tensor] = field(default_factory=dict)
 
     def add_loss(self, extras: Sequence[Tensor], has_metric: bool, rank: int) -> None:

@@ -5,8 +5,9 @@ model stage whose params ran: Chimera's replicas share one). Once the rank's red
 done, :func:`reduce_tallies` sums each owner's tallies over the data copies (the transport
 group ``RankInputs.tally_group``) and then, for a stage the program replicates on other ranks
 (Chimera), over those ranks (the in-program group ``replica:<owner>``); one collective after
-the other on the same tensors, each waited before the next is posted. In one process
-(``tally_group`` None) nothing is posted: the Pipeline sums every rank's.
+the other on the same tensors, each waited before the next is posted (a group a rank is alone
+in is a no-op). In one process (``tally_group`` None) nothing is posted: the Pipeline sums
+every rank's.
 """
 
 from __future__ import annotations
