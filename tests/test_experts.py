@@ -83,15 +83,18 @@ def test_the_step_returns_each_blocks_counts_summed_over_copies(pool: Any) -> No
     counts of its stage's blocks over the whole batch (both copies, every microbatch), as the
     same model counts them on one device."""
     from funcpipe.models import gpt
+    from funcpipe.stages.tally import collecting
 
     got = pool(4).run(J.gpt_tallies_over_processes)
     cfg = J.TALLY_CFG
     x, _, bias = J.tally_batch()
     full = gpt.init(cfg, seed=5, dtype=J.F64)
-    fn = gpt.stages(cfg, 1, axis=gpt.single_axis())[0].fn
-    loads: list[Any] = []
-    fn(gpt.split(full, cfg, 1)[0], x, route_bias=bias, _loads=loads)
-    want = {f"blocks.{i}.moe.counts": loads[i].tolist() for i in range(3)}
+    fn = gpt.stages(cfg, 1, axis=gpt.single_axis())[0]
+    counts: dict[str, Any] = {}
+    with collecting(counts):  # (the one-device model's own counts, with the bias)
+        fn(gpt.split(full, cfg, 1)[0], x, route_bias=bias)
+    want = {k: v.tolist() for k, v in counts.items()}
+    assert sorted(want) == [f"blocks.{i}.moe.counts" for i in range(3)]
     held = [["blocks.0.moe.counts", "blocks.1.moe.counts"], ["blocks.2.moe.counts"]]
     for rank, tallies in enumerate(got):  # world rank: (pipe rank * 2 + copy)
         assert sorted(tallies) == held[rank // 2]

@@ -43,7 +43,7 @@ from funcpipe.parallel.mesh import Axis
 from funcpipe.parallel.sharding import Sharding
 from funcpipe.stages.keys import current_key
 from funcpipe.stages.stage import Stage
-from funcpipe.stages.tally import tally
+from funcpipe.stages.tally import collecting, tally
 
 __all__ = [
     "GPTConfig",
@@ -401,6 +401,10 @@ def stages(
             "expert axis)"
         )
     mixed = bool(config.experts)
+    # (made once, not per block and microbatch: the MoE layers' config, each block's row of
+    # the routing bias and load)
+    mcfg = config.moe_config if mixed else None
+    row = {str(i): j for j, i in enumerate(config.moe_blocks)}
     heads = config.heads
     drop, attn_drop = float(config.dropout), float(config.attn_dropout or 0.0)
     out = []
@@ -418,7 +422,6 @@ def stages(
             _first: bool = first,
             _last: bool = last,
             _keys: list[str] = keys,
-            _loads: list[Tensor] | None = None,
         ) -> Any:
             keyed = (drop or attn_drop) and current_key() is not None
             if _first:
@@ -439,15 +442,15 @@ def stages(
                 if "moe" not in blk:
                     h = ops.mlp_block(h, blk["mlp"], axis=axis, dropout=d)
                     continue
-                j = config.moe_blocks.index(int(k))
+                j = row[k]
                 bias = None if route_bias is None else route_bias[j]
                 load = None if route_load is None else route_load[j]
-                h, stats = _moe_block(h, blk["moe"], config.moe_config, expert, d, bias, load)
+                h, stats = _moe_block(
+                    h, blk["moe"], mcfg or config.moe_config, expert, d, bias, load
+                )
                 a = stats["aux"].to(_wide(stats["aux"].dtype))
                 aux = a if aux is None else aux + a.to(aux.dtype)
                 tally(f"blocks.{k}.moe.counts", stats["counts"])  # (summed by the step)
-                if _loads is not None:
-                    _loads.append(stats["counts"])
             if _last:
                 h = F.layer_norm(
                     h, h.shape[-1:], p["norm"]["weight"], p["norm"]["bias"], ops.LN_EPS
@@ -538,11 +541,11 @@ def expert_load(params: dict[str, Any], config: GPTConfig, tokens: Tensor) -> Te
     assignments) for ``tokens``, on one device with the full params."""
     if not config.experts:
         raise InvalidArgument("expert_load: the GPTConfig has no experts (experts=0)")
-    loads: list[Tensor] = []
-    fn = stages(config, 1, axis=single_axis())[0].fn
-    with torch.no_grad():
-        fn(split(params, config, 1)[0], tokens, _loads=loads)
-    return torch.stack(loads)
+    counts: dict[str, Tensor] = {}
+    fn = stages(config, 1, axis=single_axis())[0]
+    with torch.no_grad(), collecting(counts):  # (what the blocks tally)
+        fn(split(params, config, 1)[0], tokens)
+    return torch.stack([counts[f"blocks.{i}.moe.counts"] for i in config.moe_blocks])
 
 
 def expert_paths(
