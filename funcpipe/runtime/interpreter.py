@@ -569,7 +569,7 @@ class _Rank:
         for o, leaves in self.leaves.items():
             if o in x.shards:  # sharded: this copy's pieces (zeros where none were SCATTERed)
                 at = leaf_layout(len(leaves), x.experts.get(o, frozenset()), *x.layout)
-                self.result.grads[o] = own_pieces(self.pieces.get(o), leaves, 0, 0, at)
+                self.result.grads[o] = own_pieces(self.pieces.get(o), leaves, at)
             else:
                 self.result.grads[o] = [_take_grad(t) for t in leaves]
         return self.result

@@ -17,7 +17,7 @@ from collections.abc import Callable, Generator
 
 from funcpipe.runtime.transport_common import DONE, Handle
 
-__all__ = ["Pending", "nothing", "wait_for"]
+__all__ = ["Pending", "wait_for"]
 
 
 def wait_for(handle: Handle) -> Generator[Handle, None, None]:
@@ -53,6 +53,3 @@ class Pending:
 
 def _nothing() -> None:
     pass
-
-
-nothing = _nothing  # a callback with nothing to do

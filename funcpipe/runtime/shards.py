@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from funcpipe.runtime.buckets import bucket_indices
+from funcpipe.runtime.rank_io import EXPERT_DATA
 from funcpipe.runtime.transport_common import Handle, Transport
 
 __all__ = [
@@ -183,19 +184,16 @@ def scatter_grads(
 def own_pieces(
     pieces: Sequence[Tensor | None] | None,
     leaves: Sequence[Tensor],
-    d: int,
-    c: int,
-    layout: Sequence[tuple[int, int]] | None = None,
+    layout: Sequence[tuple[int, int]],
 ) -> list[Tensor]:
     """A sharded owner's gradients as a step returns them: its SCATTERed ``pieces``, and
     where there is none (no SCATTER ran: a stage no microbatch visits) piece ``c`` of ``d``
-    (per leaf ``layout[k]`` when given) of the leaf's gradient sum (zeros if it has none). The
+    (``layout[k]``: :func:`leaf_layout`) of the leaf's gradient sum (zeros if it has none). The
     leaves let go of their sums."""
     out = []
     for k, leaf in enumerate(leaves):
         p = None if pieces is None else pieces[k]
-        if layout is not None:
-            d, c = layout[k]
+        d, c = layout[k]
         if p is None:
             g = leaf.grad
             p = (
@@ -209,9 +207,6 @@ def own_pieces(
 
 
 # ------------------------------------------------------------------ experts shard apart
-EXPERT_GROUP = "expert_data"  # (funcpipe.runtime.rank_io.EXPERT_DATA: the same name)
-
-
 def leaf_layout(n: int, experts: frozenset[int], d: int, c: int, ep: int) -> list[tuple[int, int]]:
     """Per leaf of a stage, ``(pieces, this copy's piece)``: ``(d, c)``, but for the leaves
     split over the expert axis ``(d // ep, c // ep)``: those shard over the ``d // ep`` copies
@@ -240,7 +235,7 @@ def _parts(
     dense = [k for k in range(n) if k not in experts]
     if not experts or ep == 1:
         return [(list(range(n)), d, c, group)]
-    return [(dense, d, c, group), (sorted(experts), d // ep, c // ep, EXPERT_GROUP)]
+    return [(dense, d, c, group), (sorted(experts), d // ep, c // ep, EXPERT_DATA)]
 
 
 def gather_stage(
