@@ -194,3 +194,12 @@ def test_the_batch_switch_loss_is_exact_under_every_schedule(name: str, recomput
         params, x, y
     )
     assert not torch.allclose(own.loss, got.loss, atol=1e-9, rtol=0)
+
+
+def test_a_routing_bias_or_load_of_another_shape_is_refused() -> None:
+    fn = gpt.stages(CFG, 1, axis=ONE)[0]
+    params = gpt.split(gpt.init(CFG, seed=0), CFG, 1)[0]
+    x, _ = _batch()
+    for name, shape in (("route_bias", (2, 4)), ("route_load", (3, 5)), ("route_bias", (4,))):
+        with pytest.raises(InvalidArgument, match=f"{name} has shape .*: \\(3, 4\\)"):
+            fn(params, x, **{name: torch.zeros(shape)})

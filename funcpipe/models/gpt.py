@@ -405,6 +405,7 @@ def stages(
     # the routing bias and load)
     mcfg = config.moe_config if mixed else None
     row = {str(i): j for j, i in enumerate(config.moe_blocks)}
+    rows = (len(config.moe_blocks), config.experts)
     heads = config.heads
     drop, attn_drop = float(config.dropout), float(config.attn_dropout or 0.0)
     out = []
@@ -424,6 +425,12 @@ def stages(
             _keys: list[str] = keys,
         ) -> Any:
             keyed = (drop or attn_drop) and current_key() is not None
+            for name, t in (("route_bias", route_bias), ("route_load", route_load)):
+                if t is not None and tuple(t.shape) != rows:
+                    raise InvalidArgument(
+                        f"gpt stage: {name} has shape {tuple(t.shape)}; it holds a row per MoE "
+                        f"block and a value per expert: {rows} (gpt_balance.route_bias(config))"
+                    )
             if _first:
                 h = ops.vocab_parallel_embedding(x, {"weight": p["wte"]}, axis=axis)
                 h = h + p["wpe"][: x.shape[-1]]
