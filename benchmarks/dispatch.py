@@ -281,6 +281,26 @@ class PlainMoE(nn.Module):
         return torch.zeros_like(t).index_add(0, tok, o).reshape(x.shape)
 
 
+def _against_plain(
+    shape: dict[str, Any], funcpipe_step: Callable[[], None], plain: nn.Module, x: Tensor
+) -> dict[str, Any]:
+    """ATen ops of one warm forward + backward of each: funcpipe's step and the plain module
+    on ``x`` (its output's gradient all ones), and their ratio."""
+
+    def plain_step() -> None:
+        y = plain(x)
+        y.backward(torch.ones_like(y))
+
+    out: dict[str, Any] = {"shape": shape}
+    for name, step in (("funcpipe", funcpipe_step), ("plain", plain_step)):
+        step()
+        with OpCounter() as counter:
+            step()
+        out[name] = {"ops": counter.count.ops, "by_op": dict(counter.count.by_op.most_common())}
+    out["ratio"] = out["funcpipe"]["ops"] / out["plain"]["ops"]
+    return out
+
+
 def count_moe_blocks() -> dict[str, Any]:
     """ATen ops of one forward + backward of funcpipe's MoE layer (with its auxiliary and z
     losses computed) and of :class:`PlainMoE`, float32, at :data:`MOE`."""
@@ -298,18 +318,7 @@ def count_moe_blocks() -> dict[str, Any]:
         y = moe.moe(params, x, config)[0]
         y.backward(torch.ones_like(y))
 
-    def plain_step() -> None:
-        y = plain(x)
-        y.backward(torch.ones_like(y))
-
-    out: dict[str, Any] = {"shape": dict(m)}
-    for name, step in (("funcpipe", funcpipe_step), ("plain", plain_step)):
-        step()
-        with OpCounter() as counter:
-            step()
-        out[name] = {"ops": counter.count.ops, "by_op": dict(counter.count.by_op.most_common())}
-    out["ratio"] = out["funcpipe"]["ops"] / out["plain"]["ops"]
-    return out
+    return _against_plain(dict(m), funcpipe_step, plain, x)
 
 
 class PlainMoEBlock(nn.Module):
@@ -355,18 +364,7 @@ def count_gpt_moe_blocks() -> dict[str, Any]:
             fp.stages.tally.tally("counts", stats["counts"])
         (y.sum() + 0.01 * stats["aux"]).backward()
 
-    def plain_step() -> None:
-        y = plain(x)
-        y.backward(torch.ones_like(y))
-
-    out: dict[str, Any] = {"shape": {**m, "heads": 4}}
-    for name, step in (("funcpipe", funcpipe_step), ("plain", plain_step)):
-        step()
-        with OpCounter() as counter:
-            step()
-        out[name] = {"ops": counter.count.ops, "by_op": dict(counter.count.by_op.most_common())}
-    out["ratio"] = out["funcpipe"]["ops"] / out["plain"]["ops"]
-    return out
+    return _against_plain({**m, "heads": 4}, funcpipe_step, plain, x)
 
 
 # ------------------------------------------------------------------------ tensor parallel
