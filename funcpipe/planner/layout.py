@@ -7,6 +7,7 @@ from dataclasses import InitVar, asdict, dataclass
 from funcpipe.errors import InvalidArgument
 
 __all__ = [
+    "DISPATCHERS",
     "MAX_GPUS",
     "MAX_STAGES",
     "RECOMPUTE",
@@ -25,6 +26,14 @@ ZERO = (0, 1, 2)
 parameters and optimizer state kept 1/d between steps, the step's gradient sums whole until one
 reduce-scatter per stage; 2 (ZeRO-2) as 1, but a reduce-scatter per stage and microbatch into a
 1/d gradient shard, so only one chunk's full gradient exists at a time."""
+
+DISPATCHERS = ("alltoall", "hybridep")
+"""How a mixture of experts' tokens cross the ``expert`` axis (Megatron-Core's dispatchers):
+``alltoall`` a flat NCCL all-to-all, every routed copy sent to its expert's rank;
+``hybridep`` DeepEP's Hybrid-EP (Megatron-Core's ``flex`` dispatcher with
+``moe_flex_dispatcher_backend="hybridep"``), which sends a token over the network once per
+other node holding any of its experts and fans it out over NVLink there
+(:func:`funcpipe.planner.moe.dispatch_seconds`)."""
 
 _CHUNKS = {"1f1b": 1, "gpipe": 1, "zb-h1": 1, "zb-h2": 1, "zbv": 2}
 
@@ -64,7 +73,7 @@ class ClusterLayout:
     the ``data`` copies (Megatron-Core folds expert parallelism into data parallelism: the GPUs
     are still tensor x pipeline x data, ``expert`` divides ``data``; dense gradients are reduced
     over all ``data`` copies, expert gradients over the ``data / expert`` holding the same
-    experts)."""
+    experts); ``dispatcher`` one of :data:`DISPATCHERS`, how the expert axis moves tokens."""
 
     tensor: int = 1
     pipeline: int = 1
@@ -78,6 +87,7 @@ class ClusterLayout:
     stage_layers: tuple[int, ...] | None = None
     zero: int = -1  # -1: not given (0, or 1 with zero1=True); always 0, 1 or 2 once made
     expert: int = 1
+    dispatcher: str = "alltoall"
 
     def __post_init__(self, zero1: bool) -> None:
         for name in ("tensor", "pipeline", "data", "microbatch", "interleave", "expert"):
@@ -92,6 +102,7 @@ class ClusterLayout:
                 "parallelism, as Megatron-Core does), so expert must divide data; pick an expert "
                 f"size out of the divisors of {self.data}, or more data copies"
             )
+        self._check_dispatcher()
         if self.recompute not in RECOMPUTE:
             raise InvalidArgument(
                 f"ClusterLayout(recompute={self.recompute!r}): one of {', '.join(RECOMPUTE)}"
@@ -133,6 +144,17 @@ class ClusterLayout:
                 "the tensor axis; pass tensor > 1 or leave it off"
             )
 
+    def _check_dispatcher(self) -> None:
+        if self.dispatcher not in DISPATCHERS:
+            raise InvalidArgument(
+                f"ClusterLayout(dispatcher={self.dispatcher!r}): one of {', '.join(DISPATCHERS)}"
+            )
+        if self.dispatcher != "alltoall" and self.expert == 1:
+            raise InvalidArgument(
+                f"ClusterLayout(dispatcher={self.dispatcher!r}, expert=1): a dispatcher moves "
+                "tokens over the expert axis, and there is none; pass expert > 1 or leave it out"
+            )
+
     def _check_zero(self, zero1: bool) -> None:
         """``zero`` one of :data:`ZERO`; ``zero1=True`` (the old spelling) means 1 where ``zero``
         is not given, and is refused beside ``zero=0``: ``dataclasses.replace(layout, zero=0)``
@@ -170,16 +192,19 @@ class ClusterLayout:
         return self.tensor * self.pipeline * self.data
 
     def as_dict(self) -> dict[str, object]:
-        """The fields (and ``zero1``); ``expert`` only where the layout has an expert axis, so
-        a dense layout's JSON is what it was before the axis came in."""
+        """The fields (and ``zero1``); ``expert`` only where the layout has an expert axis and
+        ``dispatcher`` only where it is not ``alltoall``, so a dense layout's JSON is what it was
+        before the axis came in."""
         out = {**asdict(self), "zero1": self.zero >= 1}
         if self.expert == 1:
             del out["expert"]
+        if self.dispatcher == "alltoall":
+            del out["dispatcher"]
         return out
 
     def short(self) -> str:
         """``t8 p8 d24 b1 v2 full sp interleaved``-style text (``e8`` after ``d`` for an expert
-        axis)."""
+        axis, ``hybridep`` before the schedule for that dispatcher)."""
         bits = [
             f"t{self.tensor}",
             f"p{self.pipeline}",
@@ -195,6 +220,8 @@ class ClusterLayout:
             bits.append(f"zero{self.zero}")
         if self.stage_layers is not None:
             bits.append("layers " + ",".join(map(str, self.stage_layers)))
+        if self.dispatcher != "alltoall":
+            bits.append(self.dispatcher)
         bits.append(self.schedule)
         return " ".join(bits)
 

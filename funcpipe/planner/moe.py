@@ -42,10 +42,12 @@ from funcpipe.planner.model import Transformer
 
 __all__ = [
     "ALL_TO_ALLS",
+    "HYBRIDEP_NIC_SHARE",
     "dispatch_bytes",
     "dispatch_seconds",
     "moe_comm",
     "moe_layer_costs",
+    "node_touch_probability",
     "routed_rows",
 ]
 
@@ -54,6 +56,17 @@ ALL_TO_ALLS = 4
 I (a full recompute runs the forward pair again)."""
 
 _PROBS_BYTES = 4  # the router's softmax and top-k in float32
+
+HYBRIDEP_NIC_SHARE = {"dispatch": 54.47e9 / 2 / 50e9, "combine": 53.35e9 / 2 / 50e9}
+"""Share of a GPU's NIC that Hybrid-EP's bf16 dispatch and combine reach across nodes: 0.545 and
+0.534. From DeepEP's ``docs/README_Hybrid-EP.md`` (deepseek-ai/DeepEP, commit ``5fbafce2``), "H100
+Platform": 16 ranks (2 nodes of 8), 16 SMs (Megatron-Core's default ``moe_hybridep_num_sms``),
+4,096 tokens of hidden 7,168 a rank, top-8 of 128 experts (8 a rank), random uniform routing,
+"Torch API": 54.47 GB/s dispatch, 53.35 GB/s combine. That "IB bandwidth" counts each token once
+per node it touches, its own node included (``tests/test_hybrid_ep.py`` and
+``count_rdma_send_from_routing_map`` in ``tests/utils.py``: "we do not set the local node map to
+zeros"), so at 2 nodes half the counted bytes cross the network: 27.2 and 26.7 GB/s of the 400
+Gb/s (50 GB/s) NIC a DGX-H100 GPU has."""
 
 
 def routed_rows(model: Transformer, layout: ClusterLayout) -> tuple[float, float]:
@@ -73,14 +86,50 @@ def dispatch_bytes(model: Transformer, layout: ClusterLayout) -> float:
     return tokens * model.top_k * model.hidden * model.bytes
 
 
-def dispatch_seconds(model: Transformer, layout: ClusterLayout, cluster: Cluster) -> float:
-    """Seconds of one all-to-all over the ``expert`` axis (:func:`~funcpipe.planner.comm.
-    all_to_all_nodes`): its members are ``tensor`` ranks apart (tensor innermost, then expert),
-    so ``gpus_per_node / tensor`` of them share a node; on NVLink when the group fits in one."""
+def dispatch_seconds(
+    model: Transformer, layout: ClusterLayout, cluster: Cluster, op: str = "dispatch"
+) -> float:
+    """Seconds of one all-to-all over the ``expert`` axis (``op``: ``"dispatch"`` or
+    ``"combine"``): its members are ``tensor`` ranks apart (tensor innermost, then expert), so
+    ``gpus_per_node / tensor`` of them share a node; on NVLink when the group fits in one.
+    ``alltoall``: :func:`~funcpipe.planner.comm.all_to_all_nodes`. ``hybridep`` across nodes:
+    :func:`_hybridep_seconds`; inside one node it is priced as the NVLink all-to-all (DeepEP
+    publishes no H100 figure for its intra-node kernels)."""
     ep, t = layout.expert, layout.tensor
     per_node = max(1, cluster.gpus_per_node // t)
     nbytes = dispatch_bytes(model, layout)
+    if layout.dispatcher == "hybridep" and per_node < ep:
+        return _hybridep_seconds(model, layout, cluster, per_node, op)
     return comm.all_to_all_nodes(nbytes, ep, per_node, cluster.intra, cluster.inter)
+
+
+def node_touch_probability(experts: int, on_node: int, top_k: int) -> float:
+    """Chance that a token's ``top_k`` distinct experts, drawn uniformly from ``experts`` (the
+    benchmarks' forced balance: random router logits), include one of the ``on_node`` experts
+    of a given node: ``1 - C(experts - on_node, k) / C(experts, k)``."""
+    miss = 1.0
+    for i in range(top_k):
+        miss *= max(0, experts - on_node - i) / (experts - i)
+    return 1.0 - miss
+
+
+def _hybridep_seconds(
+    model: Transformer, layout: ClusterLayout, cluster: Cluster, per_node: int, op: str
+) -> float:
+    """Hybrid-EP across ``ep / per_node`` nodes: each routed token crosses the network once per
+    other node holding one of its experts (one copy of its hidden vector, however many of that
+    node's experts it picked), at :data:`HYBRIDEP_NIC_SHARE` of the NIC, and is fanned out over
+    NVLink inside the node (at most the node's ``(g - 1) / g`` of the rank's routed rows) at
+    the same time; the slower of the two, plus a network latency per other node."""
+    ep = layout.expert
+    nodes = ep // per_node
+    tokens, _ = routed_rows(model, layout)
+    on_node = model.experts // ep * per_node
+    touched = (nodes - 1) * node_touch_probability(model.experts, on_node, model.top_k)
+    remote = tokens * touched * model.hidden * model.bytes
+    remote_s = remote / (cluster.inter.bandwidth * HYBRIDEP_NIC_SHARE[op])
+    local_s = (per_node - 1) / per_node * dispatch_bytes(model, layout) / cluster.intra.bandwidth
+    return max(remote_s, local_s) + (nodes - 1) * cluster.inter.latency
 
 
 def moe_comm(model: Transformer, layout: ClusterLayout, cluster: Cluster) -> tuple[float, float]:
@@ -88,7 +137,9 @@ def moe_comm(model: Transformer, layout: ClusterLayout, cluster: Cluster) -> tup
     attention's all-gather and reduce-scatter (sequence parallel), the routed rows' gather and
     scatter over ``tensor``, the shared experts' pair; dispatch and combine."""
     t = layout.tensor
-    a2a = 2 * dispatch_seconds(model, layout, cluster)
+    a2a = dispatch_seconds(model, layout, cluster) + dispatch_seconds(
+        model, layout, cluster, "combine"
+    )
     if t == 1:
         return 0.0, a2a
     tlink = cluster.link(stride=1, size=t)

@@ -21,6 +21,7 @@ from funcpipe.planner.model import Transformer
 
 __all__ = [
     "MEGATRON_2021",
+    "MEGATRON_BRIDGE_DISPATCHER",
     "MEGATRON_BRIDGE_MODELS",
     "MEGATRON_BRIDGE_MOE",
     "ZERO_BUBBLE_2024_BUBBLE",
@@ -77,14 +78,25 @@ MEGATRON_BRIDGE_MOE: dict[str, tuple[str, int, str, int, int, int, int, int, int
 }
 
 
+MEGATRON_BRIDGE_DISPATCHER: dict[str, str] = {
+    # scripts/performance/configs: GPT-OSS 120B H100 BF16 V2 keeps the recipe's
+    # moe_token_dispatcher_type="alltoall"; Qwen3-30B-A3B H100 FP8_CS V1 (qwen/
+    # qwen3_workload_base_configs.py) sets moe_flex_dispatcher_backend="hybridep"
+    "GPT-OSS 120B": "alltoall",
+    "Qwen3-30B-A3B": "hybridep",
+}
+
+
 def megatron_bridge_run(name: str) -> tuple[Transformer, ClusterLayout, int, int]:
     """(Transformer, ClusterLayout, GPUs, global batch) of one :data:`MEGATRON_BRIDGE_MOE` row in
     planner terms: Megatron-Core's distributed optimizer (``zero=1``), 1F1B, data = GPUs /
     (tensor x pipeline) with the expert axis inside it, the recipe's recompute of the norms and
-    the expert activation as ``selective``."""
+    the expert activation as ``selective``, the recipe's dispatcher
+    (:data:`MEGATRON_BRIDGE_DISPATCHER`)."""
     _, gpus, _, batch, b, t, p, ep, rc, _, _ = MEGATRON_BRIDGE_MOE[name]
     layout = ClusterLayout(tensor=t, pipeline=p, data=gpus // (t * p), microbatch=b, expert=ep,
-                    zero=1, recompute="selective" if rc else "none")  # fmt: skip
+                    zero=1, recompute="selective" if rc else "none",
+                    dispatcher=MEGATRON_BRIDGE_DISPATCHER[name])  # fmt: skip
     return MEGATRON_BRIDGE_MODELS[name], layout, gpus, batch
 
 

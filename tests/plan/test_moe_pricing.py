@@ -28,8 +28,16 @@ from funcpipe.planner import (
 )
 from funcpipe.planner.blocks import block_table
 from funcpipe.planner.compute import attention_core, layer_costs
-from funcpipe.planner.moe import dispatch_bytes, dispatch_seconds, moe_comm, moe_layer_costs
+from funcpipe.planner.moe import (
+    HYBRIDEP_NIC_SHARE,
+    dispatch_bytes,
+    dispatch_seconds,
+    moe_comm,
+    moe_layer_costs,
+    node_touch_probability,
+)
 from funcpipe.planner.published import (
+    MEGATRON_BRIDGE_DISPATCHER,
     MEGATRON_BRIDGE_MODELS,
     MEGATRON_BRIDGE_MOE,
     megatron_bridge_run,
@@ -162,6 +170,50 @@ def test_a_step_carries_four_all_to_alls_per_moe_block_and_microbatch() -> None:
     full = block_table(MOE, ClusterLayout(data=16, expert=8, recompute="full"), where,
                        Calibration())[True, False]  # fmt: skip
     assert isclose(full.a2a_i, 4 * one)  # the recomputed forward dispatches again
+
+
+def test_hybridep_sends_each_token_once_per_other_node_it_touches() -> None:
+    """Across nodes, Hybrid-EP moves b s / t tokens x (nodes - 1) x P(a node holds one of the
+    token's k experts) hidden vectors over the network, at the published share of the NIC,
+    while the node's fan-out takes NVLink; inside a node it is the NVLink all-to-all."""
+    intra, inter = Link(400e9, 2e-6), Link(40e9, 9e-6)
+    where = Cluster(IDEAL.gpu, gpus_per_node=4, intra=intra, inter=inter)
+    b, s, h, k, E = 2, 64, 128, 2, 8
+    for ep in (8, 4):
+        flat = ClusterLayout(data=8, expert=ep, microbatch=b)
+        hyb = ClusterLayout(data=8, expert=ep, microbatch=b, dispatcher="hybridep")
+        if ep == 4:  # one node: the same as the flat all-to-all
+            assert dispatch_seconds(MOE, hyb, where) == dispatch_seconds(MOE, flat, where)
+            continue
+        on_node = E // ep * 4  # 4 of the 8 experts on each of the 2 nodes
+        touch = 1 - (4 * 3) / (8 * 7)  # 1 - C(4, 2) / C(8, 2)
+        assert isclose(node_touch_probability(E, on_node, k), touch)
+        remote = b * s * 1 * touch * h * 2
+        for op in ("dispatch", "combine"):
+            net = remote / (inter.bandwidth * HYBRIDEP_NIC_SHARE[op])
+            nvl = 3 / 4 * dispatch_bytes(MOE, hyb) / intra.bandwidth
+            want = max(net, nvl) + inter.latency
+            assert isclose(dispatch_seconds(MOE, hyb, where, op), want), op
+        pair = dispatch_seconds(MOE, hyb, where) + dispatch_seconds(MOE, hyb, where, "combine")
+        assert isclose(moe_comm(MOE, hyb, where)[1], pair)
+        assert pair < moe_comm(MOE, flat, where)[1]  # fewer bytes over the network
+    assert isclose(HYBRIDEP_NIC_SHARE["dispatch"], 0.5447, abs_tol=1e-4)  # DeepEP's H100 rows
+    assert isclose(HYBRIDEP_NIC_SHARE["combine"], 0.5335, abs_tol=1e-4)
+    assert node_touch_probability(8, 8, 2) == 1.0 and node_touch_probability(8, 0, 2) == 0.0
+
+
+def test_the_dispatcher_is_a_layout_field() -> None:
+    lay = ClusterLayout(data=16, expert=16, zero=1, dispatcher="hybridep")
+    assert lay.short() == "t1 p1 d16 e16 b1 v1 none zero1 hybridep 1f1b"
+    assert lay.as_dict()["dispatcher"] == "hybridep"
+    assert "dispatcher" not in ClusterLayout(data=16, expert=16).as_dict()
+    with pytest.raises(InvalidArgument, match="one of alltoall, hybridep"):
+        ClusterLayout(data=4, expert=4, dispatcher="deepep")
+    with pytest.raises(InvalidArgument, match="expert=1"):
+        ClusterLayout(data=4, dispatcher="hybridep")
+    assert MEGATRON_BRIDGE_DISPATCHER == {"GPT-OSS 120B": "alltoall",
+                                          "Qwen3-30B-A3B": "hybridep"}  # fmt: skip
+    assert megatron_bridge_run("Qwen3-30B-A3B")[1].dispatcher == "hybridep"
 
 
 # -------------------------------------------------------------------------------- memory
@@ -333,22 +385,43 @@ def _row(name: str) -> tuple[float, float, float, float, bool]:
     return e.tokens_per_s_per_gpu, tokens, e.tflops_per_gpu, tflops, e.fits
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="docs/planner.md: with the recipe's Hybrid-EP dispatcher priced (one copy of a token "
+    "per other node, at DeepEP's published H100 rate) the planner gives Qwen3-30B-A3B EP16 "
+    "11,453 tokens/s/GPU, 1.30x the published 8,826: the same 1.30x as Megatron-Bridge's "
+    "intra-node Qwen3 row. Its earlier 0.90x was the flat all-to-all's extra network bytes "
+    "cancelling the same unmodelled eager-MoE time",
+)
 def test_qwen3_30b_a3b_within_20_percent() -> None:
-    """Megatron-Bridge 26.06, 16 H100, FP8, EP16: 8,826 tokens/s/GPU and 203 TFLOP/s/GPU
-    (docs/planner.md: predicted 0.90 of both; the benchmark's node-deduplicating dispatcher is
-    not modelled, see there)."""
+    """Megatron-Bridge 26.06, 16 H100, FP8, EP16, Hybrid-EP: 8,826 tokens/s/GPU and 203
+    TFLOP/s/GPU (docs/planner.md: predicted 1.30x of both)."""
     got, tokens, tf, tflops, fits = _row("Qwen3-30B-A3B")
     assert fits
     assert abs(got / tokens - 1) <= 0.20, got
     assert abs(tf / tflops - 1) <= 0.20, tf
 
 
+def test_the_published_rows_as_priced() -> None:
+    """The numbers docs/planner.md's table quotes (tokens/s/GPU, TFLOP/s/GPU), to 0.5%; and the
+    flat all-to-all the EP16 row used to be priced with (0.90x)."""
+    for name, tokens, tf in (("GPT-OSS 120B", 9857, 267.8), ("Qwen3-30B-A3B", 11453, 263.5)):
+        got, _, got_tf, _, fits = _row(name)
+        assert fits and isclose(got, tokens, rel_tol=5e-3) and isclose(got_tf, tf, rel_tol=5e-3)
+    model, _, _, batch = megatron_bridge_run("Qwen3-30B-A3B")
+    flat = estimate(model, cluster("h100-sxm"), ClusterLayout(data=16, expert=16, zero=1),
+                    global_batch=batch, simulate=True)  # fmt: skip
+    assert isclose(flat.tokens_per_s_per_gpu, 7912, rel_tol=5e-3)
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="docs/planner.md: the planner prices GPT-OSS 120B (PP4 EP8, all-to-all on NVLink) at "
     "1.69x the published 5,824 tokens/s/GPU; its MoE blocks take 16 ms a microbatch there "
-    "against the roofline's 8 ms, and the same gap (1.30x) shows on Megatron-Bridge's "
-    "intra-node Qwen3 row: eager MoE overheads the planner does not model",
+    "against the roofline's 8 ms, and a 1.30x gap shows on both Qwen3 rows (in-node EP8, and "
+    "EP16 with Hybrid-EP). Not the expert GEMMs (a published H100 per-expert cuBLAS timing "
+    "runs under the planner's price); the host-side costs (eager launches, the dispatcher's "
+    "device-to-host sync) have no sourced size",
 )
 def test_gpt_oss_120b_within_20_percent() -> None:
     """Megatron-Bridge 26.04.01, 64 H100, BF16, PP4 EP8: 5,824 tokens/s/GPU, 158 TFLOP/s/GPU."""
