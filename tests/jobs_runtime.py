@@ -168,10 +168,11 @@ def run_pipeline_vs_reference(
     chunks: int | None = None,
     split_all: bool = False,
     strict: bool = False,
+    overlap: bool = False,
 ) -> float:
     """Train-step ``batches`` (sizes) through ``name`` and compare with the reference; returns
     the largest difference seen (the caller asserts). Runs on 'dist' inside a pool, else 'local'."""
-    program = generate(name, ranks=ranks, microbatches=microbatches, chunks=chunks)
+    program = generate(name, ranks=ranks, microbatches=microbatches, chunks=chunks, overlap=overlap)
     if split_all:
         from funcpipe.schedule.passes import split_backward
 

@@ -705,6 +705,27 @@ CASES: list[Case] = [
         ("line 4", "cannot parse instruction 'X s0 m0'", "the forms are"),
     ),
     Case(
+        "schedule-pair-malformed",
+        "schedules",
+        "an overlapped pair ('&') of two forwards",
+        lambda: parse_program("placement 0 0\nmicrobatches 1\nrank 0\n  F s0 m0\n  & F s1 m0\n"),
+        ScheduleError,
+        ("the pair 'F s0 m0' & 'F s1 m0' is not an F with a B or I", "drop the '&'"),
+    ),
+    Case(
+        "schedule-pair-not-independent",
+        "schedules",
+        "an overlapped pair whose backward needs (through another rank) its forward",
+        lambda: check(
+            parse_program(
+                "placement 0 1\nmicrobatches 2\nrank 0: F s0 m0; F s0 m1; & B s0 m0; B s0 m1\n"
+                "rank 1: F s1 m0; F s1 m1; B s1 m0; B s1 m1\n"
+            )
+        ),
+        ScheduleError,
+        ("'B s0 m0' (step 2) needs what 'F s0 m1' (step 1) produces", "which waits for rank 1"),
+    ),
+    Case(
         "schedule-text-missing-header",
         "schedules",
         "program text without its placement header",

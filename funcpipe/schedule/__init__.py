@@ -46,6 +46,7 @@ from funcpipe.schedule.ir import (
     scatter,
     send,
 )
+from funcpipe.schedule.overlap import overlap
 from funcpipe.schedule.passes import (
     add_communication,
     add_recompute,
@@ -103,6 +104,7 @@ __all__ = [
     "lower",
     "merge_backward",
     "one_f_one_b",
+    "overlap",
     "parse_instr",
     "parse_program",
     "peak_activations",

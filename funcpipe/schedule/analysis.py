@@ -30,6 +30,7 @@ from funcpipe.schedule.ir import (
     Program,
     in_program,
 )
+from funcpipe.schedule.pairs import check_pairs
 
 __all__ = ["IN_PROGRAM_PREFIXES", "Analysis", "Dep", "analyse", "fail", "in_program"]
 
@@ -481,6 +482,7 @@ class _Analyser:
         if self.lowered:
             self.match_messages()
         self.match_collectives()
+        check_pairs(self)
         return Analysis(
             program=self.p,
             deps={k: tuple(v) for k, v in self.deps.items()},

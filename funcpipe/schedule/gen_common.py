@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.schedule.ir import Instr, Program
+from funcpipe.schedule.ir import Instr, Program, keep_groups
 
 __all__ = ["placement_loop", "placement_v"]
 
@@ -29,6 +29,13 @@ def check_int(fn: str, name: str, value: object, *, least: int = 1, rule: str = 
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         rule = rule or f"{name} must be a whole number (int) >= {least}"
         raise InvalidArgument(f"{fn}: {name}={value!r}; {rule}")
+    return value
+
+
+def check_bool(fn: str, name: str, value: object) -> bool:
+    """``value`` itself when it is a bool, else InvalidArgument naming ``fn`` and ``name``."""
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{fn}: {name}={value!r}; pass True or False")
     return value
 
 
@@ -64,9 +71,12 @@ def only_microbatches(ranks: Iterable[Iterable[Instr]], microbatches: int) -> li
     Generators use it to run a schedule written for more microbatches (one that needs, say,
     ``m >= 2p``) with fewer. That is always sound: per-rank orders without a dependency cycle
     keep none when instructions are removed, since what remains keeps its order on every rank,
-    and no remaining instruction depends on a removed microbatch.
+    and no remaining instruction depends on a removed microbatch. A pair that loses a half
+    leaves the other to run alone.
     """
-    return [[i for i in instrs if i.microbatch < microbatches] for instrs in ranks]
+    return [
+        list(keep_groups(list(instrs), lambda i: i.microbatch < microbatches)) for instrs in ranks
+    ]
 
 
 def build(

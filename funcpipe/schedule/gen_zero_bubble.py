@@ -23,12 +23,14 @@ from collections import deque
 from funcpipe.errors import ScheduleError
 from funcpipe.schedule.gen_common import (
     build,
+    check_bool,
     check_sizes,
     only_microbatches,
     placement_loop,
     placement_v,
 )
 from funcpipe.schedule.ir import Instr, Op, Program, backward_input, backward_weight, forward
+from funcpipe.schedule.overlap import sound_pairs
 
 __all__ = ["dualpipe_v", "zb_h1", "zb_h2", "zbv"]
 
@@ -137,7 +139,7 @@ def zb_h2(*, ranks: int, microbatches: int) -> Program:
     return build("zb-h2", program, placement_loop(p, 1), m)
 
 
-def zbv(*, ranks: int, microbatches: int) -> Program:
+def zbv(*, ranks: int, microbatches: int, overlap: bool = False) -> Program:
     """ZB-V: two chunks per rank in a V, zero bubble in the paper's measure for ``m >= 2p - 1``.
 
     V placement (:func:`~funcpipe.schedule.generators.placement_v`): rank ``r`` holds stage
@@ -162,18 +164,20 @@ def zbv(*, ranks: int, microbatches: int) -> Program:
       (1F1B's unit): 1F1B's rank-0 peak, balanced over all ranks.
     """
     p, m = check_sizes("zbv", ranks, microbatches)
+    check_bool("zbv", "overlap", overlap)
     n = max(m, 2 * p - 1)
-    program = [_zbv_rank(p, n, r) for r in range(p)]
-    return build("zbv", only_microbatches(program, m), placement_v(p), m)
+    program = [_zbv_rank(p, n, r, overlap) for r in range(p)]
+    return sound_pairs(build("zbv", only_microbatches(program, m), placement_v(p), m))
 
 
-def _zbv_rank(p: int, n: int, r: int) -> list[Instr]:
+def _zbv_rank(p: int, n: int, r: int, overlap: bool) -> list[Instr]:
     a, b = r, 2 * p - 1 - r
     ops: list[Instr] = []
     done = {(a, Op.F): 0, (b, Op.F): 0, (a, Op.I): 0, (b, Op.I): 0, (a, Op.W): 0, (b, Op.W): 0}
 
-    def run(op: Op, stage: int) -> None:
-        ops.append(Instr(op, stage, done[(stage, op)]))
+    def run(op: Op, stage: int, paired: bool = False) -> None:
+        join = paired and overlap and bool(ops) and ops[-1].op is Op.F
+        ops.append(Instr(op, stage, done[(stage, op)], joined=join))
         done[(stage, op)] += 1
 
     for _ in range(2 * (p - r) - 1):
@@ -188,10 +192,10 @@ def _zbv_rank(p: int, n: int, r: int) -> list[Instr]:
     while done[(a, Op.F)] < n or done[(b, Op.F)] < done[(a, Op.F)]:
         if done[(a, Op.F)] < n:
             run(Op.F, a)
-        run(Op.I, a)
+        run(Op.I, a, paired=True)  # F a & I a
         run(Op.W, a)
         run(Op.F, b)
-        run(Op.I, b)
+        run(Op.I, b, paired=True)  # F b & I b
         run(Op.W, b)
     for _ in range(r):
         run(Op.I, a)
@@ -206,7 +210,7 @@ def _zbv_rank(p: int, n: int, r: int) -> list[Instr]:
     return ops
 
 
-def dualpipe_v(*, ranks: int, microbatches: int) -> Program:
+def dualpipe_v(*, ranks: int, microbatches: int, overlap: bool = False) -> Program:
     """DualPipeV: DeepSeek's DualPipe folded into a V on ``p`` ranks (two chunks per rank).
 
     V placement, rank ``r`` holds ``a = r`` and ``b = 2p - 1 - r``. DualPipe overlaps the
@@ -236,22 +240,24 @@ def dualpipe_v(*, ranks: int, microbatches: int) -> Program:
     doubled, unlike two-direction DualPipe).
     """
     p, m = check_sizes("dualpipe_v", ranks, microbatches)
+    check_bool("dualpipe_v", "overlap", overlap)
     n = max(m, 2 * p)
-    program = [_dualpipe_v_rank(p, n, r) for r in range(p)]
-    return build("dualpipev", only_microbatches(program, m), placement_v(p), m)
+    program = [_dualpipe_v_rank(p, n, r, overlap) for r in range(p)]
+    return sound_pairs(build("dualpipev", only_microbatches(program, m), placement_v(p), m))
 
 
-def _dualpipe_v_rank(p: int, n: int, r: int) -> list[Instr]:
+def _dualpipe_v_rank(p: int, n: int, r: int, overlap: bool) -> list[Instr]:
     a, b = r, 2 * p - 1 - r
     ops: list[Instr] = []
     nxt = {(a, Op.F): 0, (b, Op.F): 0, (a, Op.B): 0, (b, Op.B): 0}  # B counts B and I
     weights: deque[tuple[int, int]] = deque()
 
-    def run(stage: int, op: Op) -> None:
+    def run(stage: int, op: Op, paired: bool = False) -> None:
         key = (stage, Op.F if op is Op.F else Op.B)
         k = nxt[key]
         nxt[key] = k + 1
-        ops.append(Instr(op, stage, k))
+        join = paired and overlap and ops[-1].op is Op.F
+        ops.append(Instr(op, stage, k, joined=join))
         if op is Op.I:
             weights.append((stage, k))
 
@@ -271,13 +277,13 @@ def _dualpipe_v_rank(p: int, n: int, r: int) -> list[Instr]:
         run(b, Op.F)
     for _ in range(n - 2 * p + r + 1):
         run(a, Op.F)  # F a & B b
-        run(b, Op.B)
+        run(b, Op.B, paired=True)
         run(b, Op.F)  # F b & B a
-        run(a, Op.B)
+        run(a, Op.B, paired=True)
     for _ in range(p - 1 - r):
         run(b, Op.B)
         run(b, Op.F)  # F b & B a
-        run(a, Op.B)
+        run(a, Op.B, paired=True)
     split = False
     for i in range(r + 1):
         if i == (r + 1) // 2 and r % 2 == 1:

@@ -40,9 +40,10 @@ from funcpipe.schedule.gen_classic import (
     one_f_one_b,
     to_eval,
 )
-from funcpipe.schedule.gen_common import placement_loop, placement_v
+from funcpipe.schedule.gen_common import check_bool, placement_loop, placement_v
 from funcpipe.schedule.gen_zero_bubble import dualpipe_v, zb_h1, zb_h2, zbv
 from funcpipe.schedule.ir import Program
+from funcpipe.schedule.overlap import overlap as overlap_pass
 
 __all__ = [
     "CHUNKS",
@@ -133,14 +134,34 @@ def _lookup(name: object) -> str:
     return key
 
 
-def generate(name: str, *, ranks: int, microbatches: int, chunks: int | None = None) -> Program:
+def generate(
+    name: str,
+    *,
+    ranks: int,
+    microbatches: int,
+    chunks: int | None = None,
+    overlap: bool = False,
+) -> Program:
     """The program of the generator registered as ``name`` (see :data:`GENERATORS`).
 
     ``chunks`` goes to the generators that take it (``interleaved`` and ``looped-bfs`` default
     to 2, ``forward`` to 1). For a generator that fixes the stages per rank (:data:`CHUNKS`),
     ``chunks`` may be left out or equal that number. Names are case-insensitive and ``_`` may
-    stand for ``-``.
+    stand for ``-``. ``overlap=True`` makes overlapped pairs (``&``): ``dualpipev`` and ``zbv``
+    pair their steady phase's F with a backward as their schedules are written; every other
+    schedule gets the :func:`~funcpipe.schedule.overlap.overlap` pass.
     """
+    check_bool("generate", "overlap", overlap)
+    program = _generate(name, ranks=ranks, microbatches=microbatches, chunks=chunks)
+    if not overlap:
+        return program
+    key = _lookup(name)
+    if key in ("dualpipev", "zbv"):
+        return GENERATORS[key](ranks=ranks, microbatches=microbatches, overlap=True)
+    return overlap_pass(program)
+
+
+def _generate(name: str, *, ranks: int, microbatches: int, chunks: int | None) -> Program:
     key = _lookup(name)
     fixed = CHUNKS[key]
     if fixed is not None:

@@ -24,6 +24,7 @@ __all__ = [
     "COMPUTE_OPS",
     "GRAD",
     "IN_PROGRAM_PREFIXES",
+    "PAIR_OPS",
     "Instr",
     "Op",
     "backward",
@@ -34,6 +35,7 @@ __all__ = [
     "groups",
     "in_program",
     "keep_groups",
+    "pairs",
     "parse_instr",
     "recompute",
     "recv",
@@ -65,6 +67,7 @@ COMPUTE_OPS = frozenset({Op.F, Op.B, Op.I, Op.W, Op.R})
 BACKWARD_OPS = frozenset({Op.B, Op.I})  # the ops that produce input gradients
 COMM_OPS = frozenset({Op.SEND, Op.RECV})
 COLLECTIVE_OPS = frozenset({Op.REDUCE, Op.SCATTER, Op.GATHER})  # over a named group
+PAIR_OPS = frozenset({Op.F, Op.B, Op.I})  # the ops an overlapped pair (``&``) holds
 IN_PROGRAM_PREFIXES = ("tie:", "replica:")
 ACT = "act"
 GRAD = "grad"
@@ -84,7 +87,9 @@ class Instr:
     ``other`` is the stage at the far end of the edge, ``peer`` the rank holding it and ``kind``
     ``"act"`` (forward activation) or ``"grad"`` (its gradient). REDUCE, SCATTER and GATHER
     use ``group``.
-    ``joined`` (SEND/RECV only) posts the instruction in one group with the one before it.
+    ``joined`` on a SEND/RECV posts the instruction in one group with the one before it
+    (text ``+ ``); on an F, B or I it makes the instruction the second half of an overlapped
+    pair with the compute instruction right before it (text ``& ``, see :func:`pair_of`).
     """
 
     op: Op
@@ -110,7 +115,11 @@ class Instr:
             if self.op is not Op.SCATTER or self.microbatch < 0:  # (ZeRO-2's carry one)
                 blank["microbatch"] = -1
         else:
-            blank = {"kind": "", "other": -1, "peer": -1, "group": "", "joined": False}
+            blank = {"kind": "", "other": -1, "peer": -1, "group": ""}
+            if self.op not in PAIR_OPS:
+                blank["joined"] = False
+            elif self.joined is not True and self.joined is not False:
+                fix(self, "joined", bool(self.joined))
         for name, value in blank.items():
             if getattr(self, name) != value:
                 fix(self, name, value)
@@ -130,7 +139,8 @@ class Instr:
 
     def __str__(self) -> str:
         if self.op in COMPUTE_OPS:
-            return f"{self.op.value} s{self.stage} m{self.microbatch}"
+            paired = "& " if self.joined else ""
+            return f"{paired}{self.op.value} s{self.stage} m{self.microbatch}"
         if self.op in COLLECTIVE_OPS:
             mb = f" m{self.microbatch}" if self.microbatch >= 0 else ""
             return f"{self.op.value} s{self.stage}{mb} {self.group}"
@@ -143,12 +153,14 @@ class Instr:
         )
 
     def join(self, joined: bool = True) -> Instr:
-        """This SEND/RECV with ``joined`` set (posted in one group with the instruction before)."""
-        if self.op not in COMM_OPS:
+        """This instruction with ``joined`` set: a SEND/RECV posted in one group with the one
+        before it, or an F, B or I overlapped with the compute instruction before it."""
+        if self.op not in COMM_OPS and self.op not in PAIR_OPS:
             raise ScheduleError(
-                f"{self}: only a SEND or RECV joins a communication group",
+                f"{self}: only a SEND or RECV joins a communication group, and only an F, B or I "
+                "an overlapped pair",
                 instruction=self,
-                rule="a group holds SEND and RECV instructions only",
+                rule="a group holds SEND and RECV instructions only; a pair an F with a B or I",
             )
         return replace(self, joined=joined)
 
@@ -224,13 +236,14 @@ def gather(stage: int, group: str) -> Instr:
 
 
 _COMPUTE_RE = re.compile(r"([FBIWR])\s+s(\d+)\s+m(\d+)")
+_PAIRED_RE = re.compile(r"&\s*([FBI])\s+s(\d+)\s+m(\d+)")
 _COMM_RE = re.compile(
     r"(\+\s*)?(SEND|RECV)\s+(act|grad)\s+s(\d+)\s*>\s*s(\d+)\s+m(\d+)\s+(to|from)\s+r(\d+)"
 )
 _REDUCE_RE = re.compile(r"(REDUCE|SCATTER|GATHER)\s+s(\d+)(?:\s+m(\d+))?\s+([A-Za-z_][\w:.\-]*)")
 _INSTR_FORMS = (
     "'F s0 m1' (also B, I, W, R), 'SEND act s0>s1 m1 to r1', 'RECV grad s0>s1 m1 from r1', "
-    "'REDUCE s0 data' (also SCATTER, GATHER), 'SCATTER s0 m1 data', and '+ ' before a SEND/RECV that joins the group of the one before it"
+    "'REDUCE s0 data' (also SCATTER, GATHER), 'SCATTER s0 m1 data', '+ ' before a SEND/RECV that joins the group of the one before it, and '& ' before an F, B or I overlapped with the one before it"
 )
 
 
@@ -239,6 +252,14 @@ def parse_instr(text: str) -> Instr:
     t = text.strip()
     if m := _COMPUTE_RE.fullmatch(t):
         return Instr(Op(m[1]), int(m[2]), int(m[3]))
+    if m := _PAIRED_RE.fullmatch(t):
+        return Instr(Op(m[1]), int(m[2]), int(m[3]), joined=True)
+    if t.startswith("&"):
+        raise ScheduleError(
+            f"cannot parse {text!r}: '& ' pairs an F, B or I with the compute instruction before "
+            "it (an overlapped pair: 'F s0 m3' then '& B s1 m1'); W, R, SEND, RECV and the "
+            "collectives run alone"
+        )
     if m := _COMM_RE.fullmatch(t):
         op = Op(m[2])
         want = "to" if op is Op.SEND else "from"
@@ -282,14 +303,23 @@ def groups(instrs: Sequence[Instr]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g) for g in out)
 
 
+def pairs(instrs: Sequence[Instr]) -> tuple[tuple[int, int], ...]:
+    """The overlapped pairs of one rank's instructions: (step of the first half, step of the
+    second), in order. The second half is an F, B or I with ``joined`` (text ``& ``) right
+    after the compute instruction it is overlapped with; :class:`~funcpipe.schedule.ir.Program`
+    checks that a pair is an F with a B or I."""
+    return tuple((t - 1, t) for t, i in enumerate(instrs) if i.joined and i.op in PAIR_OPS)
+
+
 def keep_groups(instrs: Sequence[Instr], keep: Callable[[Instr], bool]) -> tuple[Instr, ...]:
     """The instructions for which ``keep`` is true; what is left of each communication group
     stays one group (a SEND/RECV is joined to the one before it only if both are left of the
-    same group)."""
+    same group), and a pair stays a pair only if both halves are kept."""
     out: list[Instr] = []
     group = -1  # the group of the last instruction kept
     current = -1
-    for i in instrs:
+    last = -1  # the index in ``instrs`` of the last instruction kept
+    for t, i in enumerate(instrs):
         if i.op in COMM_OPS and not i.joined:
             current += 1
         if not keep(i):
@@ -299,5 +329,8 @@ def keep_groups(instrs: Sequence[Instr], keep: Callable[[Instr], bool]) -> tuple
             group = current
         else:
             group = -1
+            if i.joined and last != t - 1:  # its other half was dropped: it runs alone
+                i = i.join(False)
         out.append(i)
+        last = t
     return tuple(out)

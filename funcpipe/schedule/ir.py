@@ -16,6 +16,7 @@ Text form of one instruction (``parse_instr(str(i)) == i``)::
     SCATTER s0 data              reduce-scatter them instead: each data copy keeps its shard
     GATHER s0 data               all-gather stage 0's parameter shards into full parameters
     + RECV grad s0>s1 m3 from r1 posted in one group with the SEND/RECV right before it
+    & B s1 m1                    overlapped with the F (or B, I) right before it: a pair
 
 Communication groups: a SEND or RECV with ``joined=True`` (text: a leading ``+ ``) is posted
 together with the instruction right before it, which is itself a SEND or RECV. A group is a
@@ -23,6 +24,12 @@ maximal run ``i, i+1 (joined), i+2 (joined), ...``; a SEND/RECV without ``joined
 group (a lone one is a group of one). Under NCCL a group is posted as one batched operation
 (``batch_isend_irecv``), so its members can all match at once; see
 :mod:`funcpipe.schedule.analysis` for the rules the checker applies.
+
+Overlapped pairs: an F, B or I with ``joined=True`` (text: a leading ``& ``) runs together with
+the compute instruction right before it, one microbatch's forward with another's backward
+(DualPipe's F&B): while one half waits on communication (an expert all-to-all, a RECV), the
+other computes. A pair is one F and one B or I; the checker proves the two independent
+(:mod:`funcpipe.schedule.pairs`).
 
 The instructions (:class:`Op`, :class:`Instr`, their constructors, :func:`parse_instr`,
 :func:`groups`) live in :mod:`funcpipe.schedule.instr`; this module holds :class:`Program`, the
@@ -45,6 +52,7 @@ from funcpipe.schedule.instr import (
     COMPUTE_OPS,
     GRAD,
     IN_PROGRAM_PREFIXES,
+    PAIR_OPS,
     Instr,
     Op,
     backward,
@@ -55,6 +63,7 @@ from funcpipe.schedule.instr import (
     groups,
     in_program,
     keep_groups,
+    pairs,
     parse_instr,
     recompute,
     recv,
@@ -73,6 +82,7 @@ __all__ = [
     "COMPUTE_OPS",
     "GRAD",
     "IN_PROGRAM_PREFIXES",
+    "PAIR_OPS",
     "Instr",
     "Op",
     "Program",
@@ -86,6 +96,7 @@ __all__ = [
     "groups",
     "in_program",
     "keep_groups",
+    "pairs",
     "parse_instr",
     "parse_program",
     "recompute",
@@ -181,7 +192,9 @@ class Program:
             )
         for r, instrs in enumerate(self.ranks):
             for t, i in enumerate(instrs):
-                if i.joined and (t == 0 or instrs[t - 1].op not in COMM_OPS):
+                if i.joined and i.op in COMPUTE_OPS:
+                    _check_pair(r, t, instrs)
+                elif i.joined and (t == 0 or instrs[t - 1].op not in COMM_OPS):
                     before = (
                         "it is the first instruction of the rank"
                         if t == 0
@@ -280,6 +293,43 @@ class Program:
             f"microbatches={self.microbatches}, training={self.training})"
         )
         return head + "\n" + self.table()
+
+
+def _check_pair(r: int, t: int, instrs: Sequence[Instr]) -> None:
+    """Step ``t`` of rank ``r`` is the second half of a pair (``&``): the step before it is the
+    first half, and the two are one F and one B or I."""
+    i = instrs[t]
+    first = instrs[t - 1] if t else None
+    rule = (
+        "an overlapped pair ('&') is an F and a B or I, the second written with '& ' right "
+        "after the first"
+    )
+    if first is None or first.op not in COMPUTE_OPS or first.joined:
+        before = (
+            "it is the first instruction of the rank"
+            if first is None
+            else f"step {t - 1} is {first}, "
+            + ("itself the second half of a pair" if first.joined else "not a compute instruction")
+        )
+        raise ScheduleError(
+            f"rank {r}, step {t} ({i}): '&' overlaps an F, B or I with the compute instruction "
+            f"right before it, but {before}; drop the '&' or move the instruction",
+            rank=r,
+            step=t,
+            instruction=i,
+            rule=rule,
+        )
+    ops = {first.op, i.op}
+    if Op.F not in ops or not ops & BACKWARD_OPS:
+        raise ScheduleError(
+            f"rank {r}, steps {t - 1} and {t}: the pair '{first}' & '{i.join(False)}' is not an "
+            "F with a B or I; a pair overlaps one microbatch's forward with another's backward "
+            "(DualPipe's F&B): drop the '&'",
+            rank=r,
+            step=t,
+            instruction=i,
+            rule=rule,
+        )
 
 
 def format_table(

@@ -28,6 +28,10 @@ a stuck run has not done: every message it waits for, and every message before t
 pair's stream, was sent by an instruction earlier in the reference run (done), and posted on both
 ends; the earliest unmatched one of them is then in the head group of both ends, so it matches.
 The checker (``check(program, p2p="nccl")``) proves each program anyway.
+
+**Overlapped pairs** (``&``) stay whole: in the reference run a pair starts once the inputs of
+both halves exist and lasts both halves' units, and what rules 1 and 2 would put right after
+its first half goes right after its second, so no SEND or RECV falls between the halves.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from funcpipe.schedule.analysis import analyse
-from funcpipe.schedule.ir import Instr, Op, Program, recv, send
+from funcpipe.schedule.ir import Instr, Op, Program, pairs, recv, send
 
 __all__ = ["Message", "place", "reference_order"]
 
@@ -76,9 +80,20 @@ def reference_order(program: Program) -> dict[tuple[int, int], tuple[float, int,
             while pc[r] < len(instrs):
                 t = pc[r]
                 deps = analysis.deps.get((r, t), ())
+                if pair := t + 1 < len(instrs) and instrs[t + 1].joined:  # (both inputs first)
+                    deps = deps + analysis.deps.get((r, t + 1), ())
                 if any((d.rank, d.step) not in end for d in deps):
                     break
                 ready = max([clock[r], *(end[(d.rank, d.step)] for d in deps)])
+                if pair:  # an overlapped pair starts as one and ends as one
+                    units = _UNITS.get(instrs[t].op, 0.0) + _UNITS.get(instrs[t + 1].op, 0.0)
+                    for u in (t, t + 1):
+                        key[(r, u)] = (ready, r, u)
+                        end[(r, u)] = ready + units
+                    clock[r] = ready + units
+                    pc[r] += 2
+                    progressed = True
+                    continue
                 members = analysis.meetings.get((r, t), ((r, t),))
                 arrived[(r, t)] = ready
                 if any(m not in arrived for m in members):
@@ -100,6 +115,10 @@ def place(program: Program, messages: list[Message]) -> tuple[tuple[Instr, ...],
     """The ranks of ``program`` (compute-only) with every message's SEND and RECV placed and
     grouped by the rules of this module. ``messages`` carry ``made`` and ``used``."""
     order = reference_order(program)
+    # what goes after the first half of an overlapped pair goes after the pair
+    after = [{a: b for a, b in pairs(instrs)} for instrs in program.ranks]
+    for m in messages:
+        m.made = after[m.src].get(m.made, m.made)
     talking: list[list[tuple[tuple[float, int, int], int]]] = [[] for _ in program.ranks]
     for m in messages:
         talking[m.src].append((order[(m.src, m.made)], m.made))
@@ -109,6 +128,7 @@ def place(program: Program, messages: list[Message]) -> tuple[tuple[Instr, ...],
         sent = order[(m.src, m.made)]
         k = bisect.bisect_left(ranked[m.dst], (sent, -1))
         m.at = ranked[m.dst][k - 1][1] if k else -1
+        m.at = after[m.dst].get(m.at, m.at)
     # one ordered list per (rank, after instruction, peer): the reference run's sending order
     runs: dict[tuple[int, int, int], list[tuple[tuple[object, ...], Instr, int]]] = defaultdict(
         list

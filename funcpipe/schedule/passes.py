@@ -272,6 +272,11 @@ def _after_comm(instrs: tuple[Instr, ...], t: int) -> int:
     return u
 
 
+def _pairs_next(instrs: tuple[Instr, ...], t: int) -> bool:
+    """Whether step ``t`` is the first half of an overlapped pair."""
+    return t + 1 < len(instrs) and instrs[t + 1].joined and instrs[t + 1].op in COMPUTE_OPS
+
+
 def split_backward(program: Program, *, stages: Iterable[int] | None = None) -> Program:
     """Replace each B(s, m) of ``stages`` (default: all) by I(s, m) followed by W(s, m).
 
@@ -290,8 +295,9 @@ def split_backward(program: Program, *, stages: Iterable[int] | None = None) -> 
         while t < len(instrs):
             i = instrs[t]
             if i.op is Op.B and i.stage in chosen:
-                u = _after_comm(instrs, t)
-                out.append(backward_input(i.stage, i.microbatch))
+                # (the W goes after the pair the B is the first half of)
+                u = _after_comm(instrs, t + 1 if _pairs_next(instrs, t) else t)
+                out.append(backward_input(i.stage, i.microbatch).join(i.joined))
                 out.extend(instrs[t + 1 : u])
                 out.append(backward_weight(i.stage, i.microbatch))
                 t = u
@@ -342,7 +348,7 @@ def weights_after_sends(program: Program) -> Program:
             i = instrs[t]
             u = _after_comm(instrs, t) if i.op is Op.B else t + 1
             if any(_gradient_of(j, i) for j in instrs[t + 1 : u]):
-                out.append(backward_input(i.stage, i.microbatch))
+                out.append(backward_input(i.stage, i.microbatch).join(i.joined))
                 out.extend(instrs[t + 1 : u])
                 out.append(backward_weight(i.stage, i.microbatch))
             else:
@@ -380,7 +386,7 @@ def merge_backward(program: Program, *, stages: Iterable[int] | None = None) -> 
                 out.append(i)
             elif i.op is Op.I:
                 opened[(i.stage, i.microbatch)] = t
-                out.append(backward(i.stage, i.microbatch))
+                out.append(backward(i.stage, i.microbatch).join(i.joined))
             elif opened.pop((i.stage, i.microbatch), None) is None:
                 raise ScheduleError(
                     f"merge_backward: rank {r}, step {t} ({i}) has no I s{i.stage} m{i.microbatch} "
@@ -423,7 +429,8 @@ def add_recompute(program: Program, *, stages: Iterable[int]) -> Program:
         out: list[Instr] = []
         for i in instrs:
             if i.op in BACKWARD_OPS and i.stage in chosen and (i.stage, i.microbatch) not in have:
-                out.append(recompute(i.stage, i.microbatch))
+                # before the pair the backward is the second half of
+                out.insert(len(out) - 1 if i.joined else len(out), recompute(i.stage, i.microbatch))
             out.append(i)
         ranks.append(tuple(out))
     return program.replace(ranks=tuple(ranks))
@@ -498,7 +505,8 @@ def add_reduce(
                 rank=r,
                 rule="REDUCE comes after every gradient contribution (B or W) of its stage",
             )
-        i = instrs[last]
+        if _pairs_next(instrs, last):  # (after the pair the B is the first half of)
+            last += 1
         inserts[(r, _after_comm(instrs, last))].append(reduce(s, group))
     tails: dict[int, list[Instr]] = defaultdict(list)
     for owner, members in sorted(classes.items()):

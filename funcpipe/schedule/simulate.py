@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from funcpipe.errors import InvalidArgument, ScheduleError
-from funcpipe.schedule.analysis import Analysis, analyse, fail
-from funcpipe.schedule.ir import COMM_OPS, COMPUTE_OPS, Instr, Op, Program, groups
+from funcpipe.schedule.analysis import Analysis, Dep, analyse, fail
+from funcpipe.schedule.ir import COMM_OPS, COMPUTE_OPS, Instr, Op, Program, groups, pairs
 from funcpipe.schedule.p2p import PAIR, Network, Why, check_layout, check_p2p
 
 __all__ = ["Costs", "Event", "Timeline", "peak_activations", "peak_memory", "simulate"]
@@ -40,7 +40,17 @@ class Costs:
     or a GATHER takes half of it: each moves half an all-reduce's bytes), ``full``
     one full backward B (default ``b + w``; on small stages a B is cheaper than its I and W run
     apart, which a measured ``full`` lets the simulator and ``auto`` see). ``f``, ``b``, ``w`` and
-    ``full`` may be one number or one per stage."""
+    ``full`` may be one number or one per stage.
+
+    ``f_comm`` and ``b_comm`` (one number or one per stage; default 0) are the communication
+    *inside* a stage's forward and input-gradient backward (its expert all-to-alls,
+    tensor-parallel collectives), during which that computation waits: alone an F costs
+    ``f + f_comm`` (an R too: it runs the forward again), an I ``b + b_comm``, a B
+    ``full + b_comm``. An overlapped pair (``&``) of F and B (or I) costs
+    ``max(f + b, f_comm + b_comm, f + f_comm, b + b_comm)``: each half's communication
+    hides behind the other's computation, bounded below by the compute, the communication
+    and each half's own chain (the ideal overlap, with the pieces small; the SMs the
+    communication kernels take from the computation are not modelled)."""
 
     f: CostValue = 1.0
     b: CostValue = 1.0
@@ -48,9 +58,11 @@ class Costs:
     comm: float = 0.0
     reduce: float = 0.0
     full: CostValue | None = None
+    f_comm: CostValue = 0.0
+    b_comm: CostValue = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "comm", "reduce", "full"):
+        for name in ("f", "b", "w", "comm", "reduce", "full", "f_comm", "b_comm"):
             value = getattr(self, name)
             if name == "full" and value is None:
                 continue
@@ -123,10 +135,23 @@ class Timeline:
 
     @property
     def busy(self) -> tuple[float, ...]:
-        """Compute time (F, B, I, W, R) per rank."""
+        """Compute time (F, B, I, W, R) per rank (an overlapped pair's span once)."""
         return tuple(
-            sum(e.end - e.start for e in r if e.instr.op in COMPUTE_OPS) for r in self.events
+            sum(e.end - e.start for e in r if e.instr.op in COMPUTE_OPS and not e.instr.joined)
+            for r in self.events
         )
+
+    @property
+    def hidden(self) -> float:
+        """The time the overlapped pairs saved under :attr:`costs`: for each pair, its two halves
+        run alone less the pair (0 without pairs or without in-stage communication)."""
+        price = _Prices(self.costs, self.program)
+        total = 0.0
+        for instrs in self.program.ranks:
+            for x, y in pairs(instrs):
+                a, b = instrs[x], instrs[y]
+                total += price(a) + price(b) - price.pair(a, b)
+        return total
 
     @property
     def bubble_fraction(self) -> float:
@@ -152,6 +177,8 @@ class Timeline:
             "makespan": self.makespan,
             "bubble_fraction": self.bubble_fraction,
             "busy": list(self.busy),
+            "pairs": sum(len(pairs(r)) for r in p.ranks),
+            "hidden": self.hidden,
             "peak_activations": list(self.peak_activations),
         }
 
@@ -219,28 +246,56 @@ def peak_memory(
     return tuple(peaks)
 
 
-def _cost(
-    i: Instr,
-    f: Sequence[float],
-    b: Sequence[float],
-    w: Sequence[float],
-    full: Sequence[float],
-    costs: Costs,
+class _Prices:
+    """What each instruction costs under ``costs`` (see :class:`Costs`)."""
+
+    def __init__(self, costs: Costs, program: Program) -> None:
+        self.costs = costs
+        self.f, self.b, self.w, self.full, self.f_comm, self.b_comm = (
+            costs.per_stage(n, program) for n in ("f", "b", "w", "full", "f_comm", "b_comm")
+        )
+
+    def parts(self, i: Instr) -> tuple[float, float]:
+        """(compute, communication inside the stage) of a compute instruction."""
+        op, s = i.op, i.stage
+        if op is Op.F or op is Op.R:
+            return self.f[s], self.f_comm[s]
+        if op is Op.B:
+            return self.full[s], self.b_comm[s]
+        if op is Op.I:
+            return self.b[s], self.b_comm[s]
+        return self.w[s], 0.0
+
+    def __call__(self, i: Instr) -> float:
+        op = i.op
+        if op is Op.REDUCE:
+            return self.costs.reduce
+        if op is Op.SCATTER or op is Op.GATHER:
+            return self.costs.reduce / 2  # a reduce-scatter or an all-gather: half an all-reduce's
+        if op in COMM_OPS:
+            return 0.0
+        return sum(self.parts(i))
+
+    def pair(self, x: Instr, y: Instr, alone: float = 0.0) -> float:
+        """An overlapped pair: the ideal overlap of the two halves' compute and communication,
+        after the first half ran ``alone`` for that long (while the second's inputs were not
+        in), at its own pace (the length of what is left: see :class:`Costs`)."""
+        (cx, mx), (cy, my) = self.parts(x), self.parts(y)
+        first = cx + mx
+        left = 1.0 - min(alone, first) / first if first > 0 else 0.0
+        cx, mx = cx * left, mx * left
+        return max(cx + cy, mx + my, cx + mx, cy + my)
+
+
+def _ready(
+    clock: float, deps: Sequence[Dep], finish: dict[tuple[int, int], float], comm: float
 ) -> float:
-    op = i.op
-    if op is Op.F or op is Op.R:
-        return f[i.stage]
-    if op is Op.B:
-        return full[i.stage]
-    if op is Op.I:
-        return b[i.stage]
-    if op is Op.W:
-        return w[i.stage]
-    if op is Op.REDUCE:
-        return costs.reduce
-    if op is Op.SCATTER or op is Op.GATHER:
-        return costs.reduce / 2  # a reduce-scatter or an all-gather: half an all-reduce's bytes
-    return 0.0
+    """When an instruction with these (finished) dependencies can start on a rank free at
+    ``clock``."""
+    ready = clock
+    for d in deps:
+        ready = max(ready, finish[(d.rank, d.step)] + (comm if d.message else 0.0))
+    return ready
 
 
 def _deadlock(
@@ -269,7 +324,10 @@ def _deadlock(
                 )
                 chains.append(net.explain((r, min(left)), blocked))
             continue
-        waits = [d for d in analysis.deps.get((r, t), ()) if (d.rank, d.step) not in finish]
+        deps = analysis.deps.get((r, t), ())
+        if t + 1 < len(program.ranks[r]) and program.ranks[r][t + 1].joined:  # (a pair)
+            deps = deps + analysis.deps.get((r, t + 1), ())
+        waits = [d for d in deps if (d.rank, d.step) not in finish]
         if waits:
             d = waits[0]
             what = f"waits for rank {d.rank}, step {d.step} ({program.ranks[d.rank][d.step]})"
@@ -326,7 +384,7 @@ def simulate(
     p2p = check_p2p(p2p, "simulate")
     layout = check_layout(layout, "simulate")
     analysis = analyse(program)
-    f, b, w, full = (costs.per_stage(n, program) for n in ("f", "b", "w", "full"))
+    price = _Prices(costs, program)
     n = program.n_ranks
     pc = [0] * n
     clock = [0.0] * n
@@ -350,12 +408,24 @@ def simulate(
                     continue
                 ready = clock[r]
                 deps = analysis.deps.get((r, t), ())
+                paired = t + 1 < len(instrs) and instrs[t + 1].joined and i.op in COMPUTE_OPS
+                if paired:  # (known once both halves' inputs are: _pair)
+                    deps = deps + analysis.deps.get((r, t + 1), ())
                 if any((d.rank, d.step) not in finish for d in deps):
                     break
-                for d in deps:
-                    ready = max(
-                        ready, finish[(d.rank, d.step)] + (costs.comm if d.message else 0.0)
+                if paired:
+                    ready, second = (
+                        _ready(clock[r], analysis.deps.get((r, u), ()), finish, costs.comm)
+                        for u in (t, t + 1)
                     )
+                    second = max(second, ready)  # (its pieces follow the first's first)
+                    end = second + price.pair(i, instrs[t + 1], alone=second - ready)
+                    started[(r, t)], started[(r, t + 1)] = ready, second
+                    finish[(r, t)] = finish[(r, t + 1)] = clock[r] = end
+                    pc[r] += 2
+                    progressed = True
+                    continue
+                ready = _ready(ready, deps, finish, costs.comm)
                 members = analysis.meetings.get((r, t))
                 if members:
                     arrived[(r, t)] = ready
@@ -363,14 +433,14 @@ def simulate(
                         break
                     start = max(arrived[m] for m in members)
                     for mr, mt in members:
-                        end = start + _cost(program.ranks[mr][mt], f, b, w, full, costs)
+                        end = start + price(program.ranks[mr][mt])
                         started[(mr, mt)] = start
                         finish[(mr, mt)] = clock[mr] = end
                         pc[mr] += 1
                     progressed = True
                     continue
                 started[(r, t)] = ready
-                finish[(r, t)] = clock[r] = ready + _cost(i, f, b, w, full, costs)
+                finish[(r, t)] = clock[r] = ready + price(i)
                 pc[r] += 1
                 progressed = True
         if net.progress():

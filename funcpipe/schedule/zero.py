@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from funcpipe.errors import InvalidArgument
 from funcpipe.schedule.ir import Instr, Op, Program, gather, in_program, scatter
-from funcpipe.schedule.passes import _after_comm, add_reduce
+from funcpipe.schedule.passes import _after_comm, _pairs_next, add_reduce
 
 __all__ = ["shard_data"]
 
@@ -97,7 +97,8 @@ def _per_microbatch(instrs: tuple[Instr, ...], group: str) -> list[Instr]:
         if i.stage in sharded and (
             i.op is Op.W or (i.op is Op.B and (i.stage, i.microbatch) not in split)
         ):
-            after.setdefault(_after_comm(instrs, t), []).append(
+            end = t + 1 if _pairs_next(instrs, t) else t  # (after a pair the B heads)
+            after.setdefault(_after_comm(instrs, end), []).append(
                 scatter(i.stage, group, i.microbatch)
             )
     body: list[Instr] = []

@@ -47,6 +47,23 @@ def test_every_schedule_under_nccl_rules_over_gloo(pool, name: str) -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["dualpipev", "zbv", "1f1b"])
+def test_overlapped_pairs_under_nccl_rules_over_gloo(pool, name: str) -> None:
+    worst = pool(4).run(
+        jobs_runtime.run_pipeline_vs_reference,
+        name,
+        4,
+        8,
+        [16, 9],
+        tied=True,
+        strict=True,
+        overlap=True,
+        recompute=name == "zbv",
+    )
+    assert max(worst) < 1e-10
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", ["1f1b", "zbv"])
 def test_four_ranks_under_nccl_rules_over_gloo(pool, name: str) -> None:
     worst = pool(4).run(

@@ -49,6 +49,19 @@ def test_every_schedule_matches_the_reference(
         )
 
 
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+def test_every_schedule_with_overlapped_pairs_matches_the_reference(
+    name: str, recompute: bool
+) -> None:
+    """``generate(..., overlap=True)``: DualPipeV's and ZB-V's own pairs, the ``overlap`` pass
+    for the others; a pair whose stages expose no waiting point runs its halves in sequence."""
+    for ranks, m in ((2, 5), (4, 8)):
+        run_pipeline_vs_reference(
+            0, name, ranks, m, [13, 9], recompute=recompute, tied=True, overlap=True
+        )
+
+
 @pytest.mark.parametrize("name", ["1f1b", "interleaved", "chimera"])
 def test_split_backward_everywhere_matches(name: str) -> None:
     run_pipeline_vs_reference(0, name, 2, 4, [8], split_all=True, tied=True)

@@ -184,11 +184,12 @@ def test_joined_text_round_trips_and_is_canonical() -> None:
     assert parse_instr("+RECV grad s0>s1 m0 from r1") == r
     assert r != recv("grad", (0, 1), 0, 1) and r.join(False) == recv("grad", (0, 1), 0, 1)
     assert r.key == recv("grad", (0, 1), 0, 1).key  # the group marker is not part of the message
-    # canonical form: only a SEND/RECV carries the marker
-    assert Instr(Op.F, 0, 0, joined=True) == forward(0, 0)
+    # canonical form: only a SEND/RECV carries the group marker; an F, B or I the pair marker
+    assert Instr(Op.W, 0, 0, joined=True) == backward_weight(0, 0)
+    assert Instr(Op.R, 0, 0, joined=True) == Instr(Op.R, 0, 0)
     assert Instr(Op.REDUCE, 0, group="data", joined=True) == reduce(0, "data")
     with pytest.raises(ScheduleError, match="only a SEND or RECV"):
-        forward(0, 0).join()
+        backward_weight(0, 0).join()
     with pytest.raises(ScheduleError, match="only a SEND or RECV joins"):
         parse_instr("+ F s0 m0")
 

@@ -1,0 +1,115 @@
+"""The pass that makes overlapped pairs: ``overlap(program)``.
+
+It pairs each F with the B or I right after it on its rank (or each B or I with the F right
+after it) where the two are independent (:mod:`funcpipe.schedule.pairs` has the rules), one
+rank after another and, on a rank, first to last; each pair it makes is proved against the
+pairs made before it, and the result is checked whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from funcpipe.errors import InvalidArgument
+from funcpipe.schedule.analysis import analyse
+from funcpipe.schedule.ir import BACKWARD_OPS, PAIR_OPS, Instr, Op, Program, pairs
+from funcpipe.schedule.pairs import Node, needs
+from funcpipe.schedule.passes import add_communication, strip_communication
+from funcpipe.schedule.simulate import simulate
+
+__all__ = ["overlap", "pair_where_sound", "sound_pairs"]
+
+
+def overlap(program: Program, *, stages: Iterable[int] | None = None) -> Program:
+    """``program`` with each adjacent independent F and B (or I) of a rank made a pair.
+
+    ``stages`` limits the pairs to those whose two halves are both on those stages. Nothing
+    moves: where an F and a backward are not next to each other there is no pair. A lowered
+    program is stripped of its SEND/RECV, paired and lowered again (lowering keeps every SEND
+    and RECV outside the pairs); pairs already there are kept; an eval program is returned
+    unchanged. Idempotent.
+
+    >>> from funcpipe.schedule import generate
+    >>> paired = overlap(generate("dualpipev", ranks=2, microbatches=4))
+    """
+    if not isinstance(program, Program):
+        raise InvalidArgument(
+            f"overlap: program={type(program).__name__}; pass a funcpipe.schedule.Program"
+        )
+    chosen = None if stages is None else frozenset(int(s) for s in stages)
+    if chosen is not None and not chosen <= set(range(program.n_stages)):
+        bad = sorted(chosen - set(range(program.n_stages)))
+        raise InvalidArgument(
+            f"overlap: stages={sorted(chosen)} names stage(s) {bad}, but the program has stages "
+            f"0..{program.n_stages - 1}"
+        )
+    if not program.training:
+        return program
+    lowered = program.lowered
+    base = strip_communication(program) if lowered else program
+    wanted = [
+        [t for t in range(len(instrs) - 1) if _candidate(instrs[t], instrs[t + 1], chosen)]
+        for instrs in base.ranks
+    ]
+    out = pair_where_sound(base, wanted)
+    return add_communication(out) if lowered else out
+
+
+def pair_where_sound(program: Program, wanted: Sequence[Sequence[int]]) -> Program:
+    """Compute-only ``program`` with step ``t + 1`` of rank ``r`` made the second half of a pair
+    with step ``t`` for each ``t`` in ``wanted[r]`` where that is sound (rank by rank, first to
+    last, each proved against the pairs made before it: :func:`~funcpipe.schedule.pairs.needs`);
+    the generators use it for the pairs they want, :func:`overlap` for every candidate."""
+    a = analyse(program)
+    ranks = [list(r) for r in program.ranks]
+    for r, instrs in enumerate(ranks):
+        free = -1  # the last step already in a pair
+        for t in wanted[r]:
+            x, y = instrs[t], instrs[t + 1]
+            taken = t + 2 < len(instrs) and instrs[t + 2].joined  # (y heads another pair)
+            if t <= free or taken or x.joined or y.joined or x.microbatch == y.microbatch:
+                continue
+            instrs[t + 1] = y.join()
+            trial = program.replace(ranks=tuple(tuple(i) for i in ranks))
+            if _independent(trial, a.deps, a.meetings, r, t):
+                free = t + 1
+            else:
+                instrs[t + 1] = y
+    out = program.replace(ranks=tuple(tuple(i) for i in ranks))
+    simulate(out)  # (proves it whole)
+    return out
+
+
+def sound_pairs(program: Program) -> Program:
+    """Compute-only ``program`` with only those of its pairs that are sound (each proved
+    against the ones before it, as :func:`pair_where_sound`); the others run alone. The
+    generators write the pairs their schedule wants and keep these."""
+    wanted = [[a for a, _ in pairs(instrs)] for instrs in program.ranks]
+    alone = program.replace(
+        ranks=tuple(tuple(i.join(False) if i.joined else i for i in r) for r in program.ranks)
+    )
+    return pair_where_sound(alone, wanted)
+
+
+def _candidate(x: Instr, y: Instr, chosen: frozenset[int] | None) -> bool:
+    if x.joined or y.joined or x.op not in PAIR_OPS or y.op not in PAIR_OPS:
+        return False
+    ops = {x.op, y.op}
+    if Op.F not in ops or not ops & BACKWARD_OPS or x.microbatch == y.microbatch:
+        return False
+    return chosen is None or (x.stage in chosen and y.stage in chosen)
+
+
+def _independent(
+    trial: Program,
+    deps: Mapping[Node, Sequence[Any]],
+    meetings: Mapping[Node, tuple[Node, ...]],
+    r: int,
+    t: int,
+) -> bool:
+    for early, late in (((r, t), (r, t + 1)), ((r, t + 1), (r, t))):
+        for d in deps.get(late, ()):
+            if needs(trial, deps, meetings, (d.rank, d.step), early) is not None:
+                return False
+    return True
