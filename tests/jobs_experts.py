@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from funcpipe.schedule.ir import pairs
+
 F64 = torch.float64
 
 
@@ -67,9 +69,10 @@ def expert_pipelines_vs_one_device(
     strict: bool = True,
     zero: int = 0,
     routing: Sequence[dict[str, Any]] | None = None,
+    overlap: bool = False,
 ) -> list[dict[str, Any]]:
-    """For each schedule of ``names``: one step at pipeline 2 with the experts split over
-    ``expert`` copies; returns this process's worst differences from the one-device step
+    """For each schedule of ``names`` (with overlapped pairs: ``overlap``): one step at
+    pipeline 2 with the experts split over ``expert`` copies; returns this process's worst differences from the one-device step
     (loss, dense gradients, its own experts' gradients) and what it held."""
     import funcpipe as fp
     from funcpipe.models import moe
@@ -78,10 +81,12 @@ def expert_pipelines_vs_one_device(
 
     mesh = mesh_for({"pipeline": 2, "expert": expert})
     axis, copies = mesh["expert"], mesh.config.data
+
     copy, coord = mesh.place.coords["data"], axis.coord
     out = []
     for k, name in enumerate(names):
-        program = generate(name, ranks=2, microbatches=microbatches)
+        program = generate(name, ranks=2, microbatches=microbatches, overlap=overlap)
+        assert not overlap or any(p for p in map(pairs, program.ranks)), f"{name}: no pair"
         n = len(set(program.replica_of or range(program.n_stages)))
         kw = dict(routing[k]) if routing else {}  # (hypothesis: top_k, shared, score, seed)
         seed = kw.pop("seed", 10 * k)
@@ -98,6 +103,11 @@ def expert_pipelines_vs_one_device(
             )  # fmt: skip
         finally:
             os.environ.pop("FUNCPIPE_STRICT_P2P", None)
+        if overlap:  # the backwards' collectives on a process group of the same ranks
+            import torch.distributed as dist
+
+            ranks = dist.get_process_group_ranks
+            assert axis.back is not axis.group and ranks(axis.back) == ranks(axis.group)
         x, y = _batch(seed, microbatches * copies)
         share = slice(microbatches * copy, microbatches * (copy + 1))
         with pipe:
@@ -133,7 +143,9 @@ def expert_pipelines_vs_one_device(
 
 
 @_strictly
-def gpt_with_experts_vs_one_device(rank: int, names: Sequence[str]) -> list[dict[str, Any]]:
+def gpt_with_experts_vs_one_device(
+    rank: int, names: Sequence[str], microbatches: int = 2, overlap: bool = False
+) -> list[dict[str, Any]]:
     """The GPT with MoE blocks (aux loss included) at pipeline 2 x expert 2: each schedule's
     step against the one-device step over the whole batch; worst relative differences."""
     import funcpipe as fp
@@ -151,17 +163,18 @@ def gpt_with_experts_vs_one_device(rank: int, names: Sequence[str]) -> list[dict
     one = gpt.single_axis()
     out = []
     for k, name in enumerate(names):
-        program = generate(name, ranks=2, microbatches=2)
+        program = generate(name, ranks=2, microbatches=microbatches, overlap=overlap)
+        assert not overlap or any(p for p in map(pairs, program.ranks)), f"{name}: no pair"
         n = len(set(program.replica_of or range(program.n_stages)))
         full = gpt.split(gpt.init(cfg, seed=k, dtype=F64), cfg, n)
         mine = tuple(
             shard_tree(p, lay, mesh.place)
             for p, lay in zip(full, gpt.shardings(cfg, n), strict=True)
         )
-        g = torch.Generator().manual_seed(k)
-        x = torch.randint(0, 32, (2 * copies, 6), generator=g)
-        y = torch.randint(0, 32, (2 * copies, 6), generator=g)
-        share = slice(2 * copy, 2 * copy + 2)
+        g, mb = torch.Generator().manual_seed(k), microbatches
+        x = torch.randint(0, 32, (mb * copies, 6), generator=g)
+        y = torch.randint(0, 32, (mb * copies, 6), generator=g)
+        share = slice(mb * copy, mb * copy + mb)
         with fp.Pipeline(
             gpt.stages(cfg, n, axis=one, expert=mesh["expert"]), program,
             loss_fn=gpt.loss_fn(axis=one), ties=gpt.tie_spec(n), mesh=mesh,
@@ -170,7 +183,7 @@ def gpt_with_experts_vs_one_device(rank: int, names: Sequence[str]) -> list[dict
             got = pipe.step(mine, x[share], y[share])
         ref = fp.reference_step(
             gpt.stages(cfg, n, axis=one), full, x, gpt.loss_fn(axis=one), targets=y,
-            microbatches=2 * copies, ties=gpt.tie_spec(n),
+            microbatches=mb * copies, ties=gpt.tie_spec(n),
         )  # fmt: skip
         want = tuple(
             None if gs is None else shard_tree(r, lay, mesh.place)
@@ -369,3 +382,39 @@ def tallies_of_programs(rank: int, names: Sequence[str]) -> list[dict[str, list[
                 got = pipe.step(params, share)
             out.append({k: v.tolist() for k, v in got.tallies.items()})
     return out
+
+
+def traced_pairs(rank: int) -> dict[str, Any]:
+    """A traced step of DualPipeV with pairs at pipeline 2 x expert 2: its collectives' spans,
+    and the pairs during which one half's all-to-all ran inside the other half's span."""
+    import funcpipe as fp
+    from funcpipe.models import moe
+    from funcpipe.schedule import generate
+    from funcpipe.schedule.ir import Op
+    from tests.jobs_parallel import mesh_for
+
+    mesh = mesh_for({"pipeline": 2, "expert": 2})
+    axis = mesh["expert"]
+    program = generate("dualpipev", ranks=2, microbatches=8, overlap=True)
+    config = _config(4)
+    full = tuple(moe.init(config, seed=s, dtype=F64) for s in range(4))
+    mine = tuple(moe.expert_shard(p, config, axis) for p in full)
+    experts = [(s, leaf) for s in range(4) for leaf in ("w_in", "w_out")]
+    x, y = _batch(0, 8)
+    with fp.Pipeline(
+        _stages(4, config, axis), program, loss_fn=_mse, mesh=mesh, experts=experts
+    ) as pipe:
+        tl = pipe.step(mine, x, y, trace=True).timeline
+    me = mesh.place.coords["pipe"]
+    events, calls = tl.events[me], tl.spans[me]
+    inside = 0  # pairs
+    for a, b in pairs(program.ranks[me]):
+        fwd, bwd = (events[a], events[b]) if events[a].instr.op is Op.F else (events[b], events[a])
+        inside += any(  # a forward's all-to-all of this pair, while the backward ran
+            c.name.startswith("all_to_all") and c.name.endswith("(forward)")
+            and fwd.start <= c.start and c.end <= fwd.end
+            and min(c.end, bwd.end) > max(c.start, bwd.start)
+            for c in calls
+        )  # fmt: skip
+    names = sorted({c.name for c in calls})
+    return {"pairs": len(pairs(program.ranks[me])), "inside": inside, "names": names}

@@ -42,6 +42,38 @@ def test_recomputation_with_experts_split_equals_one_device(pool: Any) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+def test_overlapped_pairs_with_experts_split_equal_one_device(pool: Any, recompute: bool) -> None:
+    """Each pair's forward on the process's thread, its backward on a second one, both calling
+    the expert all-to-all (the forwards' on one process group, the backwards' on another)."""
+    names = ("dualpipev", "zbv", "1f1b")
+    got = pool(4).run(
+        J.expert_pipelines_vs_one_device, names, microbatches=6, overlap=True, recompute=recompute
+    )
+    _check(got, names)
+
+
+@pytest.mark.timeout(300)
+def test_a_traced_step_shows_one_halfs_all_to_all_under_the_other(pool: Any) -> None:
+    """The executed timeline's spans: every all-to-all and split-size exchange the stages
+    called, each direction on its group; in some pairs a forward's all-to-all ran while the
+    other half's backward was running (two threads)."""
+    results = pool(4).run(J.traced_pairs)
+    for got in results:
+        assert got["pairs"] > 0, got
+        assert {"all_to_all expert (forward)", "all_to_all expert (backward)"} <= set(got["names"])
+        assert "split sizes expert (forward)" in got["names"]
+    # (how the two threads interleave is the OS's call: over all processes' pairs)
+    assert sum(got["inside"] for got in results) > 0, results
+
+
+@pytest.mark.timeout(300)
+def test_the_gpt_with_experts_in_overlapped_pairs_equals_one_device(pool: Any) -> None:
+    names = ("dualpipev", "zbv")
+    _check(pool(4).run(J.gpt_with_experts_vs_one_device, names, 6, True), names)
+
+
+@pytest.mark.timeout(300)
 def test_two_copies_of_each_expert_over_eight_processes_equal_one_device(pool: Any) -> None:
     """pipeline 2 x expert 2 x 2 copies of each expert: the expert gradients are summed over
     the copies holding the same experts (a group of their own), the dense ones over all 4."""

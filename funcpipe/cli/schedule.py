@@ -68,6 +68,21 @@ def _add_schedule(subparsers: Subparsers) -> None:
     sched.add_argument(
         "--costs", type=costs, default=None, metavar="F,B,W[,COMM]", help=_COSTS_HELP
     )
+    sched.add_argument(
+        "--overlap",
+        action="store_true",
+        help="overlapped pairs ('&': one microbatch's F with another's B or I): dualpipev and "
+        "zbv pair their steady phase, other schedules get the overlap pass",
+    )
+    sched.add_argument(
+        "--stage-comm",
+        type=numbers,
+        default=None,
+        metavar="F_COMM,B_COMM",
+        help="the communication inside one stage's F and inside its B or I (an expert "
+        "all-to-all, tensor-parallel collectives), during which it waits; a pair hides each "
+        "half's behind the other's compute (funcpipe.schedule.Costs f_comm, b_comm)",
+    )
     _add_auto_options(sched)
     sched.add_argument(
         "--memory",
@@ -167,6 +182,12 @@ def _summary(timeline: Any) -> str:
         "peak activations  " + " ".join(str(a) for a in stats["peak_activations"]) + "  (per rank)",
         "busy              " + " ".join(f"{b:g}" for b in stats["busy"]) + "  (per rank)",
     ]
+    c = timeline.costs
+    if stats["pairs"] or c.f_comm or c.b_comm:
+        lines.append(f"pairs             {stats['pairs']}  (overlapped F & B)")
+        lines.append(
+            f"hidden            {stats['hidden']:g}  (in-stage communication the pairs hide)"
+        )
     return "\n".join(lines)
 
 
@@ -207,7 +228,7 @@ def _run_schedule(args: argparse.Namespace) -> int:
         if args.lower:
             program = lower(program)
             check(program)
-        timeline = simulate(program, args.costs)
+        timeline = simulate(program, _with_stage_comm(args.costs, args.stage_comm))
     except ScheduleError as e:
         return _fail("schedule", e)
     extra: dict[str, Any] = {"lowered": program.lowered}
@@ -232,6 +253,22 @@ def _run_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_stage_comm(costs: Any, stage_comm: list[float] | None) -> Any:
+    """``--costs`` with ``--stage-comm``'s F and B communication."""
+    from dataclasses import replace
+
+    from funcpipe.schedule.simulate import Costs
+
+    if stage_comm is None:
+        return costs
+    if len(stage_comm) != 2:
+        raise InvalidArgument(
+            f"--stage-comm {','.join(f'{v:g}' for v in stage_comm)}: give two numbers, the "
+            "communication inside a stage's F and inside its B (or I), e.g. --stage-comm 0.5,0.5"
+        )
+    return replace(costs or Costs(), f_comm=stage_comm[0], b_comm=stage_comm[1])
+
+
 def _generate(args: argparse.Namespace) -> Any:
     """The program ``funcpipe schedule NAME`` names: a generator's, or ``auto``'s search."""
     try:
@@ -245,7 +282,7 @@ def _generate(args: argparse.Namespace) -> Any:
     if args.name.strip().lower() == "auto":
         from funcpipe.schedule.auto import auto
 
-        return auto(
+        found = auto(
             **options,
             placement=args.placement or "loop",
             costs=args.costs,
@@ -254,6 +291,11 @@ def _generate(args: argparse.Namespace) -> Any:
             max_memory=_one_or_all(args.max_memory),
             memory=args.stage_memory,
         )
+        if not args.overlap:
+            return found
+        from funcpipe.schedule.overlap import overlap
+
+        return overlap(found)
     if (
         args.placement is not None
         or args.max_activations is not None
@@ -265,7 +307,7 @@ def _generate(args: argparse.Namespace) -> Any:
             "--placement/--max-activations/--exact/--max-memory/--stage-memory are options of "
             f"'auto', not of {args.name!r}; drop them or run 'funcpipe schedule auto ...'"
         )
-    return generate(args.name, **options)
+    return generate(args.name, **options, overlap=args.overlap)
 
 
 def _check_size(args: argparse.Namespace) -> None:

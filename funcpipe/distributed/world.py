@@ -46,6 +46,7 @@ from funcpipe.runtime.rank_io import EXPERT_DATA
 from funcpipe.runtime.transport import DistTransport, strict_from_env
 from funcpipe.schedule.check import in_program
 from funcpipe.schedule.ir import COLLECTIVE_OPS, Op, Program
+from funcpipe.schedule.ir import pairs as overlapped_pairs
 
 __all__ = ["SCALARS", "DistWorld", "gather_times", "join", "sizes"]
 
@@ -119,6 +120,8 @@ def join(program: Program, *, mesh: Any = None, scatter_gather: bool = False) ->
         raise InvalidArgument(
             f"ranks ({n}) x data ({copies}) x tensor ({tp}) != world size {world}"
         )
+    if mesh is not None and any(overlapped_pairs(r) for r in program.ranks):
+        mesh.backward_groups()  # (an overlapped pair's two halves: one group each)
 
     def g(r: int, d: int, c: int) -> int:
         return (r * copies + d) * tp + c
@@ -209,9 +212,15 @@ def transport_device(device: torch.device | None) -> torch.device:
     return torch.device("cpu")
 
 
-def gather_times(program: Program, world: DistWorld, times: list[float]) -> list[list[float]]:
-    """Every program rank's instruction times (of this rank's copy and coordinate), in this
-    process's ``time.perf_counter`` seconds.
+def gather_times(
+    program: Program,
+    world: DistWorld,
+    times: list[float],
+    spans: list[tuple[str, float, float]],
+) -> tuple[list[list[float]], list[list[tuple[str, float, float]]]]:
+    """Every program rank's instruction times (of this rank's copy and coordinate) and the
+    collectives its stages called (``spans``: name, start, end), in this process's
+    ``time.perf_counter`` seconds.
 
     Each rank's times are ``perf_counter`` readings (on CUDA, events anchored to one:
     :mod:`funcpipe.runtime.clock`). Processes of one machine share that clock and their times
@@ -231,10 +240,15 @@ def gather_times(program: Program, world: DistWorld, times: list[float]) -> list
     everyone = [torch.empty_like(mine, device=dev) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine.to(dev))
     rows = torch.stack(everyone).cpu()  # one copy back
+    calls: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(calls, spans)  # (a traced step only: small, pickled)
+    shift = [
+        0.0 if rows[g][-2] == mine[-2] else float(rows[g][-1] - mine[-1]) for g in range(len(rows))
+    ]
     return [
         _on_my_clock(rows[g], mine, 2 * len(program.ranks[r]))
         for r, g in enumerate(world.pipe_ranks)
-    ]
+    ], [[(n, a + shift[g], b + shift[g]) for n, a, b in calls[g]] for g in world.pipe_ranks]
 
 
 def _on_my_clock(row: torch.Tensor, mine: torch.Tensor, n: int) -> list[float]:

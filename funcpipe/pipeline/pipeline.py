@@ -33,6 +33,7 @@ from funcpipe.pipeline.result import (
     merged_outputs,
     merged_tallies,
     stage_grads,
+    traced_timeline,
 )
 from funcpipe.runtime.drive import drive, drive_local
 from funcpipe.runtime.interpreter import RankInputs, run_rank
@@ -362,8 +363,8 @@ class Pipeline:
         step = StepResult(loss, grads, metric, outputs)
         step.peak_activations, step.tallies = {self.rank: result.peak_activations}, result.tallies
         if trace:
-            times = _world.gather_times(program, self._world, result.times)
-            step.timeline = executed_timeline(program, times)
+            times, spans = _world.gather_times(program, self._world, result.times, result.spans)
+            step.timeline = executed_timeline(program, times, spans)
         return step
 
     def _step_local(
@@ -425,7 +426,7 @@ class Pipeline:
         out.peak_activations = {r: res.peak_activations for r, res in enumerate(per_rank)}
         out.tallies = merged_tallies(results.values())  # (every rank and copy: all of them)
         if trace:
-            out.timeline = executed_timeline(program, [res.times for res in per_rank])
+            out.timeline = traced_timeline(program, per_rank)
         return out
 
     # ------------------------------------------------------------------ sharded (zero=1, 2)

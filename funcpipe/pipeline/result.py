@@ -17,7 +17,7 @@ from funcpipe.runtime.interpreter import RankResult
 from funcpipe.runtime.loss_terms import count_factor, scale_grads
 from funcpipe.runtime.rank_io import SCALARS
 from funcpipe.schedule.ir import Program
-from funcpipe.schedule.simulate import Event, Timeline
+from funcpipe.schedule.simulate import Event, Span, Timeline
 from funcpipe.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
@@ -199,9 +199,13 @@ def local_scalars(
     return loss, metric, factor
 
 
-def executed_timeline(program: Program, times: Sequence[Sequence[float]]) -> Timeline:
+def executed_timeline(
+    program: Program,
+    times: Sequence[Sequence[float]],
+    spans: Sequence[Sequence[tuple[str, float, float]]] = (),
+) -> Timeline:
     """A :class:`Timeline` from each rank's flat (start, end, start, end, ...) times, in
-    seconds from the earliest start."""
+    seconds from the earliest start, and its stages' collectives (``spans``)."""
     t0 = min((t[0] for t in times if t), default=0.0)
     events = tuple(
         tuple(
@@ -210,7 +214,13 @@ def executed_timeline(program: Program, times: Sequence[Sequence[float]]) -> Tim
         )
         for r, ts in enumerate(times)
     )
-    return Timeline(program=program, events=events)
+    calls = tuple(tuple(Span(r, n, a - t0, b - t0) for n, a, b in s) for r, s in enumerate(spans))
+    return Timeline(program=program, events=events, spans=calls)
+
+
+def traced_timeline(program: Program, per_rank: Sequence[RankResult]) -> Timeline:
+    """The executed timeline of a step whose ranks all ran in this process."""
+    return executed_timeline(program, [r.times for r in per_rank], [r.spans for r in per_rank])
 
 
 def total(values: Sequence[Tensor | None]) -> Tensor | None:

@@ -21,22 +21,26 @@ What a rank's step takes and gives back (:class:`RankInputs`, :class:`RankResult
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
-from funcpipe.errors import InvalidArgument, NonFiniteError
+from funcpipe.errors import InvalidArgument
 from funcpipe.runtime import autodiff
 from funcpipe.runtime.clock import step_clock
+from funcpipe.runtime.leaves import check_finite, compute_leaves, take_grad
+from funcpipe.runtime.pair import run_pair
 from funcpipe.runtime.pending import Pending as _Pending
 from funcpipe.runtime.pending import wait_for
 from funcpipe.runtime.rank_io import EXPERT_DATA, RankInputs, RankResult
 from funcpipe.runtime.shards import gather_stage, leaf_layout, own_pieces, scatter_stage
+from funcpipe.runtime.spans import traced
 from funcpipe.runtime.stage_call import stage_fn
 from funcpipe.runtime.tallies import reduce_tallies
 from funcpipe.runtime.transport_common import P2P, RECV, SEND, Handle, Transport
 from funcpipe.schedule.check import in_program
-from funcpipe.schedule.ir import ACT, COMPUTE_OPS, GRAD, Instr, Op, groups
+from funcpipe.schedule.ir import ACT, COMPUTE_OPS, GRAD, Instr, Op, groups, pairs
 from funcpipe.stages.boundaries import OutputSpec, rebuild
 from funcpipe.stages.tally import collecting
 from funcpipe.tree import tree_flatten
@@ -79,7 +83,7 @@ class _Rank:
         # dtype, made once per step: no weight is cast inside a microbatch, and each
         # microbatch's gradient is added into the wide sum (_fold) without a cast
         self.compute: dict[int, list[Tensor]] = {
-            o: leaves if (casts := x.casts.get(o)) is None else _compute_leaves(leaves, casts)
+            o: leaves if (casts := x.casts.get(o)) is None else compute_leaves(leaves, casts)
             for o, leaves in self.leaves.items()
         }
         self.shared: set[tuple[int, int]] = set()
@@ -199,21 +203,7 @@ class _Rank:
     def _finite(
         self, s: int, m: int, tensors: Sequence[Tensor | None], names: Sequence[str], where: str
     ) -> None:
-        for t, name in zip(tensors, names, strict=False):
-            if (
-                t is not None
-                and (t.is_floating_point() or t.is_complex())
-                and not bool(torch.isfinite(t).all())
-            ):
-                bad = "NaN" if bool(torch.isnan(t).any()) else "inf"
-                raise NonFiniteError(
-                    f"rank {self.x.rank}: {bad} in the {name} of stage {s} ({self.x.stages[s].name!r}), "
-                    f"microbatch {m}, during the {where}. Look at that stage's inputs and "
-                    "parameters for this microbatch (Pipeline(check_finite=False) turns the check off).",
-                    stage=s,
-                    microbatch=m,
-                    what=name,
-                )
+        check_finite(self.x, s, m, tensors, names, where)
 
     def _alive(self, delta: int) -> None:
         self.live += delta
@@ -261,35 +251,39 @@ class _Rank:
         return nodes
 
     def backward(self, i: Instr) -> None:
-        """B: input and weight gradients of one (stage, microbatch) in one backward."""
+        """B (input and weight gradients of one (stage, microbatch) in one backward) or I."""
+        self.finish_backward(i, self.backward_work(i)())
+
+    backward_input = backward
+
+    def backward_work(self, i: Instr) -> Callable[[], list[Tensor | None]]:
+        """The gradient computation of B or I ``i``, with what it reads taken now (an
+        overlapped pair runs it on a second thread: :mod:`~funcpipe.runtime.pair`)."""
         s, m = i.stage, i.microbatch
-        grad_outputs = self._grad_outputs(s, m)
-        saved, _ = self.saved.pop((s, m))
+        grad_outputs, params = self._grad_outputs(s, m), self._params(s)
+        if i.op is Op.I:
+            saved, nodes = self.saved[(s, m)][0], self._param_nodes(s)
+            return lambda: autodiff.backward_input(saved, params, grad_outputs, nodes=nodes)
+        saved = self.saved.pop((s, m))[0]
         if self.shared:
             self._unshare(s)
-        gin, _ = autodiff.backward(saved, self._params(s), grad_outputs, accumulate=True)
-        self._fold(s)
-        self._alive(-1)
+        return lambda: autodiff.backward(saved, params, grad_outputs, accumulate=True)[0]
+
+    def finish_backward(self, i: Instr, gin: list[Tensor | None]) -> None:
+        s, m = i.stage, i.microbatch
+        if i.op is Op.B:
+            self._fold(s)
+            self._alive(-1)
         if self.x.check_finite:
-            self._finite(s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], "backward")
-            self._check_param_grads(s, m)
+            where = "backward" if i.op is Op.B else "backward (I)"
+            self._finite(s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], where)
+            if i.op is Op.B:
+                self._check_param_grads(s, m)
         self._route_input_grads(s, m, gin)
 
     def _check_param_grads(self, s: int, m: int) -> None:
         gp = self._param_grads(s)
         self._finite(s, m, gp, [f"parameter gradient #{k}" for k in range(len(gp))], "backward")
-
-    def backward_input(self, i: Instr) -> None:
-        s, m = i.stage, i.microbatch
-        saved, _ = self.saved[(s, m)]
-        gin = autodiff.backward_input(
-            saved, self._params(s), self._grad_outputs(s, m), nodes=self._param_nodes(s)
-        )
-        if self.x.check_finite:
-            self._finite(
-                s, m, gin, [f"input gradient #{k}" for k in range(len(gin))], "backward (I)"
-            )
-        self._route_input_grads(s, m, gin)
 
     def backward_weight(self, i: Instr) -> None:
         s, m = i.stage, i.microbatch
@@ -456,7 +450,7 @@ class _Rank:
         if (pending := self.gathering.pop(o, None)) is not None:
             yield from pending.finish()
             if (casts := self.x.casts.get(o)) is not None:  # compute copies of gathered values
-                self.compute[o] = _compute_leaves(self.leaves[o], casts)
+                self.compute[o] = compute_leaves(self.leaves[o], casts)
 
     def scatter(self, i: Instr) -> None:
         """Start SCATTER ``i``: reduce-scatter what the stage's gradients gathered since its
@@ -496,55 +490,30 @@ class _Rank:
                 yield from pending.finish()
         yield from self._scattered(owners)
 
+    def ready(self, i: Instr) -> Generator[Handle, None, None]:
+        """Wait for what compute instruction ``i`` needs before it starts: its GATHER, its
+        inputs, the reductions in flight over the gradients a B or W adds into."""
+        if self.scattering:  # (ZeRO-2: the packed gradients of those done go now)
+            self.scattering = {
+                o: rest
+                for o, ps in self.scattering.items()
+                if (rest := [q for q in ps if not q.poll()])
+            }
+        if self.gathering and (i.op is Op.F or i.op is Op.R):  # its GATHER first
+            yield from self._gathered(i.stage)
+        yield from self.inputs_in(i)
+        if (i.op is Op.B or i.op is Op.W) and (self.inflight or self.scattering):
+            yield from self._settle([self.owner[i.stage]])  # (and the last SCATTER's copy)
+
     # ------------------------------------------------------------------ the loop
     def run(self) -> Generator[Handle, None, RankResult]:
         x = self.x
         clock = step_clock(x.device if x.trace else None)  # (CUDA events only when traced)
         stamp = clock.stamp
         trace: list[Any] | None = [] if x.trace else None
-        instrs = self.p.ranks[x.rank]
-        group_of = {g[0]: g for g in groups(instrs)}  # first step -> the group's steps
-        for t, i in enumerate(instrs):
-            op = i.op
-            if op in COMPUTE_OPS:  # (its start is after its inputs are in)
-                if self.scattering:  # (ZeRO-2: the packed gradients of those done go now)
-                    self.scattering = {
-                        o: rest
-                        for o, ps in self.scattering.items()
-                        if (rest := [q for q in ps if not q.poll()])
-                    }
-                if self.gathering and (op is Op.F or op is Op.R):  # its GATHER first
-                    yield from self._gathered(i.stage)
-                yield from self.inputs_in(i)
-            if trace is not None:
-                trace.append(stamp())
-            if op is Op.F:
-                self.forward(i)
-            elif op is Op.B:
-                if self.inflight or self.scattering:  # (and the last SCATTER's packed copy)
-                    yield from self._settle([self.owner[i.stage]])
-                self.backward(i)
-            elif op is Op.I:
-                self.backward_input(i)
-            elif op is Op.W:
-                if self.inflight or self.scattering:
-                    yield from self._settle([self.owner[i.stage]])
-                self.backward_weight(i)
-            elif t in group_of:  # a SEND or RECV that starts a group (joined ones: posted)
-                self.post([instrs[k] for k in group_of[t]])
-            elif op is Op.R:
-                self.recompute(i)
-            elif op is Op.REDUCE:
-                if self.inflight:  # a tie or replica sum reads what earlier reductions wrote
-                    yield from self._settle(list(self.inflight))
-                yield from self._scattered(list(self.scattering))  # ... and the pieces
-                self.reduce(i)
-            elif op is Op.SCATTER:
-                self.scatter(i)
-            elif op is Op.GATHER:
-                self.gather(i)
-            if trace is not None:
-                trace.append(stamp())
+        spans: list[tuple[str, Any, Any]] = []  # (traced: the stages' own collectives)
+        with traced(spans, stamp) if trace is not None else nullcontext():
+            yield from self._instructions(trace, stamp)
         if x.scalars_group is not None:
             # A collective is enqueued only once its data exists on every rank: after the last
             # instruction, where every rank's sums are final. Posted earlier (at the start on a
@@ -566,32 +535,55 @@ class _Rank:
         self.t.finish()
         if trace is not None:  # (CUDA: waits for the step's work)
             self.result.times = clock.resolve(trace)
+            on = clock.resolve([t for _, a, b in spans for t in (a, b)])
+            self.result.spans = [(n, on[2 * k], on[2 * k + 1]) for k, (n, _, _) in enumerate(spans)]
         for o, leaves in self.leaves.items():
             if o in x.shards:  # sharded: this copy's pieces (zeros where none were SCATTERed)
                 at = leaf_layout(len(leaves), x.experts.get(o, frozenset()), *x.layout)
                 self.result.grads[o] = own_pieces(self.pieces.get(o), leaves, at)
             else:
-                self.result.grads[o] = [_take_grad(t) for t in leaves]
+                self.result.grads[o] = [take_grad(t) for t in leaves]
         return self.result
 
-
-def _compute_leaves(leaves: list[Tensor], casts: Sequence[torch.dtype | None]) -> list[Tensor]:
-    """Each leaf in the dtype the stage computes with: a copy of its own (a leaf of autograd)
-    where that differs, the leaf itself elsewhere."""
-    return [
-        t if c is None else t.detach().to(c).requires_grad_(t.requires_grad)
-        for t, c in zip(leaves, casts, strict=True)
-    ]
-
-
-def _take_grad(leaf: Tensor) -> Tensor:
-    """The gradient sum of a parameter leaf as a value (zeros if it got none); the leaf lets go
-    of it."""
-    g = leaf.grad
-    if g is None:
-        return torch.zeros_like(leaf)
-    leaf.grad = None
-    return g
+    def _instructions(
+        self, trace: list[Any] | None, stamp: Callable[[], Any]
+    ) -> Generator[Handle, None, None]:
+        """The rank's instructions, in program order (``trace``: each one's start and end)."""
+        instrs = self.p.ranks[self.x.rank]
+        group_of = {g[0]: g for g in groups(instrs)}  # first step -> the group's steps
+        pair_of = dict(pairs(instrs))  # first half -> second half
+        for t, i in enumerate(instrs):
+            op = i.op
+            if t in pair_of:  # an overlapped pair: both halves' inputs in, then both at once
+                yield from run_pair(self, i, instrs[t + 1], trace, stamp)
+                continue
+            if i.joined and op in COMPUTE_OPS:  # (the second half: run with the first)
+                continue
+            if op in COMPUTE_OPS:  # (its start is after its inputs are in)
+                yield from self.ready(i)
+            if trace is not None:
+                trace.append(stamp())
+            if op is Op.F:
+                self.forward(i)
+            elif op is Op.B or op is Op.I:
+                self.backward(i)
+            elif op is Op.W:
+                self.backward_weight(i)
+            elif t in group_of:  # a SEND or RECV that starts a group (joined ones: posted)
+                self.post([instrs[k] for k in group_of[t]])
+            elif op is Op.R:
+                self.recompute(i)
+            elif op is Op.REDUCE:
+                if self.inflight:  # a tie or replica sum reads what earlier reductions wrote
+                    yield from self._settle(list(self.inflight))
+                yield from self._scattered(list(self.scattering))  # ... and the pieces
+                self.reduce(i)
+            elif op is Op.SCATTER:
+                self.scatter(i)
+            elif op is Op.GATHER:
+                self.gather(i)
+            if trace is not None:
+                trace.append(stamp())
 
 
 def run_rank(x: RankInputs, transport: Transport) -> Generator[Handle, None, RankResult]:

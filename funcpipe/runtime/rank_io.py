@@ -117,6 +117,8 @@ class RankResult:
     peak_activations: int = 0  # most (stage, microbatch) activations alive at once
     # with trace: start, end of each instruction, perf_counter seconds (CUDA: from events)
     times: list[float] = field(default_factory=list)
+    # with trace: (name, start, end) of each collective the stages called (an all-to-all...)
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
     # with RankInputs.scalars_group: (float64 buffer laid out as SCALARS, its reduction)
     scalars: tuple[Tensor, Handle] | None = None
     # name -> the sum of what this rank's forwards tallied (funcpipe.stages.tally); with

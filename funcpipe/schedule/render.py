@@ -37,6 +37,7 @@ COLOURS: dict[str, str] = {
     "REDUCE": "#5F5A57",
     "SCATTER": "#79706E",
     "GATHER": "#9D7660",
+    "collective": "#E45756",
 }
 _LABELS = {
     "F": "F forward",
@@ -48,6 +49,7 @@ _LABELS = {
     "REDUCE": "REDUCE",
     "SCATTER": "SCATTER (reduce-scatter)",
     "GATHER": "GATHER (all-gather)",
+    "collective": "a stage's collective (all-to-all...) in flight",
 }
 _FORMATS = (".png", ".svg", ".pdf")
 _COLLECTIVES = frozenset(op.value for op in COLLECTIVE_OPS)
@@ -138,6 +140,11 @@ def draw_timeline(
     for r, events in enumerate(tl.events):
         ax.broken_barh([(0, span)], (r - height / 2, height), facecolors="#F3F3F3", zorder=0)
         used |= _draw_row(ax, r, events, height, font, points_per_unit, chunk_of if multi else None)
+    for r, calls in enumerate(tl.spans):  # the stages' own collectives, above the row
+        bars = [(c.start, c.end - c.start) for c in calls if c.end > c.start]
+        if bars:
+            used.add("collective")
+            ax.broken_barh(bars, (r - height / 2 - 0.16, 0.12), facecolors=COLOURS["collective"])
     for r, starts in enumerate(_group_posts(tl)):
         if starts:  # one tick per communication group, where the rank posted it
             ax.vlines(starts, r - height / 2 - 0.14, r - height / 2, colors="#5F5A57", lw=0.6)
@@ -185,6 +192,7 @@ def _draw_row(
     drawn."""
     multi = chunk_of is not None
     used: set[str] = set()
+    heads = {e.step - 1 for e in events if e.instr.joined and e.instr.op in COMPUTE_OPS}
     for e in events:
         kind = _kind(e.instr)
         length = e.end - e.start
@@ -199,9 +207,14 @@ def _draw_row(
             continue
         if chunk_of is not None and kind not in _COLLECTIVES:
             colour = _mix(colour, min(0.55, 0.45 * chunk_of[e.instr.stage]))
+        # an overlapped pair: its halves side by side in the rank's row, top and bottom
+        paired = e.instr.op in COMPUTE_OPS and (e.instr.joined or e.step in heads)
+        top = e.instr.joined
         ax.broken_barh(
             [(e.start, length)],
-            (r - height / 2, height),
+            (r - height / 2 + (height / 2 if top else 0), height / 2)
+            if paired
+            else (r - height / 2, height),
             facecolors=colour,
             edgecolors="white",
             linewidth=0.6,
@@ -215,7 +228,7 @@ def _draw_row(
             continue  # does not fit
         ax.text(
             e.start + length / 2,
-            r,
+            r + (0 if not paired else height / 4 if top else -height / 4),
             label,
             ha="center",
             va="center",
@@ -257,7 +270,7 @@ def chrome_trace(timeline: Timeline, *, scale: float = 1000.0) -> dict[str, Any]
         events.append(
             {"name": "process_sort_index", "ph": "M", "pid": r, "args": {"sort_index": r}}
         )
-        for tid, name in ((0, "compute"), (1, "comm")):
+        for tid, name in ((0, "compute"), (1, "comm"), (2, "overlapped (& second half)")):
             events.append(
                 {"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": name}}
             )
@@ -288,10 +301,24 @@ def chrome_trace(timeline: Timeline, *, scale: float = 1000.0) -> dict[str, Any]
                     "cat": _kind(i),
                     "ph": "X",
                     "pid": e.rank,
-                    "tid": 0 if i.op not in COMM_OPS else 1,
+                    # (the second half of an overlapped pair on a track of its own)
+                    "tid": (2 if i.joined else 0) if i.op not in COMM_OPS else 1,
                     "ts": e.start * scale,
                     "dur": (e.end - e.start) * scale,
                     "args": args,
+                }
+            )
+    for calls in tl.spans:  # the stages' own collectives (measured), on the comm track
+        for c in calls:
+            events.append(
+                {
+                    "name": c.name,
+                    "cat": "collective",
+                    "ph": "X",
+                    "pid": c.rank,
+                    "tid": 1,
+                    "ts": c.start * scale,
+                    "dur": (c.end - c.start) * scale,
                 }
             )
     for rank_events in tl.events:

@@ -21,7 +21,7 @@ from funcpipe.schedule.analysis import Analysis, Dep, analyse, fail
 from funcpipe.schedule.ir import COMM_OPS, COMPUTE_OPS, Instr, Op, Program, groups, pairs
 from funcpipe.schedule.p2p import PAIR, Network, Why, check_layout, check_p2p
 
-__all__ = ["Costs", "Event", "Timeline", "peak_activations", "peak_memory", "simulate"]
+__all__ = ["Costs", "Event", "Span", "Timeline", "peak_activations", "peak_memory", "simulate"]
 
 CostValue = float | Sequence[float]
 
@@ -121,13 +121,27 @@ class Event:
     end: float
 
 
+@dataclass(frozen=True, slots=True)
+class Span:
+    """A collective a stage called during a measured step (an expert all-to-all, a
+    tensor-parallel reduction): its rank, name and time span; an overlapped pair shows one
+    half's in flight while the other computes."""
+
+    rank: int
+    name: str
+    start: float
+    end: float
+
+
 @dataclass(frozen=True)
 class Timeline:
-    """The predicted (or measured) run of a program."""
+    """The predicted (or measured) run of a program; ``spans[r]``: rank r's collectives inside
+    its stages (measured timelines only)."""
 
     program: Program
     events: tuple[tuple[Event, ...], ...]
     costs: Costs = field(default_factory=Costs)
+    spans: tuple[tuple[Span, ...], ...] = ()
 
     @property
     def makespan(self) -> float:
@@ -276,14 +290,10 @@ class _Prices:
             return 0.0
         return sum(self.parts(i))
 
-    def pair(self, x: Instr, y: Instr, alone: float = 0.0) -> float:
-        """An overlapped pair: the ideal overlap of the two halves' compute and communication,
-        after the first half ran ``alone`` for that long (while the second's inputs were not
-        in), at its own pace (the length of what is left: see :class:`Costs`)."""
+    def pair(self, x: Instr, y: Instr) -> float:
+        """An overlapped pair: the ideal overlap of the two halves' compute and communication
+        (see :class:`Costs`)."""
         (cx, mx), (cy, my) = self.parts(x), self.parts(y)
-        first = cx + mx
-        left = 1.0 - min(alone, first) / first if first > 0 else 0.0
-        cx, mx = cx * left, mx * left
         return max(cx + cy, mx + my, cx + mx, cy + my)
 
 
@@ -409,18 +419,14 @@ def simulate(
                 ready = clock[r]
                 deps = analysis.deps.get((r, t), ())
                 paired = t + 1 < len(instrs) and instrs[t + 1].joined and i.op in COMPUTE_OPS
-                if paired:  # (known once both halves' inputs are: _pair)
+                if paired:
                     deps = deps + analysis.deps.get((r, t + 1), ())
                 if any((d.rank, d.step) not in finish for d in deps):
                     break
-                if paired:
-                    ready, second = (
-                        _ready(clock[r], analysis.deps.get((r, u), ()), finish, costs.comm)
-                        for u in (t, t + 1)
-                    )
-                    second = max(second, ready)  # (its pieces follow the first's first)
-                    end = second + price.pair(i, instrs[t + 1], alone=second - ready)
-                    started[(r, t)], started[(r, t + 1)] = ready, second
+                if paired:  # both halves' inputs in, then both at once (as the runtime)
+                    ready = _ready(ready, deps, finish, costs.comm)
+                    end = ready + price.pair(i, instrs[t + 1])
+                    started[(r, t)] = started[(r, t + 1)] = ready
                     finish[(r, t)] = finish[(r, t + 1)] = clock[r] = end
                     pc[r] += 2
                     progressed = True

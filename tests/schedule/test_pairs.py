@@ -196,20 +196,19 @@ def test_a_pair_costs_the_overlap_of_its_compute_and_communication() -> None:
     assert simulate(p).makespan == simulate(alone).makespan
 
 
-def test_a_pair_whose_second_half_waits_starts_its_first() -> None:
-    """The first half runs alone until the second's input is in, then the rest overlaps."""
+def test_a_pair_starts_once_both_halves_inputs_are_in() -> None:
     text = """
     placement 0 1
     microbatches 2
     rank 0: F s0 m0; F s0 m1; B s0 m0; B s0 m1
     rank 1: F s1 m0; F s1 m1; & B s1 m0; B s1 m1
     """
-    # rank 1: F s1 m0 [1, 2]; the pair's F s1 m1 needs F s0 m1 (ends 2), B s1 m0 nothing more
-    c = Costs(f=1.0, b=1.0, w=0.0, f_comm=1.0, b_comm=1.0)
+    # rank 1's pair: F s1 m1 needs F s0 m1 (ends at 2 + 2 = 4), B s1 m0 needs F s1 m0 (ends 4)
+    c = Costs(f=2.0, b=1.0, w=0.0, f_comm=0.0, b_comm=3.0)
     tl = simulate(parse_program(text), c)
     f, b = tl.events[1][1], tl.events[1][2]
-    assert (f.start, b.start) == (4.0, 4.0)  # rank 1 is free at 4 (F s1 m0: 2 + 2 after 2)
-    assert f.end == b.end == 4.0 + max(1 + 1, 1 + 1, 1 + 1, 1 + 1)
+    assert (f.start, b.start) == (4.0, 4.0)
+    assert f.end == b.end == 4.0 + max(2 + 1, 0 + 3, 2 + 0, 1 + 3)
 
 
 @pytest.mark.parametrize("gen", [dualpipe_v, zbv])

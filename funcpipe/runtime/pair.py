@@ -1,0 +1,85 @@
+"""An overlapped pair (``F s0 m5`` then ``& B s3 m2``): one microbatch's forward while another's
+backward computes.
+
+The rank's thread runs the forward; a second thread, started for the pair and joined at its
+end, runs the backward's gradient computation (``autodiff.backward`` or ``backward_input``).
+Everything else, the bookkeeping before and after each half (which buffers, which sums, the
+checks, where the gradients go), stays on the rank's thread, so the interpreter's state is
+touched by one thread only.
+
+**Waiting points.** A stage exposes where it waits by calling funcpipe's collectives (the
+expert all-to-all, tensor-parallel reductions): while one half blocks in one, the other half
+runs. Nothing in the stage changes and it stays a pure function; a stage that calls none runs
+its halves side by side all the same (on a CPU, on two cores when there are two), with the
+same result as run one after the other: the two read nothing the other writes (different
+microbatches; the backward adds into the gradient sums, which no forward reads).
+
+**One order per communicator.** The forward's collectives and the backward's run on two
+process groups of the same ranks (``Axis.group`` and ``Axis.back``,
+:func:`funcpipe.parallel.collectives.group_of`), so however the two threads interleave, each
+group sees the calls in the program's order of its forwards (resp. backwards) on every rank of
+it: NCCL's rule holds without a fixed interleaving.
+
+**Random numbers.** The backward draws none (a recomputation is an ``R`` of its own, never in a
+pair); the forward draws from its own key as alone.
+
+**On CUDA** both threads issue to the stream the rank computes on (the worker thread takes the
+rank's current stream and device), so the caching allocator's reuse stays ordered; the
+communication runs on NCCL's streams, and how much of it hides behind the other half's
+kernels depends on the order the two threads issue in (not measured: no GPU was at hand).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+
+from funcpipe.runtime.transport_common import Handle
+from funcpipe.schedule.ir import Instr, Op
+
+__all__ = ["run_pair"]
+
+
+def run_pair(
+    rank: Any, first: Instr, second: Instr, trace: list[Any] | None, stamp: Callable[[], Any]
+) -> Generator[Handle, None, None]:
+    """Run the pair ``first`` & ``second`` on interpreter rank ``rank`` (its ``_Rank``): wait for
+    both halves' inputs, then the forward here and the backward on a second thread; ``trace``
+    gets each half's start and end (the first half's first)."""
+    for i in (first, second):
+        yield from rank.ready(i)
+    fwd, bwd = (first, second) if first.op is Op.F else (second, first)
+    work = rank.backward_work(bwd)
+    device = rank.x.device
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    out: dict[str, Any] = {}
+
+    def backward() -> None:
+        try:
+            if stream is not None:
+                torch.cuda.set_device(device)
+                torch.cuda.set_stream(stream)
+            out["start"] = stamp() if trace is not None else None
+            out["grads"] = work()
+            out["end"] = stamp() if trace is not None else None
+        except BaseException as e:  # (raised on the rank's thread, after the forward)
+            out["error"] = e
+
+    helper = threading.Thread(target=backward, name=f"funcpipe-pair-{bwd}", daemon=True)
+    f_start = stamp() if trace is not None else None
+    helper.start()
+    try:
+        rank.forward(fwd)
+    finally:
+        f_end = stamp() if trace is not None else None
+        helper.join()
+    if "error" in out:
+        raise out["error"]
+    rank.finish_backward(bwd, out["grads"])
+    if trace is not None:
+        spans = {fwd: (f_start, f_end), bwd: (out["start"], out["end"])}
+        for i in (first, second):
+            trace.extend(spans[i])
