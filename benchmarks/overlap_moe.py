@@ -123,7 +123,8 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         ta.append(timed(a))
         tb.append(timed(b))
     traced = b.step(params, x, y, trace=True).timeline
-    hidden, total = in_flight(traced, rank % 2) if traced is not None else (0.0, 0.0)
+    me = rank // 2  # (the program rank: world rank = pipe rank x 2 copies + copy)
+    hidden, total = in_flight(traced, me) if traced is not None else (0.0, 0.0)
     a.close(), b.close()
     return {"rank": rank, "a": ta, "b": tb, "grad_diff": diff, "in_flight": hidden, "paired": total}
 

@@ -71,9 +71,14 @@ def test_keys_are_deterministic_distinct_and_restore_the_generator() -> None:
 
 
 # ------------------------------------------------------------------------------ one process
+@pytest.mark.parametrize("overlap", [False, True], ids=["alone", "pairs"])
 @pytest.mark.parametrize("schedule", TRAINING)
-def test_split_module_dropout_matches_reference_under_every_schedule(schedule: str) -> None:
-    program = generate(schedule, ranks=2, microbatches=M)
+def test_split_module_dropout_matches_reference_under_every_schedule(
+    schedule: str, overlap: bool
+) -> None:
+    """``pairs``: overlapped pairs (a forward with another microbatch's backward on a second
+    thread) draw the masks their halves draw alone."""
+    program = generate(schedule, ranks=2, microbatches=M, overlap=overlap)
     part = _split(len(set(program.replica_of or range(program.n_stages))))
     x, y = J.data()
     ref = _reference(part, 123)

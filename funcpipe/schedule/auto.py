@@ -146,8 +146,33 @@ def auto(
     if seconds is not None:
         best = _refined(problem, best, seconds)
     winner = _program(problem, best[3], "auto")
+    if costs is not None and _communicates(costs):
+        winner = _paired(problem, winner, costs)
     simulate(winner, Costs() if costs is None else costs)  # the checker's proof, as a last word
     return winner
+
+
+def _communicates(costs: Costs) -> bool:
+    """Whether the stages communicate inside (``Costs.f_comm`` or ``b_comm``): pairs can hide it."""
+    values = [costs.f_comm, costs.b_comm]
+    return any(any(v) if isinstance(v, Sequence) else v > 0 for v in values)
+
+
+def _paired(problem: Problem, winner: Program, costs: Costs) -> Program:
+    """``winner``, or with overlapped pairs where that is faster under ``costs``: the
+    :func:`~funcpipe.schedule.overlap.overlap` pass over it, and DualPipeV and ZB-V with their
+    own pairs where they fit the memory limit (a pair keeps its program's order, so its peak
+    activations)."""
+    from funcpipe.schedule.overlap import overlap
+
+    candidates = [winner, overlap(winner).replace(name="auto")]
+    if problem.kind == "v":
+        for name in ("dualpipev", "zbv"):
+            program = generate(name, ranks=problem.p, microbatches=problem.m, overlap=True)
+            order = [[(OPS.index(i.op), i.stage, i.microbatch) for i in x] for x in program.ranks]
+            if _fits(problem, order):
+                candidates.append(program)
+    return min(candidates, key=lambda p: simulate(p, costs).makespan)
 
 
 def _seconds(exact: object) -> float | None:

@@ -83,6 +83,20 @@ def _problem(
             per[name] = tuple(float(x) for x in value)
         else:
             per[name] = (float(value),) * n
+    # the communication inside a stage (Costs.f_comm, b_comm): alone, it adds to the stage's
+    # F (and R) and to its B and I; auto prices pairs after the search (auto._paired)
+    for name, into in (("f_comm", ("f",)), ("b_comm", ("b", "full"))):
+        value = getattr(costs, name)
+        extra = (
+            tuple(float(x) for x in value) if isinstance(value, Sequence) else (float(value),) * n
+        )
+        if len(extra) != n:
+            raise InvalidArgument(
+                f"auto: costs.{name} has {len(extra)} value(s) but the program has {n} stages; "
+                "give one value per stage or one number for all"
+            )
+        for k in into:
+            per[k] = tuple(a + e for a, e in zip(per[k], extra, strict=True))
     least = minimum_activations(chunks=v)
     if max_activations is None:
         cap = (m * v,) * p

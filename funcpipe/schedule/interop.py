@@ -8,8 +8,10 @@ chain; torch infers the stage-to-rank placement from the rows, and so does :func
 
 Beyond compute cells torch writes (in its "compute_comms" dumps) ``3SEND_F1``, ``3RECV_B1``,
 ``0UNSHARD``, ``0RESHARD``, ``0REDUCE_GRAD`` and ``(0F7;7B3)OVERLAP_F_B``. :func:`read_csv`
-expands an ``OVERLAP_F_B`` cell into its sub-actions in order, and by default *skips*
-communication and FSDP cells (``comms="skip"``): funcpipe derives its own SEND/RECV with
+reads an ``OVERLAP_F_B`` cell of one F and one B or I as an overlapped pair (``&``, kept where
+the checker proves it independent; the halves run alone otherwise), any other as its
+sub-actions in order, and :func:`write_csv` writes each pair as one. :func:`read_csv` by
+default *skips* communication and FSDP cells (``comms="skip"``): funcpipe derives its own SEND/RECV with
 :func:`funcpipe.schedule.passes.add_communication` (FIFO per rank pair) and its own REDUCEs with
 :func:`~funcpipe.schedule.passes.add_reduce`, so a compute_comms dump loads as the same
 compute-only program. ``comms="reject"`` raises instead.
@@ -28,7 +30,8 @@ from pathlib import Path
 from funcpipe.errors import InvalidArgument, ScheduleError
 from funcpipe.schedule.analysis import analyse
 from funcpipe.schedule.check import check
-from funcpipe.schedule.ir import COMPUTE_OPS, Instr, Op, Program, chain
+from funcpipe.schedule.ir import COMPUTE_OPS, Instr, Op, Program, chain, pairs
+from funcpipe.schedule.overlap import sound_pairs
 
 __all__ = ["read_csv", "write_csv"]
 
@@ -145,7 +148,9 @@ def read_csv(
     for r, row in enumerate(rows):
         instrs = []
         for c, cell in enumerate(row):
-            for op, stage, mb in _cell(cell, r, c, comms):
+            acts = _cell(cell, r, c, comms)
+            overlapped = _OVERLAP_CELL.fullmatch(cell.strip()) is not None and _pairable(acts)
+            for k, (op, stage, mb) in enumerate(acts):
                 first = seen.setdefault(stage, (r, c, cell))
                 if first[0] != r:
                     raise ScheduleError(
@@ -157,7 +162,7 @@ def read_csv(
                         instruction=cell,
                         rule="a stage lives on one rank",
                     )
-                instrs.append(Instr(op, stage, mb))
+                instrs.append(Instr(op, stage, mb, joined=overlapped and k == 1))
         ranks.append(instrs)
     if not seen:
         raise ScheduleError("read_csv: the CSV has no compute cells (like '0F0')")
@@ -197,13 +202,20 @@ def read_csv(
     n_ranks = max(len(ranks), max(placement) + 1)
     ranks += [[] for _ in range(n_ranks - len(ranks))]
     training = any(i.op is not Op.F for r in ranks for i in r)
-    return Program(
+    program = Program(
         ranks=tuple(tuple(r) for r in ranks),
         placement=placement,
         microbatches=microbatches,
         training=training,
         name=name,
     )
+    return sound_pairs(program) if any(map(pairs, program.ranks)) else program
+
+
+def _pairable(acts: list[tuple[Op, int, int]]) -> bool:
+    """Whether an OVERLAP_F_B cell's actions make a pair: one F and one B or I."""
+    ops = {op for op, _, _ in acts}
+    return len(acts) == 2 and Op.F in ops and bool(ops & {Op.B, Op.I})
 
 
 def _steps(program: Program) -> list[list[int]]:
@@ -271,7 +283,13 @@ def write_csv(program: Program, *, align: bool = True) -> str:
     width = max((s[-1] + 1 for s in slots if s), default=0) if align else 0
     for instrs, steps in zip(compute.ranks, slots, strict=True):
         row = [""] * (width if align else len(instrs))
-        for i, step in zip(instrs, steps, strict=True):
-            row[step] = f"{i.stage}{i.op.value}{i.microbatch}"
-        writer.writerow(row)
+        for t, (i, step) in enumerate(zip(instrs, steps, strict=True)):
+            cell = f"{i.stage}{i.op.value}{i.microbatch}"
+            if i.joined:  # (written with the first half: its own step stays empty)
+                continue
+            if t + 1 < len(instrs) and instrs[t + 1].joined:
+                j = instrs[t + 1]
+                cell = f"({cell};{j.stage}{j.op.value}{j.microbatch})OVERLAP_F_B"
+            row[step] = cell
+        writer.writerow(row if align else [c for c in row if c])
     return buf.getvalue()

@@ -50,7 +50,17 @@ def test_reads_v_placement_split_backward_and_overlap_cells() -> None:
     )
     p = read_csv(text, microbatches=2)
     assert p.placement == (0, 1, 1, 0)
-    assert [str(i) for i in p.ranks[0]][1:5] == ["F s3 m0", "F s0 m1", "I s3 m0", "W s3 m0"]
+    # the OVERLAP_F_B cell is an overlapped pair: F s0 m1 & I s3 m0
+    assert [str(i) for i in p.ranks[0]][1:5] == ["F s3 m0", "F s0 m1", "& I s3 m0", "W s3 m0"]
+    check(p)
+    assert read_csv(write_csv(p, align=False), microbatches=2).ranks == p.ranks
+    assert "(0F1;3I0)OVERLAP_F_B" in write_csv(p)
+
+
+def test_an_overlap_cell_that_cannot_be_a_sound_pair_runs_its_halves_alone() -> None:
+    # B s0 m0 needs B s1 m0, which rank 1 runs after F s1 m1, which needs F s0 m1
+    p = read_csv("0F0,(0F1;0B0)OVERLAP_F_B,0B1\n1F0,1F1,1B0,1B1")
+    assert [str(i) for i in p.ranks[0]] == ["F s0 m0", "F s0 m1", "B s0 m0", "B s0 m1"]
     check(p)
 
 

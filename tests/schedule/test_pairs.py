@@ -235,3 +235,16 @@ def test_every_pass_keeps_every_generators_pairs(name: str) -> None:
         for r in (q, weights_after_sends(q)):
             check(r, p2p="nccl")
             assert _count(r) == n, (zero, kw)
+
+
+def test_auto_pairs_where_the_stages_communicate() -> None:
+    from funcpipe.schedule import auto
+
+    comm = Costs(f=1.0, b=1.0, w=1.0, f_comm=0.5, b_comm=0.5)
+    chosen = auto(ranks=4, microbatches=8, placement="v", costs=comm)
+    assert _count(chosen) > 0
+    unpaired = auto(ranks=4, microbatches=8, placement="v", costs=Costs(f=1.5, b=1.5, w=1.0))
+    assert simulate(chosen, comm).makespan < simulate(unpaired, comm).makespan
+    assert _count(auto(ranks=4, microbatches=8, placement="v")) == 0  # nothing to hide
+    with pytest.raises(InvalidArgument, match="costs.f_comm has 3 value"):
+        auto(ranks=2, microbatches=4, costs=Costs(f_comm=[1.0, 1.0, 1.0]))
