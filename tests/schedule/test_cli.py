@@ -199,3 +199,25 @@ def test_check_a_binary_csv_exits_2_naming_it(
     assert main(["check", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"funcpipe check: error: read_csv: {str(path)!r} is not a text file" in err, err
+
+
+def test_schedule_overlap_shows_the_pairs_and_what_they_hide(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["schedule", "dualpipev", "-p", "4", "-m", "16", "--stage-comm", "0.5,0.5"]
+    assert main([*base, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["pairs"] == 0 and plain["hidden"] == 0 and plain["makespan"] == 134
+    trace = tmp_path / "dv.json"
+    assert main([*base, "--overlap", "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "& B s" in out  # the table shows the pairs
+    assert "pairs             90  (overlapped F & B)" in out and "hidden            90" in out
+    assert "makespan          111.5" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    second = [e for e in events if e.get("ph") == "X" and e["name"].startswith("& ")]
+    assert second and all(e["tid"] == 2 for e in second)  # a track of their own
+    with pytest.raises(SystemExit):
+        main([*base[:-2], "--stage-comm", "x"])
+    assert main([*base[:-2], "--stage-comm", "0.5"]) == 2
+    assert "--stage-comm 0.5: give two numbers" in capsys.readouterr().err

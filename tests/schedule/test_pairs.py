@@ -248,3 +248,24 @@ def test_auto_pairs_where_the_stages_communicate() -> None:
     assert _count(auto(ranks=4, microbatches=8, placement="v")) == 0  # nothing to hide
     with pytest.raises(InvalidArgument, match="costs.f_comm has 3 value"):
         auto(ranks=2, microbatches=4, costs=Costs(f_comm=[1.0, 1.0, 1.0]))
+
+
+def test_the_trace_and_the_picture_show_both_halves_and_the_collectives(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    from funcpipe.schedule import chrome_trace, draw_timeline
+    from funcpipe.schedule.simulate import Span
+
+    p = parse_program(ONE_RANK)
+    tl = simulate(p, Costs(f_comm=0.5, b_comm=0.5))
+    f, b = tl.events[0][2], tl.events[0][3]  # the pair: F s0 m1 & B s1 m0
+    assert (f.start, f.end) == (b.start, b.end)
+    calls = ((Span(0, "all_to_all expert (forward)", f.start + 0.1, f.start + 0.4),),)
+    measured = replace(tl, spans=calls)
+    events = chrome_trace(measured)["traceEvents"]
+    halves = [e for e in events if e.get("ph") == "X" and e["name"] in ("F s0 m1", "& B s1 m0")]
+    assert sorted(e["tid"] for e in halves) == [0, 2]
+    (call,) = [e for e in events if e.get("cat") == "collective"]
+    assert call["tid"] == 1 and call["dur"] == pytest.approx(300.0)
+    out = draw_timeline(measured, tmp_path / "pair.png")
+    assert out.stat().st_size > 0
