@@ -24,9 +24,13 @@ it: NCCL's rule holds without a fixed interleaving.
 pair); the forward draws from its own key as alone.
 
 **On CUDA** both threads issue to the stream the rank computes on (the worker thread takes the
-rank's current stream and device), so the caching allocator's reuse stays ordered; the
+rank's current stream and its device), so the caching allocator's reuse stays ordered; the
 communication runs on NCCL's streams, and how much of it hides behind the other half's
 kernels depends on the order the two threads issue in (not measured: no GPU was at hand).
+
+**Faults.** An exception in either half is raised on the rank's thread once both halves are
+done (the backward's after the forward's finished); a half blocked in a collective whose peer
+died ends at the process group's timeout, so the join is bounded as every wait is.
 """
 
 from __future__ import annotations
@@ -59,8 +63,8 @@ def run_pair(
 
     def backward() -> None:
         try:
-            if stream is not None:
-                torch.cuda.set_device(device)
+            if stream is not None:  # (the rank's device and stream: a thread starts on 0's)
+                torch.cuda.set_device(stream.device)
                 torch.cuda.set_stream(stream)
             out["start"] = stamp() if trace is not None else None
             out["grads"] = work()
@@ -77,7 +81,14 @@ def run_pair(
         f_end = stamp() if trace is not None else None
         helper.join()
     if "error" in out:
-        raise out["error"]
+        error = out["error"]
+        if hasattr(error, "add_note"):
+            error.add_note(
+                f"funcpipe: raised by the backward of stage {bwd.stage}, microbatch "
+                f"{bwd.microbatch}, rank {rank.x.rank}, overlapped with '{fwd}' (on the pair's "
+                "second thread)"
+            )
+        raise error
     rank.finish_backward(bwd, out["grads"])
     if trace is not None:
         spans = {fwd: (f_start, f_end), bwd: (out["start"], out["end"])}

@@ -13,7 +13,7 @@ from funcpipe.pipeline import pipeline as pipeline_module
 from funcpipe.pipeline.pipeline import Pipeline
 from funcpipe.runtime.interpreter import RankResult
 from funcpipe.schedule.generators import forward_only, generate, to_eval
-from funcpipe.schedule.ir import Program, chain
+from funcpipe.schedule.ir import Program, chain, pairs
 from funcpipe.stages.stage import Stage
 from funcpipe.testing import assert_trees_close
 from funcpipe.tree import tree_flatten
@@ -499,3 +499,43 @@ def test_one_by_one_posting_deadlocks_under_nccl_rules_and_is_reported(
         Pipeline(stages, one_by_one, loss_fn=mse).step(params, x, y)
     got = Pipeline(stages, grouped, loss_fn=mse).step(params, x, y)
     assert_trees_close((got.loss, got.grads), ref)
+
+
+class _Boom(torch.autograd.Function):
+    """The identity whose backward raises (a stage failing in a paired backward)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom in a backward")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_half_of_a_pair_that_raises_is_reported_after_both_end(where: str) -> None:
+    program = generate("1f1b", ranks=2, microbatches=4, overlap=True)
+    stages, params = toy(2)
+    inner = stages[0].fn
+
+    from torch._subclasses.fake_tensor import is_fake
+
+    assert pairs(program.ranks[0])[0] == (1, 2)  # F s0 m1 & B s0 m0
+    real = []
+
+    def failing(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        if not (h.is_meta or is_fake(h)):
+            real.append(1)
+            if where == "forward" and len(real) == 2:  # F s0 m1: the pair's first half
+                raise RuntimeError("boom in a forward")
+        out = inner(p, h)
+        return _Boom.apply(out) if where == "backward" else out
+
+    stages[0] = Stage(failing, name="failing")
+    x, y = data(8)
+    with pytest.raises(RuntimeError, match=f"boom in a {where}") as e:
+        Pipeline(stages, program, loss_fn=mse).step(params, x, y)
+    if where == "backward":
+        notes = " ".join(getattr(e.value, "__notes__", []))
+        assert "backward of stage 0, microbatch 0" in notes and "F s0 m1" in notes
