@@ -1,6 +1,6 @@
 """Overlapped pairs on the MoE GPT: the same DualPipeV program with and without pairs.
 
-    python benchmarks/overlap_moe.py [--pairs 15] [--json overlap_moe.json]
+    python benchmarks/overlap_moe.py [--pairs 15] [--json overlap_moe.json] [--png timeline.png]
 
 The GPT with experts (:mod:`funcpipe.models.gpt`, every block a mixture of 8 experts, top 2)
 at pipeline 2 x expert 2: 4 gloo processes, two data-parallel copies whose experts are split
@@ -125,6 +125,10 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     traced = b.step(params, x, y, trace=True).timeline
     me = rank // 2  # (the program rank: world rank = pipe rank x 2 copies + copy)
     hidden, total = in_flight(traced, me) if traced is not None else (0.0, 0.0)
+    if cfg.get("png") and rank == 0 and traced is not None:  # (copy 0's two ranks)
+        from funcpipe.schedule import draw_timeline
+
+        draw_timeline(traced, cfg["png"], title="MoE GPT, DualPipeV with pairs", unit="s")
     a.close(), b.close()
     return {"rank": rank, "a": ta, "b": tb, "grad_diff": diff, "in_flight": hidden, "paired": total}
 
@@ -132,7 +136,7 @@ def cell(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
 def run(args: argparse.Namespace, pools: C.Pools) -> list[dict[str, Any]]:
     from benchmarks import overlap_moe  # by module name, so the workers can unpickle the job
 
-    cfg = {"pairs": args.pairs, "warmup": args.warmup}
+    cfg = {"pairs": args.pairs, "warmup": args.warmup, "png": args.png}
     pool = pools.get(4)
     results, info = C.measured_cell(
         lambda: pool.run(overlap_moe.cell, cfg, timeout=args.job_timeout),
@@ -173,6 +177,7 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--pairs", type=C.int_at_least(1), default=15, help="timed A B pairs")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each first")
+    ap.add_argument("--png", default=None, help="draw the traced B step's timeline (process 0)")
     C.pool_options(ap)
     return ap
 

@@ -127,7 +127,7 @@ def draw_timeline(
     chunk_of = {s: k for r in range(n) for k, s in enumerate(program.stages_on(r))}
     width_in = min(max(8.0, 0.3 * span + 2.0), 30.0)
     rows_in = (0.8 if multi else 0.6) * n
-    top_in, bottom_in = 0.5, 1.0  # title; axis label and legend
+    top_in, bottom_in = 0.5, 1.0 if not any(tl.spans) else 1.3  # title; axis label, legend
     height_in = rows_in + top_in + bottom_in
     fig = Figure(figsize=(width_in, height_in), dpi=150)
     FigureCanvasAgg(fig)  # the Agg canvas: no pyplot, no global backend switch
@@ -157,10 +157,9 @@ def draw_timeline(
         ax.spines[side].set_visible(False)
     ax.tick_params(axis="y", length=0)
     heading = title if title is not None else (program.name or "schedule")
-    ax.set_title(
-        f"{heading} — {_describe(tl)} — makespan {tl.makespan:.4g} {unit}, bubble {tl.bubble_fraction:.1%}",
-        fontsize=10,
-    )
+    text = f"{heading} — {_describe(tl)} — makespan {tl.makespan:.4g} {unit}, bubble {tl.bubble_fraction:.1%}"
+    room = (0.985 - left) * width_in * 72  # points over the axes, which the title centres on
+    ax.set_title(text, fontsize=max(6.0, min(10.0, room / (0.6 * len(text)))))
     order = [k for k in COLOURS if k in used]
     handles = [Patch(facecolor=COLOURS[k], label=_LABELS[k]) for k in order]
     if multi:
@@ -169,7 +168,7 @@ def draw_timeline(
         handles=handles,
         loc="lower center",
         bbox_to_anchor=(0.5, 0.1 / height_in),
-        ncol=len(handles),
+        ncol=min(len(handles), max(3, int(width_in // 1.7))),
         frameon=False,
         fontsize=8,
     )
