@@ -90,6 +90,15 @@ def register(subparsers: Subparsers) -> None:
         help="sharding over data: 0 none, 1 ZeRO-1 (optimizer state and parameters), "
         "2 ZeRO-2 (gradients too, reduce-scattered every microbatch); searched when left out",
     )
+    lay.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlapped pairs: a forward beside another microbatch's backward, each hiding its "
+        "expert all-to-all behind the other's compute (with --schedule dualpipev or zbv and "
+        "--expert-parallel > 1); when searching, --overlap searches only such layouts and "
+        "--no-overlap none (default: both where a layout may)",
+    )
     parser.add_argument(
         "--top", type=int, default=1, metavar="K", help="layouts to show when searching (default 1)"
     )
@@ -181,6 +190,33 @@ def _check_moe(args: argparse.Namespace) -> None:
         )
 
 
+def _check_overlap(args: argparse.Namespace, fixed: bool) -> None:
+    """``--overlap`` needs a mixture of experts, and in a given layout an expert axis and a
+    schedule that pairs."""
+    from funcpipe.planner.layout import PAIRING
+
+    if not args.overlap:
+        return
+    if args.experts is None:
+        raise InvalidArgument(
+            "--overlap: overlapped pairs hide the expert all-to-all, and the model has no "
+            "experts; give --experts E (a mixture of experts) or leave --overlap out"
+        )
+    if not fixed:
+        return
+    if args.schedule not in PAIRING:
+        raise InvalidArgument(
+            f"--overlap with --schedule {args.schedule or '1f1b'}: only "
+            f"{' and '.join(PAIRING)} pair a forward with a backward; pass --schedule "
+            "dualpipev (or zbv), or leave --overlap out"
+        )
+    if (args.expert_parallel or 1) == 1:
+        raise InvalidArgument(
+            "--overlap without --expert-parallel: the pairs hide the expert all-to-all, which "
+            "needs an expert axis; pass --expert-parallel EP (EP > 1) or leave --overlap out"
+        )
+
+
 def _check_shape(args: argparse.Namespace) -> None:
     """The model options that need another one, and FP8 on a GPU that has none."""
     from funcpipe.planner.cluster import GPUS
@@ -231,7 +267,7 @@ def _layout(args: argparse.Namespace) -> Any:
     p = args.pipeline or 1
     v = args.interleave or 1
     schedule = args.schedule or ("interleaved" if v > 1 else "1f1b")
-    if args.interleave is None and schedule in ("interleaved", "zbv"):
+    if args.interleave is None and schedule in ("interleaved", "zbv", "dualpipev"):
         v = 2
     d = _data(args)
     if args.zero and d == 1:
@@ -252,6 +288,7 @@ def _layout(args: argparse.Namespace) -> Any:
         stage_layers=_stage_layers(args.stage_layers),
         zero=args.zero or 0,
         expert=args.expert_parallel or 1,
+        overlap=bool(args.overlap),
     )
 
 
@@ -274,8 +311,12 @@ def _run(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"--top {args.top}: show at least 1 layout")
     _check_moe(args)
     _check_shape(args)
-    model = _model(args)
     fixed = any(getattr(args, k) is not None for k in _LAYOUT_FLAGS)
+    _check_overlap(args, fixed)
+    model = _model(args)
+    space: dict[str, Any] = {}
+    if not fixed and args.overlap is not None:  # --overlap / --no-overlap narrow the search
+        space["overlap"] = (args.overlap,)
     got = plan(
         model,
         gpus=args.gpus,
@@ -283,6 +324,7 @@ def _run(args: argparse.Namespace) -> int:
         gpu=args.gpu,
         layout=_layout(args) if fixed else None,
         top=args.top,
+        **space,
     )
     if args.json:
         best = got[0].as_dict()

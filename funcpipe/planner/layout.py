@@ -10,6 +10,7 @@ __all__ = [
     "DISPATCHERS",
     "MAX_GPUS",
     "MAX_STAGES",
+    "PAIRING",
     "RECOMPUTE",
     "SCHEDULES",
     "ZERO",
@@ -18,8 +19,13 @@ __all__ = [
 ]
 
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "zb-h2", "zbv")
+SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "zb-h2", "zbv", "dualpipev")
 """Schedules the planner prices (names of :data:`funcpipe.schedule.GENERATORS`)."""
+
+PAIRING = ("zbv", "dualpipev")
+"""Schedules whose generators pair a forward with a backward (``overlap=True``: overlapped pairs,
+:mod:`funcpipe.schedule.pairs`), so a layout may hide its expert all-to-all in them
+(``ClusterLayout(overlap=True)``)."""
 
 ZERO = (0, 1, 2)
 """Sharding levels over ``data`` the planner prices (``Pipeline(zero=...)``): 0 none; 1 (ZeRO-1)
@@ -35,7 +41,7 @@ DISPATCHERS = ("alltoall", "hybridep")
 other node holding any of its experts and fans it out over NVLink there
 (:func:`funcpipe.planner.moe.dispatch_seconds`)."""
 
-_CHUNKS = {"1f1b": 1, "gpipe": 1, "zb-h1": 1, "zb-h2": 1, "zbv": 2}
+_CHUNKS = {"1f1b": 1, "gpipe": 1, "zb-h1": 1, "zb-h2": 1, "zbv": 2, "dualpipev": 2}
 
 MAX_GPUS = 2**20
 """The most GPUs the planner models: 1,048,576, several times the largest clusters trained on
@@ -73,7 +79,10 @@ class ClusterLayout:
     the ``data`` copies (Megatron-Core folds expert parallelism into data parallelism: the GPUs
     are still tensor x pipeline x data, ``expert`` divides ``data``; dense gradients are reduced
     over all ``data`` copies, expert gradients over the ``data / expert`` holding the same
-    experts); ``dispatcher`` one of :data:`DISPATCHERS`, how the expert axis moves tokens."""
+    experts); ``dispatcher`` one of :data:`DISPATCHERS`, how the expert axis moves tokens;
+    ``overlap`` runs the schedule's overlapped pairs (a forward beside another microbatch's
+    backward, each hiding its expert all-to-all behind the other's compute): only with an
+    expert axis and a schedule of :data:`PAIRING`."""
 
     tensor: int = 1
     pipeline: int = 1
@@ -88,6 +97,7 @@ class ClusterLayout:
     zero: int = -1  # -1: not given (0, or 1 with zero1=True); always 0, 1 or 2 once made
     expert: int = 1
     dispatcher: str = "alltoall"
+    overlap: bool = False
 
     def __post_init__(self, zero1: bool) -> None:
         for name in ("tensor", "pipeline", "data", "microbatch", "interleave", "expert"):
@@ -111,6 +121,7 @@ class ClusterLayout:
             raise InvalidArgument(
                 f"ClusterLayout(schedule={self.schedule!r}): one of {', '.join(SCHEDULES)}"
             )
+        self._check_overlap()
         fixed = _CHUNKS.get(self.schedule)
         if fixed is not None and self.interleave != fixed:
             raise InvalidArgument(
@@ -155,6 +166,30 @@ class ClusterLayout:
                 "tokens over the expert axis, and there is none; pass expert > 1 or leave it out"
             )
 
+    def _check_overlap(self) -> None:
+        if not isinstance(self.overlap, bool):
+            raise InvalidArgument(f"ClusterLayout(overlap={self.overlap!r}): True or False")
+        if not self.overlap:
+            return
+        if self.schedule not in PAIRING:
+            raise InvalidArgument(
+                f"ClusterLayout(overlap=True, schedule={self.schedule!r}): overlapped pairs "
+                f"are priced on the schedules whose generators pair ({', '.join(PAIRING)}); "
+                "pass schedule='dualpipev' or 'zbv' (interleave=2), or overlap=False"
+            )
+        if self.expert == 1:
+            raise InvalidArgument(
+                "ClusterLayout(overlap=True, expert=1): an overlapped pair hides the expert "
+                "all-to-all, and there is no expert axis; pass expert > 1 (a mixture of "
+                "experts) or overlap=False"
+            )
+        if self.pipeline == 1:
+            raise InvalidArgument(
+                "ClusterLayout(overlap=True, pipeline=1): overlapped pairs are priced by "
+                "simulating the pipeline's program, and one stage has none to price; pass "
+                "pipeline > 1 or overlap=False"
+            )
+
     def _check_zero(self, zero1: bool) -> None:
         """``zero`` one of :data:`ZERO`; ``zero1=True`` (the old spelling) means 1 where ``zero``
         is not given, and is refused beside ``zero=0``: ``dataclasses.replace(layout, zero=0)``
@@ -192,19 +227,22 @@ class ClusterLayout:
         return self.tensor * self.pipeline * self.data
 
     def as_dict(self) -> dict[str, object]:
-        """The fields (and ``zero1``); ``expert`` only where the layout has an expert axis and
-        ``dispatcher`` only where it is not ``alltoall``, so a dense layout's JSON is what it was
-        before the axis came in."""
+        """The fields (and ``zero1``); ``expert`` only where the layout has an expert axis,
+        ``dispatcher`` only where it is not ``alltoall`` and ``overlap`` only where it is on, so
+        a dense layout's JSON is what it was before the axis came in."""
         out = {**asdict(self), "zero1": self.zero >= 1}
         if self.expert == 1:
             del out["expert"]
         if self.dispatcher == "alltoall":
             del out["dispatcher"]
+        if not self.overlap:
+            del out["overlap"]
         return out
 
     def short(self) -> str:
         """``t8 p8 d24 b1 v2 full sp interleaved``-style text (``e8`` after ``d`` for an expert
-        axis, ``hybridep`` before the schedule for that dispatcher)."""
+        axis, ``hybridep`` before the schedule for that dispatcher, ``overlap`` before it for
+        overlapped pairs)."""
         bits = [
             f"t{self.tensor}",
             f"p{self.pipeline}",
@@ -222,6 +260,8 @@ class ClusterLayout:
             bits.append("layers " + ",".join(map(str, self.stage_layers)))
         if self.dispatcher != "alltoall":
             bits.append(self.dispatcher)
+        if self.overlap:
+            bits.append("overlap")
         bits.append(self.schedule)
         return " ".join(bits)
 

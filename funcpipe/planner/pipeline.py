@@ -11,6 +11,17 @@ together; ``B = I + W``; ``p`` ranks, ``m`` microbatches, ``v`` chunks per rank)
 - ``zbv``: ``m(F + B) + ((p - 1)(F + max(0, I - F)) + (p - 2) max(0, F - I)) / 2``: exact
   where ``I <= F`` or ``W >= I``, else low (by 30% of the fill for ``I = 2F``, ``W = F/2``; the
   search prices its finalists with the simulator, which has no such gap)
+- ``dualpipev``: ``m(F + B) + (p - 1) max(F, F + I - W) / 2``: exact where ``I <= F``, else
+  low (by at most 5% of the step for ``m >= 2p``, ``I <= 2F``)
+
+Overlapped pairs (``ClusterLayout(overlap=True)``, :data:`~funcpipe.planner.layout.PAIRING`)
+have no closed form: :func:`simulated` prices them, the stages' expert all-to-alls given apart
+(``f_comm``, ``i_comm``) as :class:`funcpipe.schedule.Costs` takes them, and the program
+generated with ``overlap=True``. A pair of an F and a B (or I) costs the ideal overlap
+``max(f + b, f_comm + b_comm, f + f_comm, b + b_comm)``; the generators' fill and drain, where a
+pair waits for both halves' inputs, are what a closed form would miss (a steady-state form is
+up to 26% low at ``m = 2p``). :func:`pipeline_bound` holds for them too, and is what the search
+prunes them by.
 
 :func:`simulated` runs the real program instead, with one cost per stage (uneven stages: the
 embedding, the output layer): exactly for ``m <= 3p``, else at ``2p`` and ``3p`` microbatches and
@@ -69,6 +80,8 @@ def closed_form(schedule: str, p: int, m: int, v: int, f: float, i: float, w: fl
         return work + (p - 1) * f
     if schedule == "zbv":  # exact for I <= F or W >= I (see the module docstring)
         return work + ((p - 1) * (f + max(0.0, i - f)) + max(0, p - 2) * max(0.0, f - i)) / 2
+    if schedule == "dualpipev":  # exact for I <= F
+        return work + (p - 1) * max(f, f + i - w) / 2
     raise ValueError(schedule)
 
 
@@ -88,12 +101,14 @@ def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
         return min((v - 1) * p + 2 * (p - 1 - rank) + 1, m * v)
     if schedule == "zbv":
         return min(2 * p, 2 * m)
+    if schedule == "dualpipev":
+        return min(2 * p + 1, m + 1 + rank, 2 * m)
     raise ValueError(schedule)
 
 
 def placement(schedule: str, p: int, v: int) -> tuple[int, ...]:
-    """Rank of each of the ``p * v`` stages (loop, or V for ``zbv``)."""
-    if schedule == "zbv":
+    """Rank of each of the ``p * v`` stages (loop, or V for ``zbv`` and ``dualpipev``)."""
+    if schedule in ("zbv", "dualpipev"):
         return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
     return tuple(s % p for s in range(p * v))
 
@@ -105,6 +120,8 @@ def pipeline_bound(
     f: Sequence[float],
     i: Sequence[float],
     w: Sequence[float],
+    f_comm: Sequence[float] | None = None,
+    i_comm: Sequence[float] | None = None,
 ) -> float:
     """A lower bound of the simulator's makespan for ``m`` microbatches on stages placed on ranks
     as ``place``, with per-stage costs ``f``, ``i``, ``w`` (no message latency: it is in them).
@@ -113,30 +130,42 @@ def pipeline_bound(
     starts before a first microbatch's F has passed the stages below its lowest stage ``s``
     (every op of a stage needs its microbatch's F there), and, where a backward is one B
     (``1f1b``, ``interleaved``, ``gpipe``), a rank's last op is a B whose microbatch must still
-    go back through the stages below ``s``; the zero-bubble schedules can end a rank on a W,
-    which nothing waits for. The largest over the ranks. Unlike the closed forms, never above
-    the simulated time (tests/plan pins it on every candidate of a search; :func:`simulated`'s
-    extrapolation beyond ``3p`` microbatches is held up to it)."""
+    go back through the stages below ``s``; the zero-bubble schedules (and ``dualpipev``) can
+    end a rank on a W, which nothing waits for. The largest over the ranks. Unlike the closed
+    forms, never above the simulated time (tests/plan pins it on every candidate of a search;
+    :func:`simulated`'s extrapolation beyond ``3p`` microbatches is held up to it).
+
+    With overlapped pairs (``f_comm``, ``i_comm``: each stage's communication inside its F and
+    its I, apart from ``f`` and ``i``) a rank's ops take at least ``m`` x the largest of its
+    stages' ``F + I + W``, ``Fc + Ic``, ``F + Fc`` and ``I + Ic`` (a pair costs at least each
+    of those of its two halves, an op alone their sum), and a first F still ``f + f_comm``."""
     ranks = max(place) + 1
+    fc = [0.0] * len(f) if f_comm is None else f_comm
+    ic = [0.0] * len(i) if i_comm is None else i_comm
     lowest = [len(place)] * ranks
-    work = [0.0] * ranks
+    work = [[0.0] * 4 for _ in range(ranks)]
     for s, r in enumerate(place):
         lowest[r] = min(lowest[r], s)
-        work[r] += f[s] + i[s] + w[s]
-    split = schedule.startswith("zb")
+        if f_comm is None:
+            work[r][0] += f[s] + i[s] + w[s]
+            continue
+        for k, x in enumerate((f[s] + i[s] + w[s], fc[s] + ic[s], f[s] + fc[s], i[s] + ic[s])):
+            work[r][k] += x
+    split = schedule.startswith("zb") or schedule == "dualpipev"
     best = 0.0
     for r in range(ranks):
         s = lowest[r]
-        head = sum(f[:s])
-        tail = 0.0 if split else sum(i[:s]) + sum(w[:s])
-        best = max(best, head + m * work[r] + tail)
+        head = sum(f[:s]) + sum(fc[:s])
+        tail = 0.0 if split else sum(i[:s]) + sum(w[:s]) + sum(ic[:s])
+        best = max(best, head + m * max(work[r]) + tail)
     return best
 
 
 @lru_cache(maxsize=64)
-def program(schedule: str, p: int, m: int, v: int) -> Program:
+def program(schedule: str, p: int, m: int, v: int, overlap: bool = False) -> Program:
+    """The generator's program (``overlap``: with its overlapped pairs)."""
     chunks = v if schedule == "interleaved" else None
-    return generate(schedule, ranks=p, microbatches=m, chunks=chunks)
+    return generate(schedule, ranks=p, microbatches=m, chunks=chunks, overlap=overlap)
 
 
 def simulated(
@@ -148,10 +177,19 @@ def simulated(
     i: Sequence[float],
     w: Sequence[float],
     activation: Sequence[float],
+    *,
+    f_comm: Sequence[float] | None = None,
+    i_comm: Sequence[float] | None = None,
 ) -> tuple[float, tuple[float, ...]]:
     """(seconds, peak activation bytes per rank) from the simulator, per-stage costs given.
-    Cached: a search prices each layout at every sharding level, which changes neither."""
-    return _simulated(schedule, p, m, v, tuple(f), tuple(i), tuple(w), tuple(activation))
+    ``f_comm`` and ``i_comm`` (both or neither): the communication inside each stage's F and I
+    (its expert all-to-alls, not in ``f`` and ``i``), hidden in the program's overlapped pairs
+    (``generate(..., overlap=True)``; ``Costs(f_comm=, b_comm=)``). Cached: a search prices each
+    layout at every sharding level, which changes neither."""
+    if (f_comm is None) != (i_comm is None):
+        raise ValueError("simulated: give f_comm and i_comm together, or neither")
+    comm = None if f_comm is None or i_comm is None else (tuple(f_comm), tuple(i_comm))
+    return _simulated(schedule, p, m, v, tuple(f), tuple(i), tuple(w), tuple(activation), comm)
 
 
 @lru_cache(maxsize=4096)
@@ -164,16 +202,18 @@ def _simulated(
     i: tuple[float, ...],
     w: tuple[float, ...],
     activation: tuple[float, ...],
+    comm: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
 ) -> tuple[float, tuple[float, ...]]:
-    costs = Costs(f=list(f), b=list(i), w=list(w))
-    split = schedule.startswith("zb")
-    if not split:  # one B per backward: full = I + W
+    full = [x + y for x, y in zip(i, w, strict=True)]  # one B per backward: I + W
+    costs = Costs(f=list(f), b=list(i), w=list(w), full=full)
+    if comm is not None:
         costs = Costs(
-            f=list(f), b=list(i), w=list(w), full=[x + y for x, y in zip(i, w, strict=True)]
+            f=list(f), b=list(i), w=list(w), full=full, f_comm=list(comm[0]), b_comm=list(comm[1])
         )
+    paired = comm is not None
 
     def run(mb: int) -> tuple[float, tuple[float, ...]]:
-        prog = program(schedule, p, mb, v)
+        prog = program(schedule, p, mb, v, paired)
         return simulate(prog, costs).makespan, peak_memory(prog, list(activation))
 
     if m <= 3 * p:
@@ -184,7 +224,8 @@ def _simulated(
         peaks = tuple(x * m / (2 * p) for x in peaks)
     # the slope from 2p to 3p can be below the steady state's (zbv's: 3% low on 2 ranks), so
     # the extrapolation is held at or above what any run of the program provably takes
-    low = pipeline_bound(schedule, placement(schedule, p, v), m, f, i, w)
+    fc, ic = comm if comm is not None else (None, None)
+    low = pipeline_bound(schedule, placement(schedule, p, v), m, f, i, w, fc, ic)
     return max(t3 + (t3 - t2) / p * (m - 3 * p), low), peaks
 
 

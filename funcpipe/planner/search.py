@@ -14,20 +14,31 @@ from __future__ import annotations
 
 from bisect import insort
 from collections.abc import Iterator, Sequence
-from itertools import islice
+from itertools import islice, product
 from typing import Any
 
 from funcpipe.errors import InvalidArgument
 from funcpipe.planner.calibration import DEFAULT, Calibration
 from funcpipe.planner.cluster import Cluster
 from funcpipe.planner.estimate import Estimate, estimate
-from funcpipe.planner.layout import MAX_STAGES, RECOMPUTE, ZERO, ClusterLayout, check_gpus
+from funcpipe.planner.layout import (
+    MAX_STAGES,
+    PAIRING,
+    RECOMPUTE,
+    ZERO,
+    ClusterLayout,
+    check_gpus,
+)
 from funcpipe.planner.model import Transformer
 from funcpipe.planner.pipeline import MAX_SIMULATED, simulable
 
 __all__ = ["MAX_LAYOUTS", "candidates", "search"]
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
+"""The schedules searched by default; a mixture of experts' search adds ``dualpipev``, whose
+overlapped pairs hide the expert all-to-all (:data:`MOE_SCHEDULES`)."""
+
+MOE_SCHEDULES = (*DEFAULT_SCHEDULES, "dualpipev")
 
 MAX_LAYOUTS = 20_000
 """The most layouts :func:`search` prices: seconds of work (the 1T GPT on 3,072 GPUs has 10,440
@@ -66,7 +77,7 @@ def candidates(
     global_batch: int,
     *,
     gpus_per_node: int = 8,
-    schedules: Sequence[str] = DEFAULT_SCHEDULES,
+    schedules: Sequence[str] | None = None,
     recompute: Sequence[str] = RECOMPUTE,
     microbatches: Sequence[int] = (1, 2, 4, 8),
     interleaves: Sequence[int] = (2, 3, 4, 6, 8),
@@ -74,6 +85,7 @@ def candidates(
     zero: Sequence[int] | None = None,
     zero1: Sequence[bool] | None = None,
     expert: Sequence[int] | None = None,
+    overlap: Sequence[bool] | None = None,
 ) -> Iterator[ClusterLayout]:
     """Every valid layout: ``tensor`` within a node and dividing the heads, ``pipeline`` and
     ``interleave`` splitting the layers evenly, ``data`` the rest, ``microbatch`` dividing the
@@ -82,9 +94,16 @@ def candidates(
     ``data > 1``, none where ``data`` is 1. ``zero1=(False, True)``, the old spelling, is
     ``zero=(0, 1)``. A mixture of experts also gets every expert size dividing both ``data``
     and the experts (``expert``: only those of these sizes), and under ``tensor > 1`` only
-    sequence parallelism (Megatron-Core's rule for MoE); a dense model keeps ``expert=1``."""
+    sequence parallelism (Megatron-Core's rule for MoE); a dense model keeps ``expert=1``.
+    ``schedules`` default :data:`DEFAULT_SCHEDULES` (:data:`MOE_SCHEDULES` for a mixture of
+    experts). ``overlap`` (default both): with and without overlapped pairs, where a layout
+    may have them (an expert axis, a schedule of :data:`~funcpipe.planner.layout.PAIRING`,
+    ``pipeline > 1``); ``(True,)`` only those with."""
     levels = _zero_levels(zero, zero1)
     wanted = _expert_sizes(expert)
+    if schedules is None:
+        schedules = MOE_SCHEDULES if model.experts else DEFAULT_SCHEDULES
+    pairs = _overlaps(model, schedules, overlap)
     for t, p in _splits(model, gpus, gpus_per_node):
         d = gpus // (t * p)
         if global_batch % d:
@@ -97,13 +116,39 @@ def candidates(
                 continue
             for sched in schedules if p > 1 else ("1f1b",):
                 for v in _chunks(model, sched, p, interleaves):
-                    for rc in recompute:
-                        for sp in sps if t > 1 else (False,):
-                            for z in levels if d > 1 else (0,):
-                                for e in eps:
-                                    yield ClusterLayout(
-                                        t, p, d, b, v, rc, sp, sched, zero=z, expert=e
-                                    )
+                    inner = product(
+                        recompute, sps if t > 1 else (False,), levels if d > 1 else (0,), eps
+                    )
+                    for rc, sp, z, e in inner:
+                        can = e > 1 and sched in PAIRING and p > 1  # may have pairs
+                        for ov in pairs if can else (False,) if False in pairs else ():
+                            yield ClusterLayout(
+                                t, p, d, b, v, rc, sp, sched, zero=z, expert=e, overlap=ov
+                            )
+
+
+def _overlaps(
+    model: Transformer, schedules: Sequence[str], overlap: Sequence[bool] | None
+) -> tuple[bool, ...]:
+    """The overlap settings to search (``None``: both)."""
+    if overlap is None:
+        return (False, True)
+    if _not_a_sequence(overlap) or not overlap or any(not isinstance(o, bool) for o in overlap):
+        raise InvalidArgument(
+            f"search(overlap={overlap!r}): a sequence of True/False, e.g. (False, True)"
+        )
+    if False not in overlap:  # only overlapped layouts: say where there can be none
+        if not model.experts:
+            raise InvalidArgument(
+                f"search(overlap={tuple(overlap)!r}): overlapped pairs hide the expert "
+                "all-to-all, and the model has no experts; leave overlap out for a dense model"
+            )
+        if not set(schedules) & set(PAIRING):
+            raise InvalidArgument(
+                f"search(overlap={tuple(overlap)!r}, schedules={tuple(schedules)!r}): only "
+                f"{', '.join(PAIRING)} pair; add one of them to schedules, or leave overlap out"
+            )
+    return tuple(dict.fromkeys(overlap))
 
 
 def _expert_sizes(expert: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -151,7 +196,7 @@ def _chunks(model: Transformer, sched: str, p: int, interleaves: Sequence[int]) 
     """The chunks per rank ``sched`` may run on ``p`` ranks: stages dividing the layers."""
     if sched == "interleaved":
         vs = list(interleaves)
-    elif sched == "zbv":
+    elif sched in ("zbv", "dualpipev"):
         vs = [2]
     else:
         return [1]
@@ -201,8 +246,8 @@ def search(
     """The ``top`` fastest layouts that fit, best first (see the module docstring).
 
     ``space`` narrows :func:`candidates` (``schedules=``, ``recompute=``, ``microbatches=``,
-    ``interleaves=``, ``sequence_parallel=``, ``zero=``, ``expert=``; ``zero1=`` the old
-    spelling of ``zero=``). Candidates whose programs would be
+    ``interleaves=``, ``sequence_parallel=``, ``zero=``, ``expert=``, ``overlap=``; ``zero1=``
+    the old spelling of ``zero=``). Candidates whose programs would be
     longer than ``max_simulated_microbatches`` (ranks x microbatches x chunks) keep their
     closed-form price.
     """
