@@ -240,15 +240,42 @@ def gather_times(
     everyone = [torch.empty_like(mine, device=dev) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine.to(dev))
     rows = torch.stack(everyone).cpu()  # one copy back
-    calls: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(calls, spans)  # (a traced step only: small, pickled)
-    shift = [
-        0.0 if rows[g][-2] == mine[-2] else float(rows[g][-1] - mine[-1]) for g in range(len(rows))
-    ]
+    calls = _gather_spans(spans, dev)
+    shift = [0.0 if row[-2] == mine[-2] else float(row[-1] - mine[-1]) for row in rows]
     return [
         _on_my_clock(rows[g], mine, 2 * len(program.ranks[r]))
         for r, g in enumerate(world.pipe_ranks)
     ], [[(n, a + shift[g], b + shift[g]) for n, a, b in calls[g]] for g in world.pipe_ranks]
+
+
+def _gather_spans(
+    spans: list[tuple[str, float, float]], dev: torch.device
+) -> list[list[tuple[str, float, float]]]:
+    """Every process's ``spans``, as tensors (the names as UTF-8 bytes: nothing is pickled)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    names = "\x1f".join(name for name, _, _ in spans).encode()
+    sizes = torch.tensor([len(spans), len(names)], dtype=torch.int64, device=dev)
+    every = [torch.empty_like(sizes) for _ in range(n)]
+    dist.all_gather(every, sizes)
+    counts = [(int(t[0]), int(t[1])) for t in every]
+    most, longest = max(c for c, _ in counts), max(b for _, b in counts)
+    times = torch.zeros(max(1, 2 * most), dtype=torch.float64)
+    flat = [t for _, a, b in spans for t in (a, b)]
+    times[: len(flat)] = torch.tensor(flat, dtype=torch.float64)
+    text = torch.zeros(max(1, longest), dtype=torch.uint8)
+    text[: len(names)] = torch.tensor(list(names), dtype=torch.uint8)
+    all_times = [torch.empty_like(times, device=dev) for _ in range(n)]
+    all_text = [torch.empty_like(text, device=dev) for _ in range(n)]
+    dist.all_gather(all_times, times.to(dev))
+    dist.all_gather(all_text, text.to(dev))
+    out = []
+    for (c, b), ts, tx in zip(counts, all_times, all_text, strict=True):
+        got = bytes(tx[:b].cpu().tolist()).decode().split("\x1f") if c else []
+        vals = ts.cpu().tolist()
+        out.append([(got[k], vals[2 * k], vals[2 * k + 1]) for k in range(c)])
+    return out
 
 
 def _on_my_clock(row: torch.Tensor, mine: torch.Tensor, n: int) -> list[float]:

@@ -535,8 +535,11 @@ class _Rank:
         self.t.finish()
         if trace is not None:  # (CUDA: waits for the step's work)
             self.result.times = clock.resolve(trace)
-            on = clock.resolve([t for _, a, b in spans for t in (a, b)])
-            self.result.spans = [(n, on[2 * k], on[2 * k + 1]) for k, (n, _, _) in enumerate(spans)]
+            if spans:  # (resolved apart: the stages' collectives, from either pair thread)
+                on = clock.resolve([t for _, a, b in spans for t in (a, b)])
+                self.result.spans = [
+                    (n, on[2 * k], on[2 * k + 1]) for k, (n, _, _) in enumerate(spans)
+                ]
         for o, leaves in self.leaves.items():
             if o in x.shards:  # sharded: this copy's pieces (zeros where none were SCATTERed)
                 at = leaf_layout(len(leaves), x.experts.get(o, frozenset()), *x.layout)
