@@ -20,8 +20,12 @@ process groups of the same ranks (``Axis.group`` and ``Axis.back``,
 group sees the calls in the program's order of its forwards (resp. backwards) on every rank of
 it: NCCL's rule holds without a fixed interleaving.
 
-**Random numbers.** The backward draws none (a recomputation is an ``R`` of its own, never in a
-pair); the forward draws from its own key as alone.
+**Random numbers.** The forward draws from its own key as alone, and funcpipe's backward draws
+none (its recomputation is an ``R`` of its own, never in a pair). A stage that recomputes inside
+its own backward with ``torch.utils.checkpoint`` around dropout does draw there: it restores and
+draws from torch's one generator per process while the forward draws from it on the other
+thread, and the masks can differ from the halves' alone. Use ``Pipeline(recompute=...)`` (an
+``R``) for such a stage, or no pairs; nothing detects it.
 
 **On CUDA** both threads issue to the stream the rank computes on (the worker thread takes the
 rank's current stream and its device), so the caching allocator's reuse stays ordered; the

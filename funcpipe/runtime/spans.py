@@ -29,13 +29,17 @@ def traced(sink: Sink, stamp: Callable[[], Any]) -> Iterator[None]:
         _SINKS.remove(entry)
 
 
-@contextlib.contextmanager
-def timed(kind: str, phase: str, axis: Any) -> Iterator[None]:
+_OFF = contextlib.nullcontext()  # (no step traced: one shared no-op, nothing made per call)
+
+
+def timed(kind: str, phase: str, axis: Any) -> contextlib.AbstractContextManager[Any]:
     """Time the collective inside (``kind`` over ``axis``, in the ``phase`` direction) into the
     innermost traced step's sink; nothing when no step is traced."""
-    if not _SINKS:
-        yield
-        return
+    return _timing(kind, phase, axis) if _SINKS else _OFF
+
+
+@contextlib.contextmanager
+def _timing(kind: str, phase: str, axis: Any) -> Iterator[None]:
     sink, stamp = _SINKS[-1]
     start = stamp()
     try:

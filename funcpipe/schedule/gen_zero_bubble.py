@@ -167,7 +167,8 @@ def zbv(*, ranks: int, microbatches: int, overlap: bool = False) -> Program:
     check_bool("zbv", "overlap", overlap)
     n = max(m, 2 * p - 1)
     program = [_zbv_rank(p, n, r, overlap) for r in range(p)]
-    return sound_pairs(build("zbv", only_microbatches(program, m), placement_v(p), m))
+    built = build("zbv", only_microbatches(program, m), placement_v(p), m)
+    return sound_pairs(built) if overlap else built
 
 
 def _zbv_rank(p: int, n: int, r: int, overlap: bool) -> list[Instr]:
@@ -243,7 +244,8 @@ def dualpipe_v(*, ranks: int, microbatches: int, overlap: bool = False) -> Progr
     check_bool("dualpipe_v", "overlap", overlap)
     n = max(m, 2 * p)
     program = [_dualpipe_v_rank(p, n, r, overlap) for r in range(p)]
-    return sound_pairs(build("dualpipev", only_microbatches(program, m), placement_v(p), m))
+    built = build("dualpipev", only_microbatches(program, m), placement_v(p), m)
+    return sound_pairs(built) if overlap else built
 
 
 def _dualpipe_v_rank(p: int, n: int, r: int, overlap: bool) -> list[Instr]:

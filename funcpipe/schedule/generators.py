@@ -152,16 +152,6 @@ def generate(
     schedule gets the :func:`~funcpipe.schedule.overlap.overlap` pass.
     """
     check_bool("generate", "overlap", overlap)
-    program = _generate(name, ranks=ranks, microbatches=microbatches, chunks=chunks)
-    if not overlap:
-        return program
-    key = _lookup(name)
-    if key in ("dualpipev", "zbv"):
-        return GENERATORS[key](ranks=ranks, microbatches=microbatches, overlap=True)
-    return overlap_pass(program)
-
-
-def _generate(name: str, *, ranks: int, microbatches: int, chunks: int | None) -> Program:
     key = _lookup(name)
     fixed = CHUNKS[key]
     if fixed is not None:
@@ -170,6 +160,14 @@ def _generate(name: str, *, ranks: int, microbatches: int, chunks: int | None) -
                 f"generate: chunks={chunks!r} for {key!r}, which always runs {fixed} stage(s) per "
                 f"rank; leave chunks out (or pass chunks={fixed})"
             )
+        if overlap and key in ("dualpipev", "zbv"):  # (the schedule's own pairs)
+            return GENERATORS[key](ranks=ranks, microbatches=microbatches, overlap=True)
+    program = _generate(key, ranks=ranks, microbatches=microbatches, chunks=chunks)
+    return overlap_pass(program) if overlap else program
+
+
+def _generate(key: str, *, ranks: int, microbatches: int, chunks: int | None) -> Program:
+    if CHUNKS[key] is not None:
         return GENERATORS[key](ranks=ranks, microbatches=microbatches)
     if chunks is None:
         chunks = _DEFAULT_CHUNKS[key]

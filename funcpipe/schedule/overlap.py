@@ -8,14 +8,13 @@ pairs made before it, and the result is checked whole.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 from funcpipe.errors import InvalidArgument
 from funcpipe.schedule.analysis import analyse
 from funcpipe.schedule.ir import BACKWARD_OPS, PAIR_OPS, Instr, Op, Program, pairs
-from funcpipe.schedule.pairs import Node, needs
-from funcpipe.schedule.passes import add_communication, strip_communication
+from funcpipe.schedule.pairs import dependence, partners_of
+from funcpipe.schedule.passes import _stage_set, add_communication, strip_communication
 from funcpipe.schedule.simulate import simulate
 
 __all__ = ["overlap", "pair_where_sound", "sound_pairs"]
@@ -37,13 +36,7 @@ def overlap(program: Program, *, stages: Iterable[int] | None = None) -> Program
         raise InvalidArgument(
             f"overlap: program={type(program).__name__}; pass a funcpipe.schedule.Program"
         )
-    chosen = None if stages is None else frozenset(int(s) for s in stages)
-    if chosen is not None and not chosen <= set(range(program.n_stages)):
-        bad = sorted(chosen - set(range(program.n_stages)))
-        raise InvalidArgument(
-            f"overlap: stages={sorted(chosen)} names stage(s) {bad}, but the program has stages "
-            f"0..{program.n_stages - 1}"
-        )
+    chosen = None if stages is None else _stage_set(program, stages, "overlap")
     if not program.training:
         return program
     lowered = program.lowered
@@ -63,6 +56,7 @@ def pair_where_sound(program: Program, wanted: Sequence[Sequence[int]]) -> Progr
     the generators use it for the pairs they want, :func:`overlap` for every candidate."""
     a = analyse(program)
     ranks = [list(r) for r in program.ranks]
+    partners = partners_of(ranks)
     for r, instrs in enumerate(ranks):
         free = -1  # the last step already in a pair
         for t in wanted[r]:
@@ -70,12 +64,13 @@ def pair_where_sound(program: Program, wanted: Sequence[Sequence[int]]) -> Progr
             taken = t + 2 < len(instrs) and instrs[t + 2].joined  # (y heads another pair)
             if t <= free or taken or x.joined or y.joined or x.microbatch == y.microbatch:
                 continue
-            instrs[t + 1] = y.join()
-            trial = program.replace(ranks=tuple(tuple(i) for i in ranks))
-            if _independent(trial, a.deps, a.meetings, r, t):
+            instrs[t + 1] = y.join()  # (a trial: joining changes no op the search reads)
+            partners[(r, t)], partners[(r, t + 1)] = (r, t + 1), (r, t)
+            if dependence(ranks, a.deps, a.meetings, partners, r, t) is None:
                 free = t + 1
             else:
                 instrs[t + 1] = y
+                del partners[(r, t)], partners[(r, t + 1)]
     out = program.replace(ranks=tuple(tuple(i) for i in ranks))
     simulate(out)  # (proves it whole)
     return out
@@ -99,17 +94,3 @@ def _candidate(x: Instr, y: Instr, chosen: frozenset[int] | None) -> bool:
     if Op.F not in ops or not ops & BACKWARD_OPS or x.microbatch == y.microbatch:
         return False
     return chosen is None or (x.stage in chosen and y.stage in chosen)
-
-
-def _independent(
-    trial: Program,
-    deps: Mapping[Node, Sequence[Any]],
-    meetings: Mapping[Node, tuple[Node, ...]],
-    r: int,
-    t: int,
-) -> bool:
-    for early, late in (((r, t), (r, t + 1)), ((r, t + 1), (r, t))):
-        for d in deps.get(late, ()):
-            if needs(trial, deps, meetings, (d.rank, d.step), early) is not None:
-                return False
-    return True

@@ -20,6 +20,7 @@ from funcpipe.errors import InvalidArgument, ScheduleError
 from funcpipe.schedule.analysis import Analysis, Dep, analyse, fail
 from funcpipe.schedule.ir import COMM_OPS, COMPUTE_OPS, Instr, Op, Program, groups, pairs
 from funcpipe.schedule.p2p import PAIR, Network, Why, check_layout, check_p2p
+from funcpipe.schedule.pairs import PAIR_RULE, not_independent
 
 __all__ = ["Costs", "Event", "Span", "Timeline", "peak_activations", "peak_memory", "simulate"]
 
@@ -149,11 +150,18 @@ class Timeline:
 
     @property
     def busy(self) -> tuple[float, ...]:
-        """Compute time (F, B, I, W, R) per rank (an overlapped pair's span once)."""
-        return tuple(
-            sum(e.end - e.start for e in r if e.instr.op in COMPUTE_OPS and not e.instr.joined)
-            for r in self.events
-        )
+        """Time each rank computed (F, B, I, W, R): the union of their spans, so an overlapped
+        pair's two halves count once where they overlap (simulated, they span the same
+        interval; measured, each its own)."""
+        out = []
+        for r in self.events:
+            total, reach = 0.0, -math.inf
+            for a, b in sorted((e.start, e.end) for e in r if e.instr.op in COMPUTE_OPS):
+                if b > reach:
+                    total += b - max(a, reach)
+                    reach = b
+            out.append(total)
+        return tuple(out)
 
     @property
     def hidden(self) -> float:
@@ -317,6 +325,12 @@ def _deadlock(
 ) -> ScheduleError:
     program = analysis.program
     n = program.n_ranks
+    for r in range(n):  # a pair that waits for itself: named as such (pairs.not_independent)
+        t = pc[r]
+        if t + 1 < len(program.ranks[r]) and program.ranks[r][t + 1].joined:
+            itself = not_independent(program.ranks, analysis.deps, analysis.meetings, r, t)
+            if itself is not None:
+                return fail(program, r, itself[0], PAIR_RULE, itself[1])
 
     def blocked(r: int) -> tuple[int, int] | None:
         return (r, pc[r]) if pc[r] < len(program.ranks[r]) else None

@@ -152,8 +152,9 @@ def test_the_pass_pairs_what_it_can_and_nothing_else() -> None:
     assert overlap(generate("forward", ranks=2, microbatches=2)) == generate(
         "forward", ranks=2, microbatches=2
     )
-    with pytest.raises(InvalidArgument, match=r"stages=\[9\]"):
-        overlap(p, stages=[9])
+    for bad in ([9], [-1], [0.5], [True], "01", 3):
+        with pytest.raises(InvalidArgument, match="overlap: stages="):
+            overlap(p, stages=bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="pass a funcpipe.schedule.Program"):
         overlap("1f1b")  # type: ignore[arg-type]
 
@@ -269,3 +270,17 @@ def test_the_trace_and_the_picture_show_both_halves_and_the_collectives(tmp_path
     assert call["tid"] == 1 and call["dur"] == pytest.approx(300.0)
     out = draw_timeline(measured, tmp_path / "pair.png")
     assert out.stat().st_size > 0
+
+
+def test_a_measured_pairs_halves_count_once_where_they_overlap() -> None:
+    from funcpipe.schedule.simulate import Event, Timeline
+
+    p = parse_program(ONE_RANK)
+    spans = [(0, 1), (1, 2), (2, 5), (3, 6), (6, 7), (7, 8), (8, 9), (9, 10)]  # pair: 2-5, 3-6
+    events = (
+        tuple(
+            Event(0, t, i, a, b)
+            for t, (i, (a, b)) in enumerate(zip(p.ranks[0], spans, strict=True))
+        ),
+    )
+    assert Timeline(program=p, events=events).busy == (10.0,)
