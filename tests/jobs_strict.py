@@ -186,9 +186,9 @@ def strict_pipeline(rank: int) -> tuple[bool, float]:
     return len(made) == 1 and made[0].strict is not None, worst
 
 
-def pipeline_held_bytes(rank: int, microbatches: int) -> tuple[int, int, int]:
-    """A 1F1B training step of the toy model through Pipeline over the pool's ranks: (peak held
-    bytes of the step, bytes of one boundary tensor, held bytes after the step)."""
+def pipeline_held_bytes(rank: int, microbatches: int, steps: int) -> tuple[list[int], int, int]:
+    """``steps`` 1F1B training steps of the toy model through Pipeline over the pool's ranks:
+    (peak held bytes of each step, bytes of one boundary tensor, held bytes after the last)."""
     import torch.distributed as dist
 
     from funcpipe.pipeline.pipeline import Pipeline
@@ -201,9 +201,12 @@ def pipeline_held_bytes(rank: int, microbatches: int) -> tuple[int, int, int]:
     rows = 8
     pipe = Pipeline(stages, program, loss_fn=mse, transport="dist")
     x, y = data(rows * microbatches)
-    pipe.step(params, x, y)
-    t = pipe._world.transport  # type: ignore[union-attr]
-    return t.last_peak_held_bytes, rows * D * 8, t.held_bytes
+    peaks = []
+    for _ in range(steps):
+        pipe.step(params, x, y)
+        t = pipe._world.transport  # type: ignore[union-attr]
+        peaks.append(t.last_peak_held_bytes)
+    return peaks, rows * D * 8, t.held_bytes
 
 
 def p2p_process_groups(rank: int, names: Sequence[str]) -> dict[str, Any]:
