@@ -112,8 +112,8 @@ def test_a_1f1b_pipeline_step_over_processes_keeps_p_boundary_tensors(pool) -> N
     """A send counts until it is known done: over gloo, until the waiter thread's ``wait()``
     returns, which on a loaded machine comes a send late now and then (5 boundaries seen in 4 of
     25 runs; at most 4 in 90 steps of every rank run alone or beside two busy processes, at
-    6889d0b as at fdd70b8: not the overlapped pairs' doing). So: p in the quietest of three steps, and never near m (16 here, 32 for the middle
-    ranks' two directions) in any."""
+    6889d0b as at fdd70b8: not the overlapped pairs' doing). So: p in the quietest of three
+    steps, and never near m (16 here, 32 for the middle ranks' two directions) in any."""
     for peaks, boundary, after in pool(P).run(jobs_strict.pipeline_held_bytes, M, 3):
         assert min(peaks) <= P * boundary, [p / boundary for p in peaks]
         assert max(peaks) <= 2 * P * boundary, [p / boundary for p in peaks]
