@@ -18,7 +18,11 @@ from tests.parallel.strategies import scaled
 
 EVERY = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2", "zbv", "dualpipev",
          "chimera")  # fmt: skip
-TOL = 1e-12  # float64, relative to the largest value compared
+# float64, relative to the largest value of each leaf compared. Not 1e-12: a drawn routing (top-1
+# with a shared expert, sigmoid scores, seed 248, under interleaved) grows the residual stream
+# until the loss is 1.1e8, and a dense leaf's sums cancel down to 3.7e-12 of its largest value
+# (the order of summation differs across processes); a wrong route or sum is off by O(1)
+TOL = 1e-10
 
 
 def _check(results: list[list[dict[str, Any]]], names: tuple[str, ...]) -> None:
