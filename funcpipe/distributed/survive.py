@@ -110,24 +110,43 @@ def heartbeat(store: Any, rank: int) -> None:
     stopped (SIGSTOP, a debugger), frozen (swapping, native code that holds the GIL) or whose
     host is cut off stops beating, while a rank that only waits in a collective goes on (the
     wait releases the GIL), so :func:`stalled` can tell the one that holds a job up from those
-    waiting for it. One store write a second per rank."""
+    waiting for it. One store write a second per rank.
+
+    The thread is stopped and joined when the interpreter exits (``atexit``): a daemon thread
+    still inside the store's write then (native code that let go of the GIL) is ended by the
+    interpreter as it takes the GIL back, through C++ code that may not be unwound, and the
+    process aborted ("terminate called without an active exception"), turning a rank that had
+    finished its work into a failed job."""
     if _BEATING or store is None:
         return
     _BEATING.append(rank)
+    import atexit
     import threading
 
     from funcpipe.distributed.failures import current_step
 
+    stop = threading.Event()
+
     def beat() -> None:
         n = 0
-        while True:
+        while not stop.is_set():
             n += 1
             with contextlib.suppress(Exception):  # (a store gone with the job: the end)
                 step = current_step()
                 store.set(_beat_key(rank), f"{n} {'' if step is None else step}")
-            time.sleep(BEAT)
+            stop.wait(BEAT)
 
-    threading.Thread(target=beat, name="funcpipe-heartbeat", daemon=True).start()
+    thread = threading.Thread(target=beat, name="funcpipe-heartbeat", daemon=True)
+    thread.start()
+
+    def end() -> None:  # (bounded: a write to a store that is gone ends at its timeout)
+        stop.set()
+        thread.join(timeout=_END_WAIT)
+
+    atexit.register(end)
+
+
+_END_WAIT = 30.0  # seconds the exit waits for the heartbeat's last write
 
 
 def _beats(store: Any, world: int) -> dict[int, str]:
