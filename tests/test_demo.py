@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,53 +59,39 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_interrupted_demo_resumes_with_the_same_losses(tmp_path: Path) -> None:
-    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    common = [
-        "--pipeline",
-        "2",
-        "--tensor",
-        "1",
-        "--data",
-        "2",
-        "--steps",
-        "6",
-        "--eval-every",
-        "0",
-    ]
-    a = _demo(*common, "--out", str(straight))
+def test_interrupted_demo_resumes_with_the_same_losses_and_at_another_layout(
+    tmp_path: Path,
+) -> None:
+    """Stopped at step 3 at pipeline 2 x tensor 1 x data 2 (sharded optimizer state: --zero 1 by
+    default) and resumed: exactly the uninterrupted run's losses, step by step. The same stopped
+    run resumed at pipeline 1 x tensor 2 unsharded (--zero 0; the checkpoint is keyed by the
+    model's names, the optimizer state by flat regions): the losses go on as the uninterrupted
+    run's, to float32 rounding (the tensor-parallel sums add in another order)."""
+    straight, interrupted, moved = (
+        tmp_path / "straight",
+        tmp_path / "interrupted",
+        tmp_path / "moved",
+    )
+    common = ["--data", "2", "--steps", "6", "--eval-every", "0"]
+    here = ["--pipeline", "2", "--tensor", "1"]
+    a = _demo(*common, *here, "--out", str(straight))
     assert a.returncode == 0, a.stderr[-3000:]
-    b = _demo(*common, "--out", str(interrupted), "--stop-after", "3")
+    b = _demo(*common, *here, "--out", str(interrupted), "--stop-after", "3")
     assert b.returncode == 0, b.stderr[-3000:]
     assert not (interrupted / "summary.json").exists()
-    c = _demo(*common, "--out", str(interrupted), "--resume")
+    shutil.copytree(interrupted, moved)  # (the one stopped run, resumed two ways)
+    c = _demo(*common, *here, "--out", str(interrupted), "--resume")
     assert c.returncode == 0, c.stderr[-3000:]
     first = json.loads((straight / "history.json").read_text())["train"]
     second = json.loads((interrupted / "history.json").read_text())["train"]
     assert second == first  # exactly the same losses, step by step
-
-
-@pytest.mark.timeout(300)
-def test_an_interrupted_demo_resumes_at_another_layout(tmp_path: Path) -> None:
-    """Stopped at pipeline 2 x tensor 1 with sharded optimizer state (--data 2: --zero 1 by
-    default), resumed at pipeline 1 x tensor 2 unsharded (--zero 0; the checkpoint is keyed by
-    the model's names, the optimizer state by flat regions): the losses go on as the
-    uninterrupted run's, to float32 rounding (the tensor-parallel sums add in another order)."""
-    straight, moved = tmp_path / "straight", tmp_path / "moved"
-    common = ["--data", "2", "--steps", "5", "--eval-every", "0"]
-    a = _demo(*common, "--pipeline", "2", "--tensor", "1", "--out", str(straight))
-    assert a.returncode == 0, a.stderr[-3000:]
-    b = _demo(*common, "--pipeline", "2", "--tensor", "1", "--out", str(moved), "--stop-after", "2")
-    assert b.returncode == 0, b.stderr[-3000:]
-    c = _demo(
-        *common, "--pipeline", "1", "--tensor", "2", "--zero", "0", "--out", str(moved), "--resume"
-    )
-    assert c.returncode == 0, c.stderr[-3000:]
-    first = json.loads((straight / "history.json").read_text())["train"]
-    second = json.loads((moved / "history.json").read_text())["train"]
-    assert [row[0] for row in second] == [row[0] for row in first]
-    assert second[:2] == first[:2]  # before the stop: the same run
-    for (_, want, *_), (_, got, *_) in zip(first[2:], second[2:], strict=True):
+    there = ["--pipeline", "1", "--tensor", "2", "--zero", "0"]
+    d = _demo(*common, *there, "--out", str(moved), "--resume")
+    assert d.returncode == 0, d.stderr[-3000:]
+    third = json.loads((moved / "history.json").read_text())["train"]
+    assert [row[0] for row in third] == [row[0] for row in first]
+    assert third[:3] == first[:3]  # before the stop: the same run
+    for (_, want, *_), (_, got, *_) in zip(first[3:], third[3:], strict=True):
         assert got == pytest.approx(want, rel=1e-4)
 
 
