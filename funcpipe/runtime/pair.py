@@ -27,10 +27,17 @@ draws from torch's one generator per process while the forward draws from it on 
 thread, and the masks can differ from the halves' alone. Use ``Pipeline(recompute=...)`` (an
 ``R``) for such a stage, or no pairs; nothing detects it.
 
-**On CUDA** both threads issue to the stream the rank computes on (the worker thread takes the
-rank's current stream and its device), so the caching allocator's reuse stays ordered; the
-communication runs on NCCL's streams, and how much of it hides behind the other half's
-kernels depends on the order the two threads issue in (not measured: no GPU was at hand).
+**On CUDA** (read in torch's ``torch/csrc/autograd/engine.cpp``, not run: no GPU was at hand)
+the backward's CUDA nodes are run by autograd's own thread for the device, which the second
+thread hands its graph to and waits on; each node launches on the stream its forward ran on
+(``Node::stream()``, guarded in ``Engine::evaluate_function``), the rank's stream, and that
+thread sets the running graph task (``GraphTaskGuard`` in ``thread_main``), so
+:func:`~funcpipe.parallel.collectives.group_of` sends the backward's collectives to the
+backward's groups there too. Both halves' kernels thus go to one stream, in the order the two
+threads launch them (the caching allocator's reuse stays ordered); the communication runs on
+NCCL's streams, and how much of it hides behind the other half's kernels depends on that order.
+The second thread still takes the rank's device and stream, so the graph's end synchronises
+with the rank's stream.
 
 **Faults.** An exception in either half is raised on the rank's thread once both halves are
 done (the backward's after the forward's finished); a half blocked in a collective whose peer
