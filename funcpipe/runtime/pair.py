@@ -34,10 +34,18 @@ thread hands its graph to and waits on; each node launches on the stream its for
 thread sets the running graph task (``GraphTaskGuard`` in ``thread_main``), so
 :func:`~funcpipe.parallel.collectives.group_of` sends the backward's collectives to the
 backward's groups there too. Both halves' kernels thus go to one stream, in the order the two
-threads launch them (the caching allocator's reuse stays ordered); the communication runs on
-NCCL's streams, and how much of it hides behind the other half's kernels depends on that order.
-The second thread still takes the rank's device and stream, so the graph's end synchronises
-with the rank's stream.
+threads launch them (the caching allocator's reuse stays ordered). **So on a GPU the pair
+overlaps host work, not communication**: a stream runs in order, an NCCL collective starts
+only after what was launched before it on that stream and what is launched after it waits for
+it (a collective called without ``async_op``, as the stages' are, runs on the caller's current
+stream itself in recent ``ProcessGroupNCCL``). What it hides there is the host's: one thread
+launches the other half's kernels while this one waits in the split sizes' device-to-host
+copy. Hiding the all-to-all behind compute needs the halves on two streams: autograd puts a
+backward on its forward's stream, so a paired forward would go to the stream its partner's
+forward did not, with ``record_stream`` for every tensor that crosses. Not built: no GPU was
+here to measure it against this, and a speed mechanism is built where it is measured. The
+second thread still takes the rank's device and stream, so the graph's end synchronises with
+the rank's stream.
 
 **Faults.** An exception in either half is raised on the rank's thread once both halves are
 done (the backward's after the forward's finished); a half blocked in a collective whose peer
