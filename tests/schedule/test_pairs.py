@@ -3,8 +3,10 @@ price and the generators that emit them."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
 from math import isclose
+from unittest import mock
 
 import pytest
 
@@ -26,6 +28,8 @@ from funcpipe.schedule import (
 from funcpipe.schedule.generators import GENERATORS, dualpipe_v, zbv
 from funcpipe.schedule.ir import COMM_OPS, Instr, Op, Program, pairs, parse_instr
 from funcpipe.schedule.zero import shard_data
+
+overlap_module = importlib.import_module("funcpipe.schedule.overlap")  # (the name is the pass)
 
 TRAINING = [n for n in GENERATORS if n != "forward"]
 
@@ -138,6 +142,31 @@ def test_lowering_keeps_every_pair_whole_and_sound_under_nccl_rules(
     more = overlap(paired)  # (the generators' own pairs kept, more where the pass finds them)
     assert _count(more) >= _count(paired) and overlap(more) == more  # idempotent
     assert overlap(add_communication(more)) == add_communication(more)
+
+
+def test_the_pass_keeps_what_the_one_by_one_search_keeps() -> None:
+    """pair_where_sound first proves every wanted pair at once; where that fails (here F s0 m1
+    & B s0 m0 waits for itself through rank 1) it searches pair by pair, and either way keeps
+    what the one-by-one search keeps."""
+    dependent = _unpaired(
+        parse_program(
+            """
+    placement 0 1
+    microbatches 2
+    rank 0: F s0 m0; F s0 m1; & B s0 m0; B s0 m1
+    rank 1: F s1 m0; F s1 m1; B s1 m0; B s1 m1
+    """
+        )
+    )
+    paired = overlap(dependent)  # (the fallback: rank 0's refused pair by pair, rank 1's kept)
+    assert not pairs(paired.ranks[0]) and len(pairs(paired.ranks[1])) == 1
+    cases = [dependent, generate("1f1b", ranks=4, microbatches=8)]
+    cases += [generate(n, ranks=4, microbatches=8) for n in ("interleaved", "zb-h1", "chimera")]
+    for p in cases:
+        got = overlap(p)
+        with mock.patch.object(overlap_module, "simulate", side_effect=[ScheduleError("x"), None]):
+            searched = overlap(p)  # (the first, all-at-once proof made to fail)
+        assert got == searched, p.name
 
 
 def test_the_pass_pairs_what_it_can_and_nothing_else() -> None:
