@@ -47,13 +47,28 @@ def data(rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def split_dropout(rank: int, schedule: str, seed: int | None, data_copies: int = 1) -> Any:
-    """One dropout step over processes (seed None: drawn after torch.manual_seed(rank's seed))."""
-    program = generate(schedule, ranks=2, microbatches=2)
+def split_dropout(
+    rank: int,
+    schedule: str,
+    seed: int | None,
+    data_copies: int = 1,
+    microbatches: int = 2,
+    overlap: bool = False,
+) -> Any:
+    """One dropout step over processes (seed None: drawn after torch.manual_seed(rank's seed));
+    ``overlap``: with overlapped pairs, under the strict (NCCL-rules) transport."""
+    import os
+
+    program = generate(schedule, ranks=2, microbatches=microbatches, overlap=overlap)
     x, y = data()
     rows = x.shape[0] // data_copies
-    part = fp.split_module(dropout_model(), program.n_stages, example=x[: rows // 2])
-    pipe = fp.Pipeline(part.stages, program, loss_fn=mse, transport="dist")
+    part = fp.split_module(dropout_model(), program.n_stages, example=x[: rows // microbatches])
+    if overlap:
+        os.environ["FUNCPIPE_STRICT_P2P"] = "1"
+    try:
+        pipe = fp.Pipeline(part.stages, program, loss_fn=mse, transport="dist")
+    finally:
+        os.environ.pop("FUNCPIPE_STRICT_P2P", None)
     try:
         d = rank % data_copies if data_copies > 1 else 0
         torch.manual_seed(11)

@@ -19,6 +19,7 @@ import funcpipe as fp
 from funcpipe.models import gpt
 from funcpipe.schedule import generate
 from funcpipe.schedule.generators import GENERATORS
+from funcpipe.schedule.ir import pairs
 from funcpipe.stages import keys
 from tests import jobs_keys as J
 
@@ -78,10 +79,13 @@ def test_split_module_dropout_matches_reference_under_every_schedule(
 ) -> None:
     """``pairs``: overlapped pairs (a forward with another microbatch's backward on a second
     thread) draw the masks their halves draw alone."""
-    program = generate(schedule, ranks=2, microbatches=M, overlap=overlap)
-    part = _split(len(set(program.replica_of or range(program.n_stages))))
+    m = 4 if overlap else M  # (at 2 microbatches DualPipeV and ZB-V have no pair to make)
+    program = generate(schedule, ranks=2, microbatches=m, overlap=overlap)
+    # (looped-bfs has none to make: its F and B meet only at one microbatch's turn)
+    assert not overlap or schedule == "looped-bfs" or any(pairs(r) for r in program.ranks)
+    part = _split(len(set(program.replica_of or range(program.n_stages))), 8 // m)
     x, y = J.data()
-    ref = _reference(part, 123)
+    ref = _reference(part, 123, m)
     for recompute in (False, True):
         pipe = fp.Pipeline(part.stages, program, loss_fn=J.mse, recompute=recompute)
         loss, grads = pipe.step(part.params, x, y, seed=123)
@@ -166,6 +170,25 @@ def test_gpt_dropout_only_under_a_key() -> None:
 
 
 # ------------------------------------------------------------------------------ processes
+@pytest.mark.parametrize("schedule", ["dualpipev", "zbv"])
+def test_dropout_with_overlapped_pairs_over_processes_matches_reference(
+    pool, schedule: str
+) -> None:
+    """Each pair's forward draws its masks on the process's thread while another microbatch's
+    backward runs on a second one, under the strict (NCCL-rules) transport: the masks, loss and
+    every gradient of the reference."""
+    program = generate(schedule, ranks=2, microbatches=4, overlap=True)
+    assert all(pairs(r) for r in program.ranks)
+    part = _split(program.n_stages, 2)
+    ref_loss, ref_grads = _reference(part, 77, 4)
+    got = pool(2).run(J.split_dropout, schedule, 77, 1, 4, True, timeout=300)
+    for loss, grads in got:
+        assert loss == pytest.approx(float(ref_loss), abs=1e-12)
+        for g, r in zip(grads, ref_grads, strict=True):
+            if g is not None:
+                _assert_equal(g, r)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_dropout_over_processes_matches_reference(pool, schedule: str) -> None:
     program = generate(schedule, ranks=2, microbatches=M)
