@@ -27,25 +27,22 @@ draws from torch's one generator per process while the forward draws from it on 
 thread, and the masks can differ from the halves' alone. Use ``Pipeline(recompute=...)`` (an
 ``R``) for such a stage, or no pairs; nothing detects it.
 
-**On CUDA** (read in torch's ``torch/csrc/autograd/engine.cpp``, not run: no GPU was at hand)
-the backward's CUDA nodes are run by autograd's own thread for the device, which the second
-thread hands its graph to and waits on; each node launches on the stream its forward ran on
-(``Node::stream()``, guarded in ``Engine::evaluate_function``), the rank's stream, and that
-thread sets the running graph task (``GraphTaskGuard`` in ``thread_main``), so
-:func:`~funcpipe.parallel.collectives.group_of` sends the backward's collectives to the
-backward's groups there too. Both halves' kernels thus go to one stream, in the order the two
-threads launch them (the caching allocator's reuse stays ordered). **So on a GPU the pair
-overlaps host work, not communication**: a stream runs in order, an NCCL collective starts
-only after what was launched before it on that stream and what is launched after it waits for
-it (a collective called without ``async_op``, as the stages' are, runs on the caller's current
-stream itself in recent ``ProcessGroupNCCL``). What it hides there is the host's: one thread
-launches the other half's kernels while this one waits in the split sizes' device-to-host
-copy. Hiding the all-to-all behind compute needs the halves on two streams: autograd puts a
-backward on its forward's stream, so a paired forward would go to the stream its partner's
-forward did not, with ``record_stream`` for every tensor that crosses. Not built: no GPU was
-here to measure it against this, and a speed mechanism is built where it is measured. The
-second thread still takes the rank's device and stream, so the graph's end synchronises with
-the rank's stream.
+**On CUDA the halves run one after the other** (:func:`on_two_threads`), on the rank's
+thread. What torch would do with two threads there, read in its source
+(``torch/csrc/autograd/engine.cpp``; not run, no GPU was at hand): the backward's CUDA nodes
+run on autograd's own thread for the device, each on the stream its forward ran on
+(``Node::stream()``, guarded in ``Engine::evaluate_function``), with the graph task set
+(``GraphTaskGuard``), so :func:`~funcpipe.parallel.collectives.group_of` would hold there; both
+halves' kernels and collectives then queue on the rank's one stream. A stream runs in order:
+the all-to-alls could not run under the other half's kernels, and since a collective starts
+only after what its stream ran before it, two ranks whose threads issued the halves'
+collectives in different orders would wait for each other for ever. What two threads could
+still hide on a GPU is host time (one thread launching while the other waits in the split
+sizes' device-to-host copy), not worth a hang. Overlap on a GPU needs the halves on two
+streams, each with its own order of collectives: autograd puts a backward on its forward's
+stream, so a paired forward would go to the stream its partner's forward did not, with
+``record_stream`` for every tensor that crosses. Not built: no GPU was here to test or
+measure it.
 
 **Faults.** An exception in either half is raised on the rank's thread once both halves are
 done (the backward's after the forward's finished); a half blocked in a collective whose peer
@@ -63,28 +60,48 @@ import torch
 from funcpipe.runtime.transport_common import Handle
 from funcpipe.schedule.ir import Instr, Op
 
-__all__ = ["run_pair"]
+__all__ = ["on_two_threads", "run_pair"]
+
+
+def on_two_threads(device: torch.device) -> bool:
+    """Whether a pair's halves run on two threads on ``device``: on a CPU (gloo), where each
+    collective blocks only the thread that called it. Elsewhere they run one after the other
+    on the rank's thread, the same result: on a GPU both halves' kernels and collectives queue
+    on the rank's one stream (module docstring), so two threads would hide no communication,
+    and the order in which they issue the two halves' collectives, which timing decides, could
+    differ between two ranks: each collective starts only after what its stream ran before it,
+    so rank A's forward all-to-all, queued before its backward one, would wait for rank B's,
+    queued after B's backward one, which waits for A's: a hang, although the two halves'
+    collectives are on two process groups."""
+    return device.type == "cpu"
 
 
 def run_pair(
     rank: Any, first: Instr, second: Instr, trace: list[Any] | None, stamp: Callable[[], Any]
 ) -> Generator[Handle, None, None]:
     """Run the pair ``first`` & ``second`` on interpreter rank ``rank`` (its ``_Rank``): wait for
-    both halves' inputs, then the forward here and the backward on a second thread; ``trace``
-    gets each half's start and end (the first half's first)."""
+    both halves' inputs, then the forward here and the backward on a second thread (on a CPU;
+    elsewhere one after the other: :func:`on_two_threads`); ``trace`` gets each half's start and
+    end (the first half's first)."""
     for i in (first, second):
         yield from rank.ready(i)
+    device = rank.x.device
+    if not on_two_threads(device):
+        for i in (first, second):
+            start = stamp() if trace is not None else None
+            if i.op is Op.F:
+                rank.forward(i)
+            else:
+                rank.backward(i)
+            if trace is not None:
+                trace.extend((start, stamp()))
+        return
     fwd, bwd = (first, second) if first.op is Op.F else (second, first)
     work = rank.backward_work(bwd)
-    device = rank.x.device
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     out: dict[str, Any] = {}
 
     def backward() -> None:
         try:
-            if stream is not None:  # (the rank's device and stream: a thread starts on 0's)
-                torch.cuda.set_device(stream.device)
-                torch.cuda.set_stream(stream)
             out["start"] = stamp() if trace is not None else None
             out["grads"] = work()
             out["end"] = stamp() if trace is not None else None
