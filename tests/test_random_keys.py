@@ -388,3 +388,50 @@ def test_attention_and_other_dropouts_draw_in_a_training_step_only() -> None:
     assert torch.equal(a, b) and not torch.allclose(a, expected)
     ops = {getattr(n.target, "__name__", "") for s in got.stages for n in s.fn.gm.graph.nodes}
     assert {"keyed_attention", "keyed_alpha_dropout", "keyed_feature_dropout"} <= ops, ops
+
+
+# ------------------------------------------------------------------ pairs and torch.utils.checkpoint
+def _checkpointed(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(torch.tanh(x @ params["W"]), 0.3)
+
+    return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+
+
+def test_a_paired_backward_that_draws_is_refused_naming_the_fix() -> None:
+    """torch.utils.checkpoint around dropout recomputes the masks inside the backward, which in a
+    pair would share torch's generator with the forward on the other thread: refused at the
+    first paired backward, saying what to do. The same stage without pairs, and the same
+    stages without the checkpoint under pairs, train."""
+    from funcpipe.stages.stage import Stage
+
+    g = torch.Generator().manual_seed(0)
+    params = [{"W": torch.randn(6, 6, generator=g, dtype=torch.float64) / 3} for _ in range(2)]
+    stages = [Stage(_checkpointed, name=f"s{k}") for k in range(2)]
+    x, y = J.data()
+    paired = generate("1f1b", ranks=2, microbatches=4, overlap=True)
+    with pytest.raises(fp.InvalidArgument, match=r"draws random numbers") as e:
+        fp.Pipeline(stages, paired, loss_fn=J.mse).step(params, x, y, seed=1)
+    assert "Pipeline(recompute=...)" in str(e.value) and "overlap=False" in str(e.value)
+    alone = generate("1f1b", ranks=2, microbatches=4)
+    loss, _ = fp.Pipeline(stages, alone, loss_fn=J.mse).step(params, x, y, seed=1)
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("schedule", TRAINING)
+def test_stages_that_checkpoint_their_own_dropout_match_the_reference(schedule: str) -> None:
+    """torch.utils.checkpoint (non-reentrant) inside a stage, around dropout, recomputes in the
+    backward, split into I and W too: loss and every gradient equal reference_step's. It used
+    to fail in every schedule ("a different number of tensors was saved during the original
+    forward and recomputation": the first stage's batch was made not to require grad after its
+    forward, so the recomputation saved one tensor less)."""
+    from funcpipe.stages.stage import Stage
+
+    program = generate(schedule, ranks=2, microbatches=4)
+    n = len(set(program.replica_of or range(program.n_stages)))
+    g = torch.Generator().manual_seed(0)
+    params = [{"W": torch.randn(6, 6, generator=g, dtype=torch.float64) / 3} for _ in range(n)]
+    stages = [Stage(_checkpointed, name=f"s{k}") for k in range(n)]
+    x, y = J.data()
+    ref = fp.reference_step(stages, params, x, J.mse, targets=y, microbatches=4, seed=1)
+    _assert_equal(fp.Pipeline(stages, program, loss_fn=J.mse).step(params, x, y, seed=1), ref)

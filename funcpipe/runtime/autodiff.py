@@ -83,16 +83,19 @@ def forward(
     inputs: Sequence[Tensor],
     *,
     keep: bool = True,
+    grad_inputs: bool = True,
 ) -> tuple[list[Tensor], Saved]:
     """Run ``fn(params, inputs) -> outputs`` (flat tensor lists).
 
     ``params`` must be leaves that require grad (created once per step). ``inputs`` are detached
     here and the floating ones made leaves requiring grad, so a stage's backward stops at its own
-    inputs. With ``keep=False`` (recomputation) the forward runs without a graph and only the
+    inputs; with ``grad_inputs=False`` (the batch of a first stage) none requires grad, so the
+    graph has no path to them (and a recomputation, by funcpipe or inside the stage by
+    ``torch.utils.checkpoint``, sees the inputs the forward saw). With ``keep=False`` (recomputation) the forward runs without a graph and only the
     inputs and the RNG state are kept; :func:`recompute` rebuilds the graph before the backward.
     Returns the outputs detached from the graph and the saved state.
     """
-    leaves = [t.detach().requires_grad_(_differentiable(t)) for t in inputs]
+    leaves = [t.detach().requires_grad_(grad_inputs and _differentiable(t)) for t in inputs]
     if keep:
         outputs = list(fn(params, leaves))
         return [o.detach() for o in outputs], Saved(leaves, outputs)

@@ -87,6 +87,7 @@ class _Rank:
             for o, leaves in self.leaves.items()
         }
         self.shared: set[tuple[int, int]] = set()
+        self.drawless: set[int] = set()  # stages whose paired backward drew nothing (pair.py)
         # sharded owners (GATHER/SCATTER): the all-gather of each owner's parameters in flight,
         # and this copy's pieces of the averaged gradients once SCATTERed
         self.gathering: dict[int, _Pending] = {}
@@ -215,17 +216,14 @@ class _Rank:
         fn = stage_fn(self.x, self.owner[s], s, m)
         leaves = self._inputs(s, m)
         if self.p.training:
-            needs = bool(self.p.producers(s))
-            if not needs:
-                leaves = [t.detach() for t in leaves]  # the batch needs no gradient
+            needs = bool(self.p.producers(s))  # (the batch needs no gradient)
             keep = s not in self.x.recompute
             with collecting(self.tallied.setdefault(self.owner[s], {})):  # (not an R)
-                out, saved = autodiff.forward(fn, self._params(s), leaves, keep=keep)
+                out, saved = autodiff.forward(
+                    fn, self._params(s), leaves, keep=keep, grad_inputs=needs
+                )
             if keep:
                 self._alive(+1)
-            if not needs:
-                for t in saved.inputs:
-                    t.requires_grad_(False)
             self.saved[(s, m)] = (saved, fn)
         else:
             with torch.no_grad(), collecting(self.tallied.setdefault(self.owner[s], {})):

@@ -22,10 +22,13 @@ it: NCCL's rule holds without a fixed interleaving.
 
 **Random numbers.** The forward draws from its own key as alone, and funcpipe's backward draws
 none (its recomputation is an ``R`` of its own, never in a pair). A stage that recomputes inside
-its own backward with ``torch.utils.checkpoint`` around dropout does draw there: it restores and
-draws from torch's one generator per process while the forward draws from it on the other
-thread, and the masks can differ from the halves' alone. Use ``Pipeline(recompute=...)`` (an
-``R``) for such a stage, or no pairs; nothing detects it.
+its own backward with ``torch.utils.checkpoint`` around dropout does draw there: it would
+restore and draw from torch's one generator per process while the forward draws from it on the
+other thread, and the masks could differ from the halves' alone. So the first paired backward
+of each stage in a step runs under a dispatch mode that refuses any random operation
+(``torch.Tag.nondeterministic_seeded``): such a stage fails there with an error that says to use
+``Pipeline(recompute=...)`` (an ``R``) for it, or no pairs; a stage whose backward drew nothing
+is not watched again in that step.
 
 **On CUDA the halves run one after the other** (:func:`on_two_threads`), on the rank's
 thread. What torch would do with two threads there, read in its source
@@ -51,12 +54,15 @@ died ends at the process group's timeout, so the join is bounded as every wait i
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from funcpipe.errors import InvalidArgument
 from funcpipe.runtime.transport_common import Handle
 from funcpipe.schedule.ir import Instr, Op
 
@@ -99,11 +105,14 @@ def run_pair(
     fwd, bwd = (first, second) if first.op is Op.F else (second, first)
     work = rank.backward_work(bwd)
     out: dict[str, Any] = {}
+    quiet: set[int] = rank.drawless  # (this step's)
+    watch = bwd.stage not in quiet
 
     def backward() -> None:
         try:
             out["start"] = stamp() if trace is not None else None
-            out["grads"] = work()
+            with _NoDraws(bwd, fwd) if watch else contextlib.nullcontext():
+                out["grads"] = work()
             out["end"] = stamp() if trace is not None else None
         except BaseException as e:  # (raised on the rank's thread, after the forward)
             out["error"] = e
@@ -125,8 +134,30 @@ def run_pair(
                 "second thread)"
             )
         raise error
+    quiet.add(bwd.stage)
     rank.finish_backward(bwd, out["grads"])
     if trace is not None:
         spans = {fwd: (f_start, f_end), bwd: (out["start"], out["end"])}
         for i in (first, second):
             trace.extend(spans[i])
+
+
+class _NoDraws(TorchDispatchMode):
+    """Refuses a random operation in a paired backward (module docstring, "Random numbers")."""
+
+    def __init__(self, bwd: Instr, fwd: Instr) -> None:
+        super().__init__()
+        self.bwd, self.fwd = bwd, fwd
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise InvalidArgument(
+                f"the backward of stage {self.bwd.stage} (microbatch {self.bwd.microbatch}), "
+                f"overlapped with '{self.fwd}', draws random numbers ({func}): a stage that "
+                "recomputes inside its backward (torch.utils.checkpoint around dropout) would "
+                "share torch's one generator with the forward running on the other thread, and "
+                "the masks would not be the ones drawn alone. Recompute it with "
+                "Pipeline(recompute=...) instead (an R of its own, never in a pair), or run the "
+                "program without pairs (generate(..., overlap=False))"
+            )
+        return func(*args, **(kwargs or {}))
