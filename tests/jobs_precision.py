@@ -94,12 +94,13 @@ def vs_reference(
     recompute: bool = False,
     steps: int = 2,
     backend: str = "aot_eager",
+    overlap: bool = False,
 ) -> dict[str, Any]:
     """Steps of ``name`` in ``mode`` against ``reference_step``; returns the largest loss and
     gradient differences and the dtypes that crossed stages. In a pool of processes this is
     one rank over gloo, else every rank in this process."""
     dtype, rtol, atol = MODES[mode]
-    program = generate(name, ranks=ranks, microbatches=microbatches)
+    program = generate(name, ranks=ranks, microbatches=microbatches, overlap=overlap)
     n = len(set(program.replica_of)) if program.replica_of else program.n_stages
     st, ps = stages(n, mode, backend), params(n, dtype)
     pipe = fp.Pipeline(st, program, loss_fn=mse, recompute=recompute)

@@ -32,6 +32,15 @@ def test_every_schedule_in_one_process(name: str, mode: str, recompute: bool) ->
     assert got["crossing"] == [want]  # what the stages really produce crosses stages
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside inductor's imports
+@pytest.mark.parametrize("mode", list(J.MODES))
+def test_overlapped_pairs_in_every_mode(mode: str) -> None:
+    """DualPipeV's pairs (the backward on a second thread, its first one per stage under the
+    dispatch mode that refuses random draws) with compiled, autocast and bf16 stages."""
+    got = J.vs_reference(0, "dualpipev", mode, overlap=True)
+    assert got["crossing"] == [CROSSING.get(mode, "torch.bfloat16")]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["compile", "autocast", "bf16"])
 @pytest.mark.parametrize("name", ["1f1b", "zbv"])
