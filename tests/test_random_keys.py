@@ -435,3 +435,28 @@ def test_stages_that_checkpoint_their_own_dropout_match_the_reference(schedule: 
     x, y = J.data()
     ref = fp.reference_step(stages, params, x, J.mse, targets=y, microbatches=4, seed=1)
     _assert_equal(fp.Pipeline(stages, program, loss_fn=J.mse).step(params, x, y, seed=1), ref)
+
+
+def test_a_reentrant_checkpoint_inside_a_stage_is_named_with_the_fix() -> None:
+    """torch refuses a reentrant checkpoint in a backward with inputs= (funcpipe's): its error
+    gets a note naming the stage and saying to checkpoint with use_reentrant=False."""
+    from funcpipe.stages.stage import Stage
+
+    def reentrant(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(
+            lambda x: torch.tanh(x @ params["W"]), x, use_reentrant=True
+        )
+
+    def plain(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ params["W"])
+
+    params = [{"W": torch.eye(6, dtype=torch.float64)} for _ in range(2)]
+    # (the second stage: a reentrant checkpoint whose inputs need no gradient warns first)
+    stages = [Stage(plain, name="s0"), Stage(reentrant, name="s1")]
+    x, y = J.data()
+    program = generate("1f1b", ranks=2, microbatches=4)
+    with pytest.raises(RuntimeError, match="use_reentrant=True") as e:
+        fp.Pipeline(stages, program, loss_fn=J.mse).step(params, x, y)
+    notes = " ".join(getattr(e.value, "__notes__", []))
+    assert "backward (B) of stage 1 ('s1'), microbatch 0" in notes, notes
+    assert "use_reentrant=False" in notes and "Pipeline(recompute=...)" in notes

@@ -36,7 +36,7 @@ from funcpipe.runtime.pending import wait_for
 from funcpipe.runtime.rank_io import EXPERT_DATA, RankInputs, RankResult
 from funcpipe.runtime.shards import gather_stage, leaf_layout, own_pieces, scatter_stage
 from funcpipe.runtime.spans import traced
-from funcpipe.runtime.stage_call import stage_fn
+from funcpipe.runtime.stage_call import backward_noted, stage_fn
 from funcpipe.runtime.tallies import reduce_tallies
 from funcpipe.runtime.transport_common import P2P, RECV, SEND, Handle, Transport
 from funcpipe.schedule.check import in_program
@@ -250,7 +250,9 @@ class _Rank:
 
     def backward(self, i: Instr) -> None:
         """B (input and weight gradients of one (stage, microbatch) in one backward) or I."""
-        self.finish_backward(i, self.backward_work(i)())
+        with backward_noted(self.x, i.op.name, i.stage, i.microbatch):
+            gin = self.backward_work(i)()
+        self.finish_backward(i, gin)
 
     backward_input = backward
 
@@ -288,7 +290,8 @@ class _Rank:
         saved, _ = self.saved.pop((s, m))
         if self.shared:
             self._unshare(s)
-        autodiff.backward_weight(saved, self._params(s), accumulate=True)
+        with backward_noted(self.x, "W", s, m):
+            autodiff.backward_weight(saved, self._params(s), accumulate=True)
         self._fold(s)
         if self.x.check_finite:
             gw = self._param_grads(s)

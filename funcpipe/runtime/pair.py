@@ -63,6 +63,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from funcpipe.errors import InvalidArgument
+from funcpipe.runtime.stage_call import backward_noted
 from funcpipe.runtime.transport_common import Handle
 from funcpipe.schedule.ir import Instr, Op
 
@@ -111,7 +112,10 @@ def run_pair(
     def backward() -> None:
         try:
             out["start"] = stamp() if trace is not None else None
-            with _NoDraws(bwd, fwd) if watch else contextlib.nullcontext():
+            with (
+                backward_noted(rank.x, bwd.op.name, bwd.stage, bwd.microbatch),
+                _NoDraws(bwd, fwd) if watch else contextlib.nullcontext(),
+            ):
                 out["grads"] = work()
             out["end"] = stamp() if trace is not None else None
         except BaseException as e:  # (raised on the rank's thread, after the forward)
@@ -128,11 +132,7 @@ def run_pair(
     if "error" in out:
         error = out["error"]
         if hasattr(error, "add_note"):
-            error.add_note(
-                f"funcpipe: raised by the backward of stage {bwd.stage}, microbatch "
-                f"{bwd.microbatch}, rank {rank.x.rank}, overlapped with '{fwd}' (on the pair's "
-                "second thread)"
-            )
+            error.add_note(f"funcpipe: on the pair's second thread, overlapped with '{fwd}'")
         raise error
     quiet.add(bwd.stage)
     rank.finish_backward(bwd, out["grads"])

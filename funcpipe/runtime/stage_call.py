@@ -13,8 +13,8 @@ function's exception where funcpipe called it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from funcpipe.stages.shapes import TensorSpec
 from funcpipe.stages.stage import as_inputs
 from funcpipe.tree import tree_flatten, tree_unflatten
 
-__all__ = ["note", "stage_fn"]
+__all__ = ["backward_noted", "note", "stage_fn"]
 
 Tensor = torch.Tensor
 
@@ -130,3 +130,27 @@ def note(e: BaseException, where: str, inputs: Sequence[Any], targets: Sequence[
     if targets:
         text += f"; targets {specs(targets)}"
     e.add_note(text)
+
+
+@contextmanager
+def backward_noted(x: RankInputs, op: str, s: int, m: int) -> Iterator[None]:
+    """Say on an exception raised in a backward (B, I or W ``op``) which stage, microbatch and
+    rank it was; with a reentrant ``torch.utils.checkpoint`` inside the stage, what to do."""
+    try:
+        yield
+    except Exception as e:
+        if hasattr(e, "add_note"):
+            e.add_note(
+                f"funcpipe: raised by the backward ({op}) of stage {s} ({x.stages[s].name!r}), "
+                f"microbatch {m}, rank {x.rank}"
+            )
+            if "use_reentrant=True" in str(e):
+                e.add_note(
+                    "funcpipe: its backward differentiates with respect to the stage's own "
+                    "inputs and parameters only (inputs=), which a reentrant checkpoint cannot "
+                    "do; checkpoint with torch.utils.checkpoint.checkpoint(..., "
+                    "use_reentrant=False) (transformers: model.gradient_checkpointing_enable("
+                    "gradient_checkpointing_kwargs={'use_reentrant': False})), or let funcpipe "
+                    "recompute the stage: Pipeline(recompute=...)"
+                )
+        raise

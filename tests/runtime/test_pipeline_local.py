@@ -557,4 +557,5 @@ def test_a_half_of_a_pair_that_raises_is_reported_after_both_end(where: str) -> 
         Pipeline(stages, program, loss_fn=mse).step(params, x, y)
     if where == "backward":
         notes = " ".join(getattr(e.value, "__notes__", []))
-        assert "backward of stage 0, microbatch 0" in notes and "F s0 m1" in notes
+        assert "backward (B) of stage 0" in notes and "microbatch 0" in notes
+        assert "overlapped with 'F s0 m1'" in notes
