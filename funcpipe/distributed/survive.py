@@ -146,7 +146,7 @@ def heartbeat(store: Any, rank: int) -> None:
     atexit.register(end)
 
 
-_END_WAIT = 30.0  # seconds the exit waits for the heartbeat's last write
+_END_WAIT = 5.0  # seconds the exit waits for the heartbeat's last write (one takes ms)
 
 
 def _beats(store: Any, world: int) -> dict[int, str]:
