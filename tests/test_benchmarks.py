@@ -328,8 +328,8 @@ def test_zero_peak_labels_the_step(pool: Pool) -> None:
         assert r["held"]["optimizer"] == pytest.approx(2 * r["held"]["params"], rel=0.05)
         assert at.get("gathered", 0) == (p if r["zero"] else 0)
         assert r["step_peak"] >= sum(r["held"].values()) + p  # the sums live at the peak
-        # (+ the loss scalar, and a scalar or two a communication thread may not have let go
-        # of yet: 8 bytes more than the loss were seen once, in a full run of the suite)
+        # (+ the loss scalar, and 64 bytes more: 8 bytes over the loss's allowance were seen
+        # once in a full run of the suite, 2026-12-07, and not explained)
         assert r["after"] <= sum(r["held"].values()) + 128
         if r["zero"] == 1:
             assert r["held"]["params"] * 2 == pytest.approx(by[(r["rank"], 0)]["held"]["params"])
