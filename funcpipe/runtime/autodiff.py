@@ -91,8 +91,9 @@ def forward(
     here and the floating ones made leaves requiring grad, so a stage's backward stops at its own
     inputs; with ``grad_inputs=False`` (the batch of a first stage) none requires grad, so the
     graph has no path to them (and a recomputation, by funcpipe or inside the stage by
-    ``torch.utils.checkpoint``, sees the inputs the forward saw). With ``keep=False`` (recomputation) the forward runs without a graph and only the
-    inputs and the RNG state are kept; :func:`recompute` rebuilds the graph before the backward.
+    ``torch.utils.checkpoint``, sees the inputs the forward saw). With ``keep=False``
+    (recomputation) the forward runs without a graph and only the inputs and the RNG state are
+    kept; :func:`recompute` rebuilds the graph before the backward.
     Returns the outputs detached from the graph and the saved state.
     """
     leaves = [t.detach().requires_grad_(grad_inputs and _differentiable(t)) for t in inputs]
