@@ -7,7 +7,9 @@ at pipeline 2 x expert 2: 4 gloo processes, two data-parallel copies whose exper
 between them, so every MoE block moves its tokens through an uneven all-to-all (and back) over
 the expert axis. A is ``generate("dualpipev", ..., overlap=False)``, B the same schedule with
 its steady phase paired (``overlap=True``): each pair's forward on the process's thread, its
-backward on a second one, so one half's all-to-all is in flight while the other computes.
+backward on a second one, taking turns at their collectives (each issued asynchronously, the
+other half running until it is needed), so one half's all-to-all is in flight while the other
+computes.
 
 Each run checks that A and B give the same loss and gradients (float64), then times float32
 steps A B A B after ``--warmup`` of each (a step is the slowest process's, after a barrier), and

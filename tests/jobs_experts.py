@@ -4,9 +4,10 @@ with every expert on one device."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,14 +25,23 @@ def _config(experts: int, **kw: Any) -> Any:
     )
 
 
-def _stages(n: int, config: Any, axis: Any) -> list[Any]:
+def _stages(n: int, config: Any, axis: Any, dropout: float = 0.0) -> list[Any]:
+    """Residual MoE blocks; with ``dropout``, each block under a (non-reentrant)
+    ``torch.utils.checkpoint`` with dropout on its output: its backward recomputes the block,
+    all-to-alls and masks included."""
     import funcpipe as fp
     from funcpipe.models import moe
 
-    def block(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    def plain(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         return h + moe.moe(p, h, config, axis=axis)[0]
 
-    return [fp.Stage(block, name=f"moe {s}") for s in range(n)]
+    def checkpointed(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        def inner(h: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.dropout(plain(p, h), dropout)
+
+        return torch.utils.checkpoint.checkpoint(inner, h, use_reentrant=False)
+
+    return [fp.Stage(checkpointed if dropout else plain, name=f"moe {s}") for s in range(n)]
 
 
 def _strictly(job: Any) -> Any:
@@ -59,6 +69,25 @@ def _batch(seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+@contextlib.contextmanager
+def _pairs_seen() -> Iterator[list[Any]]:
+    """The turns of every overlapped pair run inside (funcpipe.runtime.turns.Turns)."""
+    from funcpipe.runtime import turns
+
+    seen: list[Any] = []
+    made = turns.Turns.__init__
+
+    def init(self: Any, *args: Any) -> None:
+        made(self, *args)
+        seen.append(self)
+
+    turns.Turns.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        turns.Turns.__init__ = made  # type: ignore[method-assign]
+
+
 def expert_pipelines_vs_one_device(
     rank: int,
     names: Sequence[str],
@@ -70,8 +99,10 @@ def expert_pipelines_vs_one_device(
     zero: int = 0,
     routing: Sequence[dict[str, Any]] | None = None,
     overlap: bool = False,
+    dropout: float = 0.0,
 ) -> list[dict[str, Any]]:
-    """For each schedule of ``names`` (with overlapped pairs: ``overlap``): one step at
+    """For each schedule of ``names`` (with overlapped pairs: ``overlap``; stages that
+    checkpoint their dropout: ``dropout``, a seeded step): one step at
     pipeline 2 with the experts split over ``expert`` copies; returns this process's worst differences from the one-device step
     (loss, dense gradients, its own experts' gradients) and what it held."""
     import funcpipe as fp
@@ -98,28 +129,27 @@ def expert_pipelines_vs_one_device(
             os.environ["FUNCPIPE_STRICT_P2P"] = "1"
         try:
             pipe = fp.Pipeline(
-                _stages(n, config, axis), program, loss_fn=_mse, mesh=mesh,
+                _stages(n, config, axis, dropout), program, loss_fn=_mse, mesh=mesh,
                 experts=experts, recompute=recompute, zero=zero,
             )  # fmt: skip
         finally:
             os.environ.pop("FUNCPIPE_STRICT_P2P", None)
-        if overlap:  # the backwards' collectives on a process group of the same ranks
-            import torch.distributed as dist
-
-            ranks = dist.get_process_group_ranks
-            assert axis.back is not axis.group and ranks(axis.back) == ranks(axis.group)
         x, y = _batch(seed, microbatches * copies)
         share = slice(microbatches * copy, microbatches * (copy + 1))
-        with pipe:
+        step_seed = 7 if dropout else None
+        with pipe, _pairs_seen() as seen:
             if zero:  # each copy's pieces in, pieces out: gathered back to compare
                 shards = pipe.shard(mine)
-                got = pipe.step(shards, x[share], y[share])
+                got = pipe.step(shards, x[share], y[share], seed=step_seed)
                 got.grads = _gathered_grads(pipe, got.grads, mine, shards)
             else:
-                got = pipe.step(mine, x[share], y[share])
+                got = pipe.step(mine, x[share], y[share], seed=step_seed)
+        # in a pair, the halves took turns at the stages' all-to-alls (funcpipe.runtime.turns)
+        if pairs(program.ranks[mesh.place.coords["pipe"]]):
+            assert sum(t.handovers for t in seen) > 0, f"{name}: no turn handed in {len(seen)}"
         ref_loss, ref_grads = fp.reference_step(
-            _stages(n, config, None), full, x, _mse, targets=y,
-            microbatches=microbatches * copies,
+            _stages(n, config, None, dropout), full, x, _mse, targets=y,
+            microbatches=microbatches * copies, seed=step_seed,
         )  # fmt: skip
         local = config.experts // expert
         # relative to the largest value compared (residual MoE stages grow their activations)
@@ -407,8 +437,9 @@ def traced_pairs(rank: int) -> dict[str, Any]:
         tl = pipe.step(mine, x, y, trace=True).timeline
     me = mesh.place.coords["pipe"]
     events, calls = tl.events[me], tl.spans[me]
+    ran = tl.program.ranks[me]  # (the program as run: its messages placed, its steps the events')
     inside = 0  # pairs
-    for a, b in pairs(program.ranks[me]):
+    for a, b in pairs(ran):
         fwd, bwd = (events[a], events[b]) if events[a].instr.op is Op.F else (events[b], events[a])
         inside += any(  # a forward's all-to-all of this pair, while the backward ran
             c.name.startswith("all_to_all") and c.name.endswith("(forward)")
@@ -417,4 +448,4 @@ def traced_pairs(rank: int) -> dict[str, Any]:
             for c in calls
         )  # fmt: skip
     names = sorted({c.name for c in calls})
-    return {"pairs": len(pairs(program.ranks[me])), "inside": inside, "names": names}
+    return {"pairs": len(pairs(ran)), "inside": inside, "names": names}

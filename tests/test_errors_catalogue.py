@@ -253,21 +253,6 @@ def _within(seconds: float, make: Callable[[], object]) -> object:
             raise AssertionError(f"the error came after {took:.1f} s, not within {seconds:g} s")
 
 
-def _paired_checkpoint_dropout() -> None:
-    from funcpipe.stages.stage import Stage
-
-    def stage(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        def block(x: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.dropout(torch.tanh(x @ params["W"]), 0.3)
-
-        return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-
-    params = [{"W": torch.eye(4, dtype=torch.float64)} for _ in range(2)]
-    program = generate("1f1b", ranks=2, microbatches=4, overlap=True)
-    x, y = torch.ones(8, 4, dtype=torch.float64), torch.zeros(8, 4, dtype=torch.float64)
-    fp.Pipeline([Stage(stage), Stage(stage)], program, loss_fn=_mse).step(params, x, y, seed=1)
-
-
 def _no_cuda() -> None:
     from unittest import mock
 
@@ -752,23 +737,6 @@ CASES: list[Case] = [
         ),
         ScheduleError,
         ("'B s0 m0' (step 2) needs what 'F s0 m1' (step 1) produces", "which waits for rank 1"),
-    ),
-    Case(
-        "pair-backward-draws-random-numbers",
-        "schedules",
-        "overlapped pairs over a stage that recomputes its own dropout in its backward "
-        "(torch.utils.checkpoint inside the stage)",
-        _paired_checkpoint_dropout,
-        InvalidArgument,
-        (
-            "draws random numbers",
-            "torch.utils.checkpoint",
-            "Pipeline(recompute=...)",
-            "overlap=False",
-        ),
-        "funcpipe/runtime/pair.py: the first paired backward of each stage in a step refuses a "
-        "random operation (the masks would have been drawn from torch's generator while the "
-        "forward drew from it on the other thread: silently other masks)",
     ),
     Case(
         "schedule-text-missing-header",

@@ -49,7 +49,8 @@ def test_recomputation_with_experts_split_equals_one_device(pool: Any) -> None:
 @pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
 def test_overlapped_pairs_with_experts_split_equal_one_device(pool: Any, recompute: bool) -> None:
     """Each pair's forward on the process's thread, its backward on a second one, both calling
-    the expert all-to-all (the forwards' on one process group, the backwards' on another)."""
+    the expert all-to-all on one process group, taking turns at each (and on every process
+    with pairs, the turn changed hands)."""
     names = ("dualpipev", "zbv", "1f1b")
     got = pool(4).run(
         J.expert_pipelines_vs_one_device, names, microbatches=6, overlap=True, recompute=recompute
@@ -58,17 +59,29 @@ def test_overlapped_pairs_with_experts_split_equal_one_device(pool: Any, recompu
 
 
 @pytest.mark.timeout(300)
+def test_pairs_over_stages_that_checkpoint_their_dropout_equal_one_device(pool: Any) -> None:
+    """Each block under torch.utils.checkpoint with dropout: a paired backward recomputes the
+    block, its all-to-alls and its masks, and the turn changes hands inside the recomputation;
+    each half keeps its own generator state across the other's turns, so the masks, the loss
+    and every gradient are the one-device step's (seeded)."""
+    names = ("dualpipev", "1f1b")
+    got = pool(4).run(
+        J.expert_pipelines_vs_one_device, names, microbatches=6, overlap=True, dropout=0.3
+    )
+    _check(got, names)
+
+
+@pytest.mark.timeout(300)
 def test_a_traced_step_shows_one_halfs_all_to_all_under_the_other(pool: Any) -> None:
     """The executed timeline's spans: every all-to-all and split-size exchange the stages
-    called, each direction on its group; in some pairs a forward's all-to-all ran while the
-    other half's backward was running (two threads)."""
+    called; in every pair a forward's all-to-all was in flight while the other half's backward
+    ran (the halves take turns at their collectives: funcpipe.runtime.turns)."""
     results = pool(4).run(J.traced_pairs)
     for got in results:
         assert got["pairs"] > 0, got
         assert {"all_to_all expert (forward)", "all_to_all expert (backward)"} <= set(got["names"])
         assert "split sizes expert (forward)" in got["names"]
-    # (how the two threads interleave is the OS's call: over all processes' pairs)
-    assert sum(got["inside"] for got in results) > 0, results
+        assert got["inside"] == got["pairs"], got
 
 
 @pytest.mark.timeout(300)

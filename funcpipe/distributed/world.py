@@ -42,12 +42,10 @@ import torch
 from funcpipe.distributed.failures import Steps, forget_steps
 from funcpipe.distributed.groups import Claim
 from funcpipe.errors import InvalidArgument
-from funcpipe.runtime.pair import on_two_threads
 from funcpipe.runtime.rank_io import EXPERT_DATA
 from funcpipe.runtime.transport import DistTransport, strict_from_env
 from funcpipe.schedule.check import in_program
 from funcpipe.schedule.ir import COLLECTIVE_OPS, Op, Program
-from funcpipe.schedule.ir import pairs as overlapped_pairs
 
 __all__ = ["SCALARS", "DistWorld", "gather_times", "join", "sizes"]
 
@@ -121,14 +119,6 @@ def join(program: Program, *, mesh: Any = None, scatter_gather: bool = False) ->
         raise InvalidArgument(
             f"ranks ({n}) x data ({copies}) x tensor ({tp}) != world size {world}"
         )
-    if (
-        mesh is not None
-        and on_two_threads(torch.device(str(mesh.device_mesh.device_type)))
-        and any(overlapped_pairs(r) for r in program.ranks)
-    ):
-        # an overlapped pair's two halves, on two threads: one group each (on a GPU they run
-        # one after the other, in program order, and need no second communicators)
-        mesh.backward_groups()
 
     def g(r: int, d: int, c: int) -> int:
         return (r * copies + d) * tp + c

@@ -65,6 +65,7 @@ from torch._subclasses.fake_tensor import is_fake
 from funcpipe.errors import InvalidArgument
 from funcpipe.parallel.mesh import Axis
 from funcpipe.runtime.spans import timed
+from funcpipe.runtime.turns import complete, hand_over
 
 __all__ = [
     "ByteCounter",
@@ -78,7 +79,6 @@ __all__ = [
     "count_bytes",
     "exchange_sizes",
     "gather_from_group",
-    "group_of",
     "reduce_from_group",
     "reduce_scatter",
     "reduce_to",
@@ -184,18 +184,6 @@ def count_bytes() -> Iterator[ByteCounter]:
         _COUNTERS.remove(counter)
 
 
-def group_of(axis: Axis) -> Any:
-    """The process group a collective over ``axis`` runs on: ``axis.back`` inside a backward
-    (an autograd graph task: the backward of a stage, a recomputation inside it), which is a
-    group of its own once the mesh made them (:meth:`~funcpipe.parallel.Mesh.backward_groups`),
-    else ``axis.group``. An overlapped pair runs one microbatch's forward while
-    another's backward runs on a second thread: the forwards' calls keep the program's order on
-    one communicator, the backwards' on the other, whatever the two threads' timing."""
-    if torch._C._current_graph_task_id() != -1:
-        return axis.back
-    return axis.group
-
-
 def _record(
     kind: str,
     phase: str,
@@ -240,7 +228,8 @@ def _raw_all_reduce(x: Tensor, axis: Axis, phase: str, *, op: Any = None) -> Ten
     if axis.size > 1 and not _abstract(x):  # meta (shape inference): same shape, no data moves
         _record("all_reduce", phase, axis, out)
         with timed("all_reduce", phase, axis):
-            dist.all_reduce(out, op=dist.ReduceOp.SUM if op is None else op, group=group_of(axis))
+            reduce_op = dist.ReduceOp.SUM if op is None else op
+            complete(dist.all_reduce, out, op=reduce_op, group=axis.group)
     return out
 
 
@@ -253,7 +242,7 @@ def _raw_all_gather(x: Tensor, axis: Axis, dim: int, phase: str) -> Tensor:
         return out.movedim(0, dim)
     _record("all_gather", phase, axis, src)
     with timed("all_gather", phase, axis):
-        _all_gather_single(out, src, group=group_of(axis))
+        complete(_all_gather_single, out, src, group=axis.group)
     return out.movedim(0, dim)
 
 
@@ -274,7 +263,7 @@ def _raw_reduce_scatter(x: Tensor, axis: Axis, dim: int, phase: str) -> Tensor:
     if _NATIVE_REDUCE_SCATTER.get(backend, True):
         try:
             with timed("reduce_scatter", phase, axis):
-                _reduce_scatter_single(out, src, group=group_of(axis))
+                complete(_reduce_scatter_single, out, src, group=axis.group)
         except (RuntimeError, NotImplementedError) as e:  # e.g. an old gloo without it
             if not _unsupported(e):
                 raise
@@ -284,7 +273,7 @@ def _raw_reduce_scatter(x: Tensor, axis: Axis, dim: int, phase: str) -> Tensor:
             return out.movedim(0, dim)
     _record("reduce_scatter", phase, axis, src, algorithm="all_reduce+slice", as_kind="all_reduce")
     buf = src.clone()  # src may alias x: never all-reduce into the caller's tensor
-    dist.all_reduce(buf, group=group_of(axis))
+    complete(dist.all_reduce, buf, group=axis.group)
     return buf.chunk(axis.size, 0)[axis.coord].clone().movedim(0, dim)
 
 
@@ -301,7 +290,7 @@ def _raw_broadcast(x: Tensor, axis: Axis, src: int, phase: str) -> Tensor:
     else:  # only the shape, dtype and device of x matter here
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _record("broadcast", phase, axis, out)
-    dist.broadcast(out, group=group_of(axis), group_src=src)
+    complete(dist.broadcast, out, group=axis.group, group_src=src)
     return out
 
 
@@ -310,7 +299,7 @@ def _raw_reduce(x: Tensor, axis: Axis, dst: int, phase: str) -> Tensor:
         return x.clone()
     out = x.contiguous().clone()
     _record("reduce", phase, axis, out)
-    dist.reduce(out, group=group_of(axis), group_dst=dst)
+    complete(dist.reduce, out, group=axis.group, group_dst=dst)
     return out if axis.coord == dst else torch.zeros_like(out)
 
 
@@ -324,10 +313,12 @@ def _raw_shift(x: Tensor, axis: Axis, offset: int, phase: str) -> Tensor:
     frm = axis.global_rank((axis.coord - offset) % n)
     _record("send", phase, axis, src)
     ops = [
-        dist.P2POp(dist.isend, src, to, group_of(axis)),
-        dist.P2POp(dist.irecv, out, frm, group_of(axis)),
+        dist.P2POp(dist.isend, src, to, axis.group),
+        dist.P2POp(dist.irecv, out, frm, axis.group),
     ]
-    for work in dist.batch_isend_irecv(ops):
+    works = dist.batch_isend_irecv(ops)
+    hand_over()  # (in an overlapped pair: the other half runs while the shift is in flight)
+    for work in works:
         work.wait()
     return out
 
@@ -533,7 +524,7 @@ def exchange_sizes(send: Sequence[int], axis: Axis) -> list[int]:
         counts = counts.cuda()
     out = torch.empty_like(counts)
     with timed("split sizes", "forward", axis):
-        dist.all_to_all_single(out, counts, group=group_of(axis))
+        complete(dist.all_to_all_single, out, counts, group=axis.group)
     return [int(k) for k in out.tolist()]
 
 
@@ -545,7 +536,7 @@ def _raw_all_to_all(x: Tensor, axis: Axis, send: list[int], recv: list[int], pha
     row = math.prod(src.shape[1:]) * src.element_size()
     _record("all_to_all", phase, axis, src, volume=float((sum(send) - send[axis.coord]) * row))
     with timed("all_to_all", phase, axis):
-        dist.all_to_all_single(out, src, recv, send, group=group_of(axis))
+        complete(dist.all_to_all_single, out, src, recv, send, group=axis.group)
     return out
 
 

@@ -295,33 +295,18 @@ def _depths_hint(size: int) -> str:
     return f"for size={size} the depths that work are {depths}"
 
 
-BACKWARD: dict[Any, Any] = {}
-"""An axis's process group -> the group of the same ranks for its backwards' collectives
-(:meth:`Mesh.backward_groups`)."""
-
-
 @dataclass(frozen=True)
 class Axis:
     """One named mesh axis as seen from this rank: ``group`` (a process group), ``size``, ``coord``.
 
     ``coord`` is this rank's index in ``group`` (``0 <= coord < size``). A size-1 axis moves no
     data: every collective over it is the identity.
-
-    :attr:`back` is the second process group over the same ranks that carries the collectives
-    a backward issues, once :meth:`Mesh.backward_groups` made one.
     """
 
     name: str
     size: int
     coord: int
     group: Any = field(repr=False, compare=False)
-
-    @property
-    def back(self) -> Any:
-        """The process group a backward's collectives over this axis run on
-        (:func:`funcpipe.parallel.collectives.group_of`): its own once
-        :meth:`Mesh.backward_groups` made them, else :attr:`group`."""
-        return BACKWARD.get(self.group, self.group) if self.group is not None else None
 
     @classmethod
     def from_group(cls, name: str, group: Any) -> Axis:
@@ -359,25 +344,6 @@ class Mesh(Mapping[str, Axis]):
         self.place = config.place(rank)
         self._claim = claim  # funcpipe.distributed.groups.Claim on the shared process groups
         self.closed = False
-
-    def backward_groups(self) -> None:
-        """Give each axis a stage's collectives run over (``expert``, ``tensor`` and its parts)
-        of size > 1 a second process group of the same ranks, for the collectives a backward
-        issues (:attr:`Axis.back`). A Pipeline whose program has overlapped pairs calls it: a
-        pair runs a forward and a backward at once, and each group then still sees its calls
-        in the program's order on every rank. Collective (every process, in one order); made
-        once per configuration, released with the mesh."""
-        from funcpipe.distributed.timeouts import job_timeout
-
-        if self._claim is None or self.closed:
-            raise InvalidArgument("Mesh.backward_groups: the mesh is closed (or has no groups)")
-        key = ("mesh-backward", self.config, str(self.device_mesh.device_type))
-        made = self._claim.shared(
-            key,
-            lambda: _backward_groups(self.device_mesh, self.config, self._axes, job_timeout()),
-            forget=_forget_backward,
-        )
-        BACKWARD.update(made)
 
     def close(self) -> None:
         """Release this mesh's process groups, unless another open mesh of the same
@@ -518,37 +484,3 @@ def _make_mesh(
         axes["data"] = Axis("data", flat.size(), flat.get_local_rank(), flat.get_group())
     # the default group among these is left out when they are destroyed (funcpipe.distributed.groups)
     return (dm, axes), [*dm.get_all_groups(), *extra, *(a.group for a in axes.values())]
-
-
-def _backward_groups(
-    dm: Any, config: ParallelConfig, axes: Mapping[str, Axis], limit: Any
-) -> tuple[dict[Any, Any], list[Any]]:
-    """(forward group -> backward group, the groups this process is in) for
-    :meth:`Mesh.backward_groups`; every rank creates every group, in one order."""
-    import torch.distributed as dist
-
-    mesh = dm.mesh
-    names = list(config.mesh_dim_names)
-    parts = [n for n, _ in config.tensor_axes]
-    wanted: dict[str, list[str]] = {n: [n] for n in [*parts, "expert"] if n in names}
-    if len(parts) > 1:
-        wanted["tensor"] = parts
-    made: dict[Any, Any] = {}
-    for name, dims in wanted.items():
-        axis = axes[name]
-        if axis.size == 1:
-            continue
-        idx = [names.index(d) for d in dims]
-        rest = [i for i in range(mesh.dim()) if i not in idx]
-        members = mesh.permute(*rest, *idx).reshape(-1, axis.size).tolist()
-        options = {} if limit is None else {"timeout": limit}
-        mine, _ = dist.new_subgroups_by_enumeration(members, **options)
-        if dist.get_rank(mine) != axis.coord:  # (both list the ranks in increasing order)
-            raise RuntimeError(f"internal: axis {name!r}: its backward group is ordered otherwise")
-        made[axis.group] = mine
-    return made, list(made.values())
-
-
-def _forget_backward(made: dict[Any, Any]) -> None:
-    for group in made:
-        BACKWARD.pop(group, None)

@@ -87,7 +87,6 @@ class _Rank:
             for o, leaves in self.leaves.items()
         }
         self.shared: set[tuple[int, int]] = set()
-        self.drawless: set[int] = set()  # stages whose paired backward drew nothing (pair.py)
         # sharded owners (GATHER/SCATTER): the all-gather of each owner's parameters in flight,
         # and this copy's pieces of the averaged gradients once SCATTERed
         self.gathering: dict[int, _Pending] = {}

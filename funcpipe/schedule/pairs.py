@@ -22,11 +22,10 @@ The rules the checker proves of pairs, on top of every rule a program without pa
    :func:`not_independent` then names both halves and the chain of waits.
 3. **One order of collectives per communicator.** A pair holds no SEND, RECV or collective
    (only its two computations). The collectives its halves call inside their stages (the
-   expert all-to-all, tensor-parallel reductions) go, for the forward, on the axis's process
-   group and, for the backward, on a second group of the same ranks
-   (:func:`funcpipe.parallel.collectives.group_of`): each group sees the forwards' (resp.
-   backwards') calls in the program's order on every rank of it, however the two halves'
-   threads interleave, so no program can issue them in different orders.
+   expert all-to-all, tensor-parallel reductions) go on the axis's process group in an order
+   the program fixes: the halves take turns, the turn changing hands at each collective issued
+   (:mod:`funcpipe.runtime.turns`), and the ranks of an in-stage communicator are copies of one
+   pipeline rank, running the same pairs; so no program can issue them in different orders.
 
 :func:`funcpipe.schedule.overlap.overlap` is the pass: it pairs a program's adjacent
 independent F and B (or I) on every rank.

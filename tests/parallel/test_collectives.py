@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.checkpoint import checkpoint
 
 from funcpipe.errors import InvalidArgument
 from funcpipe.parallel import Axis, ByteCounter, ParallelConfig, Record, ring_volume
@@ -245,36 +244,3 @@ def test_collective_arguments_are_checked() -> None:
         InvalidArgument, match=r"along dim 0 needs that dim divisible by 2; got shape \(3, 2\)"
     ):
         C.split_to_group(x, ax, dim=0)
-
-
-def test_a_backward_runs_its_collectives_on_the_axis_back_group() -> None:
-    """group_of: the forwards' calls on ``group``, the backwards' (an autograd graph task,
-    a recomputation inside it included) on ``back``, the axis's own once the mesh made it."""
-    from funcpipe.parallel import mesh
-    from funcpipe.parallel.collectives import group_of
-
-    seen: list[object] = []
-    ax = Axis("expert", 2, 0, "forward-group")
-    assert group_of(ax) == ax.back == "forward-group"  # (no backward group made)
-    mesh.BACKWARD["forward-group"] = "backward-group"  # what Mesh.backward_groups records
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            seen.append(group_of(ax))
-            ctx.save_for_backward(x)  # (so that a checkpoint recomputes it)
-            return x * 2
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            _ = ctx.saved_tensors  # (unpacked: what a checkpoint recomputes for)
-            seen.append(group_of(ax))
-            return g * 2
-
-    x = torch.ones(2, requires_grad=True)
-    try:
-        Probe.apply(x).sum().backward()
-        checkpoint(Probe.apply, x, use_reentrant=False).sum().backward()
-    finally:
-        del mesh.BACKWARD["forward-group"]
-    assert seen == ["forward-group", "backward-group"] + ["forward-group"] + ["backward-group"] * 2

@@ -62,25 +62,6 @@ def test_every_schedule_with_overlapped_pairs_matches_the_reference(
         )
 
 
-def test_where_pairs_run_in_sequence_the_result_is_the_same(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Off a CPU (on a GPU: funcpipe.runtime.pair.on_two_threads says why) a pair's halves run
-    one after the other on the rank's thread: no second thread, the reference's result."""
-    import threading
-
-    from funcpipe.runtime import pair
-
-    monkeypatch.setattr(pair, "on_two_threads", lambda device: False)
-    started = []
-    monkeypatch.setattr(
-        pair.threading, "Thread", lambda *a, **k: started.append(k) or threading.Thread(*a, **k)
-    )
-    for name in ("dualpipev", "zbv", "1f1b"):
-        run_pipeline_vs_reference(0, name, 4, 8, [13, 9], recompute=True, tied=True, overlap=True)
-    assert not started
-
-
 @pytest.mark.parametrize("name", ["1f1b", "interleaved", "chimera"])
 def test_split_backward_everywhere_matches(name: str) -> None:
     run_pipeline_vs_reference(0, name, 2, 4, [8], split_all=True, tied=True)

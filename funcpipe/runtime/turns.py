@@ -1,0 +1,164 @@
+"""Turns: how an overlapped pair's two halves share a rank, one computing while the other's
+collective is in flight.
+
+The forward half runs on the rank's thread, the backward half on a second one; they take turns,
+and only the half whose turn it is runs. A half gives the turn away only at a collective over a
+mesh axis (:func:`complete`, which :mod:`funcpipe.parallel.collectives` calls for each): it
+issues the collective without waiting (``async_op=True``), lets the other half run until that
+one issues a collective of its own or ends, and then waits for its own. So the forward's all-
+to-all moves while the backward computes, and the other way round; on CUDA an asynchronous
+collective runs on its process group's own NCCL stream, after an event wait on the stream that
+produced its input, and ``wait()`` makes the compute stream, not the host, wait for it: the
+other half's kernels are queued between the two.
+
+The order of the calls is fixed by the program: the forward runs until its first collective,
+then the backward until its first, then the forward until its second, and so on; once a half
+has ended, the other runs alone. Every rank of one in-stage communicator (a tensor, expert or
+data group) is a copy of one pipeline rank: it runs the same program and the same stages, so
+it issues the same calls in the same order, on one process group per axis; nothing depends on
+how the two threads are timed, and NCCL's rule (one order of calls per communicator) holds.
+
+Random numbers: a half saves torch's generators (the CPU's and the device's) when it gives the
+turn and puts them back when it gets it again, so each half draws the numbers it draws alone
+(a ``torch.utils.checkpoint`` recomputing dropout in the backward, a forward under its key),
+whatever the other half drew in between.
+
+Which half calls a collective is the thread it is called on: the rank's thread is the
+forward's; any other (the second thread, or on CUDA autograd's thread for the device, where the
+backward's nodes run) is the backward's. A call from the half that does not hold the turn (a
+forward that runs a backward of its own on a GPU) waits where it is called, as outside a pair.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["Turns", "active", "complete", "hand_over", "running", "together"]
+
+T = TypeVar("T")
+
+_ACTIVE: list[Turns] = []  # the pair running in this process (one at a time)
+
+
+class Turns:
+    """The turns of one pair's two halves (module docstring): the forward holds the first."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._cv = threading.Condition()
+        self._forward_thread = threading.get_ident()
+        self._holder = "F"
+        self._ended: set[str] = set()
+        self.handovers = 0  # how often the turn changed hands at a collective
+
+    def _mine(self) -> str:
+        return "F" if threading.get_ident() == self._forward_thread else "B"
+
+    def take(self, half: str) -> None:
+        """Wait until ``half`` ("F" or "B") holds the turn (the other gave it or ended)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._holder == half)
+
+    def hand_over(self) -> None:
+        """From the half holding the turn, at a collective it issued: let the other half run
+        until it issues one or ends, then carry on. Nothing where the other half has ended, or
+        where the caller does not hold the turn."""
+        half = self._mine()
+        other = "B" if half == "F" else "F"
+        with self._cv:
+            if self._holder != half or other in self._ended:
+                return
+            rng = self._rng()
+            self._holder = other
+            self.handovers += 1
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: self._holder == half)
+        torch.set_rng_state(rng[0])
+        if len(rng) > 1:
+            torch.cuda.set_rng_state(rng[1], self._device)
+
+    def _rng(self) -> tuple[torch.Tensor, ...]:
+        if self._device.type == "cuda":
+            return torch.get_rng_state(), torch.cuda.get_rng_state(self._device)
+        return (torch.get_rng_state(),)
+
+    def end(self, half: str) -> None:
+        """``half`` ended (returned or raised): the other runs alone from here."""
+        with self._cv:
+            self._ended.add(half)
+            if self._holder == half:
+                self._holder = "B" if half == "F" else "F"
+            self._cv.notify_all()
+
+
+def active() -> Turns | None:
+    """The pair running in this process, or None."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+class running:
+    """``with running(turns):`` the pair's turns are the process's while it runs."""
+
+    def __init__(self, turns: Turns) -> None:
+        self.turns = turns
+
+    def __enter__(self) -> Turns:
+        _ACTIVE.append(self.turns)
+        return self.turns
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.remove(self.turns)
+
+
+def hand_over() -> None:
+    """At a collective just issued: in a pair, let the other half run until it issues one or
+    ends (:meth:`Turns.hand_over`); nothing outside a pair."""
+    turns = active()
+    if turns is not None:
+        turns.hand_over()
+
+
+def complete(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Run one ``torch.distributed`` call to its end: in a pair, issued asynchronously with the
+    turn handed to the other half until then (module docstring); else as a blocking call."""
+    turns = active()
+    if turns is None:
+        call(*args, **kwargs)
+        return
+    work = call(*args, async_op=True, **kwargs)
+    turns.hand_over()
+    work.wait()
+
+
+def together(forward: Callable[[], Any], backward: Callable[[], T], device: torch.device) -> T:
+    """Run ``forward()`` on this thread and ``backward()`` on a second one, taking turns at
+    their collectives (module docstring; the forward first), and return what ``backward``
+    returned once both ended. An exception ends its half (the other runs on alone) and is raised
+    here after both ended: the forward's first, else the backward's."""
+    turns = Turns(device)
+    out: dict[str, Any] = {}
+
+    def second() -> None:
+        try:
+            turns.take("B")
+            out["value"] = backward()
+        except BaseException as e:  # (raised on the calling thread, after the forward)
+            out["error"] = e
+        finally:
+            turns.end("B")
+
+    helper = threading.Thread(target=second, name="funcpipe-pair-backward", daemon=True)
+    with running(turns):
+        helper.start()
+        try:
+            forward()
+        finally:
+            turns.end("F")
+            helper.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]

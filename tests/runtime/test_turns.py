@@ -1,0 +1,147 @@
+"""The turns of an overlapped pair's two halves (funcpipe.runtime.turns): one runs at a time, the
+turn changes hands at each collective issued, the order of the calls is the program's, each half
+keeps its own random numbers, and a fault ends only its half."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from funcpipe.runtime.turns import active, complete, together
+
+CPU = torch.device("cpu")
+
+
+class _Work:
+    """What an asynchronous c10d call returns: ``wait()`` logs when it is waited for."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait(self) -> bool:
+        self.log.append(f"wait {self.name}")
+        return True
+
+
+def _call(log: list[str]) -> Any:
+    """A stand-in for a ``torch.distributed`` collective: logs its issue, and what it was asked."""
+
+    def call(name: str, *, async_op: bool = False) -> _Work | None:
+        log.append(f"issue {name}" + ("" if async_op else " (blocking)"))
+        return _Work(log, name) if async_op else None
+
+    return call
+
+
+def _half(log: list[str], half: str, calls: int, work: list[str]) -> Any:
+    def run() -> str:
+        for k in range(calls):
+            work.append(f"{half} computes before #{k}")
+            complete(_call(log), f"{half}{k}")
+        work.append(f"{half} computes after its last")
+        return half
+
+    return run
+
+
+def test_the_halves_take_turns_at_each_collective_in_the_programs_order() -> None:
+    """The forward runs until its first call, the backward until its first, the forward waits
+    for its first and goes on to its second, ...; once a half ended the other runs alone: one
+    order of calls, whatever the threads' timing (repeated with the second thread slowed)."""
+    for delay in (0.0, 0.01):
+        log: list[str] = []
+        work: list[str] = []
+        inner = _half(log, "B", 2, work)
+
+        def slow_backward(inner: Any = inner, delay: float = delay) -> str:
+            time.sleep(delay)
+            return str(inner())
+
+        got = together(_half(log, "F", 3, work), slow_backward, CPU)
+        assert got == "B"
+        assert log == [
+            "issue F0",
+            "issue B0",
+            "wait F0",
+            "issue F1",
+            "wait B0",
+            "issue B1",
+            "wait F1",
+            "issue F2",
+            "wait B1",
+            "wait F2",  # (the backward ended: the forward runs on alone)
+        ]
+        assert work[:2] == ["F computes before #0", "B computes before #0"]
+        assert active() is None
+
+
+def test_outside_a_pair_a_collective_blocks_and_a_pair_without_collectives_runs_in_sequence() -> (
+    None
+):
+    log: list[str] = []
+    complete(_call(log), "alone")
+    assert log == ["issue alone (blocking)"]
+    order: list[str] = []
+    together(lambda: order.extend(["F start", "F end"]), lambda: order.extend(["B"]), CPU)
+    assert order == ["F start", "F end", "B"]
+
+
+def test_each_half_draws_the_random_numbers_it_draws_alone() -> None:
+    """A half's generator state is its own across the other's turns: the forward's draws
+    around its collectives, and a backward that reseeds and draws (a checkpoint recomputing
+    dropout) between two of the forward's, equal what each draws alone."""
+
+    def drawer(seed: int, calls: int, out: list[torch.Tensor]) -> Any:
+        def run() -> None:
+            torch.manual_seed(seed)
+            for k in range(calls):
+                out.append(torch.rand(3))
+                complete(_call([]), f"{seed}-{k}")
+            out.append(torch.rand(3))
+
+        return run
+
+    alone_f: list[torch.Tensor] = []
+    alone_b: list[torch.Tensor] = []
+    drawer(1, 2, alone_f)()
+    drawer(2, 3, alone_b)()
+    got_f: list[torch.Tensor] = []
+    got_b: list[torch.Tensor] = []
+    together(drawer(1, 2, got_f), drawer(2, 3, got_b), CPU)
+    for a, b in zip(alone_f + alone_b, got_f + got_b, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("failing", ["F", "B"])
+def test_a_fault_ends_its_half_and_the_other_runs_on_alone(failing: str) -> None:
+    """A half that raises at its first collective's turn ends there; the other finishes its
+    calls without waiting for it (no hang), and the error is raised once both ended."""
+    log: list[str] = []
+
+    def half(name: str) -> Any:
+        def run() -> str:
+            complete(_call(log), f"{name}0")
+            if name == failing:
+                raise RuntimeError(f"{name} failed")
+            complete(_call(log), f"{name}1")
+            return name
+
+        return run
+
+    done = threading.Event()
+
+    def watchdog() -> None:
+        if not done.wait(10):
+            raise SystemExit("a hang")
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    with pytest.raises(RuntimeError, match=f"{failing} failed"):
+        together(half("F"), half("B"), CPU)
+    done.set()
+    other = "B" if failing == "F" else "F"
+    assert f"wait {other}1" in log and f"issue {failing}1" not in log
+    assert active() is None
