@@ -540,3 +540,28 @@ def test_a_half_of_a_pair_that_raises_is_reported_after_both_end(where: str) -> 
         notes = " ".join(getattr(e.value, "__notes__", []))
         assert "backward (B) of stage 0" in notes and "microbatch 0" in notes
         assert "overlapped with 'F s0 m1'" in notes
+
+
+@pytest.mark.parametrize("path", ["I", "W"])
+def test_a_split_backward_that_raises_names_its_stage_microbatch_and_rank(path: str) -> None:
+    """An error raised in an I (through the stage's input) or in a W (through one of its
+    parameters only: the I never runs it) is noted with which backward, stage, microbatch and
+    rank it was."""
+    from funcpipe.schedule.passes import split_backward
+
+    program = split_backward(generate("1f1b", ranks=2, microbatches=2))
+    stages, params = toy(2)
+    inner = stages[1].fn
+    leaf = next(iter(params[1]))
+
+    def failing(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        if path == "W":
+            return inner({**p, leaf: _Boom.apply(p[leaf])}, h)
+        return inner(p, _Boom.apply(h))
+
+    stages[1] = Stage(failing, name="failing")
+    x, y = data(4)
+    with pytest.raises(RuntimeError, match="boom in a backward") as e:
+        Pipeline(stages, program, loss_fn=mse).step(params, x, y)
+    notes = " ".join(getattr(e.value, "__notes__", []))
+    assert f"backward ({path}) of stage 1 ('failing'), microbatch 0, rank 1" in notes, notes
