@@ -114,6 +114,42 @@ def raise_in(rank: int, bad_rank: int, where: str, report_dir: str) -> str:
     return "finished"
 
 
+def raise_in_a_pair(rank: int, bad_rank: int, report_dir: str) -> str:
+    """One DualPipeV step with pairs at pipeline 2 x expert 2 (MoE stages: every half calls the
+    expert all-to-all) where process ``bad_rank`` raises in the forward of its 4th MoE call,
+    a paired forward; its expert peer's pair is then waiting in an all-to-all or for its turn."""
+    import funcpipe as fp
+    from funcpipe.models import moe
+    from tests import jobs_experts as E
+    from tests.jobs_parallel import mesh_for
+
+    mesh = mesh_for({"pipeline": 2, "expert": 2})
+    axis = mesh["expert"]
+    program = generate("dualpipev", ranks=2, microbatches=8, overlap=True)
+    config = E._config(4)
+    full = tuple(moe.init(config, seed=s, dtype=torch.float64) for s in range(4))
+    mine = tuple(moe.expert_shard(p, config, axis) for p in full)
+    experts = [(s, leaf) for s in range(4) for leaf in ("w_in", "w_out")]
+    stages = E._stages(4, config, axis)
+    if rank == bad_rank:
+        calls = {"n": 0}
+        inner = stages[0].fn
+
+        def bad(p: Any, h: torch.Tensor) -> torch.Tensor:
+            if not (h.is_meta or is_fake(h)):
+                calls["n"] += 1
+                if calls["n"] == 4:
+                    raise ValueError(f"injected failure in a paired forward of rank {rank}")
+            return inner(p, h)
+
+        stages[0] = fp.Stage(bad, name="faulty")
+    x, y = E._batch(0, 8)
+    pipe = fp.Pipeline(stages, program, loss_fn=E._mse, mesh=mesh, experts=experts)
+    with _reporting(report_dir, rank), pipe:
+        pipe.step(mine, x, y)
+    return "finished"
+
+
 # ------------------------------------------------------------------ ranks build different programs
 def different_programs(rank: int, what: str, report_dir: str) -> str:
     """Rank 1 builds another pipeline than rank 0: another schedule (``schedule``) or the

@@ -103,6 +103,24 @@ def test_a_rank_that_raises_is_named_by_every_other_rank(tmp_path: Path, where: 
     assert elapsed < TIMEOUT, elapsed
 
 
+@pytest.mark.timeout(120)
+def test_a_rank_that_raises_in_an_overlapped_pair_is_named_in_bounded_time(tmp_path: Path) -> None:
+    """A process raising in a paired forward while its expert peer's halves take turns at their
+    all-to-alls: every other process names it, well within the configured timeout (no half left
+    waiting for its turn)."""
+    start = time.monotonic()
+    with _own_pool(4) as pool, pytest.raises(RankFailed) as info:
+        pool.run(jobs_faults.raise_in_a_pair, 1, str(tmp_path))
+    elapsed = time.monotonic() - start
+    assert info.value.rank == 1, str(info.value)
+    assert "injected failure in a paired forward of rank 1" in str(info.value)
+    seen = _reports(tmp_path, 4)
+    assert seen[1]["type"] == "ValueError"
+    for r in (0, 2, 3):
+        assert seen[r]["type"] == "RankFailed" and seen[r]["rank"] == 1, (r, seen[r])
+    assert elapsed < TIMEOUT, elapsed
+
+
 # ------------------------------------------------------------------ ranks build different programs
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("what", ["schedule", "option"])

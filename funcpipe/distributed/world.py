@@ -33,7 +33,7 @@ from __future__ import annotations
 import socket
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +42,11 @@ import torch
 from funcpipe.distributed.failures import Steps, forget_steps
 from funcpipe.distributed.groups import Claim
 from funcpipe.errors import InvalidArgument
+from funcpipe.runtime.drive import drive
+from funcpipe.runtime.interpreter import RankResult
 from funcpipe.runtime.rank_io import EXPERT_DATA
 from funcpipe.runtime.transport import DistTransport, strict_from_env
+from funcpipe.runtime.transport_common import Handle
 from funcpipe.schedule.check import in_program
 from funcpipe.schedule.ir import COLLECTIVE_OPS, Op, Program
 
@@ -64,6 +67,21 @@ class DistWorld:
     claim: Claim | None = None  # the shared process groups this world uses
     steps: Steps | None = None  # the steps its transport finished
     copy: int = 0  # this process's data-parallel copy
+
+    def drive(self, gen: Generator[Handle, None, RankResult]) -> RankResult:
+        """Run this rank's step (:func:`funcpipe.runtime.drive.drive`). A collective that a
+        stage called (an expert all-to-all, a tensor-parallel reduction) fails with
+        torch.distributed's own error when a peer fails; it is raised as the transport's are,
+        naming the rank that failed first (:func:`funcpipe.distributed.records.named`)."""
+        from funcpipe.distributed.records import named
+
+        try:
+            return drive(gen)
+        except Exception as e:
+            error = named(e, self.pipe_ranks[self.rank])
+            if error is e:
+                raise
+            raise error from e
 
     def close(self) -> None:
         """Release the transport (its waiter threads) and the process groups (collective:

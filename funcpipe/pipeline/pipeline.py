@@ -35,7 +35,7 @@ from funcpipe.pipeline.result import (
     stage_grads,
     traced_timeline,
 )
-from funcpipe.runtime.drive import drive, drive_local
+from funcpipe.runtime.drive import drive_local
 from funcpipe.runtime.interpreter import RankInputs, run_rank
 from funcpipe.runtime.transport import LocalWorld
 from funcpipe.schedule.ir import Op, Program
@@ -347,7 +347,7 @@ class Pipeline:
         x.trace, x.loss_scale = trace, scale
         if self.loss_fn is not None or self.metric_fn is not None:
             x.scalars_group = _world.SCALARS
-        result = drive(run_rank(x, self._world.transport))
+        result = self._world.drive(run_rank(x, self._world.transport))
         # every data copy adds its loss; every tensor coordinate holds the same loss
         loss, metric, factor = dist_scalars(
             result,

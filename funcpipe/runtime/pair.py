@@ -15,11 +15,17 @@ issues it asynchronously and lets the other run until that one issues its own or
 waits for its own. So one half's all-to-all is in flight while the other computes; on CUDA it
 runs on its process group's NCCL stream while the other half's kernels queue on the compute
 stream (``async_op=True``; ``ProcessGroupNCCL::collective``), and on a CPU on gloo's threads.
-A stage that calls no collective runs its pair in sequence, the forward then the backward,
+A stage that calls no collective runs its pair in sequence, the backward then the forward,
 with the same result.
 
+**RECVs.** The backward starts once its own inputs are in; over processes the forward's may
+still be arriving (their RECVs are posted before the pair): the rank's thread waits for them
+while the backward computes, then takes its turn. (In one process, where every rank runs on
+the rank's thread and the driver switches ranks at each wait, both halves' inputs are in
+before the pair starts.)
+
 **One order per communicator.** The turns fix the order of the two halves' calls (the
-forward's first, the backward's first, the forward's second, ...), and every rank of an
+backward's first, the forward's first, the backward's second, ...), and every rank of an
 in-stage communicator is a copy of one pipeline rank running the same pairs: each process
 group sees its calls in one order on every rank of it, whatever the threads' timing.
 
@@ -50,13 +56,16 @@ __all__ = ["run_pair"]
 def run_pair(
     rank: Any, first: Instr, second: Instr, trace: list[Any] | None, stamp: Callable[[], Any]
 ) -> Generator[Handle, None, None]:
-    """Run the pair ``first`` & ``second`` on interpreter rank ``rank`` (its ``_Rank``): wait for
-    both halves' inputs, then the forward here and the backward on a second thread, taking
-    turns at their collectives; ``trace`` gets each half's start and end (the first half's
-    first)."""
-    for i in (first, second):
-        yield from rank.ready(i)
+    """Run the pair ``first`` & ``second`` on interpreter rank ``rank`` (its ``_Rank``): the
+    backward on a second thread once its inputs are in, the forward here once its own are,
+    taking turns at their collectives; ``trace`` gets each half's start and end (the first
+    half's first). Over processes the forward's inputs are waited for while the backward
+    computes; in one process (every rank on this thread, switched at each wait) both halves'
+    inputs are in before either starts."""
     fwd, bwd = (first, second) if first.op is Op.F else (second, first)
+    yield from rank.ready(bwd)
+    if not rank.t.blocking:
+        yield from rank.ready(fwd)
     work = rank.backward_work(bwd)
     spans: dict[Instr, tuple[Any, Any]] = {}
 
@@ -79,7 +88,11 @@ def run_pair(
         finally:
             spans[bwd] = (start, stamp() if trace is not None else None)
 
-    grads = together(forward, backward, rank.x.device)
+    def inputs() -> None:  # (over processes: each wait blocks this thread, the backward running)
+        for handle in rank.ready(fwd):
+            handle.wait()
+
+    grads = together(forward, backward, rank.x.device, inputs if rank.t.blocking else None)
     rank.finish_backward(bwd, grads)
     if trace is not None:
         for i in (first, second):

@@ -80,6 +80,7 @@ class Transport(Protocol):
 
     rank: int
     layout: str | None
+    blocking: bool  # a handle's wait blocks the thread (over processes), or the driver switches
 
     def post(self, ops: Sequence[P2P]) -> list[Handle]: ...
 

@@ -214,6 +214,8 @@ class DistTransport(_Counters):
     naming the ranks and operations within about a second; ``timeout`` bounds other waits.
     """
 
+    blocking = True  # (each process drives its own rank: a wait blocks its thread)
+
     def __init__(
         self,
         rank: int,

@@ -276,6 +276,8 @@ class LocalTransport(_Counters):
     A send stays in the receiver's mailbox (and in ``held_bytes``) until the receiver copies it.
     """
 
+    blocking = False  # (drive_local switches to another rank at each wait)
+
     def __init__(self, world: LocalWorld, rank: int, ranks: Sequence[int] | None = None) -> None:
         self.world, self.rank = world, rank
         self.layout: str | None = world.layout

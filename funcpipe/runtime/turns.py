@@ -11,9 +11,11 @@ collective runs on its process group's own NCCL stream, after an event wait on t
 produced its input, and ``wait()`` makes the compute stream, not the host, wait for it: the
 other half's kernels are queued between the two.
 
-The order of the calls is fixed by the program: the forward runs until its first collective,
-then the backward until its first, then the forward until its second, and so on; once a half
-has ended, the other runs alone. Every rank of one in-stage communicator (a tensor, expert or
+The order of the calls is fixed by the program: the backward runs until its first collective,
+then the forward until its first, then the backward until its second, and so on; once a half
+has ended, the other runs alone. The backward goes first because its inputs are in when the
+pair starts, while the forward's may still be arriving (a RECV in flight): the forward waits
+for them on its own thread, outside the turns, while the backward computes. Every rank of one in-stage communicator (a tensor, expert or
 data group) is a copy of one pipeline rank: it runs the same program and the same stages, so
 it issues the same calls in the same order, on one process group per axis; nothing depends on
 how the two threads are timed, and NCCL's rule (one order of calls per communicator) holds.
@@ -22,6 +24,13 @@ Random numbers: a half saves torch's generators (the CPU's and the device's) whe
 turn and puts them back when it gets it again, so each half draws the numbers it draws alone
 (a ``torch.utils.checkpoint`` recomputing dropout in the backward, a forward under its key),
 whatever the other half drew in between.
+
+Faults: a half that raises ends, and the other stops at its next collective
+(:class:`OtherHalfFailed`), issuing nothing more. Its peers still call what follows in the
+program's order, and the calls of this rank's surviving half would meet other calls of theirs
+on the same group (on gloo a size mismatch aborts the peer's process; on NCCL a wrong match or a
+hang): so no call is issued past the fault, and the peers' waits end when this rank's error
+stops the step (its process groups closed) or at their timeout, as for a fault outside a pair.
 
 Which half calls a collective is the thread it is called on: the rank's thread is the
 forward's; any other (the second thread, or on CUDA autograd's thread for the device, where the
@@ -37,22 +46,28 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["Turns", "active", "complete", "hand_over", "running", "together"]
+__all__ = ["OtherHalfFailed", "Turns", "active", "complete", "hand_over", "running", "together"]
 
 T = TypeVar("T")
 
 _ACTIVE: list[Turns] = []  # the pair running in this process (one at a time)
 
 
+class OtherHalfFailed(RuntimeError):
+    """Raised in a half at its next collective once the other half of its pair raised: it
+    issues nothing more (module docstring, "Faults"); the other half's error is the one raised."""
+
+
 class Turns:
-    """The turns of one pair's two halves (module docstring): the forward holds the first."""
+    """The turns of one pair's two halves (module docstring): the backward holds the first."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
         self._cv = threading.Condition()
         self._forward_thread = threading.get_ident()
-        self._holder = "F"
+        self._holder = "B"
         self._ended: set[str] = set()
+        self._failed: str | None = None  # the half that raised
         self.handovers = 0  # how often the turn changed hands at a collective
 
     def _mine(self) -> str:
@@ -86,9 +101,20 @@ class Turns:
             return torch.get_rng_state(), torch.cuda.get_rng_state(self._device)
         return (torch.get_rng_state(),)
 
-    def end(self, half: str) -> None:
-        """``half`` ended (returned or raised): the other runs alone from here."""
+    def check(self) -> None:
+        """Before a collective is issued: raise :class:`OtherHalfFailed` if the other half
+        raised (this rank's peers will not see that half's calls, so this half's next one
+        would meet another call of theirs on the same group)."""
+        failed = self._failed
+        if failed is not None and failed != self._mine():
+            name = "forward" if failed == "F" else "backward"
+            raise OtherHalfFailed(f"the {name} of this overlapped pair raised: this half stops")
+
+    def end(self, half: str, failed: bool = False) -> None:
+        """``half`` ended (returned, or raised: ``failed``): the other runs alone from here."""
         with self._cv:
+            if failed and self._failed is None:
+                self._failed = half
             self._ended.add(half)
             if self._holder == half:
                 self._holder = "B" if half == "F" else "F"
@@ -119,7 +145,7 @@ def hand_over() -> None:
     ends (:meth:`Turns.hand_over`); nothing outside a pair."""
     turns = active()
     if turns is not None:
-        turns.hand_over()
+        turns.hand_over()  # (issued already: its caller checked before, see complete)
 
 
 def complete(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
@@ -129,36 +155,49 @@ def complete(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
     if turns is None:
         call(*args, **kwargs)
         return
+    turns.check()
     work = call(*args, async_op=True, **kwargs)
     turns.hand_over()
     work.wait()
 
 
-def together(forward: Callable[[], Any], backward: Callable[[], T], device: torch.device) -> T:
-    """Run ``forward()`` on this thread and ``backward()`` on a second one, taking turns at
-    their collectives (module docstring; the forward first), and return what ``backward``
-    returned once both ended. An exception ends its half (the other runs on alone) and is raised
-    here after both ended: the forward's first, else the backward's."""
+def together(
+    forward: Callable[[], Any],
+    backward: Callable[[], T],
+    device: torch.device,
+    before: Callable[[], Any] | None = None,
+) -> T:
+    """Run ``backward()`` on a second thread and ``forward()`` on this one, taking turns at
+    their collectives (module docstring; the backward first), and return what ``backward``
+    returned once both ended. ``before()`` runs here first, outside the turns, while the
+    backward computes (the forward's inputs arriving). An exception ends its half, and the other
+    half stops at its next collective (:class:`OtherHalfFailed`); it is raised here once both
+    ended (the first half's to raise, not the :class:`OtherHalfFailed` it caused)."""
     turns = Turns(device)
     out: dict[str, Any] = {}
 
     def second() -> None:
         try:
-            turns.take("B")
             out["value"] = backward()
         except BaseException as e:  # (raised on the calling thread, after the forward)
-            out["error"] = e
+            out["B"] = e
         finally:
-            turns.end("B")
+            turns.end("B", failed="B" in out)
 
     helper = threading.Thread(target=second, name="funcpipe-pair-backward", daemon=True)
     with running(turns):
         helper.start()
         try:
+            if before is not None:
+                before()
+            turns.take("F")
             forward()
+        except BaseException as e:
+            out["F"] = e
         finally:
-            turns.end("F")
+            turns.end("F", failed="F" in out)
             helper.join()
-    if "error" in out:
-        raise out["error"]
+    errors = [out[h] for h in ("F", "B") if h in out]
+    if errors:
+        raise next((e for e in errors if not isinstance(e, OtherHalfFailed)), errors[0])
     return out["value"]

@@ -7,10 +7,11 @@ written one after the other with ``& `` before the second (:mod:`funcpipe.schedu
     & B s3 m2
 
 They run together: where one half waits on communication (its stages' expert all-to-all, a
-tensor-parallel collective), the other computes (DualPipe's F&B). A pair starts when the inputs
-of both halves are in (their RECVs are posted before the pair: lowering never puts a SEND or
-RECV between the halves) and ends when both are done; what either half produces leaves after
-the pair.
+tensor-parallel collective, the forward's RECV), the other computes (DualPipe's F&B). Here a
+pair starts when the inputs of both halves are in (their RECVs are posted before the pair:
+lowering never puts a SEND or RECV between the halves; over processes the runtime starts the
+backward as soon as its own are, which is never later) and ends when both are done; what
+either half produces leaves after the pair.
 
 The rules the checker proves of pairs, on top of every rule a program without pairs keeps:
 

@@ -49,33 +49,43 @@ def _half(log: list[str], half: str, calls: int, work: list[str]) -> Any:
 
 
 def test_the_halves_take_turns_at_each_collective_in_the_programs_order() -> None:
-    """The forward runs until its first call, the backward until its first, the forward waits
-    for its first and goes on to its second, ...; once a half ended the other runs alone: one
-    order of calls, whatever the threads' timing (repeated with the second thread slowed)."""
-    for delay in (0.0, 0.01):
+    """The backward runs until its first call, the forward (once what it waits for before is
+    in) until its first, the backward waits for its first and goes on to its second, ...; once
+    a half ended the other runs alone: one order of calls, whatever the threads' timing
+    (repeated with either thread slowed)."""
+    for slow in ("", "B", "F"):
         log: list[str] = []
         work: list[str] = []
-        inner = _half(log, "B", 2, work)
+        inner = _half(log, "B", 3, work)
 
-        def slow_backward(inner: Any = inner, delay: float = delay) -> str:
-            time.sleep(delay)
+        started = threading.Event()
+
+        def backward(inner: Any = inner, slow: str = slow, started: Any = started) -> str:
+            started.set()
+            time.sleep(0.01 if slow == "B" else 0.0)
             return str(inner())
 
-        got = together(_half(log, "F", 3, work), slow_backward, CPU)
+        def before(slow: str = slow, started: Any = started, work: list[str] = work) -> None:
+            # (the forward's RECVs, still arriving: "F" waits until the backward runs)
+            assert slow != "F" or started.wait(10), "the backward did not start"
+            work.append("F's inputs in")
+
+        got = together(_half(log, "F", 2, work), backward, CPU, before)
         assert got == "B"
         assert log == [
-            "issue F0",
             "issue B0",
-            "wait F0",
-            "issue F1",
+            "issue F0",
             "wait B0",
             "issue B1",
-            "wait F1",
-            "issue F2",
+            "wait F0",
+            "issue F1",
             "wait B1",
-            "wait F2",  # (the backward ended: the forward runs on alone)
+            "issue B2",
+            "wait F1",
+            "wait B2",  # (the forward ended: the backward runs on alone)
         ]
-        assert work[:2] == ["F computes before #0", "B computes before #0"]
+        assert work.index("B computes before #0") < work.index("F computes before #0")
+        assert work.index("F's inputs in") < work.index("F computes before #0")
         assert active() is None
 
 
@@ -87,7 +97,7 @@ def test_outside_a_pair_a_collective_blocks_and_a_pair_without_collectives_runs_
     assert log == ["issue alone (blocking)"]
     order: list[str] = []
     together(lambda: order.extend(["F start", "F end"]), lambda: order.extend(["B"]), CPU)
-    assert order == ["F start", "F end", "B"]
+    assert order == ["B", "F start", "F end"]
 
 
 def test_each_half_draws_the_random_numbers_it_draws_alone() -> None:
@@ -117,31 +127,27 @@ def test_each_half_draws_the_random_numbers_it_draws_alone() -> None:
 
 
 @pytest.mark.parametrize("failing", ["F", "B"])
-def test_a_fault_ends_its_half_and_the_other_runs_on_alone(failing: str) -> None:
-    """A half that raises at its first collective's turn ends there; the other finishes its
-    calls without waiting for it (no hang), and the error is raised once both ended."""
+def test_after_a_fault_the_other_half_issues_nothing_more(failing: str) -> None:
+    """The peers of a rank whose half raised go on calling the program's collectives, which
+    the surviving half's next ones would meet (a gloo size mismatch aborted a peer's process):
+    it stops at its next call (OtherHalfFailed), and the first error is the one raised."""
     log: list[str] = []
 
     def half(name: str) -> Any:
-        def run() -> str:
+        def run() -> None:
             complete(_call(log), f"{name}0")
             if name == failing:
-                raise RuntimeError(f"{name} failed")
+                raise ValueError(f"{name} failed")
             complete(_call(log), f"{name}1")
-            return name
+            complete(_call(log), f"{name}2")
 
         return run
 
-    done = threading.Event()
-
-    def watchdog() -> None:
-        if not done.wait(10):
-            raise SystemExit("a hang")
-
-    threading.Thread(target=watchdog, daemon=True).start()
-    with pytest.raises(RuntimeError, match=f"{failing} failed"):
+    with pytest.raises(ValueError, match=f"{failing} failed"):
         together(half("F"), half("B"), CPU)
-    done.set()
-    other = "B" if failing == "F" else "F"
-    assert f"wait {other}1" in log and f"issue {failing}1" not in log
+    # (what was issued before the fault is waited for: the peers issue it too)
+    if failing == "B":  # the forward's F1 is never issued
+        assert log == ["issue B0", "issue F0", "wait B0", "wait F0"], log
+    else:  # B1 went before the forward raised; B2 never does
+        assert log == ["issue B0", "issue F0", "wait B0", "issue B1", "wait F0", "wait B1"], log
     assert active() is None
