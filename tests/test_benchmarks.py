@@ -23,6 +23,7 @@ from benchmarks import (
     gpt,
     memory,
     overhead,
+    pair_streams,
     peak_memory,
     vs_peer,
     vs_simulated,
@@ -364,6 +365,7 @@ def test_help_of_every_script(capsys: pytest.CaptureFixture[str]) -> None:
         zero_peak,
         checkpoint_save,
         checkpoint_export,
+        pair_streams,
     ):
         with pytest.raises(SystemExit) as e:
             mod.main(["--help"])
@@ -410,3 +412,16 @@ def test_agreement_benchmark_imports() -> None:
     from benchmarks import agreement
 
     assert callable(agreement.main)
+
+
+def test_pair_streams_runs_on_the_cpu(tmp_path: Any) -> None:
+    """The stand-in collective and both ways of running the halves, on a CPU (a thread sleeps
+    for the communication): every figure there (no timing is asserted)."""
+    import json
+
+    out = tmp_path / "pair_streams.json"
+    argv = ["--size", "32", "--matmuls", "1", "--calls", "2", "--comm-ms", "0.5", "--repeat", "1"]
+    assert pair_streams.main([*argv, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["device"] == "cpu" and row["communication_ms"] == 2.0
+    assert all(row[k] > 0 for k in ("a_ms", "b_ms", "compute_ms", "ratio"))

@@ -68,6 +68,9 @@ part_to "$OUT/plan.json" "planner --gpu $GPU --microbatch $((32 / ${MB:-1}))" 30
     --gpu "$GPU" --microbatch $((32 / ${MB:-1})) --json
 # the efficiencies the planner is calibrated on, on this GPU (to recalibrate it if it misses)
 part_to "$OUT/plan_calibrate.json" plan_calibrate 40 "$PY" benchmarks/plan_calibrate.py
+# issue 54: a pair's turns against an async collective's stream rules (a stand-in: one GPU)
+part "pair_streams" 30 "$PY" benchmarks/pair_streams.py --device "$DEVICE" \
+    --json "$OUT/pair_streams.json"
 profile 90 default funcpipe bf16-master 3
 profile 90 default nanogpt fp32-autocast 3
 profile 90 reduce-overhead funcpipe bf16-master 3  # CUDA graphs, with what time is left
