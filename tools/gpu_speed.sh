@@ -71,6 +71,11 @@ part_to "$OUT/plan_calibrate.json" plan_calibrate 40 "$PY" benchmarks/plan_calib
 # issue 54: a pair's turns against an async collective's stream rules (a stand-in: one GPU)
 part "pair_streams" 30 "$PY" benchmarks/pair_streams.py --device "$DEVICE" \
     --json "$OUT/pair_streams.json"
+# issue 53: the MoE GPT on one GPU (8 experts, top 2, every block): tokens/s, MFU, expert load
+part "demo --experts 8 --top-k 2, one GPU" 60 "$PY" -m funcpipe demo --device "$DEVICE" \
+    --size "$SIZE" --experts 8 --top-k 2 --pipeline 1 --tensor 1 --steps 20 --eval-every 0 \
+    --out "$WORK/moe"
+cp "$WORK/moe/summary.json" "$OUT/moe_summary.json" 2>/dev/null
 profile 90 default funcpipe bf16-master 3
 profile 90 default nanogpt fp32-autocast 3
 profile 90 reduce-overhead funcpipe bf16-master 3  # CUDA graphs, with what time is left
