@@ -85,14 +85,16 @@ def gpt_job(
     cfg: gpt.GPTConfig = CFG,
     seed: int = 0,
     blocks: Any = None,
+    overlap: bool = False,
     **options: Any,
 ) -> GPTJob:
     """The float64 GPT (``cfg``, initialised from ``seed``) split for ``schedule`` over
     ``pipeline`` ranks (4 microbatches), ``tensor`` ranks and the data copies the world leaves;
-    ``blocks`` as for ``gpt.split``; ``options`` to the Pipeline (``zero=``, ...)."""
+    ``blocks`` as for ``gpt.split``; ``overlap``: the schedule with overlapped pairs;
+    ``options`` to the Pipeline (``zero=``, ...)."""
     mesh = build_mesh({"pipeline": pipeline, "tensor": tensor})
     place, axis = mesh.place, mesh["tensor"]
-    program = generate(schedule, ranks=pipeline, microbatches=4)
+    program = generate(schedule, ranks=pipeline, microbatches=4, overlap=overlap)
     n = program.n_stages
     full = gpt.split(gpt.init(cfg, seed=seed, dtype=torch.float64), cfg, n, blocks=blocks)
     lay = gpt.shardings(cfg, n, blocks=blocks)
@@ -110,25 +112,36 @@ def gpt_job(
 
 
 def pipeline_step(
-    rank: int, pipeline: int, tensor: int, schedule: str, steps: int, scatter_gather: bool = False
+    rank: int,
+    pipeline: int,
+    tensor: int,
+    schedule: str,
+    steps: int,
+    scatter_gather: bool = False,
+    overlap: bool = False,
 ) -> dict[str, Any]:
     """One rank of pipeline x tensor x data: the losses of ``steps`` SGD steps and this rank's
-    first-step gradients (its shards)."""
+    first-step gradients (its shards); with ``overlap`` (pairs), how often the pairs' halves
+    handed the turn at their tensor-parallel collectives."""
     import torch.distributed as dist
 
-    job = gpt_job(pipeline, tensor, schedule, scatter_gather=scatter_gather)
+    from tests.jobs_experts import _pairs_seen
+
+    job = gpt_job(pipeline, tensor, schedule, scatter_gather=scatter_gather, overlap=overlap)
     pipe, params, place, mine = job.pipe, job.params, job.mesh.place, job.mine
     losses, first = [], None
-    for step in range(steps):
-        loss, grads = pipe.step(params, *job.rows(*batch(step)))
-        if first is None:
-            first = grads
-        losses.append(float(loss))
-        params = tuple(
-            p if g is None else tree_map(lambda a, b: a - 0.1 * b, p, g)
-            for p, g in zip(params, grads, strict=True)
-        )
+    with _pairs_seen() as seen:
+        for step in range(steps):
+            loss, grads = pipe.step(params, *job.rows(*batch(step)))
+            if first is None:
+                first = grads
+            losses.append(float(loss))
+            params = tuple(
+                p if g is None else tree_map(lambda a, b: a - 0.1 * b, p, g)
+                for p, g in zip(params, grads, strict=True)
+            )
     return {
+        "handovers": sum(t.handovers for t in seen),
         "bytes_sent": pipe.bytes_sent,
         "rank": dist.get_rank(),
         "place": place,

@@ -83,6 +83,19 @@ def test_blocks_given_per_stage() -> None:
             gpt.split(gpt.init(cfg), cfg, 2, blocks=bad)
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("scatter_gather", [False, True], ids=["whole", "scatter-gather"])
+def test_tensor_parallel_stages_in_overlapped_pairs_match(pool, scatter_gather: bool) -> None:
+    """Pipeline 2 x tensor 2, DualPipeV with pairs (on rank 1 a forward whose input is a
+    RECV, paired with a backward): each half's tensor-parallel all-reduces are its
+    waiting points, the halves taking turns at them on the one tensor group (the turn changed
+    hands on the ranks with pairs); with scatter-gather, whose message waits all-gather over
+    that group, the forward's messages are waited for before the pair (funcpipe.runtime.pair)."""
+    results = pool(4).run(jobs_gpt.pipeline_step, 2, 2, "dualpipev", 2, scatter_gather, True)
+    _check(results, "dualpipev", 2, 2)
+    assert any(r["handovers"] > 0 for r in results), [r["handovers"] for r in results]
+
+
 def test_scatter_gather_sends_a_tensor_share_and_matches(pool) -> None:
     """Pipeline 2 x tensor 2: each tensor rank sends half of every boundary tensor."""
     whole = pool(4).run(jobs_gpt.pipeline_step, 2, 2, "1f1b", 2, False)

@@ -20,9 +20,11 @@ with the same result.
 
 **RECVs.** The backward starts once its own inputs are in; over processes the forward's may
 still be arriving (their RECVs are posted before the pair): the rank's thread waits for them
-while the backward computes, then takes its turn. (In one process, where every rank runs on
-the rank's thread and the driver switches ranks at each wait, both halves' inputs are in
-before the pair starts.)
+while the backward computes, then takes its turn. Both halves' inputs are in before the pair
+starts in one process (every rank runs on the rank's thread, the driver switching ranks at
+each wait), and where waiting for a message issues a collective (scatter-gather's all-gather
+over the tensor ranks, ``Pipeline(scatter_gather=True)``): issued outside the turns while the
+backward calls its own on the same group, the two threads' order would be the timing's.
 
 **One order per communicator.** The turns fix the order of the two halves' calls (the
 backward's first, the forward's first, the backward's second, ...), and every rank of an
@@ -64,7 +66,8 @@ def run_pair(
     inputs are in before either starts."""
     fwd, bwd = (first, second) if first.op is Op.F else (second, first)
     yield from rank.ready(bwd)
-    if not rank.t.blocking:
+    early = rank.t.blocking and not rank.t.collective_waits  # (the backward running meanwhile)
+    if not early:
         yield from rank.ready(fwd)
     work = rank.backward_work(bwd)
     spans: dict[Instr, tuple[Any, Any]] = {}
@@ -92,7 +95,7 @@ def run_pair(
         for handle in rank.ready(fwd):
             handle.wait()
 
-    grads = together(forward, backward, rank.x.device, inputs if rank.t.blocking else None)
+    grads = together(forward, backward, rank.x.device, inputs if early else None)
     rank.finish_backward(bwd, grads)
     if trace is not None:
         for i in (first, second):

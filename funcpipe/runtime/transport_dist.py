@@ -216,6 +216,13 @@ class DistTransport(_Counters):
 
     blocking = True  # (each process drives its own rank: a wait blocks its thread)
 
+    @property
+    def collective_waits(self) -> bool:
+        """Whether waiting for a message may issue a collective: with scatter-gather, the
+        all-gather over the tensor ranks that rebuilds it (an overlapped pair then waits for
+        its forward's messages before its backward starts: funcpipe.runtime.pair)."""
+        return self.split is not None
+
     def __init__(
         self,
         rank: int,
