@@ -81,7 +81,10 @@ class Transport(Protocol):
     rank: int
     layout: str | None
     blocking: bool  # a handle's wait blocks the thread (over processes), or the driver switches
-    collective_waits: bool  # a wait may issue a collective (scatter-gather's all-gather)
+
+    @property
+    def collective_waits(self) -> bool:  # a wait may issue a collective (scatter-gather's)
+        ...
 
     def post(self, ops: Sequence[P2P]) -> list[Handle]: ...
 
