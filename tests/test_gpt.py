@@ -89,8 +89,10 @@ def test_tensor_parallel_stages_in_overlapped_pairs_match(pool, scatter_gather: 
     """Pipeline 2 x tensor 2, DualPipeV with pairs (on rank 1 a forward whose input is a
     RECV, paired with a backward): each half's tensor-parallel all-reduces are its
     waiting points, the halves taking turns at them on the one tensor group (the turn changed
-    hands on the ranks with pairs); with scatter-gather, whose message waits all-gather over
-    that group, the forward's messages are waited for before the pair (funcpipe.runtime.pair)."""
+    hands on the ranks with pairs); with scatter-gather, waiting for the forward's message
+    all-gathers it over that group, in the forward's turn. (When that wait ran on the rank's
+    thread outside the turns, beside the backward's all-reduces on the same group, this hung
+    2 times in 3.)"""
     results = pool(4).run(jobs_gpt.pipeline_step, 2, 2, "dualpipev", 2, scatter_gather, True)
     _check(results, "dualpipev", 2, 2)
     assert any(r["handovers"] > 0 for r in results), [r["handovers"] for r in results]

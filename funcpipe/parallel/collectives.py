@@ -65,7 +65,7 @@ from torch._subclasses.fake_tensor import is_fake
 from funcpipe.errors import InvalidArgument
 from funcpipe.parallel.mesh import Axis
 from funcpipe.runtime.spans import timed
-from funcpipe.runtime.turns import complete, hand_over
+from funcpipe.runtime.turns import complete
 
 __all__ = [
     "ByteCounter",
@@ -316,11 +316,18 @@ def _raw_shift(x: Tensor, axis: Axis, offset: int, phase: str) -> Tensor:
         dist.P2POp(dist.isend, src, to, axis.group),
         dist.P2POp(dist.irecv, out, frm, axis.group),
     ]
+    complete(_batch, ops)
+    return out
+
+
+def _batch(ops: list[Any], *, async_op: bool = False) -> list[Any] | None:
+    """``batch_isend_irecv`` as :func:`~funcpipe.runtime.turns.complete` calls a collective."""
     works = dist.batch_isend_irecv(ops)
-    hand_over()  # (in an overlapped pair: the other half runs while the shift is in flight)
+    if async_op:
+        return works
     for work in works:
         work.wait()
-    return out
+    return None
 
 
 def _own_shard(x: Tensor, axis: Axis, dim: int, what: str) -> Tensor:

@@ -19,12 +19,12 @@ A stage that calls no collective runs its pair in sequence, the backward then th
 with the same result.
 
 **RECVs.** The backward starts once its own inputs are in; over processes the forward's may
-still be arriving (their RECVs are posted before the pair): the rank's thread waits for them
-while the backward computes, then takes its turn. Both halves' inputs are in before the pair
-starts in one process (every rank runs on the rank's thread, the driver switching ranks at
-each wait), and where waiting for a message issues a collective (scatter-gather's all-gather
-over the tensor ranks, ``Pipeline(scatter_gather=True)``): issued outside the turns while the
-backward calls its own on the same group, the two threads' order would be the timing's.
+still be arriving (their RECVs are posted before the pair), and the forward waits for them in
+its first turn, after the backward's first piece ran (on CUDA the wait is the compute stream's,
+queued after that piece's kernels). Waiting for a scatter-gathered message all-gathers it over
+the tensor ranks (``Pipeline(scatter_gather=True)``): that call, too, takes its place in the
+turns. In one process (every rank on the rank's thread, the driver switching ranks at each
+wait) both halves' inputs are in before the pair starts.
 
 **One order per communicator.** The turns fix the order of the two halves' calls (the
 backward's first, the forward's first, the backward's second, ...), and every rank of an
@@ -36,10 +36,10 @@ group sees its calls in one order on every rank of it, whatever the threads' tim
 draws (``torch.utils.checkpoint`` recomputing dropout inside the stage) draws the masks it
 draws alone.
 
-**Faults.** An exception in either half ends that half (the other runs on alone) and is raised
-on the rank's thread once both are done (the backward's after the forward's); a half blocked
-in a collective whose peer died ends at the process group's timeout, so the join is bounded
-as every wait is.
+**Faults.** An exception in either half ends that half; the other stops at its next collective
+without issuing it (:class:`~funcpipe.runtime.turns.OtherHalfFailed`), and the first error is
+raised on the rank's thread once both are done. A half blocked in a collective whose peer died
+ends at the process group's timeout, so the join is bounded as every wait is.
 """
 
 from __future__ import annotations
@@ -59,20 +59,22 @@ def run_pair(
     rank: Any, first: Instr, second: Instr, trace: list[Any] | None, stamp: Callable[[], Any]
 ) -> Generator[Handle, None, None]:
     """Run the pair ``first`` & ``second`` on interpreter rank ``rank`` (its ``_Rank``): the
-    backward on a second thread once its inputs are in, the forward here once its own are,
-    taking turns at their collectives; ``trace`` gets each half's start and end (the first
-    half's first). Over processes the forward's inputs are waited for while the backward
-    computes; in one process (every rank on this thread, switched at each wait) both halves'
-    inputs are in before either starts."""
+    backward on a second thread once its inputs are in, the forward here, taking turns at
+    their collectives; ``trace`` gets each half's start and end (the first half's first). Over
+    processes the forward waits for its inputs in its first turn; in one process (every rank
+    on this thread, switched at each wait) both halves' inputs are in before either starts."""
     fwd, bwd = (first, second) if first.op is Op.F else (second, first)
     yield from rank.ready(bwd)
-    early = rank.t.blocking and not rank.t.collective_waits  # (the backward running meanwhile)
-    if not early:
+    blocking = rank.t.blocking
+    if not blocking:
         yield from rank.ready(fwd)
     work = rank.backward_work(bwd)
     spans: dict[Instr, tuple[Any, Any]] = {}
 
     def forward() -> None:
+        if blocking:  # (over processes: each wait blocks this thread, in the forward's turn)
+            for handle in rank.ready(fwd):
+                handle.wait()
         start = stamp() if trace is not None else None
         try:
             rank.forward(fwd)
@@ -91,11 +93,7 @@ def run_pair(
         finally:
             spans[bwd] = (start, stamp() if trace is not None else None)
 
-    def inputs() -> None:  # (over processes: each wait blocks this thread, the backward running)
-        for handle in rank.ready(fwd):
-            handle.wait()
-
-    grads = together(forward, backward, rank.x.device, inputs if early else None)
+    grads = together(forward, backward, rank.x.device)
     rank.finish_backward(bwd, grads)
     if trace is not None:
         for i in (first, second):

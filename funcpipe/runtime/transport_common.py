@@ -82,10 +82,6 @@ class Transport(Protocol):
     layout: str | None
     blocking: bool  # a handle's wait blocks the thread (over processes), or the driver switches
 
-    @property
-    def collective_waits(self) -> bool:  # a wait may issue a collective (scatter-gather's)
-        ...
-
     def post(self, ops: Sequence[P2P]) -> list[Handle]: ...
 
     def all_reduce(self, tensors: Sequence[Tensor], group: str) -> Handle: ...

@@ -33,6 +33,7 @@ from funcpipe.runtime.transport_common import (
     by_peer,
     post_by_peer,
 )
+from funcpipe.runtime.turns import complete
 from funcpipe.schedule.p2p import PAIR
 
 __all__ = ["DistTransport"]
@@ -88,8 +89,8 @@ class _Works:
             import torch.distributed as dist
 
             group, size, _ = self.split
-            for part, full in self.gathers:
-                dist.all_gather(list(full.view(-1).chunk(size)), part, group=group)
+            for part, full in self.gathers:  # (in a pair: in the forward's turn, as a stage's)
+                complete(dist.all_gather, list(full.view(-1).chunk(size)), part, group=group)
         self.done = True
         self.works, self.gathers = [], []
 
@@ -215,13 +216,6 @@ class DistTransport(_Counters):
     """
 
     blocking = True  # (each process drives its own rank: a wait blocks its thread)
-
-    @property
-    def collective_waits(self) -> bool:
-        """Whether waiting for a message may issue a collective: with scatter-gather, the
-        all-gather over the tensor ranks that rebuilds it (an overlapped pair then waits for
-        its forward's messages before its backward starts: funcpipe.runtime.pair)."""
-        return self.split is not None
 
     def __init__(
         self,

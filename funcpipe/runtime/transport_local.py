@@ -277,7 +277,6 @@ class LocalTransport(_Counters):
     """
 
     blocking = False  # (drive_local switches to another rank at each wait)
-    collective_waits = False
 
     def __init__(self, world: LocalWorld, rank: int, ranks: Sequence[int] | None = None) -> None:
         self.world, self.rank = world, rank

@@ -15,8 +15,8 @@ The order of the calls is fixed by the program: the backward runs until its firs
 then the forward until its first, then the backward until its second, and so on; once a half
 has ended, the other runs alone. The backward goes first because its inputs are in when the
 pair starts, while the forward's may still be arriving (a RECV in flight): the forward waits
-for them on its own thread, outside the turns, while the backward computes. Every rank of one in-stage communicator (a tensor, expert or
-data group) is a copy of one pipeline rank: it runs the same program and the same stages, so
+for them in its own first turn, after the backward's first piece. Every rank of one in-stage
+communicator (a tensor, expert or data group) is a copy of one pipeline rank: it runs the same program and the same stages, so
 it issues the same calls in the same order, on one process group per axis; nothing depends on
 how the two threads are timed, and NCCL's rule (one order of calls per communicator) holds.
 
@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["OtherHalfFailed", "Turns", "active", "complete", "hand_over", "running", "together"]
+__all__ = ["OtherHalfFailed", "Turns", "active", "complete", "running", "together"]
 
 T = TypeVar("T")
 
@@ -140,39 +140,29 @@ class running:
         _ACTIVE.remove(self.turns)
 
 
-def hand_over() -> None:
-    """At a collective just issued: in a pair, let the other half run until it issues one or
-    ends (:meth:`Turns.hand_over`); nothing outside a pair."""
-    turns = active()
-    if turns is not None:
-        turns.hand_over()  # (issued already: its caller checked before, see complete)
-
-
 def complete(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """Run one ``torch.distributed`` call to its end: in a pair, issued asynchronously with the
-    turn handed to the other half until then (module docstring); else as a blocking call."""
+    """Run one ``torch.distributed`` call to its end: in a pair, issued asynchronously
+    (``async_op=True``; it returns a work, or a list of them) with the turn handed to the other
+    half until then (module docstring); else as a blocking call. Inside a pair every call of a
+    communicator is thus asynchronous, so on CUDA all of them run on its one NCCL stream, in
+    issue order."""
     turns = active()
     if turns is None:
         call(*args, **kwargs)
         return
     turns.check()
-    work = call(*args, async_op=True, **kwargs)
+    works = call(*args, async_op=True, **kwargs)
     turns.hand_over()
-    work.wait()
+    for work in works if isinstance(works, list) else [works]:
+        work.wait()
 
 
-def together(
-    forward: Callable[[], Any],
-    backward: Callable[[], T],
-    device: torch.device,
-    before: Callable[[], Any] | None = None,
-) -> T:
+def together(forward: Callable[[], Any], backward: Callable[[], T], device: torch.device) -> T:
     """Run ``backward()`` on a second thread and ``forward()`` on this one, taking turns at
     their collectives (module docstring; the backward first), and return what ``backward``
-    returned once both ended. ``before()`` runs here first, outside the turns, while the
-    backward computes (the forward's inputs arriving). An exception ends its half, and the other
-    half stops at its next collective (:class:`OtherHalfFailed`); it is raised here once both
-    ended (the first half's to raise, not the :class:`OtherHalfFailed` it caused)."""
+    returned once both ended. An exception ends its half, and the other half stops at its next
+    collective (:class:`OtherHalfFailed`); it is raised here once both ended (the first half's
+    to raise, not the :class:`OtherHalfFailed` it caused)."""
     turns = Turns(device)
     out: dict[str, Any] = {}
 
@@ -188,8 +178,6 @@ def together(
     with running(turns):
         helper.start()
         try:
-            if before is not None:
-                before()
             turns.take("F")
             forward()
         except BaseException as e:

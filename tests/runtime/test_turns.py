@@ -4,7 +4,6 @@ keeps its own random numbers, and a fault ends only its half."""
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -49,28 +48,22 @@ def _half(log: list[str], half: str, calls: int, work: list[str]) -> Any:
 
 
 def test_the_halves_take_turns_at_each_collective_in_the_programs_order() -> None:
-    """The backward runs until its first call, the forward (once what it waits for before is
-    in) until its first, the backward waits for its first and goes on to its second, ...; once
-    a half ended the other runs alone: one order of calls, whatever the threads' timing
-    (repeated with either thread slowed)."""
+    """The backward runs until its first call, the forward until its first, the backward waits
+    for its first and goes on to its second, ...; once a half ended the other runs alone: one
+    order of calls, whatever the threads' timing (repeated with either thread slowed)."""
     for slow in ("", "B", "F"):
         log: list[str] = []
         work: list[str] = []
-        inner = _half(log, "B", 3, work)
+        halves = {h: _half(log, h, n, work) for h, n in (("F", 2), ("B", 3))}
 
-        started = threading.Event()
+        def delayed(half: str, slow: str = slow, halves: Any = halves) -> Any:
+            def run() -> str:
+                time.sleep(0.01 if slow == half else 0.0)
+                return str(halves[half]())
 
-        def backward(inner: Any = inner, slow: str = slow, started: Any = started) -> str:
-            started.set()
-            time.sleep(0.01 if slow == "B" else 0.0)
-            return str(inner())
+            return run
 
-        def before(slow: str = slow, started: Any = started, work: list[str] = work) -> None:
-            # (the forward's RECVs, still arriving: "F" waits until the backward runs)
-            assert slow != "F" or started.wait(10), "the backward did not start"
-            work.append("F's inputs in")
-
-        got = together(_half(log, "F", 2, work), backward, CPU, before)
+        got = together(delayed("F"), delayed("B"), CPU)
         assert got == "B"
         assert log == [
             "issue B0",
@@ -85,8 +78,29 @@ def test_the_halves_take_turns_at_each_collective_in_the_programs_order() -> Non
             "wait B2",  # (the forward ended: the backward runs on alone)
         ]
         assert work.index("B computes before #0") < work.index("F computes before #0")
-        assert work.index("F's inputs in") < work.index("F computes before #0")
         assert active() is None
+
+
+def test_a_call_that_returns_several_works_waits_for_each_after_the_turn() -> None:
+    """batch_isend_irecv (a ring shift) returns a list: each is waited for once the turn comes
+    back, and after a fault of the other half it is not issued either."""
+    log: list[str] = []
+
+    def batch(name: str, *, async_op: bool = False) -> Any:
+        log.append(f"issue {name}")
+        return [_Work(log, f"{name}.send"), _Work(log, f"{name}.recv")] if async_op else None
+
+    together(lambda: complete(batch, "F0"), lambda: complete(batch, "B0"), CPU)
+    waits = ["wait B0.send", "wait B0.recv", "wait F0.send", "wait F0.recv"]
+    assert log == ["issue B0", "issue F0", *waits]
+    log.clear()
+
+    def failing() -> None:
+        raise ValueError("the forward failed")
+
+    with pytest.raises(ValueError, match="the forward failed"):
+        together(failing, lambda: [complete(batch, f"B{k}") for k in range(2)], CPU)
+    assert log == ["issue B0", "wait B0.send", "wait B0.recv"], log
 
 
 def test_outside_a_pair_a_collective_blocks_and_a_pair_without_collectives_runs_in_sequence() -> (
