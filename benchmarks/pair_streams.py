@@ -179,10 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    for name in ("size", "matmuls", "calls", "repeat"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name}={getattr(args, name)}: must be >= 1")
+    if not args.comm_ms > 0:  # (NaN too)
+        p.error(f"--comm-ms={args.comm_ms}: must be a time > 0 in milliseconds")
     gpu = torch.device(args.device).type == "cuda"
     args.size = args.size or (4096 if gpu else 256)
     args.matmuls = args.matmuls or (8 if gpu else 4)
-    torch.set_num_threads(1) if not gpu else None
+    if not gpu:
+        torch.set_num_threads(1)
     row = measure(args)
     print(
         f"{row['name']}: A (in sequence) {row['a_ms']:.2f} ms, B (turns) {row['b_ms']:.2f} ms, "

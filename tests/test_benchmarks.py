@@ -425,3 +425,13 @@ def test_pair_streams_runs_on_the_cpu(tmp_path: Any) -> None:
     (row,) = json.loads(out.read_text())["rows"]
     assert row["device"] == "cpu" and row["communication_ms"] == 2.0
     assert all(row[k] > 0 for k in ("a_ms", "b_ms", "compute_ms", "ratio"))
+
+
+@pytest.mark.parametrize(
+    "bad", [["--calls", "0"], ["--comm-ms", "-1"], ["--comm-ms", "nan"], ["--repeat", "0"]]
+)
+def test_pair_streams_refuses_bad_arguments(bad: list[str], capsys: Any) -> None:
+    with pytest.raises(SystemExit) as e:
+        pair_streams.main(bad)
+    assert e.value.code == 2
+    assert f"--{bad[0][2:]}=" in capsys.readouterr().err

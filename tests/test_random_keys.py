@@ -398,11 +398,13 @@ def _checkpointed(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Ten
     return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
 
 
-def test_a_paired_backward_that_draws_draws_the_masks_it_draws_alone() -> None:
-    """torch.utils.checkpoint around dropout recomputes the masks inside the backward; in a
-    pair each half keeps its own generator state across the other's turns
-    (funcpipe.runtime.turns): loss and every gradient equal reference_step's, and the
-    unpaired program's."""
+def test_a_paired_backward_that_draws_is_no_longer_refused() -> None:
+    """torch.utils.checkpoint around dropout recomputes the masks inside the backward: under
+    pairs (once refused) loss and every gradient equal reference_step's and the unpaired
+    program's. These stages call no collective, so the turn never changes hands here; the
+    generator state kept across turns is tested where it does (tests/test_experts.py
+    ``test_pairs_over_stages_that_checkpoint_their_dropout_equal_one_device``,
+    tests/runtime/test_turns.py)."""
     from funcpipe.stages.stage import Stage
 
     g = torch.Generator().manual_seed(0)
