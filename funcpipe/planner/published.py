@@ -12,9 +12,16 @@ schedule with 2 chunks per rank (as the issue states), the others plain 1F1B.
 GPU) from NVIDIA-NeMo/Megatron-Bridge ``docs/performance-summary-archive.md`` (force-balanced
 routing, dropless), with each model's shape from its Hugging Face ``config.json``
 (``MEGATRON_BRIDGE_MODELS``); how each is priced is in docs/planner.md.
+
+``MEGATRON_BRIDGE_GRAPHED``: the same Qwen3-30B-A3B workload measured in Megatron-Bridge's
+performance campaigns (its ``skills/`` notes) with part of each block captured in CUDA graphs,
+so that less of the step is the host launching kernels: what the planner, a model of GPU time,
+is compared with where the host is out of the way.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from funcpipe.planner.layout import ClusterLayout
 from funcpipe.planner.model import Transformer
@@ -22,6 +29,7 @@ from funcpipe.planner.model import Transformer
 __all__ = [
     "MEGATRON_2021",
     "MEGATRON_BRIDGE_DISPATCHER",
+    "MEGATRON_BRIDGE_GRAPHED",
     "MEGATRON_BRIDGE_MODELS",
     "MEGATRON_BRIDGE_MOE",
     "ZERO_BUBBLE_2024_BUBBLE",
@@ -32,6 +40,7 @@ __all__ = [
     "ZERO_BUBBLE_2024_SYNCHRONIZED",
     "ZERO_BUBBLE_2024_THROUGHPUT",
     "ZERO_BUBBLE_2024_VOCAB",
+    "megatron_bridge_graphed_run",
     "megatron_bridge_run",
     "zero_bubble_run",
 ]
@@ -98,6 +107,33 @@ def megatron_bridge_run(name: str) -> tuple[Transformer, ClusterLayout, int, int
                     zero=1, recompute="selective" if rc else "none",
                     dispatcher=MEGATRON_BRIDGE_DISPATCHER[name])  # fmt: skip
     return MEGATRON_BRIDGE_MODELS[name], layout, gpus, batch
+
+
+MEGATRON_BRIDGE_GRAPHED: dict[str, tuple[str, bool, float, float]] = {
+    # Qwen3-30B-A3B on 16 H100 (2 nodes), TP1 PP1 CP1 EP16, MBS 1, GBS 1024, seq 4096,
+    # forced-balanced routing: (source, FP8 products, measured step seconds, model TFLOP/s/GPU).
+    # skills/nemo-mbridge-perf-moe-comm-overlap/SKILL.md (NVIDIA-NeMo/Megatron-Bridge, commit
+    # 228e9a3e), "HybridEP production-shape validation", the "EP overlap off" row: BF16,
+    # Hybrid-EP, Transformer Engine graph scopes moe_router and moe_preprocess, iterations 5-20.
+    "Qwen3-30B-A3B BF16 (router graphs)": ("moe-comm-overlap", False, 24.7138, 244.039),
+    # skills/nemo-mbridge-perf-cuda-graphs/SKILL.md and card.yaml (same commit), pitfall 16:
+    # "blockwise FP8 without scoped graphs was about 29.18 seconds/step, while
+    # attn,moe_router,moe_preprocess replay averaged 19.99728 seconds ... 301.60 model
+    # TFLOP/s/GPU" (26.08.rc2, 16xH100_recipe, 2 nodes; the batch is not stated: 1,024 is the
+    # one that makes 301.60 TFLOP/s at 19.997 s with Megatron-Bridge's 23.0 GFLOP a token).
+    "Qwen3-30B-A3B FP8 blockwise (attention and router graphs)": (
+        "cuda-graphs", True, 19.99728, 301.60,
+    ),
+}  # fmt: skip
+
+
+def megatron_bridge_graphed_run(name: str) -> tuple[Transformer, ClusterLayout, int, int]:
+    """(Transformer, ClusterLayout, GPUs, global batch) of one :data:`MEGATRON_BRIDGE_GRAPHED`
+    run: the published Qwen3-30B-A3B row's model and layout (Hybrid-EP, EP16) in its
+    precision (a blockwise FP8 recipe is priced as current scaling, the one FP8 the planner
+    has)."""
+    model, layout, gpus, batch = megatron_bridge_run("Qwen3-30B-A3B")
+    return replace(model, fp8=MEGATRON_BRIDGE_GRAPHED[name][1]), layout, gpus, batch
 
 
 # Qi, Wan, Huang and Lin, "Zero Bubble (Almost) Pipeline Parallelism" (ICLR 2024, OpenReview

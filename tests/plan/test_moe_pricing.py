@@ -38,8 +38,10 @@ from funcpipe.planner.moe import (
 )
 from funcpipe.planner.published import (
     MEGATRON_BRIDGE_DISPATCHER,
+    MEGATRON_BRIDGE_GRAPHED,
     MEGATRON_BRIDGE_MODELS,
     MEGATRON_BRIDGE_MOE,
+    megatron_bridge_graphed_run,
     megatron_bridge_run,
 )
 
@@ -387,11 +389,11 @@ def _row(name: str) -> tuple[float, float, float, float, bool]:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="docs/planner.md: with the recipe's Hybrid-EP dispatcher priced (one copy of a token "
-    "per other node, at DeepEP's published H100 rate) the planner gives Qwen3-30B-A3B EP16 "
-    "11,453 tokens/s/GPU, 1.30x the published 8,826: the same 1.30x as Megatron-Bridge's "
-    "intra-node Qwen3 row. Its earlier 0.90x was the flat all-to-all's extra network bytes "
-    "cancelling the same unmodelled eager-MoE time",
+    reason="docs/planner.md: the planner gives Qwen3-30B-A3B EP16 (Hybrid-EP) 11,453 "
+    "tokens/s/GPU, 1.30x the published eager 8,826. The same workload with its router in CUDA "
+    "graphs is within 20% (1.03x BF16, 0.87x blockwise FP8; the test above), and graphs took "
+    "31% off its eager FP8 step (Megatron-Bridge's measurement): the gap is the host's launch "
+    "time, which the planner, a model of GPU time, does not price",
 )
 def test_qwen3_30b_a3b_within_20_percent() -> None:
     """Megatron-Bridge 26.06, 16 H100, FP8, EP16, Hybrid-EP: 8,826 tokens/s/GPU and 203
@@ -400,6 +402,23 @@ def test_qwen3_30b_a3b_within_20_percent() -> None:
     assert fits
     assert abs(got / tokens - 1) <= 0.20, got
     assert abs(tf / tflops - 1) <= 0.20, tf
+
+
+@pytest.mark.parametrize("name", MEGATRON_BRIDGE_GRAPHED)
+def test_qwen3_with_graph_captured_routers_within_20_percent(name: str) -> None:
+    """The published Qwen3-30B-A3B workload (16 H100, EP16, Hybrid-EP, GBS 1024) as Megatron-
+    Bridge's campaigns measured it with the router (and attention) in CUDA graphs, so that the
+    host's launches take less of the step: the planner, a model of GPU time, is within 20% of
+    both (docs/planner.md: 1.03x in BF16, 0.87x in blockwise FP8). The batch of the FP8 run is
+    not stated; 1,024 is the one its step time and TFLOP/s agree on (checked here to 0.5%)."""
+    model, layout, gpus, batch = megatron_bridge_graphed_run(name)
+    _, _, step_s, tflops = MEGATRON_BRIDGE_GRAPHED[name]
+    tokens = batch * model.seq / gpus / step_s
+    assert isclose(model.model_flops_per_token() * tokens, tflops * 1e12, rel_tol=5e-3)
+    e = estimate(model, cluster("h100-sxm"), layout, global_batch=batch, simulate=True)
+    assert e.fits and layout.dispatcher == "hybridep" and layout.expert == 16
+    assert abs(e.tokens_per_s_per_gpu / tokens - 1) <= 0.20, e.tokens_per_s_per_gpu
+    assert abs(e.tflops_per_gpu / tflops - 1) <= 0.20, e.tflops_per_gpu
 
 
 def test_the_published_rows_as_priced() -> None:
@@ -420,8 +439,9 @@ def test_the_published_rows_as_priced() -> None:
     "1.69x the published 5,824 tokens/s/GPU; its MoE blocks take 16 ms a microbatch there "
     "against the roofline's 8 ms, and a 1.30x gap shows on both Qwen3 rows (in-node EP8, and "
     "EP16 with Hybrid-EP). Not the expert GEMMs (a published H100 per-expert cuBLAS timing "
-    "runs under the planner's price); the host-side costs (eager launches, the dispatcher's "
-    "device-to-host sync) have no sourced size",
+    "runs under the planner's price); eager launches cost Qwen3 31% of its step, and a share "
+    "like GPT-OSS 20B's measured 16-24% would still leave 1.3-1.4x; no graphed H100 run of "
+    "GPT-OSS 120B is published",
 )
 def test_gpt_oss_120b_within_20_percent() -> None:
     """Megatron-Bridge 26.04.01, 64 H100, BF16, PP4 EP8: 5,824 tokens/s/GPU, 158 TFLOP/s/GPU."""
