@@ -178,10 +178,18 @@ def expert_pipelines_vs_one_device(
 
 @_strictly
 def gpt_with_experts_vs_one_device(
-    rank: int, names: Sequence[str], microbatches: int = 2, overlap: bool = False
+    rank: int,
+    names: Sequence[str],
+    microbatches: int = 2,
+    overlap: bool = False,
+    layout: dict[str, int] | None = None,
+    model: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """The GPT with MoE blocks (aux loss included) at pipeline 2 x expert 2: each schedule's
-    step against the one-device step over the whole batch; worst relative differences."""
+    """The GPT with MoE blocks (aux loss included) at ``layout`` (default pipeline 2 x expert
+    2; with ``tensor``, each expert's width split over it): each schedule's step against the
+    one-device step over the whole batch; worst relative differences. ``held``: this rank's
+    tensor coordinate and the expert width its first MoE block's ``w_out`` holds. ``model``:
+    GPTConfig fields over the default ones (hypothesis: top_k, shared_experts, seed)."""
     import funcpipe as fp
     from funcpipe.models import gpt
     from funcpipe.parallel.sharding import shard_tree
@@ -189,15 +197,18 @@ def gpt_with_experts_vs_one_device(
     from funcpipe.tree import tree_leaves
     from tests.jobs_parallel import mesh_for
 
-    mesh = mesh_for({"pipeline": 2, "expert": 2})
+    mesh = mesh_for(layout or {"pipeline": 2, "expert": 2})
     copy, copies = mesh.place.coords["data"], mesh.config.data
-    cfg = gpt.GPTConfig(
-        vocab=32, context=6, d_model=8, heads=2, layers=3, experts=4, top_k=2, shared_experts=1
-    )
-    one = gpt.single_axis()
+    fields = {"top_k": 2, "shared_experts": 1, **(model or {})}
+    first = fields.pop("seed", 0)
+    cfg = gpt.GPTConfig(vocab=32, context=6, d_model=8, heads=2, layers=3, experts=4, **fields)
+    one, tensor = gpt.single_axis(), mesh["tensor"]
+    expert = mesh["expert"] if mesh.config.expert > 1 else None
     out = []
-    for k, name in enumerate(names):
-        program = generate(name, ranks=2, microbatches=microbatches, overlap=overlap)
+    for k, name in enumerate(names, start=first):
+        program = generate(
+            name, ranks=mesh.config.pipeline, microbatches=microbatches, overlap=overlap
+        )
         assert not overlap or any(p for p in map(pairs, program.ranks)), f"{name}: no pair"
         n = len(set(program.replica_of or range(program.n_stages)))
         full = gpt.split(gpt.init(cfg, seed=k, dtype=F64), cfg, n)
@@ -210,8 +221,8 @@ def gpt_with_experts_vs_one_device(
         y = torch.randint(0, 32, (mb * copies, 6), generator=g)
         share = slice(mb * copy, mb * copy + mb)
         with fp.Pipeline(
-            gpt.stages(cfg, n, axis=one, expert=mesh["expert"]), program,
-            loss_fn=gpt.loss_fn(axis=one), ties=gpt.tie_spec(n), mesh=mesh,
+            gpt.stages(cfg, n, axis=tensor, expert=expert), program,
+            loss_fn=gpt.loss_fn(axis=tensor), ties=gpt.tie_spec(n), mesh=mesh,
             experts=gpt.expert_paths(cfg, n),
         ) as pipe:  # fmt: skip
             got = pipe.step(mine, x[share], y[share])
@@ -229,7 +240,9 @@ def gpt_with_experts_vs_one_device(
                 continue
             for a, b in zip(tree_leaves(gs), tree_leaves(ws), strict=True):
                 worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp(min=1)))
-        out.append({"name": name, "worst": {"all": worst}, "held": [1], "loss": float(ref[0])})
+        blocks = [b for part in mine for b in part["blocks"].values() if "moe" in b]
+        held = [tensor.coord, int(blocks[0]["moe"]["w_out"].shape[1])] if blocks else [1]
+        out.append({"name": name, "worst": {"all": worst}, "held": held, "loss": float(ref[0])})
     return out
 
 

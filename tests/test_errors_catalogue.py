@@ -595,10 +595,16 @@ def _experts_as_paths_alone() -> None:
     fp.Pipeline(stages, generate("1f1b", ranks=2, microbatches=2), loss_fn=_mse, experts=["w"])
 
 
-def _gpt_experts_over_tensor_ranks() -> None:
+def _gpt_expert_width_over_tensor_ranks() -> None:
     from funcpipe.models import gpt
 
-    gpt.stages(gpt.GPTConfig(experts=4), 1, axis=Axis("tensor", 2, 0, None))
+    config = gpt.GPTConfig(experts=4, expert_ffn=6, mlp=8, heads=4, vocab=64)
+    gpt.stages(config, 1, axis=Axis("tensor", 4, 0, None))
+
+
+def _moe_params_of_another_tensor_split() -> None:
+    config = moe.MoEConfig(d_model=4, experts=2, ffn=4)
+    moe.moe(moe.init(config), torch.randn(2, 4), config, tensor=Axis("tensor", 2, 0, None))
 
 
 def _moe_load_of_another_layer() -> None:
@@ -2103,13 +2109,23 @@ CASES: list[Case] = [
         "funcpipe/pipeline/experts.py check_experts (issue 53)",
     ),
     Case(
-        "gpt-experts-over-tensor-ranks",
+        "gpt-expert-width-over-tensor-ranks",
         "stages and partitions",
-        "GPTConfig(experts=4) with a tensor axis of 2 (MoE blocks are not split over tensor ranks)",
-        _gpt_experts_over_tensor_ranks,
+        "GPTConfig(experts=4, expert_ffn=6) over 4 tensor ranks: each expert's width is split "
+        "over them",
+        _gpt_expert_width_over_tensor_ranks,
         InvalidArgument,
-        ("not split over tensor ranks yet", "use tensor=1"),
-        "funcpipe/models/gpt.py stages (issue 53)",
+        ("GPTConfig(expert_ffn=6) must be divisible by the tensor-parallel size 4",),
+        "funcpipe/models/gpt.py GPTConfig.check_tensor (issue 53)",
+    ),
+    Case(
+        "moe-params-of-another-tensor-split",
+        "stages and partitions",
+        "moe(..., tensor=<axis of 2>) given every expert's whole width",
+        _moe_params_of_another_tensor_split,
+        InvalidArgument,
+        ("params['w_out'] holds 4 rows", "each holds 2", "moe.shardings"),
+        "funcpipe/models/moe.py moe (issue 53)",
     ),
     Case(
         "gpt-moe-every-past-the-layers",

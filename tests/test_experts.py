@@ -116,6 +116,61 @@ def test_the_gpt_with_experts_split_equals_one_device(pool: Any) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "layout",
+    [{"pipeline": 2, "tensor": 2}, {"pipeline": 1, "tensor": 2, "expert": 2}],
+    ids=["pipeline2-tensor2", "tensor2-expert2"],
+)
+def test_the_gpt_with_experts_split_over_tensor_ranks_equals_one_device(
+    pool: Any, layout: dict[str, int]
+) -> None:
+    """Each expert's width (and the shared expert's) split over 2 tensor ranks, the experts
+    whole (pipeline 2 x tensor 2) or split over 2 expert ranks (tensor 2 x expert 2, one stage):
+    loss and every gradient leaf, router included, equal one device in float64; each tensor
+    rank holds half of every expert's width (expert_ffn 32: 16 rows of w_out)."""
+    names = ("gpipe", "1f1b", "zbv") if layout["pipeline"] == 2 else ("gpipe", "1f1b")
+    got = pool(4).run(J.gpt_with_experts_vs_one_device, names, 2, False, layout)
+    _check(got, names)
+    assert sorted(rows[0]["held"][0] for rows in got) == [0, 0, 1, 1]
+    assert {rows[0]["held"][1] for rows in got} == {16}
+
+
+@pytest.mark.timeout(300)
+def test_the_gpt_with_experts_over_pipeline_tensor_and_expert_ranks_equals_one_device(
+    pool: Any,
+) -> None:
+    """Pipeline 2 x tensor 2 x expert 2 (8 processes): the experts split over the expert ranks
+    and their width over the tensor ranks at once."""
+    names = ("1f1b", "zbv")
+    got = pool(8).run(
+        J.gpt_with_experts_vs_one_device, names, 2, False, {"pipeline": 2, "tensor": 2, "expert": 2}
+    )
+    _check(got, names)
+    assert {rows[0]["held"][1] for rows in got} == {16}
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=scaled(3), deadline=None)
+@given(
+    top_k=st.integers(1, 4),
+    shared=st.integers(0, 1),
+    seed=st.integers(0, 10_000),
+    name=st.sampled_from(["gpipe", "1f1b"]),
+)
+def test_drawn_gpts_over_tensor_2_expert_2_equal_one_device(
+    pool: Any, top_k: int, shared: int, seed: int, name: str
+) -> None:
+    """Hypothesis draws the routing (top-1 to top-4 of 4 experts, a shared expert or none, the
+    weights' seed): with each expert's width over 2 tensor ranks and the experts over 2 expert
+    ranks, loss and every gradient leaf equal one device in float64."""
+    model = {"top_k": top_k, "shared_experts": shared, "seed": seed}
+    got = pool(4).run(
+        J.gpt_with_experts_vs_one_device, (name,), 2, False, {"tensor": 2, "expert": 2}, model
+    )
+    _check(got, (name,))
+
+
+@pytest.mark.timeout(300)
 def test_checkpoints_reshard_the_experts(pool: Any, tmp_path: Any) -> None:
     """Saved at pipeline 2 x expert 2 (each process 2 of the 4 experts of its stage's
     blocks), loaded at expert 1 (every expert), at expert 4 (one each: a data axis of 4) and

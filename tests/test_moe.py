@@ -29,10 +29,12 @@ def _token_by_token(p: dict[str, torch.Tensor], x: torch.Tensor, c: M.MoEConfig)
             w = w / w.sum()
         y = torch.zeros(c.d_model, dtype=x.dtype)
         for weight, e in zip(w, top, strict=True):
-            gate, up = (tok @ p["w_in"][e]).chunk(2)
+            h = tok @ p["w_in"][e]  # gate and up interleaved: gate j at 2j, up j at 2j + 1
+            gate, up = h[0::2], h[1::2]
             y = y + weight * ((torch.nn.functional.silu(gate) * up) @ p["w_out"][e])
         if c.shared:
-            gate, up = (tok @ p["shared_in"]).chunk(2)
+            h = tok @ p["shared_in"]
+            gate, up = h[0::2], h[1::2]
             y = y + (torch.nn.functional.silu(gate) * up) @ p["shared_out"]
         out.append(y)
     if not out:

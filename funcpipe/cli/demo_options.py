@@ -143,7 +143,8 @@ def _add_layout_options(ap: argparse.ArgumentParser) -> None:
         "--tensor",
         type=int,
         default=None,
-        help=f"tensor-parallel size (default {d.tensor}; 1 with --experts)",
+        help=f"tensor-parallel size (default {d.tensor}; 1 with --experts, whose widths it "
+        "also splits)",
     )
     ap.add_argument(
         "--data",
@@ -294,7 +295,7 @@ def resolve(parsed: argparse.Namespace) -> DemoOptions:
     and the model's fields filled from ``--size`` (default: ``small`` on CPU, ``large`` on CUDA)
     where they are not given, each given one overriding the size's. Not yet validated."""
     args = {f.name: getattr(parsed, f.name) for f in fields(DemoOptions)}
-    if args["tensor"] is None:  # (MoE blocks are not split over tensor ranks)
+    if args["tensor"] is None:  # (with experts the processes go to the expert axis first)
         args["tensor"] = 1 if args["experts"] else DemoOptions.tensor
     if args["data"] is None:  # the expert axis spans data copies: as many as it needs
         args["data"] = max(DemoOptions.data, args["expert"])
@@ -507,11 +508,6 @@ def _check_values(o: DemoOptions) -> None:
         raise InvalidArgument(
             f"--experts {o.experts} do not divide over --expert {o.expert}: each expert rank "
             f"holds experts / expert of them; use a multiple of {o.expert}"
-        )
-    if o.experts and o.tensor > 1:
-        raise InvalidArgument(
-            f"--experts with --tensor {o.tensor}: MoE blocks are not split over tensor ranks "
-            "yet; use --tensor 1 (the experts split over --expert data copies)"
         )
     if o.eval_every < 0:
         raise InvalidArgument(f"--eval-every={o.eval_every}: must be >= 0 (0: only at the end)")

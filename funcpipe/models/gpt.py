@@ -146,7 +146,10 @@ class GPTConfig:
 
     def check_tensor(self, t: int) -> None:
         """The sizes a tensor-parallel degree ``t`` needs, checked up front."""
-        for name, value in (("vocab", self.vocab), ("heads", self.heads), ("mlp", self.mlp)):
+        sizes = [("vocab", self.vocab), ("heads", self.heads), ("mlp", self.mlp)]
+        if self.experts:  # each expert's (and the shared experts') width is split too
+            sizes.append(("expert_ffn", self.expert_ffn))
+        for name, value in sizes:
             if value % t:
                 raise InvalidArgument(
                     f"GPTConfig({name}={value}) must be divisible by the tensor-parallel size "
@@ -357,11 +360,9 @@ def shardings(
     attn = ops.attention_block_sharding(axis=axis, fused_qkv=True).params
     block = {"attn": attn, "mlp": ops.mlp_block_sharding(axis=axis).params}
     rep1, rep2 = Sharding.of(None), Sharding.of(None, None)
-    by_expert = Sharding.of("expert", None, None)  # the mesh's expert axis: E/ep per copy
-    experts = {"router": rep2, "w_in": by_expert, "w_out": by_expert, "norm": {"weight": rep1,
-               "bias": rep1}}  # fmt: skip
-    if config.shared_experts:
-        experts |= {"shared_in": rep2, "shared_out": rep2}
+    experts: dict[str, Any] = {"norm": {"weight": rep1, "bias": rep1}}
+    if config.experts:  # E/ep experts per copy (the mesh's expert axis), their width over axis
+        experts |= moe.shardings(config.moe_config, expert="expert", tensor=axis)
     moe_block = {"attn": attn, "moe": experts}
     out = []
     for s, blocks_s in enumerate(blocks_per_stage(config, n_stages, blocks)):
@@ -394,12 +395,6 @@ def stages(
     the MoE layers' experts are split (``None``: every expert here). With experts a stage takes
     and returns ``(h, aux)`` (the first takes the tokens, the last returns the logits)."""
     config.check_tensor(axis.size)
-    if config.experts and axis.size > 1:
-        raise InvalidArgument(
-            f"GPTConfig(experts={config.experts}) with a tensor axis of {axis.size}: MoE "
-            "blocks are not split over tensor ranks yet; use tensor=1 (experts split over the "
-            "expert axis)"
-        )
     mixed = bool(config.experts)
     # (made once, not per block and microbatch: the MoE layers' config, each block's row of
     # the routing bias and load)
@@ -453,7 +448,7 @@ def stages(
                 bias = None if route_bias is None else route_bias[j]
                 load = None if route_load is None else route_load[j]
                 h, stats = _moe_block(
-                    h, blk["moe"], mcfg or config.moe_config, expert, d, bias, load
+                    h, blk["moe"], mcfg or config.moe_config, expert, d, bias, load, axis
                 )
                 a = stats["aux"].to(_wide(stats["aux"].dtype))
                 aux = a if aux is None else aux + a.to(aux.dtype)
@@ -490,11 +485,12 @@ def _moe_block(
     dropout: float,
     bias: Tensor | None,
     load: Tensor | None,
+    tensor: Axis | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The pre-norm MoE sublayer: ``h + moe(layer_norm(h))`` (its output dropped like the
-    MLP's), and the layer's stats."""
+    MLP's), and the layer's stats; each expert's width split over ``tensor``."""
     x = F.layer_norm(h, h.shape[-1:], p["norm"]["weight"], p["norm"]["bias"], ops.LN_EPS)
-    y, stats = moe.moe(p, x, config, bias, axis=expert, load=load)
+    y, stats = moe.moe(p, x, config, bias, axis=expert, load=load, tensor=tensor)
     return h + (F.dropout(y, dropout) if dropout else y), stats
 
 

@@ -19,9 +19,19 @@ assignments ``e`` got and ``P_e`` its mean score; scaled by nothing) and ``z`` (
 z-loss, the mean over tokens of ``logsumexp(logits)^2``). Both losses are those of the tokens
 given: summed over calls they are per-call (per-microbatch) quantities, not the whole batch's.
 
-The experts' weights are stacked (``w_in[E, d, 2f]``: gate and up, ``w_out[E, f, d]``) and run
-as one grouped matmul over the tokens sorted by expert (``torch.nn.functional.grouped_mm``)
-where the dtype and strides allow it, else a loop over the experts; the two are tested equal.
+The experts' weights are stacked (``w_in[E, d, 2f]``: gate and up interleaved column by column,
+gate ``j`` at ``2j`` and up ``j`` at ``2j + 1``, so that equal contiguous blocks of its columns
+hold whole pairs; ``w_out[E, f, d]``) and run as one grouped matmul over the tokens sorted by
+expert (``torch.nn.functional.grouped_mm``) where the dtype and strides allow it, else a loop
+over the experts; the two are tested equal. The shared experts' ``shared_in`` is interleaved
+the same way.
+
+Over a ``tensor`` axis of ``t`` ranks each expert (and the shared experts) is split as
+Megatron's MLP is: ``w_in``'s columns (``2f / t`` of them, whole gate-up pairs) and
+``w_out``'s rows over the ranks (:func:`shardings`). Every tensor rank routes the same tokens
+and sends the same rows, each computes its ``1/t`` of every expert's width, and the experts'
+outputs are summed over ``tensor`` per row, before the router's weights multiply them, so the
+router's gradient is whole on every rank (no leaf needs a reduction over ``tensor``).
 """
 
 from __future__ import annotations
@@ -35,11 +45,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.parallel.collectives import _abstract, all_gather
+from funcpipe.parallel.collectives import _abstract, all_gather, copy_to_group, reduce_from_group
 from funcpipe.parallel.mesh import Axis
 from funcpipe.parallel.routing import combine, dispatch
+from funcpipe.parallel.sharding import Sharding
 
-__all__ = ["MoEConfig", "expert_shard", "init", "moe", "route", "update_bias"]
+__all__ = ["MoEConfig", "expert_shard", "init", "moe", "route", "shardings", "update_bias"]
 
 _GROUPED = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -160,11 +171,25 @@ def _counts(ids: Tensor, n: int) -> Tensor:
 
 
 def _swiglu(h: Tensor) -> Tensor:
-    gate, up = h.chunk(2, dim=-1)
+    """SwiGLU over interleaved columns: gate ``j`` at ``2j``, up ``j`` at ``2j + 1``."""
+    gate, up = h.unflatten(-1, (-1, 2)).unbind(-1)
     return F.silu(gate) * up
 
 
-def _experts(w_in: Tensor, w_out: Tensor, rows: Tensor, counts: Tensor) -> Tensor:
+def _tensor_parallel(rows: Tensor, tensor: Axis | None, mlp: Any, *args: Tensor) -> Tensor:
+    """``mlp(rows, *args)`` where each tensor rank holds ``1/t`` of the MLP's width: the rows
+    enter replicated (their gradient summed over ``tensor`` in backward) and the partial
+    outputs are summed over ``tensor``; ``mlp`` itself without a tensor axis."""
+    if tensor is None or tensor.size == 1:
+        return mlp(rows, *args)
+    return reduce_from_group(mlp(copy_to_group(rows, tensor), *args), tensor)
+
+
+def _shared(tokens: Tensor, w_in: Tensor, w_out: Tensor) -> Tensor:
+    return _swiglu(tokens @ w_in) @ w_out
+
+
+def _experts(rows: Tensor, w_in: Tensor, w_out: Tensor, counts: Tensor) -> Tensor:
     """Each expert's SwiGLU over its rows (``rows`` sorted by expert, ``counts`` per expert)."""
     if _abstract(rows):  # shape inference (meta or fake): any expert's shapes are all of them
         return _swiglu(rows @ w_in[0]) @ w_out[0]
@@ -192,8 +217,12 @@ def moe(
     *,
     axis: Axis | None = None,
     load: Tensor | None = None,
+    tensor: Axis | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The layer on ``x[..., d]`` (see the module's docstring): ``(y, stats)``.
+
+    ``tensor``: the experts' width split over that axis (``x`` the same on each of its ranks;
+    ``w_in``, ``w_out`` and the shared experts as :func:`shardings` cuts them).
 
     ``axis``: expert parallelism over that mesh axis. Its ``n`` ranks each hold
     ``experts / n`` experts (``w_in``, ``w_out``: the experts ``coord * E/n`` onwards, as
@@ -220,6 +249,7 @@ def moe(
             f"moe: bias must have one value per expert ({config.experts},); got {got}"
         )
     local = _check_axis(axis, config, params)
+    _check_tensor(tensor, config, params)
     if load is not None and (
         not isinstance(load, Tensor) or tuple(load.shape) != (config.experts,)
     ):
@@ -238,20 +268,25 @@ def moe(
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = _counts(flat, e)
-    rows = tokens.index_select(0, order // k)
+    source = order // k  # each sorted assignment's token
+    rows = tokens.index_select(0, source)
+    w_in, w_out = params["w_in"], params["w_out"]
     if axis is None or axis.size == 1:
-        out = _experts(params["w_in"], params["w_out"], rows, counts)
+        out = _tensor_parallel(rows, tensor, _experts, w_in, w_out, counts)
     else:
-        out = _expert_parallel(params["w_in"], params["w_out"], rows, flat[order], axis, local)
+        out = _expert_parallel(w_in, w_out, rows, flat[order], axis, local, tensor)
     out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-    y = torch.zeros_like(tokens).index_add(0, order // k, out)
+    y = torch.zeros_like(tokens).index_add(0, source, out)
     if config.shared:
-        y = y + _swiglu(tokens @ params["shared_in"]) @ params["shared_out"]
+        y = y + _tensor_parallel(tokens, tensor, _shared, params["shared_in"], params["shared_out"])
     kept = counts if keep is None else _counts(flat[keep.reshape(-1)], e)
-    fraction = counts.to(scores.dtype) / max(t * k, 1) if load is None else load.to(scores.dtype)
+    if load is None:  # this call's fractions, counts / (t k), the division folded into E
+        fraction, scale = counts.to(scores.dtype), e / max(t * k, 1)
+    else:
+        fraction, scale = load.to(scores.dtype), float(e)
     stats = {
         "counts": kept,
-        "aux": e * (fraction * scores.mean(0)).sum() if t else scores.new_zeros(()),
+        "aux": scale * (fraction * scores.mean(0)).sum() if t else scores.new_zeros(()),
         "z": torch.logsumexp(logits, dim=-1).pow(2).mean() if t else logits.new_zeros(()),
     }
     return y.reshape(shape), stats
@@ -278,14 +313,44 @@ def _check_axis(axis: Axis | None, config: MoEConfig, params: dict[str, Tensor])
     return local
 
 
+def _check_tensor(tensor: Axis | None, config: MoEConfig, params: dict[str, Tensor]) -> None:
+    """The experts' width split over ``tensor``, checked against the params held."""
+    if tensor is None:
+        return
+    if not isinstance(tensor, Axis):
+        raise InvalidArgument(f"moe: tensor={tensor!r} must be a funcpipe.parallel.Axis or None")
+    t, f = tensor.size, config.ffn
+    if f % t:
+        raise InvalidArgument(
+            f"moe: ffn={f} does not divide over tensor axis {tensor.name!r} of {t} ranks: each "
+            f"holds ffn / {t} of every expert's width; use a multiple of {t}"
+        )
+    held = params["w_out"].shape[-2]
+    if held != f // t:
+        raise InvalidArgument(
+            f"moe: params['w_out'] holds {held} rows of each expert's width {f}; over tensor "
+            f"axis {tensor.name!r} of {t} ranks each holds {f // t} (moe.shardings gives the "
+            "split: shard_tree(params, shardings(config), place))"
+        )
+
+
 def _expert_parallel(
-    w_in: Tensor, w_out: Tensor, rows: Tensor, expert: Tensor, axis: Axis, local: int
+    w_in: Tensor,
+    w_out: Tensor,
+    rows: Tensor,
+    expert: Tensor,
+    axis: Axis,
+    local: int,
+    tensor: Axis | None = None,
 ) -> Tensor:
-    """Each row (an assignment, sorted by expert) through its expert on the rank holding it."""
+    """Each row (an assignment, sorted by expert) through its expert on the rank holding it
+    (over ``tensor``: each of its ranks exchanges with the expert ranks of its own coordinate,
+    and computes its share of the width)."""
     got, routed = dispatch(rows, expert // local, axis, extras=(expert,))
     mine = routed.extras[0] - axis.coord * local
     order = torch.argsort(mine, stable=True)
-    out = _experts(w_in, w_out, got.index_select(0, order), _counts(mine, local))
+    ordered = got.index_select(0, order)
+    out = _tensor_parallel(ordered, tensor, _experts, w_in, w_out, _counts(mine, local))
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return combine(out.index_select(0, inverse), routed)
@@ -303,6 +368,23 @@ def expert_shard(params: dict[str, Tensor], config: MoEConfig, axis: Axis) -> di
     lo = axis.coord * local
     out = dict(params)
     out["w_in"], out["w_out"] = params["w_in"][lo : lo + local], params["w_out"][lo : lo + local]
+    return out
+
+
+def shardings(
+    config: MoEConfig, *, expert: str | None = "expert", tensor: str | None = "tensor"
+) -> dict[str, Sharding]:
+    """How each of :func:`init`'s leaves is split over the mesh: the experts over ``expert``
+    (dim 0) and their width over ``tensor`` (``w_in``'s columns, whole gate-up pairs;
+    ``w_out``'s rows), the shared experts' width over ``tensor``, the router whole. ``None``:
+    not split over that axis."""
+    out = {
+        "router": Sharding.of(None, None),
+        "w_in": Sharding.of(expert, None, tensor),
+        "w_out": Sharding.of(expert, tensor, None),
+    }
+    if config.shared:
+        out |= {"shared_in": Sharding.of(None, tensor), "shared_out": Sharding.of(tensor, None)}
     return out
 
 
