@@ -184,6 +184,7 @@ def gpt_with_experts_vs_one_device(
     overlap: bool = False,
     layout: dict[str, int] | None = None,
     model: dict[str, Any] | None = None,
+    scatter_gather: bool = False,
 ) -> list[dict[str, Any]]:
     """The GPT with MoE blocks (aux loss included) at ``layout`` (default pipeline 2 x expert
     2; with ``tensor``, each expert's width split over it): each schedule's step against the
@@ -223,7 +224,7 @@ def gpt_with_experts_vs_one_device(
         with fp.Pipeline(
             gpt.stages(cfg, n, axis=tensor, expert=expert), program,
             loss_fn=gpt.loss_fn(axis=tensor), ties=gpt.tie_spec(n), mesh=mesh,
-            experts=gpt.expert_paths(cfg, n),
+            experts=gpt.expert_paths(cfg, n), scatter_gather=scatter_gather,
         ) as pipe:  # fmt: skip
             got = pipe.step(mine, x[share], y[share])
         ref = fp.reference_step(

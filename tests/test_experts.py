@@ -117,19 +117,26 @@ def test_the_gpt_with_experts_split_equals_one_device(pool: Any) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "layout",
-    [{"pipeline": 2, "tensor": 2}, {"pipeline": 1, "tensor": 2, "expert": 2}],
-    ids=["pipeline2-tensor2", "tensor2-expert2"],
+    ("layout", "scatter_gather"),
+    [
+        ({"pipeline": 2, "tensor": 2}, False),
+        ({"pipeline": 2, "tensor": 2}, True),
+        ({"pipeline": 1, "tensor": 2, "expert": 2}, False),
+    ],
+    ids=["pipeline2-tensor2", "pipeline2-tensor2-scatter-gather", "tensor2-expert2"],
 )
 def test_the_gpt_with_experts_split_over_tensor_ranks_equals_one_device(
-    pool: Any, layout: dict[str, int]
+    pool: Any, layout: dict[str, int], scatter_gather: bool
 ) -> None:
     """Each expert's width (and the shared expert's) split over 2 tensor ranks, the experts
-    whole (pipeline 2 x tensor 2) or split over 2 expert ranks (tensor 2 x expert 2, one stage):
-    loss and every gradient leaf, router included, equal one device in float64; each tensor
-    rank holds half of every expert's width (expert_ffn 32: 16 rows of w_out)."""
+    whole (pipeline 2 x tensor 2; also with each tensor rank sending its slice of the stage
+    boundary) or split over 2 expert ranks (tensor 2 x expert 2, one stage): loss and every
+    gradient leaf, router included, equal one device in float64; each tensor rank holds half
+    of every expert's width (expert_ffn 32: 16 rows of w_out)."""
     names = ("gpipe", "1f1b", "zbv") if layout["pipeline"] == 2 else ("gpipe", "1f1b")
-    got = pool(4).run(J.gpt_with_experts_vs_one_device, names, 2, False, layout)
+    got = pool(4).run(
+        J.gpt_with_experts_vs_one_device, names, 2, False, layout, None, scatter_gather
+    )
     _check(got, names)
     assert sorted(rows[0]["held"][0] for rows in got) == [0, 0, 1, 1]
     assert {rows[0]["held"][1] for rows in got} == {16}
