@@ -198,9 +198,9 @@ def check_layout(model: Transformer, layout: ClusterLayout, gpus: int, global_ba
 
 
 def _check_experts(model: Transformer, layout: ClusterLayout) -> None:
-    """Refuse an expert axis the model cannot use: a dense model's, one that does not divide
-    the experts, or a mixture of experts under tensor parallelism without sequence parallelism."""
-    ep, t = layout.expert, layout.tensor
+    """Refuse an expert axis the model cannot use: a dense model's, or one that does not divide
+    the experts."""
+    ep = layout.expert
     if ep > 1 and not model.experts:
         raise InvalidArgument(
             f"layout expert={ep}: the model has no experts (experts=0, a dense model); pass "
@@ -211,12 +211,6 @@ def _check_experts(model: Transformer, layout: ClusterLayout) -> None:
             f"layout expert={ep}: experts={model.experts} must split evenly over the expert "
             f"axis (each rank holds experts / expert of them); pick an expert size that "
             f"divides {model.experts}"
-        )
-    if model.experts and t > 1 and not layout.sequence_parallel:
-        raise InvalidArgument(
-            f"layout tensor={t} without sequence_parallel: a mixture of experts under tensor "
-            "parallelism routes each rank's share of the tokens (Megatron-Core requires "
-            "sequence parallelism there); pass sequence_parallel=True or tensor=1"
         )
 
 

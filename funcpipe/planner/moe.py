@@ -70,10 +70,12 @@ Gb/s (50 GB/s) NIC a DGX-H100 GPU has."""
 
 
 def routed_rows(model: Transformer, layout: ClusterLayout) -> tuple[float, float]:
-    """(tokens the rank routes, expert rows it computes) for one microbatch: ``b s / t`` tokens
-    (sequence parallel under ``tensor > 1``), and ``top_k b s`` rows (balanced routing: each
-    rank receives as many copies as it sends, then gathers its tensor group's)."""
-    t = layout.tensor
+    """(tokens the rank routes, expert rows it computes) for one microbatch, ``top_k b s``
+    rows either way (balanced routing: each rank receives as many copies as it sends). Under
+    ``tensor > 1`` with sequence parallelism (Megatron-Core) each rank routes ``b s / t``
+    tokens and gathers its tensor group's rows; without it (funcpipe's runtime) each routes
+    all ``b s`` and computes ``1/t`` of every expert's width on every row."""
+    t = layout.tensor if layout.sequence_parallel else 1
     tokens = layout.microbatch * model.seq / t
     return tokens, tokens * model.top_k * t
 
@@ -133,9 +135,11 @@ def _hybridep_seconds(
 
 
 def moe_comm(model: Transformer, layout: ClusterLayout, cluster: Cluster) -> tuple[float, float]:
-    """(tensor-parallel, all-to-all) seconds of one MoE block in F (I repeats both): the
-    attention's all-gather and reduce-scatter (sequence parallel), the routed rows' gather and
-    scatter over ``tensor``, the shared experts' pair; dispatch and combine."""
+    """(tensor-parallel, all-to-all) seconds of one MoE block in F (I repeats both): with
+    sequence parallelism the attention's all-gather and reduce-scatter, the routed rows' gather
+    and scatter over ``tensor``, the shared experts' pair; without it an all-reduce each of the
+    attention's output, the routed rows (summed per row before the router's weights) and the
+    shared experts' output; dispatch and combine."""
     t = layout.tensor
     a2a = dispatch_seconds(model, layout, cluster) + dispatch_seconds(
         model, layout, cluster, "combine"
@@ -144,8 +148,11 @@ def moe_comm(model: Transformer, layout: ClusterLayout, cluster: Cluster) -> tup
         return 0.0, a2a
     tlink = cluster.link(stride=1, size=t)
     act = layout.microbatch * model.seq * model.hidden * model.bytes
-    pair = comm.all_gather(act, t, tlink) + comm.reduce_scatter(act, t, tlink)
     routed = model.top_k * act
+    if not layout.sequence_parallel:  # funcpipe's runtime: all-reduces (docs/moe.md)
+        tp = comm.all_reduce(act, t, tlink) + comm.all_reduce(routed, t, tlink)
+        return tp + (comm.all_reduce(act, t, tlink) if model.shared_experts else 0.0), a2a
+    pair = comm.all_gather(act, t, tlink) + comm.reduce_scatter(act, t, tlink)
     tp = pair + comm.all_gather(routed, t, tlink) + comm.reduce_scatter(routed, t, tlink)
     if model.shared_experts:
         tp += pair

@@ -110,14 +110,16 @@ def candidates(
             continue
         eps = [e for e in _divisors(d) if model.experts % e == 0] if model.experts else [1]
         eps = [e for e in eps if wanted is None or e in wanted]
-        sps = [sp for sp in sequence_parallel if sp] if model.experts else sequence_parallel
         for b in microbatches:
             if (global_batch // d) % b:
                 continue
             for sched in schedules if p > 1 else ("1f1b",):
                 for v in _chunks(model, sched, p, interleaves):
                     inner = product(
-                        recompute, sps if t > 1 else (False,), levels if d > 1 else (0,), eps
+                        recompute,
+                        sequence_parallel if t > 1 else (False,),
+                        levels if d > 1 else (0,),
+                        eps,
                     )
                     for rc, sp, z, e in inner:
                         can = e > 1 and sched in PAIRING and p > 1  # may have pairs

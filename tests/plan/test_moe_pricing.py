@@ -100,11 +100,11 @@ def test_an_moe_block_prices_its_products_at_the_calibrated_share() -> None:
     """Free memory traffic and no launch cost: W is the block's weight products (attention,
     router, each local expert on its share of the k copies, the shared expert) at the share."""
     tokens, h, q, kvd, f, E, k = 2 * 64, 128, 256, 128, 256, 8, 2
-    for t, ep in ((1, 1), (1, 4), (2, 2)):
-        lay = ClusterLayout(tensor=t, data=4, expert=ep, microbatch=2, sequence_parallel=t > 1)
+    for t, ep, sp in ((1, 1, False), (1, 4, False), (2, 2, True), (2, 2, False)):
+        lay = ClusterLayout(tensor=t, data=4, expert=ep, microbatch=2, sequence_parallel=sp)
         c = moe_layer_costs(MOE, lay, IDEAL, FREE)
         attention = 2 * tokens * (h * (q + 2 * kvd) + q * h) / t
-        router = 2 * tokens / t * h * E
+        router = 2 * tokens / (t if sp else 1) * h * E  # without SP each rank routes them all
         experts = 2 * tokens * k * 3 * h * f / t  # every rank: all k copies, f / t of each
         shared = 2 * tokens * 3 * h * f / t
         assert isclose(c.w, (attention + router + experts + shared) / 50e12), (t, ep)
@@ -142,9 +142,10 @@ def test_the_all_to_all_bytes_and_seconds_are_the_closed_form() -> None:
     intra, inter = Link(400e9, 2e-6), Link(40e9, 9e-6)
     where = Cluster(IDEAL.gpu, gpus_per_node=8, intra=intra, inter=inter)
     b, s, h, k = 2, 64, 128, 2
-    for t, ep in ((1, 4), (1, 8), (1, 16), (2, 4), (2, 8)):
-        lay = ClusterLayout(tensor=t, data=16, expert=ep, microbatch=b, sequence_parallel=t > 1)
-        nbytes = b * s / t * k * h * 2
+    for t, ep, sp in ((1, 4, False), (1, 8, False), (1, 16, False), (2, 4, True), (2, 8, True),
+                      (2, 8, False)):  # fmt: skip
+        lay = ClusterLayout(tensor=t, data=16, expert=ep, microbatch=b, sequence_parallel=sp)
+        nbytes = b * s / (t if sp else 1) * k * h * 2  # without SP each tensor rank sends all
         assert isclose(dispatch_bytes(MOE, lay), nbytes)
         per_node = 8 // t
         if ep <= per_node:
@@ -156,6 +157,25 @@ def test_the_all_to_all_bytes_and_seconds_are_the_closed_form() -> None:
         assert isclose(dispatch_seconds(MOE, lay, where), want), (t, ep)
         assert isclose(moe_comm(MOE, lay, where)[1], 2 * want)  # dispatch and combine in F
     assert dispatch_seconds(MOE, ClusterLayout(data=4), where) == 0.0  # one expert group
+
+
+def test_tensor_parallel_experts_without_sequence_parallelism_all_reduce_the_rows() -> None:
+    """funcpipe's runtime (docs/moe.md): under tensor = 2 without sequence parallelism an MoE
+    block all-reduces the attention's output, the k routed rows per token and the shared
+    experts' output in F (the same again in I); with it, Megatron's all-gathers and
+    reduce-scatters of the same tensors."""
+    intra = Link(400e9, 2e-6)
+    where = Cluster(IDEAL.gpu, gpus_per_node=8, intra=intra, inter=intra)
+    act = 2 * 64 * 128 * 2  # b s h x bf16 bytes
+    plain = ClusterLayout(tensor=2, data=2, microbatch=2)
+    want = comm.all_reduce(act, 2, intra) * 2 + comm.all_reduce(2 * act, 2, intra)
+    assert isclose(moe_comm(MOE, plain, where)[0], want)
+    sp = ClusterLayout(tensor=2, data=2, microbatch=2, sequence_parallel=True)
+    pair = comm.all_gather(act, 2, intra) + comm.reduce_scatter(act, 2, intra)
+    routed = comm.all_gather(2 * act, 2, intra) + comm.reduce_scatter(2 * act, 2, intra)
+    assert isclose(moe_comm(MOE, sp, where)[0], 2 * pair + routed)
+    e = estimate(MOE, cluster("h100-sxm"), plain, global_batch=4)  # priced, not refused
+    assert e.fits and e.step_time_s > 0
 
 
 def test_a_step_carries_four_all_to_alls_per_moe_block_and_microbatch() -> None:
@@ -256,7 +276,8 @@ def test_the_candidates_take_expert_sizes_dividing_data_and_the_experts() -> Non
     sizes = {lay.expert for lay in lays}
     assert sizes == {1, 2, 4, 8}  # 16 copies at most, 8 experts
     assert all(lay.data % lay.expert == 0 and 8 % lay.expert == 0 for lay in lays)
-    assert all(lay.sequence_parallel for lay in lays if lay.tensor > 1)  # MoE under TP
+    # under TP both: Megatron's sequence-parallel MoE and funcpipe's all-reduced one
+    assert {lay.sequence_parallel for lay in lays if lay.tensor > 1} == {False, True}
     narrow = candidates(MOE, 16, 32, schedules=("1f1b",), recompute=("none",), expert=(4,))
     assert {lay.expert for lay in narrow} == {4}
     dense = Transformer(layers=4, hidden=128, heads=4, vocab=1000, seq=64)
@@ -335,7 +356,6 @@ def test_cli_json_of_a_dense_model_has_the_new_keys(capsys: pytest.CaptureFixtur
         (["--dense-layers", "4"], ["dense_layers=4", "layers=4"]),
         (["--precision", "fp8", "--gpu", "a100-80gb"], ["--precision fp8", "a100-80gb", "FP8"]),
         (["--full-every", "2"], ["--full-every 2", "--window"]),
-        (["--expert-parallel", "8", "--tensor", "2"], ["sequence_parallel", "tensor=2"]),
     ],
 )  # fmt: skip
 def test_cli_refuses_bad_moe_input(
@@ -369,8 +389,6 @@ def test_cli_refuses_moe_options_without_experts(capsys: pytest.CaptureFixture[s
         (lambda: estimate(Transformer(layers=2, hidden=64, heads=2, vocab=10, seq=8),
                           cluster("h100-sxm"), ClusterLayout(data=2, expert=2), global_batch=2),
          "no experts"),
-        (lambda: estimate(MOE, cluster("h100-sxm"), ClusterLayout(tensor=2, data=2),
-                          global_batch=2), "sequence_parallel"),
     ],
 )  # fmt: skip
 def test_the_api_refuses_bad_moe_input(make: object, needle: str) -> None:
