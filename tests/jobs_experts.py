@@ -189,8 +189,9 @@ def gpt_with_experts_vs_one_device(
     """The GPT with MoE blocks (aux loss included) at ``layout`` (default pipeline 2 x expert
     2; with ``tensor``, each expert's width split over it): each schedule's step against the
     one-device step over the whole batch; worst relative differences. ``held``: this rank's
-    tensor coordinate and the expert width its first MoE block's ``w_out`` holds. ``model``:
-    GPTConfig fields over the default ones (hypothesis: top_k, shared_experts, seed)."""
+    tensor coordinate and the expert width its first MoE block's ``w_out`` holds (with
+    ``moe_tensor="tokens"``: the experts it holds). ``model``: GPTConfig fields over the default
+    ones (hypothesis: top_k, shared_experts, seed; moe_tensor)."""
     import funcpipe as fp
     from funcpipe.models import gpt
     from funcpipe.parallel.sharding import shard_tree
@@ -205,6 +206,8 @@ def gpt_with_experts_vs_one_device(
     cfg = gpt.GPTConfig(vocab=32, context=6, d_model=8, heads=2, layers=3, experts=4, **fields)
     one, tensor = gpt.single_axis(), mesh["tensor"]
     expert = mesh["expert"] if mesh.config.expert > 1 else None
+    if cfg.moe_tensor == "tokens" and mesh.config.tensor > 1:  # experts over expert x tensor
+        expert = mesh["expert_tensor"]
     out = []
     for k, name in enumerate(names, start=first):
         program = generate(
@@ -242,7 +245,9 @@ def gpt_with_experts_vs_one_device(
             for a, b in zip(tree_leaves(gs), tree_leaves(ws), strict=True):
                 worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp(min=1)))
         blocks = [b for part in mine for b in part["blocks"].values() if "moe" in b]
-        held = [tensor.coord, int(blocks[0]["moe"]["w_out"].shape[1])] if blocks else [1]
+        w_out = blocks[0]["moe"]["w_out"] if blocks else None
+        size = w_out.shape[0] if cfg.moe_tensor == "tokens" else w_out.shape[1] if blocks else 0
+        held = [tensor.coord, int(size)] if blocks else [1]
         out.append({"name": name, "worst": {"all": worst}, "held": held, "loss": float(ref[0])})
     return out
 

@@ -247,6 +247,52 @@ def test_clip_weights_count_the_replicas() -> None:
 
 
 @pytest.mark.parametrize(
+    ("layout", "split"),
+    [
+        ({"pipeline": 2, "data": 2, "tensor": 1, "expert": 2}, "width"),
+        ({"pipeline": 1, "data": 2, "tensor": 2, "expert": 1}, "width"),
+        ({"pipeline": 1, "data": 2, "tensor": 2, "expert": 2}, "width"),
+        ({"pipeline": 1, "data": 2, "tensor": 2, "expert": 2}, "tokens"),
+    ],
+)
+def test_clip_weights_give_every_moe_leaf_its_norm_once(layout: dict[str, int], split: str) -> None:
+    """Summed over every process of the layout, each leaf's weight times the squared norm of
+    the block that process holds is the leaf's squared norm: the experts split over expert
+    copies and over tensor ranks (each expert's width) counted once, replicas divided (the
+    embedding's two tied copies at pipeline 2 half each)."""
+    from funcpipe.cli.demo_loop import _clip_weights, _holders
+    from funcpipe.cli.demo_options import DemoOptions
+    from funcpipe.models import gpt
+    from funcpipe.parallel.mesh import ParallelConfig
+    from funcpipe.parallel.sharding import shard_tree
+    from funcpipe.schedule.generators import generate
+    from funcpipe.tree import tree_leaves
+
+    n = layout["pipeline"]
+    o = DemoOptions(**layout, experts=4, shared_experts=1, moe_tensor=split)
+    cfg = gpt.GPTConfig(vocab=256, context=16, d_model=16, heads=2, layers=2, experts=4,
+                        shared_experts=1, moe_tensor=split)  # fmt: skip
+    lays = gpt.shardings(cfg, n)
+    full = gpt.split(gpt.init(cfg, seed=0), cfg, n)
+    weights = _clip_weights(lays, _holders(generate("1f1b", ranks=n, microbatches=2)), o, 0)
+    config = ParallelConfig.from_dict(layout, world_size=o.world)
+    got = [0.0] * len(tree_leaves(full))
+    for place in config.places():
+        s = place.coords["pipe"]
+        mine = tree_leaves(shard_tree(full[s], lays[s], place))
+        offset = sum(len(tree_leaves(full[i])) for i in range(s))
+        for j, (leaf, w) in enumerate(zip(mine, tree_leaves(weights[s]), strict=True)):
+            got[offset + j] += w * float(leaf.double().pow(2).sum())
+    tied = 0.5 if n > 1 else 1.0
+    want = [
+        float(leaf.double().pow(2).sum()) * (tied if leaf is part["wte"] else 1.0)
+        for part in full
+        for leaf in tree_leaves(part)
+    ]
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize(
     ("argv", "words"),
     [
         (["--device", "tpu"], ["--device", "invalid choice: 'tpu'"]),

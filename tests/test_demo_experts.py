@@ -35,17 +35,19 @@ def test_the_moe_demo_trains_and_reports_the_expert_load(tmp_path: Path) -> None
 @pytest.mark.timeout(400)
 def test_the_moe_demo_resumes_exactly_and_at_another_expert_layout(tmp_path: Path) -> None:
     """Stopped at step 2 and resumed: the same losses as the straight run; resumed at pipeline
-    1 x tensor 2, --expert 1 instead (every expert on every copy, each expert's width split
-    over 2 tensor ranks, read from the checkpoint the pipeline-2 x expert-2 run wrote): the
-    same losses to float32 rounding."""
+    1 x tensor 2 x expert 2 with --moe-tensor tokens instead (each tensor rank routing half
+    the tokens, one of the 4 experts on each of the 4 processes, read from the checkpoint the
+    pipeline-2 x expert-2 run wrote, where each held 2): the same losses to float32
+    rounding."""
     common = [*MOE, "--steps", "4", "--eval-every", "0"]
     runs = {k: tmp_path / k for k in ("straight", "again", "moved")}
     assert _demo(*common, "--out", str(runs["straight"])).returncode == 0
     assert _demo(*common, "--stop-after", "2", "--out", str(runs["again"])).returncode == 0
     shutil.copytree(runs["again"], runs["moved"])  # (the same stopped run, resumed two ways)
     assert _demo(*common, "--out", str(runs["again"]), "--resume").returncode == 0
-    moved = ["--experts", "4", "--top-k", "2", "--pipeline", "1", "--expert", "1", "--tensor",
-             "2", "--data", "2", "--steps", "4", "--eval-every", "0"]  # fmt: skip
+    moved = ["--experts", "4", "--top-k", "2", "--pipeline", "1", "--expert", "2", "--tensor",
+             "2", "--data", "2", "--moe-tensor", "tokens", "--steps", "4",
+             "--eval-every", "0"]  # fmt: skip
     out = _demo(*moved, "--out", str(runs["moved"]), "--resume")
     assert out.returncode == 0, out.stderr[-3000:]
     hist = {k: json.loads((v / "history.json").read_text())["train"] for k, v in runs.items()}

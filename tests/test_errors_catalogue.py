@@ -602,6 +602,21 @@ def _gpt_expert_width_over_tensor_ranks() -> None:
     gpt.stages(config, 1, axis=Axis("tensor", 4, 0, None))
 
 
+def _gpt_moe_tokens_without_the_expert_tensor_axis() -> None:
+    from funcpipe.models import gpt
+
+    config = gpt.GPTConfig(experts=4, moe_tensor="tokens")
+    gpt.stages(config, 1, axis=Axis("tensor", 2, 0, None))
+
+
+def _moe_tokens_that_do_not_divide_over_tensor() -> None:
+    config = moe.MoEConfig(d_model=4, experts=4, ffn=4)
+    full = moe.init(config)
+    mine = {**full, "w_in": full["w_in"][:2], "w_out": full["w_out"][:2]}
+    spread, tensor = Axis("expert_tensor", 2, 0, None), Axis("tensor", 2, 0, None)
+    moe.moe(mine, torch.randn(3, 4), config, axis=spread, tensor=tensor, split="tokens")
+
+
 def _moe_params_of_another_tensor_split() -> None:
     config = moe.MoEConfig(d_model=4, experts=2, ffn=4)
     moe.moe(moe.init(config), torch.randn(2, 4), config, tensor=Axis("tensor", 2, 0, None))
@@ -2117,6 +2132,33 @@ CASES: list[Case] = [
         InvalidArgument,
         ("GPTConfig(expert_ffn=6) must be divisible by the tensor-parallel size 4",),
         "funcpipe/models/gpt.py GPTConfig.check_tensor (issue 53)",
+    ),
+    Case(
+        "gpt-moe-tensor-unknown",
+        "stages and partitions",
+        "GPTConfig(experts=4, moe_tensor='rows'): neither of the two ways",
+        lambda: GPTConfig(experts=4, moe_tensor="rows"),
+        InvalidArgument,
+        ("moe_tensor='rows'", "('width', 'tokens')"),
+        "funcpipe/models/gpt.py GPTConfig (issue 53)",
+    ),
+    Case(
+        "gpt-moe-tokens-without-the-expert-tensor-axis",
+        "stages and partitions",
+        "GPTConfig(moe_tensor='tokens') over 2 tensor ranks with no expert x tensor axis",
+        _gpt_moe_tokens_without_the_expert_tensor_axis,
+        InvalidArgument,
+        ("moe_tensor='tokens'", "expert=mesh['expert_tensor']"),
+        "funcpipe/models/gpt.py stages (issue 53)",
+    ),
+    Case(
+        "moe-tokens-that-do-not-divide-over-tensor",
+        "stages and partitions",
+        "moe(split='tokens') on 3 tokens over 2 tensor ranks",
+        _moe_tokens_that_do_not_divide_over_tensor,
+        InvalidArgument,
+        ("3 tokens do not divide over tensor axis 'tensor' of 2", "split='width'"),
+        "funcpipe/models/moe.py moe (issue 53)",
     ),
     Case(
         "moe-params-of-another-tensor-split",

@@ -143,17 +143,41 @@ def test_the_gpt_with_experts_split_over_tensor_ranks_equals_one_device(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("layout", "experts_held"),
+    [({"pipeline": 2, "tensor": 2}, 2), ({"pipeline": 1, "tensor": 2, "expert": 2}, 1)],
+    ids=["pipeline2-tensor2", "tensor2-expert2"],
+)
+def test_the_gpt_with_its_moe_tokens_split_over_tensor_ranks_equals_one_device(
+    pool: Any, layout: dict[str, int], experts_held: int
+) -> None:
+    """GPTConfig(moe_tensor="tokens"): each tensor rank routes its half of the tokens, the 4
+    experts spread over the expert x tensor ranks (2 each over tensor 2, 1 each over tensor 2
+    x expert 2), the shared expert's width over tensor: loss and every gradient leaf, the
+    router's included, equal one device in float64."""
+    names = ("gpipe", "1f1b", "zbv") if layout["pipeline"] == 2 else ("gpipe", "1f1b")
+    model = {"moe_tensor": "tokens"}
+    got = pool(4).run(J.gpt_with_experts_vs_one_device, names, 2, False, layout, model)
+    _check(got, names)
+    assert {rows[0]["held"][1] for rows in got} == {experts_held}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("split", "held"), [("width", 16), ("tokens", 1)])
 def test_the_gpt_with_experts_over_pipeline_tensor_and_expert_ranks_equals_one_device(
-    pool: Any,
+    pool: Any, split: str, held: int
 ) -> None:
     """Pipeline 2 x tensor 2 x expert 2 (8 processes): the experts split over the expert ranks
-    and their width over the tensor ranks at once."""
+    and their width over the tensor ranks at once (each holds 16 of the 32 rows of its 2
+    experts' w_out), or the tokens split over the tensor ranks and the 4 experts over the 4
+    expert x tensor ranks (one each)."""
     names = ("1f1b", "zbv")
+    layout = {"pipeline": 2, "tensor": 2, "expert": 2}
     got = pool(8).run(
-        J.gpt_with_experts_vs_one_device, names, 2, False, {"pipeline": 2, "tensor": 2, "expert": 2}
+        J.gpt_with_experts_vs_one_device, names, 2, False, layout, {"moe_tensor": split}
     )
     _check(got, names)
-    assert {rows[0]["held"][1] for rows in got} == {16}
+    assert {rows[0]["held"][1] for rows in got} == {held}
 
 
 @pytest.mark.timeout(300)

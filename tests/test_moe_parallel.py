@@ -94,3 +94,28 @@ def test_experts_that_do_not_divide_are_refused() -> None:
     even = moe.MoEConfig(d_model=4, experts=4, ffn=3)
     with pytest.raises(InvalidArgument, match="holds 4 experts.*each holds 2"):
         moe.moe(moe.init(even), torch.randn(2, 4), even, axis=two)
+
+
+@st.composite
+def split_cases(draw: st.DrawFn) -> dict[str, Any]:
+    return {
+        "k": draw(st.integers(1, 4)),
+        "shared": draw(st.integers(0, 1)),
+        "score": draw(st.sampled_from(["softmax", "sigmoid"])),
+        "tokens": 2 * draw(st.integers(1, 4)),
+        "seed": draw(st.integers(0, 10**6)),
+    }
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=scaled(2), deadline=None)
+@given(st.lists(split_cases(), min_size=3, max_size=5))
+def test_tokens_split_over_tensor_ranks_equals_one_device(
+    pool: Any, drawn: list[dict[str, Any]]
+) -> None:
+    """``moe(split="tokens")`` over 2 tensor ranks (each routing half the tokens, 2 of the 4
+    experts each, the router's gradient summed over them in backward): the output, the counts,
+    the auxiliary and z losses and every gradient equal the layer on one device, for routings
+    hypothesis draws."""
+    for rank, worst in enumerate(pool(2).run(J.tokens_split_vs_one_device, drawn)):
+        assert max(worst) < 1e-10, (rank, worst)

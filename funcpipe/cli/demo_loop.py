@@ -152,6 +152,8 @@ def _build(o: DemoOptions, program: Program | None) -> tuple[_Rank, tuple[Any, .
     )
     del full
     expert = mesh["expert"] if o.expert > 1 else None
+    if cfg.experts and o.moe_tensor == "tokens" and o.tensor > 1:  # experts over expert x tensor
+        expert = mesh["expert_tensor"]
     stages = _transform(gpt.stages(cfg, n, axis=axis, expert=expert), o)
     zero, note = zero_level(o, program)
     pipe, evaluate = _pipelines(o, cfg, stages, program, mesh, device, low, zero)
@@ -537,7 +539,8 @@ def _clip_weights(shardings: Any, holders: list[int], o: DemoOptions, zero: int)
 
     def weight(lay: Sharding, holders: int) -> float:
         if "expert" in lay.axes:  # held by the data / expert copies holding these experts
-            return (1.0 if zero else o.expert / o.data) / o.tensor / holders  # (zero: pieces)
+            across = 1 if "tensor" in lay.axes else o.tensor  # (split over tensor: no replicas)
+            return (1.0 if zero else o.expert / o.data) / across / holders  # (zero: pieces)
         sharded = any(lay.dims)
         return (1.0 if sharded else 1.0 / o.tensor) / (1 if zero else o.data) / holders
 

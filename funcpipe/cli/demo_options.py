@@ -119,6 +119,9 @@ class DemoOptions:
     moe_every: int = 1
     shared_experts: int = 0
     expert: int = 1
+    # how an MoE block uses the tensor axis: each expert's width split over it, or its tokens
+    # with the experts over the expert x tensor ranks (GPTConfig(moe_tensor=))
+    moe_tensor: str = "width"
 
     @property
     def world(self) -> int:
@@ -220,6 +223,14 @@ def _add_expert_options(ap: argparse.ArgumentParser) -> None:
         type=int,
         default=d.expert,
         help="expert parallelism: the experts split over this many data copies (default 1)",
+    )
+    ap.add_argument(
+        "--moe-tensor",
+        choices=("width", "tokens"),
+        default=d.moe_tensor,
+        dest="moe_tensor",
+        help="with --tensor > 1: split each expert's width over the tensor ranks (width, the "
+        "default) or the MoE blocks' tokens, the experts over expert x tensor ranks (tokens)",
     )
 
 
@@ -585,5 +596,5 @@ def gpt_config(o: DemoOptions) -> GPTConfig:
     return GPTConfig(
         vocab=256, context=o.context, d_model=o.d_model, heads=o.heads, layers=o.layers,
         experts=o.experts, top_k=o.top_k, moe_every=o.moe_every,
-        shared_experts=o.shared_experts,
+        shared_experts=o.shared_experts, moe_tensor=o.moe_tensor,
     )  # fmt: skip

@@ -81,7 +81,10 @@ class GPTConfig:
     ``experts``: 0 for dense MLPs, else the experts of each MoE layer; ``top_k`` experts per
     token; ``moe_every``: block ``i`` is an MoE block when ``(i + 1) % moe_every == 0`` (1:
     every block); ``shared_experts`` every token goes through; ``expert_ffn``: each expert's
-    hidden width (default ``mlp``, as Mixtral's experts are its dense MLP's width)."""
+    hidden width (default ``mlp``, as Mixtral's experts are its dense MLP's width);
+    ``moe_tensor``: how an MoE block uses a tensor axis (:data:`funcpipe.models.moe.SPLITS`):
+    ``"width"`` splits each expert's width over it, ``"tokens"`` its tokens, with the experts
+    over the expert x tensor ranks (``stages(..., expert=mesh["expert_tensor"])``)."""
 
     vocab: int = 256
     context: int = 64
@@ -96,6 +99,7 @@ class GPTConfig:
     moe_every: int = 1
     shared_experts: int = 0
     expert_ffn: int = 0
+    moe_tensor: str = "width"
 
     def __post_init__(self) -> None:
         for name in ("vocab", "context", "d_model", "heads", "layers"):
@@ -119,6 +123,11 @@ class GPTConfig:
             if type(value) is not int or value < (1 if name in ("top_k", "moe_every") else 0):
                 raise InvalidArgument(f"GPTConfig({name}={value!r}): an int >= 0 (top_k, "
                                       "moe_every: >= 1)")  # fmt: skip
+        if self.moe_tensor not in moe.SPLITS:
+            raise InvalidArgument(
+                f"GPTConfig(moe_tensor={self.moe_tensor!r}): one of {moe.SPLITS} (split each "
+                "expert's width over the tensor ranks, or the tokens)"
+            )
         if self.experts:
             if self.expert_ffn == 0:
                 object.__setattr__(self, "expert_ffn", self.mlp)
@@ -147,8 +156,10 @@ class GPTConfig:
     def check_tensor(self, t: int) -> None:
         """The sizes a tensor-parallel degree ``t`` needs, checked up front."""
         sizes = [("vocab", self.vocab), ("heads", self.heads), ("mlp", self.mlp)]
-        if self.experts:  # each expert's (and the shared experts') width is split too
+        if self.experts and self.moe_tensor == "width":  # each expert's width is split too
             sizes.append(("expert_ffn", self.expert_ffn))
+        elif self.experts and self.shared_experts:  # (whole experts; the shared ones' width)
+            sizes.append(("shared_experts x expert_ffn", self.shared_experts * self.expert_ffn))
         for name, value in sizes:
             if value % t:
                 raise InvalidArgument(
@@ -362,7 +373,9 @@ def shardings(
     rep1, rep2 = Sharding.of(None), Sharding.of(None, None)
     experts: dict[str, Any] = {"norm": {"weight": rep1, "bias": rep1}}
     if config.experts:  # E/ep experts per copy (the mesh's expert axis), their width over axis
-        experts |= moe.shardings(config.moe_config, expert="expert", tensor=axis)
+        experts |= moe.shardings(
+            config.moe_config, expert="expert", tensor=axis, split=config.moe_tensor
+        )
     moe_block = {"attn": attn, "moe": experts}
     out = []
     for s, blocks_s in enumerate(blocks_per_stage(config, n_stages, blocks)):
@@ -395,6 +408,15 @@ def stages(
     the MoE layers' experts are split (``None``: every expert here). With experts a stage takes
     and returns ``(h, aux)`` (the first takes the tokens, the last returns the logits)."""
     config.check_tensor(axis.size)
+    split = config.moe_tensor
+    if config.experts and split == "tokens" and axis.size > 1:
+        name = None if expert is None else expert.name
+        if name != "expert_tensor":
+            raise InvalidArgument(
+                f"GPTConfig(moe_tensor='tokens') over a tensor axis of {axis.size} with "
+                f"expert={name!r}: each tensor rank routes its own tokens, so the experts are "
+                "spread over the expert x tensor ranks; pass expert=mesh['expert_tensor']"
+            )
     mixed = bool(config.experts)
     # (made once, not per block and microbatch: the MoE layers' config, each block's row of
     # the routing bias and load)
@@ -448,7 +470,7 @@ def stages(
                 bias = None if route_bias is None else route_bias[j]
                 load = None if route_load is None else route_load[j]
                 h, stats = _moe_block(
-                    h, blk["moe"], mcfg or config.moe_config, expert, d, bias, load, axis
+                    h, blk["moe"], mcfg or config.moe_config, expert, d, bias, load, axis, split
                 )
                 a = stats["aux"].to(_wide(stats["aux"].dtype))
                 aux = a if aux is None else aux + a.to(aux.dtype)
@@ -486,11 +508,12 @@ def _moe_block(
     bias: Tensor | None,
     load: Tensor | None,
     tensor: Axis | None = None,
+    split: str = "width",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The pre-norm MoE sublayer: ``h + moe(layer_norm(h))`` (its output dropped like the
-    MLP's), and the layer's stats; each expert's width split over ``tensor``."""
+    MLP's), and the layer's stats; ``split`` says how it uses ``tensor``."""
     x = F.layer_norm(h, h.shape[-1:], p["norm"]["weight"], p["norm"]["bias"], ops.LN_EPS)
-    y, stats = moe.moe(p, x, config, bias, axis=expert, load=load, tensor=tensor)
+    y, stats = moe.moe(p, x, config, bias, axis=expert, load=load, tensor=tensor, split=split)
     return h + (F.dropout(y, dropout) if dropout else y), stats
 
 

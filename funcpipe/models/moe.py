@@ -32,6 +32,14 @@ Megatron's MLP is: ``w_in``'s columns (``2f / t`` of them, whole gate-up pairs) 
 and sends the same rows, each computes its ``1/t`` of every expert's width, and the experts'
 outputs are summed over ``tensor`` per row, before the router's weights multiply them, so the
 router's gradient is whole on every rank (no leaf needs a reduction over ``tensor``).
+
+``split="tokens"`` instead (Megatron-Core's sequence-parallel MoE with whole experts): each
+tensor rank routes its ``1/t`` of the tokens, the experts are spread over the ``expert x
+tensor`` ranks (``axis=mesh["expert_tensor"]``, ``E / (ep t)`` whole experts each), the rows
+travel over that axis, and the layer's output is all-gathered over ``tensor``. The router's
+gradient is summed over ``tensor`` in each backward (it is small), the auxiliary and z losses
+and the counts are those of all the tokens on every rank; the shared experts keep their width
+split over ``tensor``.
 """
 
 from __future__ import annotations
@@ -45,12 +53,33 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from funcpipe.errors import InvalidArgument
-from funcpipe.parallel.collectives import _abstract, all_gather, copy_to_group, reduce_from_group
+from funcpipe.parallel.collectives import (
+    _abstract,
+    all_gather,
+    all_reduce,
+    copy_to_group,
+    gather_from_group,
+    reduce_from_group,
+    split_to_group,
+)
 from funcpipe.parallel.mesh import Axis
 from funcpipe.parallel.routing import combine, dispatch
 from funcpipe.parallel.sharding import Sharding
 
-__all__ = ["MoEConfig", "expert_shard", "init", "moe", "route", "shardings", "update_bias"]
+__all__ = [
+    "SPLITS",
+    "MoEConfig",
+    "expert_shard",
+    "init",
+    "moe",
+    "route",
+    "shardings",
+    "update_bias",
+]
+
+SPLITS = ("width", "tokens")
+"""How an MoE layer uses a tensor axis: split each expert's width over it, or its tokens (and
+the experts over the expert x tensor ranks)."""
 
 _GROUPED = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -218,11 +247,13 @@ def moe(
     axis: Axis | None = None,
     load: Tensor | None = None,
     tensor: Axis | None = None,
+    split: str = "width",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The layer on ``x[..., d]`` (see the module's docstring): ``(y, stats)``.
 
-    ``tensor``: the experts' width split over that axis (``x`` the same on each of its ranks;
-    ``w_in``, ``w_out`` and the shared experts as :func:`shardings` cuts them).
+    ``tensor``: ``x`` is the same on each of its ranks; ``split="width"`` splits each expert's
+    width over it, ``"tokens"`` the tokens (``axis`` then the expert x tensor axis); the params
+    as :func:`shardings` cuts them for that split.
 
     ``axis``: expert parallelism over that mesh axis. Its ``n`` ranks each hold
     ``experts / n`` experts (``w_in``, ``w_out``: the experts ``coord * E/n`` onwards, as
@@ -237,6 +268,81 @@ def moe(
     P_e`` with ``P_e`` these tokens' mean score, whose mean over equal microbatches and copies
     is exactly the batch's Switch loss, and whose gradient each microbatch's backward gives
     in full, under any schedule (without it: this call's own fractions)."""
+    local, sp = _check_inputs(params, x, config, bias, axis, load, tensor, split)
+    tp: Axis = tensor if sp else None  # type: ignore[assignment]  # (the tokens split over it)
+    shape = x.shape
+    whole = x.reshape(-1, config.d_model)
+    tokens = _own_tokens(whole, tp) if sp else whole
+    router = copy_to_group(params["router"], tp) if sp else params["router"]
+    k, e = config.top_k, config.experts
+    weights, experts, scores, logits = route(router, tokens, config, bias)
+    keep = _keep(experts, config, axis)
+    if keep is not None:
+        weights = weights * keep.to(weights.dtype)
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = _counts(flat, e)
+    source = order // k  # each sorted assignment's token
+    rows = tokens.index_select(0, source)
+    w_in, w_out = params["w_in"], params["w_out"]
+    width = None if sp else tensor  # the axis each expert's width is split over
+    if axis is None or axis.size == 1:
+        out = _tensor_parallel(rows, width, _experts, w_in, w_out, counts)
+    else:
+        out = _expert_parallel(w_in, w_out, rows, flat[order], axis, local, width)
+    out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    y = torch.zeros_like(tokens).index_add(0, source, out)
+    if sp:
+        y = gather_from_group(y, tp, dim=0)
+    if config.shared:
+        y = y + _tensor_parallel(whole, tensor, _shared, params["shared_in"], params["shared_out"])
+    kept = counts if keep is None else _counts(flat[keep.reshape(-1)], e)
+    return y.reshape(shape), _stats(counts, kept, scores, logits, load, whole.shape[0], k, tp)
+
+
+def _stats(
+    counts: Tensor,
+    kept: Tensor,
+    scores: Tensor,
+    logits: Tensor,
+    load: Tensor | None,
+    tokens: int,
+    k: int,
+    tensor: Axis | None,
+) -> dict[str, Tensor]:
+    """The layer's ``counts`` (kept assignments), Switch ``aux`` and ``z`` losses over all its
+    ``tokens`` (with ``tensor``: each rank scored its share; the counts are summed over it and
+    the losses are the mean of the ranks')."""
+    e = counts.shape[0]
+    if tensor is not None:
+        counts, kept = _summed(counts, tensor), _summed(kept, tensor)
+    if load is None:  # this call's fractions, counts / (T k), the division folded into E
+        fraction, scale = counts.to(scores.dtype), e / max(tokens * k, 1)
+    else:
+        fraction, scale = load.to(scores.dtype), float(e)
+    mine = scores.shape[0]
+    stats = {
+        "counts": kept,
+        "aux": scale * (fraction * scores.mean(0)).sum() if mine else scores.new_zeros(()),
+        "z": torch.logsumexp(logits, dim=-1).pow(2).mean() if mine else logits.new_zeros(()),
+    }
+    if tensor is not None:
+        stats["aux"], stats["z"] = (_mean_over(stats[n], tensor) for n in ("aux", "z"))
+    return stats
+
+
+def _check_inputs(
+    params: dict[str, Tensor],
+    x: Tensor,
+    config: MoEConfig,
+    bias: Tensor | None,
+    axis: Axis | None,
+    load: Tensor | None,
+    tensor: Axis | None,
+    split: str,
+) -> tuple[int, bool]:
+    """:func:`moe`'s arguments checked: (the experts each rank of ``axis`` holds, whether the
+    tokens are split over ``tensor``)."""
     if x.shape[-1] != config.d_model:
         raise InvalidArgument(
             f"moe: x[..., {x.shape[-1]}], the config has d_model={config.d_model}"
@@ -249,7 +355,7 @@ def moe(
             f"moe: bias must have one value per expert ({config.experts},); got {got}"
         )
     local = _check_axis(axis, config, params)
-    _check_tensor(tensor, config, params)
+    sp = _check_tensor(tensor, config, params, split, axis)
     if load is not None and (
         not isinstance(load, Tensor) or tuple(load.shape) != (config.experts,)
     ):
@@ -258,38 +364,28 @@ def moe(
             f"moe: load must be each expert's fraction of the batch's assignments "
             f"({config.experts},); got {got}"
         )
-    shape = x.shape
-    tokens = x.reshape(-1, config.d_model)
-    t, k, e = tokens.shape[0], config.top_k, config.experts
-    weights, experts, scores, logits = route(params["router"], tokens, config, bias)
-    keep = _keep(experts, config, axis)
-    if keep is not None:
-        weights = weights * keep.to(weights.dtype)
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = _counts(flat, e)
-    source = order // k  # each sorted assignment's token
-    rows = tokens.index_select(0, source)
-    w_in, w_out = params["w_in"], params["w_out"]
-    if axis is None or axis.size == 1:
-        out = _tensor_parallel(rows, tensor, _experts, w_in, w_out, counts)
-    else:
-        out = _expert_parallel(w_in, w_out, rows, flat[order], axis, local, tensor)
-    out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-    y = torch.zeros_like(tokens).index_add(0, source, out)
-    if config.shared:
-        y = y + _tensor_parallel(tokens, tensor, _shared, params["shared_in"], params["shared_out"])
-    kept = counts if keep is None else _counts(flat[keep.reshape(-1)], e)
-    if load is None:  # this call's fractions, counts / (t k), the division folded into E
-        fraction, scale = counts.to(scores.dtype), e / max(t * k, 1)
-    else:
-        fraction, scale = load.to(scores.dtype), float(e)
-    stats = {
-        "counts": kept,
-        "aux": scale * (fraction * scores.mean(0)).sum() if t else scores.new_zeros(()),
-        "z": torch.logsumexp(logits, dim=-1).pow(2).mean() if t else logits.new_zeros(()),
-    }
-    return y.reshape(shape), stats
+    return local, sp
+
+
+def _own_tokens(tokens: Tensor, tensor: Axis) -> Tensor:
+    """This tensor rank's ``1/t`` of the tokens (their gradient all-gathered in backward)."""
+    if tokens.shape[0] % tensor.size:
+        raise InvalidArgument(
+            f"moe(split='tokens'): {tokens.shape[0]} tokens do not divide over tensor axis "
+            f"{tensor.name!r} of {tensor.size} ranks; use a batch x sequence that {tensor.size} "
+            "divides, or split='width'"
+        )
+    return split_to_group(tokens, tensor, dim=0)
+
+
+def _summed(counts: Tensor, tensor: Axis) -> Tensor:
+    with torch.no_grad():
+        return all_reduce(counts, tensor)
+
+
+def _mean_over(value: Tensor, tensor: Axis) -> Tensor:
+    """The mean over ``tensor`` of each rank's value (equal token shares: the whole's)."""
+    return reduce_from_group(value, tensor) / tensor.size
 
 
 def _check_axis(axis: Axis | None, config: MoEConfig, params: dict[str, Tensor]) -> int:
@@ -313,12 +409,31 @@ def _check_axis(axis: Axis | None, config: MoEConfig, params: dict[str, Tensor])
     return local
 
 
-def _check_tensor(tensor: Axis | None, config: MoEConfig, params: dict[str, Tensor]) -> None:
-    """The experts' width split over ``tensor``, checked against the params held."""
+def _check_tensor(
+    tensor: Axis | None,
+    config: MoEConfig,
+    params: dict[str, Tensor],
+    split: str,
+    axis: Axis | None,
+) -> bool:
+    """``split`` over ``tensor``, checked against ``axis`` and the params held; whether the
+    tokens are split (a tensor axis of more than one rank and ``split="tokens"``)."""
+    if split not in SPLITS:
+        raise InvalidArgument(f"moe: split={split!r}; one of {SPLITS}")
     if tensor is None:
-        return
+        return False
     if not isinstance(tensor, Axis):
         raise InvalidArgument(f"moe: tensor={tensor!r} must be a funcpipe.parallel.Axis or None")
+    if split == "tokens":
+        if tensor.size > 1 and (axis is None or axis.name != "expert_tensor"):
+            raise InvalidArgument(
+                f"moe(split='tokens') over tensor axis {tensor.name!r} of {tensor.size} ranks "
+                f"with axis={None if axis is None else axis.name!r}: each tensor rank routes "
+                "its own tokens, so the experts must be spread over the expert x tensor ranks "
+                "(axis=mesh['expert_tensor']), or their gradients would miss the other "
+                "ranks' tokens"
+            )
+        return tensor.size > 1
     t, f = tensor.size, config.ffn
     if f % t:
         raise InvalidArgument(
@@ -332,6 +447,7 @@ def _check_tensor(tensor: Axis | None, config: MoEConfig, params: dict[str, Tens
             f"axis {tensor.name!r} of {t} ranks each holds {f // t} (moe.shardings gives the "
             "split: shard_tree(params, shardings(config), place))"
         )
+    return False
 
 
 def _expert_parallel(
@@ -372,17 +488,29 @@ def expert_shard(params: dict[str, Tensor], config: MoEConfig, axis: Axis) -> di
 
 
 def shardings(
-    config: MoEConfig, *, expert: str | None = "expert", tensor: str | None = "tensor"
+    config: MoEConfig,
+    *,
+    expert: str | None = "expert",
+    tensor: str | None = "tensor",
+    split: str = "width",
 ) -> dict[str, Sharding]:
     """How each of :func:`init`'s leaves is split over the mesh: the experts over ``expert``
-    (dim 0) and their width over ``tensor`` (``w_in``'s columns, whole gate-up pairs;
-    ``w_out``'s rows), the shared experts' width over ``tensor``, the router whole. ``None``:
-    not split over that axis."""
-    out = {
-        "router": Sharding.of(None, None),
-        "w_in": Sharding.of(expert, None, tensor),
-        "w_out": Sharding.of(expert, tensor, None),
-    }
+    (dim 0) and, with ``split="width"``, their width over ``tensor`` (``w_in``'s columns, whole
+    gate-up pairs; ``w_out``'s rows); with ``"tokens"`` the experts over ``expert`` then
+    ``tensor`` (the expert x tensor axis's order) and whole. The shared experts' width over
+    ``tensor``, the router whole. ``None``: not split over that axis."""
+    if split not in SPLITS:
+        raise InvalidArgument(f"moe.shardings: split={split!r}; one of {SPLITS}")
+    if split == "tokens":
+        over = tuple(a for a in (expert, tensor) if a is not None)
+        by = Sharding.of(over or None, None, None)
+        out = {"router": Sharding.of(None, None), "w_in": by, "w_out": by}
+    else:
+        out = {
+            "router": Sharding.of(None, None),
+            "w_in": Sharding.of(expert, None, tensor),
+            "w_out": Sharding.of(expert, tensor, None),
+        }
     if config.shared:
         out |= {"shared_in": Sharding.of(None, tensor), "shared_out": Sharding.of(tensor, None)}
     return out

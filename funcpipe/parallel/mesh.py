@@ -18,6 +18,11 @@ expert``: the dense layers' data parallelism, as without experts)::
 
     pipe, expert_data, expert, <tensor axes of the mode>
 
+In mode ``1d`` with ``expert > 1`` or ``tensor > 1`` the mesh also has ``expert_tensor``: the
+``ep x t`` ranks of one ``expert_data`` copy group and pipeline stage (coordinate ``expert * t +
+tensor``), over which an MoE block that splits its tokens over ``tensor`` spreads its experts
+(:mod:`funcpipe.models.moe`); it is ``tensor`` or ``expert`` where the other has size 1.
+
 =========== ============================================ =========================
 mode        tensor axes (sizes)                          rule on ``size``
 =========== ============================================ =========================
@@ -229,6 +234,12 @@ class ParallelConfig:
             derived |= {"expert_data": ("data",), "expert": ()}
         # (without experts too, in a Place: a sharding over the expert axis is then whole)
         sizes = {**self.axis_sizes, "expert": self.expert, "expert_data": self.data // self.expert}
+        # the expert x tensor ranks of a copy group (Mesh's expert_tensor axis), expert outer
+        coords["expert_tensor"] = coords["expert"] * self.tensor + coords["tensor"]
+        sizes["expert_tensor"] = self.expert * self.tensor
+        derived["expert_tensor"] = derived.get("expert", ("expert",)) + derived.get(
+            "tensor", ("tensor",)
+        )
         return Place(rank, coords, sizes, derived)
 
     def places(self) -> list[Place]:
@@ -482,5 +493,19 @@ def _make_mesh(
             else sub._flatten("data", backend_override=(backend, options))
         )
         axes["data"] = Axis("data", flat.size(), flat.get_local_rank(), flat.get_group())
+    if config.mode == "1d" and config.tensor > 1 and config.expert > 1:
+        # the expert and tensor ranks of one copy group, flattened (coord expert * t + tensor):
+        # an MoE block that splits its tokens over tensor sends them over it (models.moe)
+        sub = dm[("expert", "tensor")]
+        flat = (
+            sub._flatten("expert_tensor")
+            if options is None
+            else sub._flatten("expert_tensor", backend_override=(backend, options))
+        )
+        axes["expert_tensor"] = Axis("expert_tensor", flat.size(), flat.get_local_rank(),
+                                     flat.get_group())  # fmt: skip
+    elif config.mode == "1d" and (config.tensor > 1 or config.expert > 1):
+        only = axes["tensor" if config.tensor > 1 else "expert"]
+        axes["expert_tensor"] = Axis("expert_tensor", only.size, only.coord, only.group)
     # the default group among these is left out when they are destroyed (funcpipe.distributed.groups)
     return (dm, axes), [*dm.get_all_groups(), *extra, *(a.group for a in axes.values())]
