@@ -18,10 +18,10 @@ expert``: the dense layers' data parallelism, as without experts)::
 
     pipe, expert_data, expert, <tensor axes of the mode>
 
-In mode ``1d`` with ``expert > 1`` or ``tensor > 1`` the mesh also has ``expert_tensor``: the
-``ep x t`` ranks of one ``expert_data`` copy group and pipeline stage (coordinate ``expert * t +
-tensor``), over which an MoE block that splits its tokens over ``tensor`` spreads its experts
-(:mod:`funcpipe.models.moe`); it is ``tensor`` or ``expert`` where the other has size 1.
+In mode ``1d`` ``mesh["expert_tensor"]`` is the ``ep x t`` ranks of one ``expert_data`` copy
+group and pipeline stage (coordinate ``expert * t + tensor``), over which an MoE block that
+splits its tokens over ``tensor`` spreads its experts (:mod:`funcpipe.models.moe`): its own
+group (listed among the axes) where both are above 1, else ``tensor`` or ``expert`` renamed.
 
 =========== ============================================ =========================
 mode        tensor axes (sizes)                          rule on ``size``
@@ -98,7 +98,12 @@ class Place:
 
     def __repr__(self) -> str:
         alone = self.sizes.get("expert", 1) == 1  # (its aliases then say nothing)
-        shown = [a for a in self.coords if not (alone and a in ("expert", "expert_data"))]
+        flat = self.sizes.get("tensor", 1) == 1 or alone  # (expert_tensor then renames one)
+        hidden = {
+            *(("expert", "expert_data") if alone else ()),
+            *(("expert_tensor",) if flat else ()),
+        }
+        shown = [a for a in self.coords if a not in hidden]
         inner = ", ".join(f"{a}={self.coords[a]}/{self.sizes[a]}" for a in shown)
         return f"Place(rank={self.rank}, {inner})"
 
@@ -211,6 +216,8 @@ class ParallelConfig:
         sizes = dict(zip(self.mesh_dim_names, self.mesh_shape, strict=True))
         sizes["tensor"] = self.tensor
         sizes["data"] = self.data
+        if self.mode == "1d" and self.tensor > 1 and self.expert > 1:  # a group of its own
+            sizes["expert_tensor"] = self.expert * self.tensor
         return sizes
 
     def place(self, rank: int) -> Place:
@@ -375,6 +382,9 @@ class Mesh(Mapping[str, Axis]):
         try:
             return self._axes[name]
         except KeyError:
+            alias = self._expert_tensor() if name == "expert_tensor" else None
+            if alias is not None:
+                return alias
             if self.closed:
                 raise InvalidArgument(
                     f"mesh[{name!r}]: this mesh was closed (close() or the end of its with "
@@ -384,6 +394,15 @@ class Mesh(Mapping[str, Axis]):
                 f"mesh has no axis {name!r}; its axes are {list(self._axes)} "
                 f"(mode {self.config.mode!r})."
             ) from None
+
+    def _expert_tensor(self) -> Axis | None:
+        """``expert_tensor`` where one of its two axes has size 1: the other one, renamed (not
+        listed among the axes: it is no group of its own)."""
+        c = self.config
+        if c.mode != "1d" or self.closed or (c.tensor > 1 and c.expert > 1):
+            return None
+        only = self._axes["tensor" if c.tensor > 1 or c.expert == 1 else "expert"]
+        return Axis("expert_tensor", only.size, only.coord, only.group)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._axes)
@@ -504,8 +523,5 @@ def _make_mesh(
         )
         axes["expert_tensor"] = Axis("expert_tensor", flat.size(), flat.get_local_rank(),
                                      flat.get_group())  # fmt: skip
-    elif config.mode == "1d" and (config.tensor > 1 or config.expert > 1):
-        only = axes["tensor" if config.tensor > 1 else "expert"]
-        axes["expert_tensor"] = Axis("expert_tensor", only.size, only.coord, only.group)
     # the default group among these is left out when they are destroyed (funcpipe.distributed.groups)
     return (dm, axes), [*dm.get_all_groups(), *extra, *(a.group for a in axes.values())]
