@@ -66,7 +66,7 @@ def tokens_split_vs_one_device(rank: int, cases: Sequence[dict[str, Any]]) -> li
     for case in cases:
         config = moe.MoEConfig(
             d_model=4, experts=4, ffn=4, top_k=case["k"], shared=case["shared"],
-            score=case["score"],
+            score=case["score"], capacity=case.get("capacity"),
         )  # fmt: skip
         full = moe.init(config, seed=case["seed"], dtype=F64)
         g = torch.Generator().manual_seed(case["seed"])

@@ -103,6 +103,7 @@ def split_cases(draw: st.DrawFn) -> dict[str, Any]:
         "shared": draw(st.integers(0, 1)),
         "score": draw(st.sampled_from(["softmax", "sigmoid"])),
         "tokens": 2 * draw(st.integers(1, 4)),
+        "capacity": draw(st.sampled_from([None, None, 0.5, 1.0])),
         "seed": draw(st.integers(0, 10**6)),
     }
 
@@ -116,6 +117,6 @@ def test_tokens_split_over_tensor_ranks_equals_one_device(
     """``moe(split="tokens")`` over 2 tensor ranks (each routing half the tokens, 2 of the 4
     experts each, the router's gradient summed over them in backward): the output, the counts,
     the auxiliary and z losses and every gradient equal the layer on one device, for routings
-    hypothesis draws."""
+    hypothesis draws, a capacity (counted over both ranks' tokens, in token order) included."""
     for rank, worst in enumerate(pool(2).run(J.tokens_split_vs_one_device, drawn)):
         assert max(worst) < 1e-10, (rank, worst)
