@@ -23,9 +23,10 @@ _LAYOUT_FLAGS = (
     "schedule",
     "zero",
     "expert_parallel",
+    "moe_tensor",
 )
 
-_MOE_FLAGS = ("top_k", "moe_ffn", "shared_experts", "dense_layers")
+_MOE_FLAGS = ("top_k", "moe_ffn", "shared_experts", "dense_layers", "moe_tensor")
 """Options that describe a mixture of experts: each needs ``--experts``."""
 
 
@@ -68,6 +69,13 @@ def register(subparsers: Subparsers) -> None:
     )
     lay.add_argument("--recompute", choices=RECOMPUTE, default=None)
     lay.add_argument("--sequence-parallel", action="store_true", default=None)
+    lay.add_argument(
+        "--moe-tensor",
+        choices=("width", "tokens"),
+        default=None,
+        help="with --tensor > 1, how an MoE block uses it: each expert's width split over it "
+        "(width, the default) or its tokens, the experts over expert x tensor ranks (tokens)",
+    )
     lay.add_argument(
         "--stage-layers",
         default=None,
@@ -289,6 +297,7 @@ def _layout(args: argparse.Namespace) -> Any:
         zero=args.zero or 0,
         expert=args.expert_parallel or 1,
         overlap=bool(args.overlap),
+        moe_tensor=args.moe_tensor or "width",
     )
 
 

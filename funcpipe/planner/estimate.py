@@ -212,6 +212,15 @@ def _check_experts(model: Transformer, layout: ClusterLayout) -> None:
             f"axis (each rank holds experts / expert of them); pick an expert size that "
             f"divides {model.experts}"
         )
+    if layout.moe_tensor == "tokens":
+        spread = ep * layout.tensor
+        if not model.experts or model.experts % spread:
+            raise InvalidArgument(
+                f"layout moe_tensor='tokens' (expert {ep} x tensor {layout.tensor}): the "
+                f"experts spread over the {spread} expert x tensor ranks, and "
+                f"experts={model.experts} does not split over them; give a mixture of experts "
+                f"with a multiple of {spread} experts, or moe_tensor='width'"
+            )
 
 
 def estimate(

@@ -10,6 +10,7 @@ __all__ = [
     "DISPATCHERS",
     "MAX_GPUS",
     "MAX_STAGES",
+    "MOE_TENSOR",
     "PAIRING",
     "RECOMPUTE",
     "SCHEDULES",
@@ -21,6 +22,9 @@ __all__ = [
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "zb-h2", "zbv", "dualpipev")
 """Schedules the planner prices (names of :data:`funcpipe.schedule.GENERATORS`)."""
+
+MOE_TENSOR = ("width", "tokens")
+"""How an MoE block uses a tensor axis (``ClusterLayout(moe_tensor=)``)."""
 
 PAIRING = ("zbv", "dualpipev")
 """Schedules whose generators pair a forward with a backward (``overlap=True``: overlapped pairs,
@@ -82,7 +86,10 @@ class ClusterLayout:
     experts); ``dispatcher`` one of :data:`DISPATCHERS`, how the expert axis moves tokens;
     ``overlap`` runs the schedule's overlapped pairs (a forward beside another microbatch's
     backward, each hiding its expert all-to-all behind the other's compute): only with an
-    expert axis and a schedule of :data:`PAIRING`."""
+    expert axis and a schedule of :data:`PAIRING`; ``moe_tensor`` one of :data:`MOE_TENSOR`,
+    how an MoE block uses ``tensor > 1``: each expert's width split over it (``"width"``), or
+    its tokens, the experts spread over the ``expert x tensor`` ranks (``"tokens"``; funcpipe's
+    ``GPTConfig(moe_tensor=)``, docs/moe.md)."""
 
     tensor: int = 1
     pipeline: int = 1
@@ -98,6 +105,7 @@ class ClusterLayout:
     expert: int = 1
     dispatcher: str = "alltoall"
     overlap: bool = False
+    moe_tensor: str = "width"
 
     def __post_init__(self, zero1: bool) -> None:
         for name in ("tensor", "pipeline", "data", "microbatch", "interleave", "expert"):
@@ -122,6 +130,15 @@ class ClusterLayout:
                 f"ClusterLayout(schedule={self.schedule!r}): one of {', '.join(SCHEDULES)}"
             )
         self._check_overlap()
+        if self.moe_tensor not in MOE_TENSOR:
+            raise InvalidArgument(
+                f"ClusterLayout(moe_tensor={self.moe_tensor!r}): one of {', '.join(MOE_TENSOR)}"
+            )
+        if self.moe_tensor == "tokens" and self.tensor == 1:
+            raise InvalidArgument(
+                "ClusterLayout(moe_tensor='tokens', tensor=1): the tokens are split over the "
+                "tensor ranks, and there is one; pass tensor > 1 or leave it out"
+            )
         fixed = _CHUNKS.get(self.schedule)
         if fixed is not None and self.interleave != fixed:
             raise InvalidArgument(
@@ -237,6 +254,8 @@ class ClusterLayout:
             del out["dispatcher"]
         if not self.overlap:
             del out["overlap"]
+        if self.moe_tensor == "width":
+            del out["moe_tensor"]
         return out
 
     def short(self) -> str:
@@ -260,6 +279,8 @@ class ClusterLayout:
             bits.append("layers " + ",".join(map(str, self.stage_layers)))
         if self.dispatcher != "alltoall":
             bits.append(self.dispatcher)
+        if self.moe_tensor == "tokens":
+            bits.append("moe-tokens")
         if self.overlap:
             bits.append("overlap")
         bits.append(self.schedule)

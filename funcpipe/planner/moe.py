@@ -45,6 +45,8 @@ __all__ = [
     "HYBRIDEP_NIC_SHARE",
     "dispatch_bytes",
     "dispatch_seconds",
+    "expert_group",
+    "local_experts",
     "moe_comm",
     "moe_layer_costs",
     "node_touch_probability",
@@ -75,6 +77,9 @@ def routed_rows(model: Transformer, layout: ClusterLayout) -> tuple[float, float
     ``tensor > 1`` with sequence parallelism (Megatron-Core) each rank routes ``b s / t``
     tokens and gathers its tensor group's rows; without it (funcpipe's runtime) each routes
     all ``b s`` and computes ``1/t`` of every expert's width on every row."""
+    if layout.moe_tensor == "tokens":  # each routes 1/t of them; whole experts, no gather
+        tokens = layout.microbatch * model.seq / layout.tensor
+        return tokens, tokens * model.top_k
     t = layout.tensor if layout.sequence_parallel else 1
     tokens = layout.microbatch * model.seq / t
     return tokens, tokens * model.top_k * t
@@ -88,6 +93,24 @@ def dispatch_bytes(model: Transformer, layout: ClusterLayout) -> float:
     return tokens * model.top_k * model.hidden * model.bytes
 
 
+def expert_group(layout: ClusterLayout, cluster: Cluster) -> tuple[int, int]:
+    """(ranks of the expert all-to-all's group, how many of them share a node): the ``expert``
+    ranks, ``tensor`` apart; with ``moe_tensor="tokens"`` the ``expert x tensor`` ranks, the
+    tensor ranks adjacent."""
+    ep, t = layout.expert, layout.tensor
+    if layout.moe_tensor == "tokens":
+        return ep * t, min(ep * t, max(cluster.gpus_per_node, t))
+    return ep, max(1, cluster.gpus_per_node // t)
+
+
+def local_experts(model: Transformer, layout: ClusterLayout) -> tuple[float, float]:
+    """(experts a rank holds, the width of each it computes): ``E / ep`` at width ``F / t``, or
+    with ``moe_tensor="tokens"`` ``E / (ep t)`` whole ones."""
+    if layout.moe_tensor == "tokens":
+        return model.experts / (layout.expert * layout.tensor), float(model.expert_ffn)
+    return model.experts / layout.expert, model.expert_ffn / layout.tensor
+
+
 def dispatch_seconds(
     model: Transformer, layout: ClusterLayout, cluster: Cluster, op: str = "dispatch"
 ) -> float:
@@ -97,12 +120,11 @@ def dispatch_seconds(
     ``alltoall``: :func:`~funcpipe.planner.comm.all_to_all_nodes`. ``hybridep`` across nodes:
     :func:`_hybridep_seconds`; inside one node it is priced as the NVLink all-to-all (DeepEP
     publishes no H100 figure for its intra-node kernels)."""
-    ep, t = layout.expert, layout.tensor
-    per_node = max(1, cluster.gpus_per_node // t)
+    n, per_node = expert_group(layout, cluster)
     nbytes = dispatch_bytes(model, layout)
-    if layout.dispatcher == "hybridep" and per_node < ep:
+    if layout.dispatcher == "hybridep" and per_node < n:
         return _hybridep_seconds(model, layout, cluster, per_node, op)
-    return comm.all_to_all_nodes(nbytes, ep, per_node, cluster.intra, cluster.inter)
+    return comm.all_to_all_nodes(nbytes, n, per_node, cluster.intra, cluster.inter)
 
 
 def node_touch_probability(experts: int, on_node: int, top_k: int) -> float:
@@ -123,10 +145,10 @@ def _hybridep_seconds(
     node's experts it picked), at :data:`HYBRIDEP_NIC_SHARE` of the NIC, and is fanned out over
     NVLink inside the node (at most the node's ``(g - 1) / g`` of the rank's routed rows) at
     the same time; the slower of the two, plus a network latency per other node."""
-    ep = layout.expert
-    nodes = ep // per_node
+    n, _ = expert_group(layout, cluster)
+    nodes = n // per_node
     tokens, _ = routed_rows(model, layout)
-    on_node = model.experts // ep * per_node
+    on_node = model.experts // n * per_node
     touched = (nodes - 1) * node_touch_probability(model.experts, on_node, model.top_k)
     remote = tokens * touched * model.hidden * model.bytes
     remote_s = remote / (cluster.inter.bandwidth * HYBRIDEP_NIC_SHARE[op])
@@ -149,6 +171,15 @@ def moe_comm(model: Transformer, layout: ClusterLayout, cluster: Cluster) -> tup
     tlink = cluster.link(stride=1, size=t)
     act = layout.microbatch * model.seq * model.hidden * model.bytes
     routed = model.top_k * act
+    if layout.moe_tensor == "tokens":  # the output all-gathered; the router's gradient summed
+        att = (
+            comm.all_gather(act, t, tlink) + comm.reduce_scatter(act, t, tlink)
+            if layout.sequence_parallel
+            else comm.all_reduce(act, t, tlink)
+        )
+        tp = att + comm.all_gather(act / t, t, tlink)
+        tp += comm.all_reduce(model.experts * model.hidden * model.bytes, t, tlink)
+        return tp + (comm.all_reduce(act, t, tlink) if model.shared_experts else 0.0), a2a
     if not layout.sequence_parallel:  # funcpipe's runtime: all-reduces (docs/moe.md)
         tp = comm.all_reduce(act, t, tlink) + comm.all_reduce(routed, t, tlink)
         return tp + (comm.all_reduce(act, t, tlink) if model.shared_experts else 0.0), a2a
@@ -170,13 +201,13 @@ def moe_layer_costs(
     """One MoE block on one GPU for one microbatch, without its communication (:func:`moe_comm`)."""
     peak, bf16 = matmul_peak(model, cluster), cluster.gpu.peak(model.dtype)
     bw, nb = cluster.gpu.bandwidth, model.bytes
-    t, ep, h = layout.tensor, layout.expert, model.hidden
+    t, h = layout.tensor, model.hidden
     tokens, rows = routed_rows(model, layout)  # per rank: routed tokens, expert rows
     all_tokens = layout.microbatch * model.seq
-    m, f_ = model.matrices, model.expert_ffn / t
-    local = model.experts / ep
+    m = model.matrices
+    local, f_ = local_experts(model, layout)  # experts held, the width of each computed
     per_expert = rows / local
-    shared = model.shared_experts * f_
+    shared = model.shared_experts * model.expert_ffn / t  # (its width split either way)
     linear = attention_linear(model, layout, cluster, cal) + gemm(
         tokens, model.experts, h, bf16, cal
     )  # the router: not an FP8 module
@@ -186,13 +217,14 @@ def moe_layer_costs(
     if shared:
         linear += gemm(all_tokens, (m - 1) * shared, h, peak, cal)
         linear += gemm(all_tokens, h, shared, peak, cal)
-    x = tokens * h  # elements of the block's input on this rank
+    x = _block_tokens(model, layout) * h  # the block's input on this rank (norms, residuals)
+    routed = tokens * h  # the MoE's routed tokens (x, or 1/t of it with moe_tensor="tokens")
     norm_f = 2 * (2 * x * nb) / (bw * cal.norm)
     act_f = (rows * f_ + all_tokens * shared) * m * nb / (bw * cal.elementwise)
     moved = 2 * (3 * x * nb + x)  # the two residual adds
     moved += 3 * tokens * model.experts * _PROBS_BYTES  # softmax and top-k of the logits
-    moved += 2 * (1 + model.top_k) * x * nb  # permute and unpermute (with the router weights)
-    if ep > 1 and local > 1:
+    moved += 2 * (1 + model.top_k) * routed * nb  # permute and unpermute (with the weights)
+    if expert_group(layout, cluster)[0] > 1 and local > 1:
         moved += 2 * 2 * rows * h * nb  # sort the received rows by expert, and back
     if shared:
         moved += 3 * x * nb  # add the shared experts' output
@@ -217,7 +249,8 @@ def moe_layer_costs(
         )
     core_f, core_b, selective = attention_core(model, layout, cluster, cal, windowed)
     f = linear + core_f + mem_f
-    kept, saved_by_selective = _activations(model, layout, tokens, rows)
+    kept, saved_by_selective = _activations(model, layout, tokens, rows, f_)
+    kept += 4 * (x - routed) * nb  # (the norms' tokens beyond the routed ones: "tokens" split)
     full = kept
     if layout.recompute == "full":
         extra, act, working = f, x * nb, full
@@ -231,8 +264,15 @@ def moe_layer_costs(
     return OpCosts(f=f, i=i, w=linear, recompute=extra, activation=act, working=working)
 
 
+def _block_tokens(model: Transformer, layout: ClusterLayout) -> float:
+    """Tokens of a block's input (and norms, residual adds) on one rank: ``b s / t`` under
+    sequence parallelism, else all ``b s``."""
+    t = layout.tensor if layout.sequence_parallel else 1
+    return layout.microbatch * model.seq / t
+
+
 def _activations(
-    model: Transformer, layout: ClusterLayout, tokens: float, rows: float
+    model: Transformer, layout: ClusterLayout, tokens: float, rows: float, f_: float
 ) -> tuple[float, float]:
     """(bytes an MoE block keeps for backward on one rank, the part selective recompute does
     not keep): per routed token its two norm inputs and outputs (the second norm's output is
@@ -243,8 +283,8 @@ def _activations(
     dropout)."""
     t, h, nb = layout.tensor, model.hidden, model.bytes
     all_tokens = layout.microbatch * model.seq
-    m, f_ = model.matrices, model.expert_ffn / t
-    shared = model.shared_experts * f_
+    m = model.matrices  # (f_: each expert's width computed on this rank)
+    shared = model.shared_experts * model.expert_ffn / t
     norms = 4 * tokens * h  # inputs and outputs of the two norms
     heads = all_tokens * (2 * model.q_size + 2 * model.kv_size) / t
     scores = 0.0 if model.flash else 5 * model.heads * model.seq / t * all_tokens / nb

@@ -123,10 +123,16 @@ def candidates(
                     )
                     for rc, sp, z, e in inner:
                         can = e > 1 and sched in PAIRING and p > 1  # may have pairs
+                        # an MoE under tensor: each expert's width over it, or its tokens
+                        splits = ("width", "tokens") if t > 1 and model.experts else ("width",)
                         for ov in pairs if can else (False,) if False in pairs else ():
-                            yield ClusterLayout(
-                                t, p, d, b, v, rc, sp, sched, zero=z, expert=e, overlap=ov
-                            )
+                            for mt in splits:
+                                if mt == "tokens" and model.experts % (e * t):
+                                    continue
+                                yield ClusterLayout(
+                                    t, p, d, b, v, rc, sp, sched, zero=z, expert=e, overlap=ov,
+                                    moe_tensor=mt,
+                                )  # fmt: skip
 
 
 def _overlaps(

@@ -100,12 +100,16 @@ def test_an_moe_block_prices_its_products_at_the_calibrated_share() -> None:
     """Free memory traffic and no launch cost: W is the block's weight products (attention,
     router, each local expert on its share of the k copies, the shared expert) at the share."""
     tokens, h, q, kvd, f, E, k = 2 * 64, 128, 256, 128, 256, 8, 2
-    for t, ep, sp in ((1, 1, False), (1, 4, False), (2, 2, True), (2, 2, False)):
-        lay = ClusterLayout(tensor=t, data=4, expert=ep, microbatch=2, sequence_parallel=sp)
+    for t, ep, sp, mt in ((1, 1, False, "width"), (1, 4, False, "width"), (2, 2, True, "width"),
+                          (2, 2, False, "width"), (2, 2, False, "tokens")):  # fmt: skip
+        lay = ClusterLayout(tensor=t, data=4, expert=ep, microbatch=2, sequence_parallel=sp,
+                            moe_tensor=mt)  # fmt: skip
         c = moe_layer_costs(MOE, lay, IDEAL, FREE)
         attention = 2 * tokens * (h * (q + 2 * kvd) + q * h) / t
-        router = 2 * tokens / (t if sp else 1) * h * E  # without SP each rank routes them all
-        experts = 2 * tokens * k * 3 * h * f / t  # every rank: all k copies, f / t of each
+        # without SP each rank routes them all; split by tokens, its 1/t
+        router = 2 * tokens / (t if sp or mt == "tokens" else 1) * h * E
+        # every rank: all k copies at f / t of each, or (tokens) 1/t of them at the whole f
+        experts = 2 * tokens * k * 3 * h * f / t
         shared = 2 * tokens * 3 * h * f / t
         assert isclose(c.w, (attention + router + experts + shared) / 50e12), (t, ep)
 
@@ -157,6 +161,55 @@ def test_the_all_to_all_bytes_and_seconds_are_the_closed_form() -> None:
         assert isclose(dispatch_seconds(MOE, lay, where), want), (t, ep)
         assert isclose(moe_comm(MOE, lay, where)[1], 2 * want)  # dispatch and combine in F
     assert dispatch_seconds(MOE, ClusterLayout(data=4), where) == 0.0  # one expert group
+
+
+def test_moe_tokens_over_tensor_send_their_share_over_the_expert_x_tensor_ranks() -> None:
+    """moe_tensor="tokens" (docs/moe.md): each of the t ranks sends its 1/t of the tokens' k
+    copies over the ep x t ranks (the tensor ranks adjacent: a node holds up to 8 of them); it
+    all-reduces the attention's output, all-gathers the block's output and sums the router's
+    gradient over tensor (E x h numbers), and the shared experts' output."""
+    intra, inter = Link(400e9, 2e-6), Link(40e9, 9e-6)
+    where = Cluster(IDEAL.gpu, gpus_per_node=8, intra=intra, inter=inter)
+    b, s, h, k, E = 2, 64, 128, 2, 8
+    for ep in (2, 4):
+        lay = ClusterLayout(tensor=2, data=16, expert=ep, microbatch=b, moe_tensor="tokens")
+        nbytes = b * s / 2 * k * h * 2
+        assert isclose(dispatch_bytes(MOE, lay), nbytes)
+        n = 2 * ep  # 4 or 8 ranks: one node
+        want = (n - 1) / n * nbytes / intra.bandwidth + (n - 1) * intra.latency
+        assert isclose(dispatch_seconds(MOE, lay, where), want), ep
+        act = b * s * h * 2
+        tp = (comm.all_reduce(act, 2, intra) + comm.all_gather(act / 2, 2, intra)
+              + comm.all_reduce(E * h * 2, 2, intra) + comm.all_reduce(act, 2, intra))  # fmt: skip
+        assert isclose(moe_comm(MOE, lay, where)[0], tp)
+    wide = ClusterLayout(tensor=2, data=16, expert=8, microbatch=b, moe_tensor="tokens")
+    remote = (16 - 8) / 16 * b * s / 2 * k * h * 2 / inter.bandwidth  # 16 ranks over 2 nodes
+    local = (8 - 1) / 16 * b * s / 2 * k * h * 2 / intra.bandwidth
+    assert isclose(dispatch_seconds(MOE, wide, where), max(remote, local) + 15 * inter.latency)
+
+
+def test_moe_tokens_over_tensor_is_a_layout_field() -> None:
+    """The text and JSON say it (JSON only where it is "tokens"); refused with one tensor rank,
+    on a dense model, and where the experts do not split over the expert x tensor ranks; the
+    search takes both splits under tensor for a mixture of experts."""
+    lay = ClusterLayout(tensor=2, data=2, moe_tensor="tokens")
+    assert "moe-tokens" in lay.short() and lay.as_dict()["moe_tensor"] == "tokens"
+    assert "moe_tensor" not in ClusterLayout(tensor=2, data=2).as_dict()
+    with pytest.raises(InvalidArgument, match="moe_tensor='tokens', tensor=1"):
+        ClusterLayout(data=2, moe_tensor="tokens")
+    with pytest.raises(InvalidArgument, match="moe_tensor='rows'"):
+        ClusterLayout(tensor=2, moe_tensor="rows")
+    dense = Transformer(layers=2, hidden=64, heads=2, vocab=10, seq=8)
+    with pytest.raises(InvalidArgument, match="experts=0 does not split"):
+        estimate(dense, cluster("h100-sxm"), lay, global_batch=2)
+    with pytest.raises(InvalidArgument, match="experts=8 does not split over them"):
+        estimate(MOE, cluster("h100-sxm"),
+                 ClusterLayout(tensor=2, data=16, expert=8, moe_tensor="tokens"),
+                 global_batch=16)  # fmt: skip
+    lays = list(candidates(MOE, 16, 32, schedules=("1f1b",), recompute=("none",), zero=(0,)))
+    got = {(lay.tensor > 1, lay.moe_tensor) for lay in lays}
+    assert got == {(False, "width"), (True, "width"), (True, "tokens")}
+    assert all(8 % (lay.expert * lay.tensor) == 0 for lay in lays if lay.moe_tensor == "tokens")
 
 
 def test_tensor_parallel_experts_without_sequence_parallelism_all_reduce_the_rows() -> None:
@@ -334,6 +387,15 @@ def test_cli_prices_a_mixture_of_experts(capsys: pytest.CaptureFixture[str]) -> 
     assert "8 experts (top 2)" in table and "tok/s/GPU" in table and "(searched)" in table
 
 
+def test_cli_prices_moe_tokens_over_tensor(capsys: pytest.CaptureFixture[str]) -> None:
+    """--moe-tensor tokens fixes the layout's split (its JSON says it; the text too)."""
+    args = [*MOE_ARGS, "--tensor", "2", "--expert-parallel", "2", "--moe-tensor", "tokens"]
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["moe_tensor"] == "tokens"
+    assert main(args) == 0
+    assert "moe-tokens" in capsys.readouterr().out
+
+
 def test_cli_json_of_a_dense_model_has_the_new_keys(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["plan", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "1000",
             "--seq", "128", "--global-batch", "16", "--gpus", "8", "--gpu", "h100-sxm"]  # fmt: skip
@@ -369,7 +431,8 @@ def test_cli_refuses_bad_moe_input(
 def test_cli_refuses_moe_options_without_experts(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["plan", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "1000",
             "--seq", "128", "--global-batch", "16", "--gpus", "8", "--gpu", "h100-sxm"]  # fmt: skip
-    for extra in (["--top-k", "2"], ["--expert-parallel", "2"], ["--moe-ffn", "64"]):
+    for extra in (["--top-k", "2"], ["--expert-parallel", "2"], ["--moe-ffn", "64"],
+                  ["--moe-tensor", "tokens"]):  # fmt: skip
         assert main([*args, *extra]) == 2
         assert "give --experts E too" in capsys.readouterr().err
 
