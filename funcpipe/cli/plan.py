@@ -33,7 +33,6 @@ _MOE_FLAGS = ("top_k", "moe_ffn", "shared_experts", "dense_layers", "moe_tensor"
 def register(subparsers: Subparsers) -> None:
     """Add the ``plan`` subcommand to ``subparsers``."""
     from funcpipe.planner.cluster import GPUS
-    from funcpipe.planner.layout import RECOMPUTE, SCHEDULES, ZERO
 
     parser = subparsers.add_parser(
         "plan",
@@ -57,6 +56,18 @@ def register(subparsers: Subparsers) -> None:
         need.add_argument(flag, type=int, required=True, help=what)
     need.add_argument("--gpu", choices=tuple(GPUS), required=True, help="GPU preset")
     _model_options(parser)
+    _layout_options(parser)
+    parser.add_argument(
+        "--top", type=int, default=1, metavar="K", help="layouts to show when searching (default 1)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=_run)
+
+
+def _layout_options(parser: argparse.ArgumentParser) -> None:
+    """The layout's options (any of them fixes the layout; none: it is searched)."""
+    from funcpipe.planner.layout import RECOMPUTE, SCHEDULES, ZERO
+
     lay = parser.add_argument_group("layout (leave all out to search)")
     for flag in ("--tensor", "--pipeline", "--data", "--microbatch", "--interleave"):
         lay.add_argument(flag, type=int, default=None)
@@ -107,11 +118,6 @@ def register(subparsers: Subparsers) -> None:
         "--expert-parallel > 1); when searching, --overlap searches only such layouts and "
         "--no-overlap none (default: both where a layout may)",
     )
-    parser.add_argument(
-        "--top", type=int, default=1, metavar="K", help="layouts to show when searching (default 1)"
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(handler=_run)
 
 
 def _model_options(parser: argparse.ArgumentParser) -> None:
