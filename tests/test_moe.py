@@ -4,6 +4,7 @@ scores with a balancing bias, the statistics and the bad configurations."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -220,3 +221,37 @@ def test_experts_named_without_an_expert_axis_reduce_like_dense_leaves() -> None
     got = pipe.step(params, x, y)
     ref = fp.reference_step(stages, params, x, mse, targets=y, microbatches=4)
     fp.testing.assert_trees_close((got.loss, got.grads), ref, atol=1e-12, rtol=1e-10)
+
+
+def test_params_of_another_tensor_split_are_refused_not_summed() -> None:
+    """Over a tensor axis each rank holds 1/t of every split width: a leaf left whole (which the
+    sum over tensor would count t times over) or cut for the other split is named before any
+    collective, and so is an unknown split."""
+    from funcpipe.parallel import Axis
+    from funcpipe.parallel.mesh import ParallelConfig
+    from funcpipe.parallel.sharding import shard_tree
+
+    c = M.MoEConfig(d_model=8, experts=4, ffn=8, top_k=2, shared=1)
+    full = M.init(c, seed=0)
+    place = ParallelConfig.from_dict({"tensor": 2}, world_size=2).place(0)
+    tensor, spread = Axis("tensor", 2, 0, None), Axis("expert_tensor", 2, 0, None)
+    x = torch.randn(4, 8)
+    width = shard_tree(full, M.shardings(c, expert=None), place)
+    tokens = shard_tree(full, M.shardings(c, expert=None, split="tokens"), place)
+    cases = [
+        ({**width, "shared_in": full["shared_in"], "shared_out": full["shared_out"]}, "width",
+         None, "params['shared_out'] holds 8 rows"),
+        ({**width, "w_in": full["w_in"]}, "width", None, "params['w_in'] holds 16 columns"),
+        ({**tokens, "shared_out": full["shared_out"]}, "tokens", spread,
+         "params['shared_out'] holds 8 rows"),
+        (width, "tokens", spread, "params['w_out'] holds 4 rows"),  # width-cut, tokens split
+    ]  # fmt: skip
+    for params, split, axis, said in cases:
+        if axis is not None:  # (the tokens split holds E / 2 experts over the spread axis)
+            params = {**params, "w_in": params["w_in"][:2], "w_out": params["w_out"][:2]}
+        with pytest.raises(InvalidArgument, match=re.escape(said)):
+            M.moe(params, x, c, axis=axis, tensor=tensor, split=split)
+    with pytest.raises(InvalidArgument, match=r"split='rows'; one of \('width', 'tokens'\)"):
+        M.moe(full, x, c, split="rows")
+    with pytest.raises(InvalidArgument, match="split='rows'"):
+        M.shardings(c, split="rows")

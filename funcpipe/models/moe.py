@@ -314,8 +314,10 @@ def _stats(
     ``tokens`` (with ``tensor``: each rank scored its share; the counts are summed over it and
     the losses are the mean of the ranks')."""
     e = counts.shape[0]
-    if tensor is not None:
-        counts, kept = _summed(counts, tensor), _summed(kept, tensor)
+    if tensor is not None:  # (one all-reduce: the kept counts are the counts without a capacity)
+        same = kept is counts
+        counts, kept = _summed(torch.stack([counts, kept]), tensor).unbind(0)
+        kept = counts if same else kept
     if load is None:  # this call's fractions, counts / (T k), the division folded into E
         fraction, scale = counts.to(scores.dtype), e / max(tokens * k, 1)
     else:
@@ -326,8 +328,10 @@ def _stats(
         "aux": scale * (fraction * scores.mean(0)).sum() if mine else scores.new_zeros(()),
         "z": torch.logsumexp(logits, dim=-1).pow(2).mean() if mine else logits.new_zeros(()),
     }
-    if tensor is not None:
-        stats["aux"], stats["z"] = (_mean_over(stats[n], tensor) for n in ("aux", "z"))
+    if tensor is not None:  # (both losses in one collective)
+        both = torch.stack([stats["aux"], stats["z"].to(stats["aux"].dtype)])
+        aux, z = _mean_over(both, tensor).unbind(0)
+        stats["aux"], stats["z"] = aux, z.to(stats["z"].dtype)
     return stats
 
 
@@ -424,30 +428,40 @@ def _check_tensor(
         return False
     if not isinstance(tensor, Axis):
         raise InvalidArgument(f"moe: tensor={tensor!r} must be a funcpipe.parallel.Axis or None")
-    if split == "tokens":
-        if tensor.size > 1 and (axis is None or axis.name != "expert_tensor"):
-            raise InvalidArgument(
-                f"moe(split='tokens') over tensor axis {tensor.name!r} of {tensor.size} ranks "
-                f"with axis={None if axis is None else axis.name!r}: each tensor rank routes "
-                "its own tokens, so the experts must be spread over the expert x tensor ranks "
-                "(axis=mesh['expert_tensor']), or their gradients would miss the other "
-                "ranks' tokens"
-            )
-        return tensor.size > 1
     t, f = tensor.size, config.ffn
-    if f % t:
+    tokens = split == "tokens" and t > 1
+    if tokens and (axis is None or axis.name != "expert_tensor"):
         raise InvalidArgument(
-            f"moe: ffn={f} does not divide over tensor axis {tensor.name!r} of {t} ranks: each "
-            f"holds ffn / {t} of every expert's width; use a multiple of {t}"
+            f"moe(split='tokens') over tensor axis {tensor.name!r} of {t} ranks "
+            f"with axis={None if axis is None else axis.name!r}: each tensor rank routes "
+            "its own tokens, so the experts must be spread over the expert x tensor ranks "
+            "(axis=mesh['expert_tensor']), or their gradients would miss the other "
+            "ranks' tokens"
         )
-    held = params["w_out"].shape[-2]
-    if held != f // t:
+    need = config.shared * f if split == "tokens" else f  # the widths split over tensor
+    if need % t:
+        what = "the shared experts'" if split == "tokens" else "every expert's"
         raise InvalidArgument(
-            f"moe: params['w_out'] holds {held} rows of each expert's width {f}; over tensor "
-            f"axis {tensor.name!r} of {t} ranks each holds {f // t} (moe.shardings gives the "
-            "split: shard_tree(params, shardings(config), place))"
+            f"moe: ffn={f} (shared={config.shared}) does not divide over tensor axis "
+            f"{tensor.name!r} of {t} ranks: each holds 1/{t} of {what} width; use a multiple "
+            f"of {t}"
         )
-    return False
+    width = f if split == "tokens" else f // t  # each expert's width held here
+    shared = config.shared * f // t  # the shared experts' width: split over tensor either way
+    held = {"w_out": (params["w_out"].shape[-2], width, "rows"),
+            "w_in": (params["w_in"].shape[-1], 2 * width, "columns")}  # fmt: skip
+    if config.shared:
+        held |= {"shared_out": (params["shared_out"].shape[0], shared, "rows"),
+                 "shared_in": (params["shared_in"].shape[-1], 2 * shared, "columns")}  # fmt: skip
+    for name, (got, want, dim) in held.items():
+        if got != want:  # (a whole copy would be summed t times over: refused, not summed)
+            raise InvalidArgument(
+                f"moe: params[{name!r}] holds {got} {dim} of its width; with split={split!r} "
+                f"over tensor axis {tensor.name!r} of {t} ranks each holds {want} "
+                "(moe.shardings gives the split: shard_tree(params, shardings(config, "
+                "split=...), place))"
+            )
+    return tokens
 
 
 def _expert_parallel(
