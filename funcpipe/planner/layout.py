@@ -139,6 +139,13 @@ class ClusterLayout:
                 "ClusterLayout(moe_tensor='tokens', tensor=1): the tokens are split over the "
                 "tensor ranks, and there is one; pass tensor > 1 or leave it out"
             )
+        if self.moe_tensor == "tokens" and self.sequence_parallel:
+            raise InvalidArgument(
+                "ClusterLayout(moe_tensor='tokens', sequence_parallel=True): the tokens split "
+                "is priced as funcpipe runs it, between blocks whose activations every tensor "
+                "rank holds whole; for Megatron's sequence-parallel MoE pass "
+                "moe_tensor='width' with sequence_parallel=True"
+            )
         fixed = _CHUNKS.get(self.schedule)
         if fixed is not None and self.interleave != fixed:
             raise InvalidArgument(

@@ -172,12 +172,7 @@ def moe_comm(model: Transformer, layout: ClusterLayout, cluster: Cluster) -> tup
     act = layout.microbatch * model.seq * model.hidden * model.bytes
     routed = model.top_k * act
     if layout.moe_tensor == "tokens":  # the output all-gathered; the router's gradient summed
-        att = (
-            comm.all_gather(act, t, tlink) + comm.reduce_scatter(act, t, tlink)
-            if layout.sequence_parallel
-            else comm.all_reduce(act, t, tlink)
-        )
-        tp = att + comm.all_gather(act / t, t, tlink)
+        tp = comm.all_reduce(act, t, tlink) + comm.all_gather(act, t, tlink)
         tp += comm.all_reduce(model.experts * model.hidden * model.bytes, t, tlink)
         return tp + (comm.all_reduce(act, t, tlink) if model.shared_experts else 0.0), a2a
     if not layout.sequence_parallel:  # funcpipe's runtime: all-reduces (docs/moe.md)
@@ -250,7 +245,6 @@ def moe_layer_costs(
     core_f, core_b, selective = attention_core(model, layout, cluster, cal, windowed)
     f = linear + core_f + mem_f
     kept, saved_by_selective = _activations(model, layout, tokens, rows, f_)
-    kept += 4 * (x - routed) * nb  # (the norms' tokens beyond the routed ones: "tokens" split)
     full = kept
     if layout.recompute == "full":
         extra, act, working = f, x * nb, full
@@ -275,8 +269,8 @@ def _activations(
     model: Transformer, layout: ClusterLayout, tokens: float, rows: float, f_: float
 ) -> tuple[float, float]:
     """(bytes an MoE block keeps for backward on one rank, the part selective recompute does
-    not keep): per routed token its two norm inputs and outputs (the second norm's output is
-    the router's input), the router's float32 probabilities; per head-sharded token Q, K, V
+    not keep): per token of the block its two norm inputs and outputs (the second norm's
+    output is the router's input), per routed token the router's float32 probabilities; per head-sharded token Q, K, V
     and the attention output (and unfused attention's scores); per expert row its input, the
     up (and gate) output, the activation and the down output (the combine's weights need it);
     the shared experts' up output and activation. No dropout masks (MoE models train without
@@ -285,10 +279,11 @@ def _activations(
     all_tokens = layout.microbatch * model.seq
     m = model.matrices  # (f_: each expert's width computed on this rank)
     shared = model.shared_experts * model.expert_ffn / t
-    norms = 4 * tokens * h  # inputs and outputs of the two norms
+    block = _block_tokens(model, layout)
+    norms = 4 * block * h  # inputs and outputs of the two norms
     heads = all_tokens * (2 * model.q_size + 2 * model.kv_size) / t
     scores = 0.0 if model.flash else 5 * model.heads * model.seq / t * all_tokens / nb
     experts = rows * (h + m * f_ + h) + all_tokens * m * shared
     kept = (norms + heads + scores + experts) * nb + tokens * model.experts * _PROBS_BYTES
-    selective = (2 * tokens * h + rows * f_ + all_tokens * shared + scores) * nb
+    selective = (2 * block * h + rows * f_ + all_tokens * shared + scores) * nb
     return kept, selective

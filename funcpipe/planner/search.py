@@ -127,7 +127,7 @@ def candidates(
                         splits = ("width", "tokens") if t > 1 and model.experts else ("width",)
                         for ov in pairs if can else (False,) if False in pairs else ():
                             for mt in splits:
-                                if mt == "tokens" and model.experts % (e * t):
+                                if mt == "tokens" and (model.experts % (e * t) or sp):
                                     continue
                                 yield ClusterLayout(
                                     t, p, d, b, v, rc, sp, sched, zero=z, expert=e, overlap=ov,

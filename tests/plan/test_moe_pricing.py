@@ -166,8 +166,9 @@ def test_the_all_to_all_bytes_and_seconds_are_the_closed_form() -> None:
 def test_moe_tokens_over_tensor_send_their_share_over_the_expert_x_tensor_ranks() -> None:
     """moe_tensor="tokens" (docs/moe.md): each of the t ranks sends its 1/t of the tokens' k
     copies over the ep x t ranks (the tensor ranks adjacent: a node holds up to 8 of them); it
-    all-reduces the attention's output, all-gathers the block's output and sums the router's
-    gradient over tensor (E x h numbers), and the shared experts' output."""
+    all-reduces the attention's output, all-gathers the block's output (b s h bytes on each
+    rank, each sending its half) and sums the router's gradient over tensor (E x h numbers),
+    and the shared experts' output."""
     intra, inter = Link(400e9, 2e-6), Link(40e9, 9e-6)
     where = Cluster(IDEAL.gpu, gpus_per_node=8, intra=intra, inter=inter)
     b, s, h, k, E = 2, 64, 128, 2, 8
@@ -179,7 +180,7 @@ def test_moe_tokens_over_tensor_send_their_share_over_the_expert_x_tensor_ranks(
         want = (n - 1) / n * nbytes / intra.bandwidth + (n - 1) * intra.latency
         assert isclose(dispatch_seconds(MOE, lay, where), want), ep
         act = b * s * h * 2
-        tp = (comm.all_reduce(act, 2, intra) + comm.all_gather(act / 2, 2, intra)
+        tp = (comm.all_reduce(act, 2, intra) + (act / 2) / intra.bandwidth + intra.latency
               + comm.all_reduce(E * h * 2, 2, intra) + comm.all_reduce(act, 2, intra))  # fmt: skip
         assert isclose(moe_comm(MOE, lay, where)[0], tp)
     wide = ClusterLayout(tensor=2, data=16, expert=8, microbatch=b, moe_tensor="tokens")
@@ -199,6 +200,8 @@ def test_moe_tokens_over_tensor_is_a_layout_field() -> None:
         ClusterLayout(data=2, moe_tensor="tokens")
     with pytest.raises(InvalidArgument, match="moe_tensor='rows'"):
         ClusterLayout(tensor=2, moe_tensor="rows")
+    with pytest.raises(InvalidArgument, match="moe_tensor='tokens', sequence_parallel=True"):
+        ClusterLayout(tensor=2, data=2, moe_tensor="tokens", sequence_parallel=True)
     dense = Transformer(layers=2, hidden=64, heads=2, vocab=10, seq=8)
     with pytest.raises(InvalidArgument, match="experts=0 does not split"):
         estimate(dense, cluster("h100-sxm"), lay, global_batch=2)
@@ -209,7 +212,10 @@ def test_moe_tokens_over_tensor_is_a_layout_field() -> None:
     lays = list(candidates(MOE, 16, 32, schedules=("1f1b",), recompute=("none",), zero=(0,)))
     got = {(lay.tensor > 1, lay.moe_tensor) for lay in lays}
     assert got == {(False, "width"), (True, "width"), (True, "tokens")}
-    assert all(8 % (lay.expert * lay.tensor) == 0 for lay in lays if lay.moe_tensor == "tokens")
+    tok = [lay for lay in lays if lay.moe_tensor == "tokens"]
+    assert tok and all(
+        8 % (lay.expert * lay.tensor) == 0 and not lay.sequence_parallel for lay in tok
+    )
 
 
 def test_tensor_parallel_experts_without_sequence_parallelism_all_reduce_the_rows() -> None:
