@@ -504,24 +504,19 @@ def _make_mesh(
             extra += whole.get_all_groups()
             flat = whole["tensor"]
         axes["tensor"] = Axis("tensor", flat.size(), flat.get_local_rank(), flat.get_group())
+
+    def flattened(name: str, dims: tuple[str, ...]) -> Axis:
+        """The mesh dims ``dims`` flattened into one axis (its group with the job's timeout)."""
+        sub = dm[dims]
+        over = {} if options is None else {"backend_override": (backend, options)}
+        flat = sub._flatten(name, **over)
+        return Axis(name, flat.size(), flat.get_local_rank(), flat.get_group())
+
     if config.expert > 1:  # the data axis: expert_data and expert flattened (all the copies)
-        sub = dm[tuple(n for n, _ in config.data_axes)]
-        flat = (
-            sub._flatten("data")
-            if options is None
-            else sub._flatten("data", backend_override=(backend, options))
-        )
-        axes["data"] = Axis("data", flat.size(), flat.get_local_rank(), flat.get_group())
+        axes["data"] = flattened("data", tuple(n for n, _ in config.data_axes))
     if config.mode == "1d" and config.tensor > 1 and config.expert > 1:
         # the expert and tensor ranks of one copy group, flattened (coord expert * t + tensor):
         # an MoE block that splits its tokens over tensor sends them over it (models.moe)
-        sub = dm[("expert", "tensor")]
-        flat = (
-            sub._flatten("expert_tensor")
-            if options is None
-            else sub._flatten("expert_tensor", backend_override=(backend, options))
-        )
-        axes["expert_tensor"] = Axis("expert_tensor", flat.size(), flat.get_local_rank(),
-                                     flat.get_group())  # fmt: skip
+        axes["expert_tensor"] = flattened("expert_tensor", ("expert", "tensor"))
     # the default group among these is left out when they are destroyed (funcpipe.distributed.groups)
     return (dm, axes), [*dm.get_all_groups(), *extra, *(a.group for a in axes.values())]
