@@ -244,10 +244,11 @@ def gpt_with_experts_vs_one_device(
                 continue
             for a, b in zip(tree_leaves(gs), tree_leaves(ws), strict=True):
                 worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp(min=1)))
+        held: list[int] = [1]
         blocks = [b for part in mine for b in part["blocks"].values() if "moe" in b]
-        w_out = blocks[0]["moe"]["w_out"] if blocks else None
-        size = w_out.shape[0] if cfg.moe_tensor == "tokens" else w_out.shape[1] if blocks else 0
-        held = [tensor.coord, int(size)] if blocks else [1]
+        if blocks:  # the experts held (tokens split) or the width of each held (width split)
+            w_out = blocks[0]["moe"]["w_out"]
+            held = [tensor.coord, int(w_out.shape[0 if cfg.moe_tensor == "tokens" else 1])]
         out.append({"name": name, "worst": {"all": worst}, "held": held, "loss": float(ref[0])})
     return out
 

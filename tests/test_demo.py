@@ -298,6 +298,7 @@ def test_clip_weights_give_every_moe_leaf_its_norm_once(layout: dict[str, int], 
         (["--device", "tpu"], ["--device", "invalid choice: 'tpu'"]),
         (["--precision", "fp16"], ["--precision", "invalid choice: 'fp16'"]),
         (["--size", "huge"], ["--size", "invalid choice: 'huge'"]),
+        (["--moe-tensor", "rows"], ["--moe-tensor", "invalid choice: 'rows'"]),
     ],
 )
 def test_demo_refuses_bad_choices(

@@ -463,19 +463,8 @@ def validate(o: DemoOptions) -> Program:
 
 def _check_values(o: DemoOptions) -> None:
     """Each option on its own: counts >= 1, names among the choices, lr and timeouts > 0."""
-    for name in (
-        "pipeline",
-        "tensor",
-        "data",
-        "top_k",
-        "moe_every",
-        "expert",
-        "microbatches",
-        "steps",
-        "batch",
-        "context",
-        "eval_batches",
-    ):
+    for name in ("pipeline", "tensor", "data", "top_k", "moe_every", "expert", "microbatches",
+                 "steps", "batch", "context", "eval_batches"):  # fmt: skip
         value = getattr(o, name)
         if not isinstance(value, int) or value < 1:
             raise InvalidArgument(f"--{name.replace('_', '-')}={value!r}: must be an int >= 1")
@@ -515,10 +504,18 @@ def _check_values(o: DemoOptions) -> None:
             f"--expert {o.expert} splits the experts over {o.expert} data copies, but the model "
             "has none: add --experts E (a multiple of --expert), or drop --expert"
         )
-    if o.experts and o.experts % o.expert:
+    tokens = bool(o.experts) and o.moe_tensor == "tokens" and o.tensor > 1  # (ep x t ranks)
+    spread = o.expert * (o.tensor if tokens else 1)
+    if o.experts and o.experts % spread:
+        over = f"--expert {o.expert}" + (f" x --tensor {o.tensor} (--moe-tensor tokens)" * tokens)
         raise InvalidArgument(
-            f"--experts {o.experts} do not divide over --expert {o.expert}: each expert rank "
-            f"holds experts / expert of them; use a multiple of {o.expert}"
+            f"--experts {o.experts} do not divide over {over}: each expert rank holds experts / "
+            f"{spread} of them; use a multiple of {spread}"
+        )
+    if tokens and (o.batch // o.microbatches * o.context) % o.tensor:
+        raise InvalidArgument(
+            f"--moe-tensor tokens: a microbatch's {o.batch // o.microbatches} x {o.context} "
+            f"tokens do not divide over --tensor {o.tensor}; pick a --context or --batch they do"
         )
     if o.eval_every < 0:
         raise InvalidArgument(f"--eval-every={o.eval_every}: must be >= 0 (0: only at the end)")
